@@ -1,0 +1,137 @@
+"""Acceptance rules: which path of the verified tree to keep, and the target's next (bonus) token.
+
+Each rule is a pure function of the tree, the node tokens and the target's outputs at each
+node. Each computes on the device and reads back to the host once per step. Each returns
+(path, emitted): the accepted node indices from the root, and the tokens this step emits
+(the accepted candidates, then the bonus token the target chose after them).
+
+- greedy: exact; the output equals `generate(do_sample=False)`.
+- sample: exact; the output has the target's sampling distribution (rejection sampling
+  over the children of each accepted node, SpecInfer-style multi-candidate).
+- typical: Medusa's typical acceptance. LOSSY: it accepts plausible tokens the target might
+  not have sampled, trading fidelity for speed. Only used when asked for by name.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .tree import Tree
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """How the target's logits become a distribution, in the order `generate` applies them."""
+
+    temperature: float = 0.0     # 0 means greedy
+    top_k: int = 0               # 0 means off
+    top_p: float = 1.0           # 1 means off
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+def target_probs(logits: torch.Tensor, s: Sampling) -> torch.Tensor:
+    """Softmax of the logits after temperature, top-k then top-p: what `generate` samples from."""
+    logits = logits.float() / s.temperature
+    if s.top_k and s.top_k < logits.shape[-1]:
+        kth = logits.topk(s.top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if s.top_p < 1.0:
+        sorted_logits, order = logits.sort(dim=-1, descending=False)
+        cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
+        drop_sorted = cumulative <= (1 - s.top_p)
+        drop_sorted[..., -1:] = False  # always keep the most likely token
+        drop = drop_sorted.scatter(-1, order, drop_sorted)
+        logits = logits.masked_fill(drop, float("-inf"))
+    return logits.softmax(dim=-1)
+
+
+def _walk(tree: Tree, chosen_child: list[int]) -> tuple[int, ...]:
+    """Follow each node's chosen child (-1: none) from the root; returns the path of nodes."""
+    node = 0
+    while chosen_child[node] >= 0:
+        node = chosen_child[node]
+    return tree.path_to[node]
+
+
+def accept_greedy(tree: Tree, tokens: torch.Tensor, logits: torch.Tensor) -> tuple[tuple[int, ...], list[int]]:
+    """The deepest path whose every token equals the target's argmax at its parent.
+
+    Siblings hold distinct tokens, so at most one child per node matches and the matching
+    nodes form a single chain from the root.
+    """
+    best = logits.argmax(dim=-1)                                   # (T,)
+    match = tokens == best[tree.parent]
+    match[0] = True
+    ok = ~(tree.ancestors & ~match[None, :]).any(dim=1)
+    last = torch.where(ok, tree.depth, -1).argmax()
+    host = torch.cat([last.reshape(1), best]).tolist()             # the one read per step
+    path = tree.path_to[host[0]]
+    # Along an accepted path each node's token is its parent's argmax, so the emitted tokens
+    # are the argmax at every path node: the candidates after the root, then the bonus.
+    return path, [host[1 + n] for n in path]
+
+
+def child_accept_chances(child_p: torch.Tensor) -> torch.Tensor:
+    """Chance to accept each child given the earlier siblings were rejected.
+
+    A child token c is a point-mass proposal, so speculative sampling accepts it with
+    p(c) under the target distribution renormalised after removing the rejected siblings:
+    p(c_i) / (1 - sum_{j<i} p(c_j)). Tried in order, child i is then taken with chance exactly
+    p(c_i), and the residual (p without the children, renormalised) covers the rest.
+    """
+    earlier = child_p.cumsum(dim=-1) - child_p
+    return (child_p / (1 - earlier).clamp(min=1e-12)).clamp(max=1.0)
+
+
+def accept_sampled(tree: Tree, tokens: torch.Tensor, probs: torch.Tensor,
+                   generator: torch.Generator | None = None) -> tuple[tuple[int, ...], list[int]]:
+    """Lossless multi-candidate rejection sampling over the tree.
+
+    At each node on the way down, its children are tried in rank order with
+    `child_accept_chances`; the first accepted child becomes the next node. When all are
+    rejected the bonus token is drawn from the residual distribution. Every node's draws are
+    made up front on the device, so the host reads once per step.
+    """
+    valid = tree.children >= 0
+    child_nodes = tree.children.clamp(min=0)
+    child_tokens = tokens[child_nodes]                              # (T, C)
+    child_p = probs.gather(1, child_tokens) * valid                 # (T, C)
+    chances = child_accept_chances(child_p)
+    u = torch.rand(child_p.shape, generator=generator, device=probs.device)
+    accepted = (u < chances) & valid
+    first = torch.where(accepted.any(1), accepted.float().argmax(1), -1)
+    chosen = torch.where(first >= 0, child_nodes.gather(1, first.clamp(min=0)[:, None])[:, 0], -1)
+    removed = torch.zeros_like(probs).scatter_add_(1, child_tokens, valid.to(probs.dtype))
+    residual = probs.masked_fill(removed > 0, 0.0)
+    empty = residual.sum(1, keepdim=True) <= 0                      # children held all the mass
+    residual = torch.where(empty, probs, residual)
+    bonus = torch.multinomial(residual, 1, generator=generator)[:, 0]
+    host = torch.cat([chosen, bonus, tokens]).tolist()
+    chosen, bonus, tokens = host[: tree.size], host[tree.size: 2 * tree.size], host[2 * tree.size:]
+    path = _walk(tree, chosen)
+    return path, [tokens[n] for n in path[1:]] + [bonus[path[-1]]]
+
+
+def accept_typical(tree: Tree, tokens: torch.Tensor, probs: torch.Tensor, generator: torch.Generator | None = None,
+                   threshold: float = 0.09, alpha: float = 0.3) -> tuple[tuple[int, ...], list[int]]:
+    """LOSSY. Medusa's typical acceptance: a token passes when its probability under the target
+    exceeds min(threshold, alpha * exp(-entropy)); the deepest passing path wins and the bonus
+    is sampled at its end. The output is plausible but not distributed as the target's."""
+    entropy = -(probs * probs.clamp(min=1e-12).log()).sum(-1)       # (T,)
+    limit = torch.minimum(torch.full_like(entropy, threshold), alpha * torch.exp(-entropy))
+    p_tok = probs[tree.parent, tokens]
+    passes = p_tok > limit[tree.parent]
+    passes[0] = True
+    ok = ~(tree.ancestors & ~passes[None, :]).any(dim=1)
+    # Deepest first; among equals the lower node index (better ranks).
+    score = torch.where(ok, tree.depth * tree.size - torch.arange(tree.size, device=probs.device), -1)
+    last = score.argmax()
+    bonus = torch.multinomial(probs[last], 1, generator=generator)
+    host = torch.cat([last.reshape(1), bonus, tokens]).tolist()
+    path = tree.path_to[host[0]]
+    return path, [host[2 + n] for n in path[1:]] + [host[1]]

@@ -1,0 +1,119 @@
+"""`gorgon generate`: speculative generation from the command line, streaming accepted tokens."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+from gorgon.heads import GorgonError, MedusaHeads, load_target
+from gorgon.heads.model import resolve_heads_folder
+
+from .acceptance import Sampling
+from .drafters import HeadsDrafter
+from .generate import speculative_generate
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="gorgon generate",
+        description="Generate with a target and its Medusa heads. Greedy (the default) gives exactly the "
+                    "target's own greedy output, only faster; sampling keeps the target's distribution exactly.")
+    p.add_argument("--target", default=None, help="hub id or local path of the target (default: the embedded "
+                   "SmolLM2-135M-Instruct)")
+    p.add_argument("--heads", required=True, help="heads folder or hub id (from `gorgon train` or save_pretrained)")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", help="one user message; the reply is streamed")
+    src.add_argument("--chat", action="store_true", help="an interactive chat on stdin (empty line or Ctrl-D ends)")
+    p.add_argument("--system", default=None, help="system message for the chat template")
+    p.add_argument("--raw", action="store_true", help="feed --prompt as is, without the chat template")
+    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 (default) is greedy")
+    p.add_argument("--top-k", type=int, default=0, help="0 (default) is off")
+    p.add_argument("--top-p", type=float, default=1.0, help="1 (default) is off")
+    p.add_argument("--seed", type=int, default=None, help="seed for sampling")
+    p.add_argument("--tree", default="auto", help="'auto' (the tree saved with the heads for this device, else a "
+                   "default) or a JSON file with a list of rank paths, e.g. [[0],[1],[0,0]]")
+    p.add_argument("--acceptance", choices=["exact", "typical"], default="exact",
+                   help="exact (lossless; default) or typical (Medusa's typical acceptance: LOSSY, sampling only)")
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--dtype", default="auto", help="auto (bf16 on CUDA, fp32 on CPU), float32, bfloat16, float16")
+    p.add_argument("--stats", action="store_true", help="print tau, target forwards and tokens/s to stderr")
+    return p
+
+
+def read_tree(value: str):
+    if value == "auto":
+        return "auto"
+    path = Path(value)
+    if not path.is_file():
+        raise GorgonError(f"tree file {value} not found: pass 'auto' or a JSON file with a list of rank paths")
+    try:
+        paths = json.loads(path.read_text())
+    except json.JSONDecodeError as err:
+        raise GorgonError(f"tree file {value} is not valid JSON ({err.msg}): write a list like [[0],[1],[0,0]]") from err
+    if not isinstance(paths, list) or not all(isinstance(x, list) for x in paths):
+        raise GorgonError(f"tree file {value} must hold a list of rank paths like [[0],[1],[0,0]]")
+    return paths
+
+
+class TextStream:
+    """Prints the decoded text as tokens arrive, re-decoding so multi-token characters come out whole."""
+
+    def __init__(self, tokenizer, out=sys.stdout):
+        self.tokenizer, self.out, self.tokens, self.shown = tokenizer, out, [], ""
+
+    def __call__(self, tokens: list[int]) -> None:
+        self.tokens.extend(tokens)
+        text = self.tokenizer.decode(self.tokens, skip_special_tokens=True)
+        if not text.endswith("\ufffd"):
+            self.out.write(text[len(self.shown):])
+            self.out.flush()
+            self.shown = text
+
+
+def main(argv=None) -> int:
+    args = parser().parse_args(argv)
+    tree = read_tree(args.tree)
+    heads_folder = resolve_heads_folder(args.heads)  # fail before the slower target load
+    target = load_target(args.target, device=args.device, dtype=args.dtype)
+    heads = MedusaHeads.from_pretrained(heads_folder, target=target)
+    drafter = HeadsDrafter(heads, tree)
+    tok = target.tokenizer
+    sampling = Sampling(args.temperature, args.top_k, args.top_p)
+    generator = None
+    if args.seed is not None:
+        generator = torch.Generator(device=target.model.device).manual_seed(args.seed)
+    messages = [{"role": "system", "content": args.system}] if args.system else []
+
+    def reply(user_text: str) -> str:
+        if args.raw or not getattr(tok, "chat_template", None):
+            ids = tok(user_text, return_tensors="pt").input_ids
+        else:
+            messages.append({"role": "user", "content": user_text})
+            ids = tok.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)
+            ids = ids["input_ids"]
+        stream = TextStream(tok)
+        result = speculative_generate(target.model, drafter, ids.to(target.model.device), args.max_new_tokens,
+                                      sampling=sampling, acceptance=args.acceptance, stop_strings=args.stop,
+                                      tokenizer=tok, generator=generator, streamer=stream)
+        print(flush=True)
+        if args.stats:
+            print(f"[{len(result.tokens)} tokens, {result.target_forwards} target forwards, tau {result.tau:.2f}, "
+                  f"{result.tokens_per_s:.1f} tokens/s]", file=sys.stderr)
+        text = tok.decode(result.tokens, skip_special_tokens=True)
+        messages.append({"role": "assistant", "content": text})
+        return text
+
+    if args.prompt is not None:
+        reply(args.prompt)
+        return 0
+    for line in sys.stdin:
+        if not line.strip():
+            break
+        reply(line.strip())
+    return 0

@@ -1,0 +1,150 @@
+"""The speculative generation loop: propose a tree, verify it in one forward, accept, compact the cache.
+
+State between steps: the KV cache holds every accepted token except the newest one (`root`),
+whose value the target already chose; `hidden` is the target's last hidden state at the
+token before it, which is what the heads read. One step then emits the accepted candidates
+plus one bonus token from the target itself, so each target forward yields at least one token.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from gorgon.heads.errors import GorgonError
+from gorgon.heads.target import base_model, lm_logits
+
+from .acceptance import Sampling, accept_greedy, accept_sampled, accept_typical, target_probs
+from .drafters import Drafter
+from .verify import keep_path, verify
+
+ACCEPTANCE_RULES = ("exact", "typical")
+
+
+@dataclass
+class GenerationResult:
+    """What one call produced and what it cost."""
+
+    tokens: list[int]                                   # the new tokens, prompt excluded
+    target_forwards: int                                # prefill included
+    accepted: list[int] = field(default_factory=list)   # tokens emitted by each target forward
+    seconds: float = 0.0
+
+    @property
+    def tau(self) -> float:
+        """Mean tokens per target forward (the bonus token included)."""
+        return len(self.tokens) / max(1, self.target_forwards)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return len(self.tokens) / self.seconds if self.seconds > 0 else 0.0
+
+
+class StopRule:
+    """Decides where output ends, exactly as `generate` would: after an EOS token, after the
+    token that completes a stop string, or at max_new_tokens, whichever comes first."""
+
+    def __init__(self, max_new_tokens: int, eos_token_id=None, stop_strings=(), tokenizer=None):
+        if stop_strings and tokenizer is None:
+            raise GorgonError("stop strings need the tokenizer: pass tokenizer=...")
+        self.max_new_tokens = max_new_tokens
+        eos = eos_token_id if isinstance(eos_token_id, (list, tuple, set)) else [eos_token_id]
+        self.eos = {int(e) for e in eos if e is not None}
+        self.stop_strings = list(stop_strings or ())
+        self.tokenizer = tokenizer
+
+    def cut(self, tokens: list[int], start: int) -> int | None:
+        """Given all new tokens and where this step's began, the length to keep if output ends here."""
+        for i in range(start, len(tokens)):
+            if tokens[i] in self.eos or i + 1 >= self.max_new_tokens or self._completes_stop_string(tokens, i):
+                return i + 1
+        return None
+
+    def _completes_stop_string(self, tokens: list[int], i: int) -> bool:
+        if not self.stop_strings:
+            return False
+        before = self.tokenizer.decode(tokens[:i])
+        text = self.tokenizer.decode(tokens[: i + 1])
+        return any(s in text and text.rfind(s) + len(s) > len(before) for s in self.stop_strings)
+
+
+def check_prompt(model, input_ids: torch.Tensor, max_new_tokens: int) -> None:
+    if input_ids.ndim != 2 or input_ids.shape[0] != 1:
+        raise GorgonError(f"input_ids must have shape (1, n); got {tuple(input_ids.shape)} (the decoder runs one sequence)")
+    if input_ids.shape[1] == 0:
+        raise GorgonError("the prompt is empty: give at least one token (a chat template adds some)")
+    if max_new_tokens < 1:
+        raise GorgonError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
+    context = getattr(model.config.get_text_config(), "max_position_embeddings", None)
+    if context and input_ids.shape[1] + max_new_tokens > context:
+        raise GorgonError(f"the prompt ({input_ids.shape[1]} tokens) plus max_new_tokens ({max_new_tokens}) exceeds "
+                          f"the target's context of {context}: shorten the prompt or lower max_new_tokens")
+
+
+@torch.inference_mode()
+def speculative_generate(model, drafter: Drafter, input_ids: torch.Tensor, max_new_tokens: int = 256,
+                         sampling: Sampling = Sampling(), acceptance: str = "exact", eos_token_id="default",
+                         stop_strings=(), tokenizer=None, generator: torch.Generator | None = None,
+                         streamer: Callable[[list[int]], None] | None = None) -> GenerationResult:
+    """Generate up to `max_new_tokens` after `input_ids` (1, n) with the drafter's tree.
+
+    acceptance: "exact" (greedy when sampling.temperature == 0, else lossless rejection
+    sampling) or "typical" (Medusa's typical acceptance: LOSSY, faster on hard text).
+    eos_token_id: "default" takes the model's generation config, like `generate`.
+    """
+    from transformers import DynamicCache
+
+    if acceptance not in ACCEPTANCE_RULES:
+        raise GorgonError(f"unknown acceptance {acceptance!r}: use one of {', '.join(ACCEPTANCE_RULES)}")
+    if acceptance == "typical" and sampling.greedy:
+        raise GorgonError("typical acceptance needs a temperature > 0 (with temperature 0 use exact greedy)")
+    check_prompt(model, input_ids, max_new_tokens)
+    if eos_token_id == "default":
+        eos_token_id = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    stop = StopRule(max_new_tokens, eos_token_id, stop_strings, tokenizer)
+    tree = drafter.tree
+    start = time.perf_counter()
+
+    def next_token(logits):
+        if sampling.greedy:
+            return logits.argmax(-1)
+        return torch.multinomial(target_probs(logits, sampling), 1, generator=generator)[0]
+
+    cache = DynamicCache()
+    hidden = base_model(model)(input_ids=input_ids, past_key_values=cache, use_cache=True).last_hidden_state[0, -1]
+    root = next_token(lm_logits(model, hidden))
+    context = input_ids[0]                  # tokens in the cache; root follows them
+    new = [int(root)]
+    result = GenerationResult(tokens=new, target_forwards=1, accepted=[1])
+    keep = stop.cut(new, 0)
+    if streamer:
+        streamer(new[:keep])
+    while keep is None:
+        tokens = drafter.propose(root, hidden, torch.cat([context, root.reshape(1)]))
+        past_len = cache.get_seq_length()
+        node_hidden = verify(model, cache, tokens, tree)
+        logits = lm_logits(model, node_hidden)
+        if acceptance == "typical":
+            path, emitted = accept_typical(tree, tokens, target_probs(logits, sampling), generator)
+        elif sampling.greedy:
+            path, emitted = accept_greedy(tree, tokens, logits)
+        else:
+            path, emitted = accept_sampled(tree, tokens, target_probs(logits, sampling), generator)
+        nodes = torch.tensor(path, device=tokens.device)
+        keep_path(cache, past_len, nodes)
+        context = torch.cat([context, tokens[nodes]])
+        before = len(new)
+        new.extend(emitted)
+        keep = stop.cut(new, before)
+        result.target_forwards += 1
+        result.accepted.append(len(emitted))
+        if streamer:
+            streamer(new[before:keep])
+        hidden = node_hidden[path[-1]]
+        root = torch.tensor(emitted[-1], device=tokens.device)
+    del new[keep:]
+    result.seconds = time.perf_counter() - start
+    return result

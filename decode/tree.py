@@ -1,0 +1,136 @@
+"""Candidate trees: pure functions from a list of paths to the tensors the decoder needs.
+
+A tree is a list of paths of top-k ranks, one rank per head, as Medusa's `medusa_choices`:
+[[0], [1], [0, 0]] means "head 0's best token", "head 0's second token" and "head 0's best
+followed by head 1's best". Node 0 is the root: the token the target itself chose last step.
+Every path's parent must be in the tree too, so the nodes form a tree under the root.
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass
+
+import torch
+
+from gorgon.heads.errors import GorgonError
+
+
+@dataclass(frozen=True)
+class Tree:
+    """The buffers of one tree, built once. Node 0 is the root; nodes are sorted by depth."""
+
+    paths: tuple[tuple[int, ...], ...]   # one per non-root node, in node order (node i = paths[i-1])
+    depth: torch.Tensor                  # (T,) depth of each node; root 0
+    parent: torch.Tensor                 # (T,) parent node; root points at itself
+    rank: torch.Tensor                   # (T,) top-k rank of the node's token in its head; root 0
+    ancestors: torch.Tensor              # (T, T) bool: [i, j] when j is i or an ancestor of i
+    children: torch.Tensor               # (T, C) child nodes in rank order, -1 padded
+    path_to: tuple[tuple[int, ...], ...]  # node indices from the root to each node
+
+    @property
+    def size(self) -> int:
+        return int(self.depth.numel())
+
+    @property
+    def max_depth(self) -> int:
+        return int(self.depth.max())
+
+    @property
+    def max_rank(self) -> int:
+        return int(self.rank.max()) + 1
+
+    def to(self, device) -> "Tree":
+        return Tree(self.paths, self.depth.to(device), self.parent.to(device), self.rank.to(device),
+                    self.ancestors.to(device), self.children.to(device), self.path_to)
+
+    def tokens(self, root: torch.Tensor, topk: torch.Tensor) -> torch.Tensor:
+        """The token at each node: the root, then topk[head, rank] with head = depth - 1.
+
+        `topk` is (num_heads, k) token ids sorted by rank, k >= max_rank.
+        """
+        heads = (self.depth[1:] - 1).clamp(min=0)
+        return torch.cat([root.reshape(1), topk[heads, self.rank[1:]]])
+
+
+def build_tree(paths) -> Tree:
+    """Validate a list of rank paths and compute the tree's buffers."""
+    unique = sorted({tuple(int(r) for r in p) for p in paths}, key=lambda p: (len(p), p))
+    if not unique or any(len(p) == 0 for p in unique):
+        raise GorgonError("a tree needs at least one non-empty path of ranks, e.g. [[0], [0, 0]]")
+    if any(r < 0 for p in unique for r in p):
+        raise GorgonError("tree ranks must be >= 0 (0 is a head's best token)")
+    index = {(): 0}
+    for i, p in enumerate(unique, start=1):
+        if p[:-1] not in index:
+            raise GorgonError(f"tree path {list(p)} has no parent path {list(p[:-1])}: add it")
+        index[p] = i
+    n = len(unique) + 1
+    depth = torch.tensor([0] + [len(p) for p in unique])
+    parent = torch.tensor([0] + [index[p[:-1]] for p in unique])
+    rank = torch.tensor([0] + [p[-1] for p in unique])
+    path_to = [(0,)]
+    for p in unique:
+        path_to.append(tuple(index[p[:d]] for d in range(len(p) + 1)))
+    ancestors = torch.zeros(n, n, dtype=torch.bool)
+    for i, nodes in enumerate(path_to):
+        ancestors[i, list(nodes)] = True
+    kids = [[index[c] for c in unique if c[:-1] == p] for p in [()] + unique]
+    width = max(1, max(len(k) for k in kids))
+    children = torch.full((n, width), -1)
+    for i, k in enumerate(kids):
+        children[i, : len(k)] = torch.tensor(k, dtype=torch.long)
+    return Tree(tuple(unique), depth, parent, rank, ancestors, children, tuple(path_to))
+
+
+def tree_from_accuracies(accuracies, size: int) -> list[list[int]]:
+    """The tree of `size` nodes (root included) that maximises the expected accepted length.
+
+    `accuracies[k][r]` is the measured chance that head k's rank-r token is the right one.
+    Assuming heads are right independently, a path's chance is the product of its ranks'
+    accuracies, and the expected number of accepted tokens is the sum over the tree's paths.
+    A child never beats its parent, so taking paths best-first (Medusa's greedy construction)
+    always yields a valid tree and is optimal for that sum.
+    """
+    if size < 2:
+        raise GorgonError("a tree needs a size of at least 2 (the root and one candidate)")
+    frontier = [(-float(accuracies[0][r]), (r,)) for r in range(len(accuracies[0]))]
+    heapq.heapify(frontier)
+    chosen = []
+    while frontier and len(chosen) < size - 1:
+        neg_p, path = heapq.heappop(frontier)
+        chosen.append(list(path))
+        if len(path) < len(accuracies):
+            for r, acc in enumerate(accuracies[len(path)]):
+                heapq.heappush(frontier, (neg_p * float(acc), path + (r,)))
+    return chosen
+
+
+def expected_accepted(accuracies, paths) -> float:
+    """Expected tokens per step under the independence assumption: 1 (the bonus) + sum of path chances."""
+    total = 1.0
+    for p in paths:
+        chance = 1.0
+        for k, r in enumerate(p):
+            chance *= float(accuracies[k][r])
+        total += chance
+    return total
+
+
+# Used when the heads were saved without trees: the tree built from a head-accuracy profile
+# shaped like Medusa-1's published Vicuna-7B heads (top-1 0.56, 0.32, 0.20, 0.15 for heads
+# 1-4), with later ranks taking a falling share. Training replaces it with measured accuracies.
+REFERENCE_ACCURACIES = [
+    [0.56, 0.10, 0.05, 0.03, 0.02, 0.015, 0.01, 0.01],
+    [0.32, 0.10, 0.05, 0.03, 0.02, 0.015, 0.01, 0.01],
+    [0.20, 0.08, 0.04, 0.03, 0.02, 0.015, 0.01, 0.01],
+    [0.15, 0.06, 0.04, 0.03, 0.02, 0.015, 0.01, 0.01],
+    [0.12, 0.05, 0.03, 0.02, 0.02, 0.015, 0.01, 0.01],
+]
+DEVICE_TREE_SIZE = {"cpu": 16, "cuda": 64}
+
+
+def default_tree(num_heads: int, device_type: str) -> list[list[int]]:
+    """A tree sized for the device (a verify forward is far cheaper per token on a GPU)."""
+    size = DEVICE_TREE_SIZE.get(device_type, 16)
+    return tree_from_accuracies(REFERENCE_ACCURACIES[:num_heads], size)

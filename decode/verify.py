@@ -1,0 +1,89 @@
+"""One target forward over a whole candidate tree, and keeping only the accepted path's cache.
+
+No modeling file is patched. The model's own forward takes a 4D float mask (0 where a node
+may attend: the whole prefix, its ancestors and itself; a large negative elsewhere), position
+ids by depth, and a `DynamicCache`. The cache is built without the model config, so sliding-
+window layers keep every token; their window is applied in the mask instead (a node at
+position p sees position q only when p - q < window). Models with both kinds of layers
+(Gemma 2 and 3) take one mask per layer type.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from gorgon.heads.errors import GorgonError
+from gorgon.heads.target import base_model
+
+from .tree import Tree
+
+_MASK_KINDS = {"full_attention", "sliding_attention"}
+
+
+def layer_kinds(config) -> set[str]:
+    """Which attention kinds a model's layers use: full, sliding, or both."""
+    cfg = config.get_text_config()
+    types = getattr(cfg, "layer_types", None)
+    if types:
+        kinds = set(types)
+        if not kinds <= _MASK_KINDS:
+            raise GorgonError(f"layer types {sorted(kinds - _MASK_KINDS)} are not supported by tree verification: "
+                              "use a model with full or sliding-window attention")
+        return kinds
+    return {"sliding_attention"} if getattr(cfg, "sliding_window", None) else {"full_attention"}
+
+
+def tree_mask(tree: Tree, past_len: int, dtype: torch.dtype, window: int | None = None) -> torch.Tensor:
+    """The (1, 1, T, past_len + T) additive mask for verifying `tree` after `past_len` cached tokens."""
+    pos = past_len + tree.depth                                      # (T,) position of each node
+    allowed_past = torch.ones(tree.size, past_len, dtype=torch.bool, device=pos.device)
+    allowed_tree = tree.ancestors
+    if window is not None:
+        q = torch.arange(past_len, device=pos.device)
+        allowed_past = (pos[:, None] - q[None, :]) < window
+        allowed_tree = allowed_tree & ((tree.depth[:, None] - tree.depth[None, :]) < window)
+    allowed = torch.cat([allowed_past, allowed_tree], dim=1)
+    mask = torch.zeros(allowed.shape, dtype=dtype, device=pos.device)
+    mask.masked_fill_(~allowed, torch.finfo(dtype).min)
+    return mask[None, None]
+
+
+def verify_mask(config, tree: Tree, past_len: int, dtype: torch.dtype):
+    """The mask argument for the model's forward: a tensor, or a dict per layer type when mixed."""
+    kinds = layer_kinds(config)
+    window = getattr(config.get_text_config(), "sliding_window", None)
+    masks = {"full_attention": lambda: tree_mask(tree, past_len, dtype),
+             "sliding_attention": lambda: tree_mask(tree, past_len, dtype, window)}
+    if len(kinds) == 1:
+        return masks[kinds.pop()]()
+    return {kind: make() for kind, make in masks.items()}
+
+
+def verify(model, cache, tokens: torch.Tensor, tree: Tree) -> torch.Tensor:
+    """Run the target over all tree nodes at once; returns their last hidden states (T, H)."""
+    past_len = cache.get_seq_length()
+    hidden = base_model(model)(
+        input_ids=tokens[None],
+        attention_mask=verify_mask(model.config, tree, past_len, model.dtype),
+        position_ids=(past_len + tree.depth)[None],
+        past_key_values=cache,
+        use_cache=True,
+    ).last_hidden_state
+    return hidden[0]
+
+
+def keep_path(cache, past_len: int, nodes: torch.Tensor) -> None:
+    """Keep the cache entries of the accepted nodes, in order, right after the prefix; drop the rest.
+
+    After verification the cache holds past_len + T entries in node order; the accepted path's
+    nodes (ascending, root first) move to past_len, past_len + 1, ... and the rest is cut off.
+    The cut slices each layer's tensors directly: `Cache.crop` changed meaning between
+    transformers releases (an absolute length in 5.17, a count to remove later).
+    """
+    end = past_len + nodes.numel()
+    src = past_len + nodes
+    for layer in cache.layers:
+        for name in ("keys", "values"):
+            buf = getattr(layer, name)
+            buf[:, :, past_len:end] = buf[:, :, src]
+            setattr(layer, name, buf[:, :, :end])

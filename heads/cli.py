@@ -1,0 +1,45 @@
+"""The `gorgon` command: one subcommand per stage, each dispatched to that stage's own `main`.
+
+Stages are imported only when chosen, so `gorgon generate` never imports the training stack.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+from .errors import GorgonError
+
+COMMANDS = {
+    "generate": ("gorgon.decode.cli", "generate with a target plus heads, streaming accepted tokens"),
+}
+
+
+def usage() -> str:
+    width = max(map(len, COMMANDS))
+    lines = [f"  {name:<{width}}  {help_}" for name, (_, help_) in COMMANDS.items()]
+    return ("usage: gorgon COMMAND [options]   (gorgon COMMAND --help for its options)\n\ncommands:\n"
+            + "\n".join(lines))
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(usage())
+        return 0
+    name, rest = argv[0], argv[1:]
+    if name not in COMMANDS:
+        print(f"gorgon: unknown command {name!r}\n\n{usage()}", file=sys.stderr)
+        return 2
+    module = importlib.import_module(COMMANDS[name][0])
+    try:
+        return module.main(rest) or 0
+    except GorgonError as err:
+        print(f"gorgon {name}: error: {err}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

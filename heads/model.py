@@ -1,0 +1,244 @@
+"""Medusa heads: K small residual MLPs on the target's last hidden state.
+
+Head k, read at position t, predicts token t+k+2 (the target's own lm_head predicts t+1).
+Each head is `num_layers` blocks of x + SiLU(Linear(x)) followed by an LM head, which by
+default is the target's own (shared, not saved: SmolLM2's is 28M weights, Qwen2.5-7B's 545M).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import json
+import os
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from .errors import GorgonError
+from .target import Target, base_model, lm_logits
+
+CONFIG_NAME = "config.json"
+WEIGHTS_NAME = "model.safetensors"
+TREES_NAME = "trees.json"
+
+
+@dataclass
+class HeadsConfig:
+    """Everything needed to rebuild the heads and to check they fit a target."""
+
+    hidden_size: int
+    vocab_size: int
+    num_heads: int = 4
+    num_layers: int = 1
+    shared_lm_head: bool = True
+    target_name: str | None = None
+    target_fingerprint: str | None = None
+
+    @classmethod
+    def from_dict(cls, data: dict, source: str = "config") -> "HeadsConfig":
+        known = {f.name for f in dataclasses.fields(cls)}
+        for key in data:
+            if key not in known:
+                close = difflib.get_close_matches(key, known, n=3)
+                hint = f" (did you mean {', '.join(close)}?)" if close else f"; known keys: {', '.join(sorted(known))}"
+                raise GorgonError(f"unknown key {key!r} in {source}{hint}")
+        missing = [f.name for f in dataclasses.fields(cls)
+                   if f.default is dataclasses.MISSING and f.name not in data]
+        if missing:
+            raise GorgonError(f"{source} lacks {', '.join(missing)}: it is not a gorgon heads config")
+        return cls(**data)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+class ResBlock(nn.Module):
+    """x + SiLU(Wx + b). W starts at zero, so an untrained head passes the hidden state through."""
+
+    def __init__(self, hidden_size: int):
+        super().__init__()
+        self.linear = nn.Linear(hidden_size, hidden_size)
+        nn.init.zeros_(self.linear.weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + nn.functional.silu(self.linear(x))
+
+
+class MedusaHeads(nn.Module):
+    """The K draft heads. Call `attach(target_model)` before use when the lm_head is shared."""
+
+    def __init__(self, config: HeadsConfig):
+        super().__init__()
+        self.config = config
+        self.blocks = nn.ModuleList(
+            nn.Sequential(*[ResBlock(config.hidden_size) for _ in range(config.num_layers)])
+            for _ in range(config.num_heads)
+        )
+        self.lm_heads = None if config.shared_lm_head else nn.ModuleList(
+            nn.Linear(config.hidden_size, config.vocab_size, bias=False) for _ in range(config.num_heads)
+        )
+        object.__setattr__(self, "_target", None)  # not a submodule: never saved, moved or trained
+        self.trees: dict[str, list[list[int]]] = {}
+
+    # -- the target ---------------------------------------------------------------------------
+    @classmethod
+    def for_target(cls, target_model: nn.Module, num_heads: int = 4, num_layers: int = 1,
+                   shared_lm_head: bool = True, target_name: str | None = None,
+                   target_fingerprint: str | None = None) -> "MedusaHeads":
+        """Fresh heads shaped for a target; per-head LM heads start as copies of the target's."""
+        cfg = target_model.config.get_text_config()
+        heads = cls(HeadsConfig(hidden_size=cfg.hidden_size, vocab_size=cfg.vocab_size, num_heads=num_heads,
+                                num_layers=num_layers, shared_lm_head=shared_lm_head,
+                                target_name=target_name, target_fingerprint=target_fingerprint))
+        lm_head = target_model.get_output_embeddings()
+        heads.to(device=lm_head.weight.device, dtype=lm_head.weight.dtype)
+        if heads.lm_heads is not None:
+            for head in heads.lm_heads:
+                head.weight.data.copy_(lm_head.weight.data)
+        heads.attach(target_model, target_fingerprint)
+        return heads
+
+    def attach(self, target_model: nn.Module, fingerprint: str | None = None) -> "MedusaHeads":
+        """Check these heads fit `target_model` and bind its lm_head. Refuses another target."""
+        cfg = target_model.config.get_text_config()
+        if cfg.hidden_size != self.config.hidden_size:
+            raise GorgonError(f"these heads were trained for hidden size {self.config.hidden_size} but the target has "
+                              f"{cfg.hidden_size}: use heads trained for {self.config.target_name or 'this target'}")
+        if cfg.vocab_size != self.config.vocab_size:
+            raise GorgonError(f"these heads were trained for a vocabulary of {self.config.vocab_size} but the target "
+                              f"has {cfg.vocab_size}: use heads trained for {self.config.target_name or 'this target'}")
+        if fingerprint and self.config.target_fingerprint and fingerprint != self.config.target_fingerprint:
+            raise GorgonError(f"these heads were trained for target {self.config.target_name!r} (fingerprint "
+                              f"{self.config.target_fingerprint}) but this target's fingerprint is {fingerprint}: "
+                              "train heads for this target, or load the target they were trained for")
+        object.__setattr__(self, "_target", target_model)
+        return self
+
+    # -- compute ------------------------------------------------------------------------------
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Head logits for hidden states (..., H): shape (num_heads, ..., V)."""
+        states = torch.stack([block(hidden) for block in self.blocks])
+        if self.lm_heads is not None:
+            return torch.stack([lm_head(h) for lm_head, h in zip(self.lm_heads, states)])
+        if self._target is None:
+            raise GorgonError("these heads share the target's lm_head: call heads.attach(target_model) first")
+        # One product for all heads: the vocabulary projection reads its weights once, not K times.
+        return lm_logits(self._target, states)
+
+    # -- save / load / push -------------------------------------------------------------------
+    def save_pretrained(self, path: str | os.PathLike) -> None:
+        """Write config.json, model.safetensors and trees.json (each atomically)."""
+        from safetensors.torch import save_file
+
+        path = Path(path)
+        path.mkdir(parents=True, exist_ok=True)
+        state = {k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()}
+        atomic_write(path / WEIGHTS_NAME, lambda tmp: save_file(state, tmp, metadata={"format": "pt"}))
+        atomic_write_text(path / CONFIG_NAME, json.dumps(self.config.to_dict(), indent=2) + "\n")
+        if self.trees:
+            atomic_write_text(path / TREES_NAME, json.dumps(self.trees, indent=1) + "\n")
+
+    @classmethod
+    def from_pretrained(cls, name_or_path: str | os.PathLike, target=None, device=None,
+                        dtype: torch.dtype | None = None) -> "MedusaHeads":
+        """Load heads from a folder or hub id; with `target` check and attach it (a `Target` is also
+        checked by fingerprint; a bare model by shape only)."""
+        from safetensors import SafetensorError
+        from safetensors.torch import load_file
+
+        folder = resolve_heads_folder(name_or_path)
+        config_path = folder / CONFIG_NAME
+        try:
+            data = json.loads(config_path.read_text())
+        except (OSError, json.JSONDecodeError) as err:
+            raise GorgonError(f"cannot read {config_path} ({err.__class__.__name__}): "
+                              "re-save or re-download the heads") from err
+        heads = cls(HeadsConfig.from_dict(data, source=str(config_path)))
+        try:
+            state = load_file(folder / WEIGHTS_NAME)
+        except FileNotFoundError as err:
+            raise GorgonError(f"{folder} has no {WEIGHTS_NAME}: re-save or re-download the heads") from err
+        except (SafetensorError, OSError) as err:
+            raise GorgonError(f"{folder / WEIGHTS_NAME} is corrupt ({err}): re-save or re-download the heads") from err
+        try:
+            heads.load_state_dict(state)
+        except RuntimeError as err:
+            raise GorgonError(f"{folder / WEIGHTS_NAME} does not match its config.json: re-save the heads") from err
+        if (folder / TREES_NAME).is_file():
+            heads.trees = json.loads((folder / TREES_NAME).read_text())
+        if target is not None:
+            model, fp = (target.model, target.fingerprint) if isinstance(target, Target) else (target, None)
+            device = device or model.get_output_embeddings().weight.device
+            dtype = dtype or model.get_output_embeddings().weight.dtype
+            heads.attach(model, fp)
+        heads.to(device=device, dtype=dtype)
+        return heads.eval()
+
+    def push_to_hub(self, repo_id: str, private: bool = False, revision: str | None = None,
+                    commit_message: str = "Upload gorgon heads") -> str:
+        """Save to a temporary folder and upload it to the Hub in one commit; returns the commit URL."""
+        with tempfile.TemporaryDirectory() as tmp:
+            self.save_pretrained(tmp)
+            return upload_folder(tmp, repo_id, private=private, revision=revision, commit_message=commit_message)
+
+
+def resolve_heads_folder(name_or_path: str | os.PathLike) -> Path:
+    """A local folder as is; anything else is treated as a hub repo id and fetched to the hub cache."""
+    path = Path(name_or_path)
+    if path.is_dir():
+        if not (path / CONFIG_NAME).is_file():
+            raise GorgonError(f"{path} has no {CONFIG_NAME}: it is not a heads folder (train heads with "
+                              "`gorgon train` or pass the folder that `save_pretrained` wrote)")
+        return path
+    text = str(name_or_path)
+    if text.startswith((".", "/", "~")) or text.count("/") != 1:
+        raise GorgonError(f"no heads at {text}: pass a folder written by save_pretrained or a hub id like user/repo")
+    from huggingface_hub import snapshot_download
+
+    try:
+        return Path(snapshot_download(text, allow_patterns=[CONFIG_NAME, WEIGHTS_NAME, TREES_NAME, "*.md"]))
+    except Exception as err:  # the hub client raises many types; all mean "not reachable or not there"
+        raise GorgonError(f"could not fetch heads {text!r} from the hub ({err.__class__.__name__}): check the id, "
+                          "your network, or set HF_HUB_OFFLINE=1 to use the local cache") from err
+
+
+def upload_folder(folder: str | os.PathLike, repo_id: str, private: bool = False, revision: str | None = None,
+                  commit_message: str = "Upload gorgon heads") -> str:
+    """Create the repo if needed and upload a folder in one commit."""
+    from huggingface_hub import HfApi
+
+    api = HfApi()
+    try:
+        api.create_repo(repo_id, private=private, exist_ok=True)
+        info = api.upload_folder(folder_path=str(folder), repo_id=repo_id, revision=revision,
+                                 commit_message=commit_message)
+    except Exception as err:
+        raise GorgonError(f"upload to {repo_id} failed ({err.__class__.__name__}: {str(err).splitlines()[0] if str(err) else ''}); "
+                          f"the local folder {folder} is unchanged: log in with `hf auth login` and retry") from err
+    return str(getattr(info, "commit_url", info))
+
+
+def atomic_write(path: Path, write) -> None:
+    """Call write(tmp_path) then rename over `path`, so readers never see a half-written file."""
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    os.close(fd)
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    atomic_write(Path(path), lambda tmp: Path(tmp).write_text(text))
+
+
+def forward_with_heads(target_model: nn.Module, heads: MedusaHeads, input_ids: torch.Tensor, **kwargs):
+    """One target forward: returns (logits, last hidden state, head logits (K, B, T, V))."""
+    hidden = base_model(target_model)(input_ids=input_ids, **kwargs).last_hidden_state
+    return lm_logits(target_model, hidden), hidden, heads(hidden)

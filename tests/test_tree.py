@@ -1,0 +1,57 @@
+import pytest
+import torch
+
+from gorgon.decode.tree import build_tree, default_tree, expected_accepted, tree_from_accuracies
+from gorgon.heads import GorgonError
+
+
+def test_buffers_of_a_small_tree():
+    tree = build_tree([[1], [0], [0, 0], [0, 1], [1, 0]])
+    # nodes sorted by depth then ranks: root, [0], [1], [0,0], [0,1], [1,0]
+    assert tree.paths == ((0,), (1,), (0, 0), (0, 1), (1, 0))
+    assert tree.depth.tolist() == [0, 1, 1, 2, 2, 2]
+    assert tree.parent.tolist() == [0, 0, 0, 1, 1, 2]
+    assert tree.rank.tolist() == [0, 0, 1, 0, 1, 0]
+    assert tree.path_to[5] == (0, 2, 5)
+    assert tree.children.tolist() == [[1, 2], [3, 4], [5, -1], [-1, -1], [-1, -1], [-1, -1]]
+    expected = torch.tensor([[1, 0, 0, 0, 0, 0], [1, 1, 0, 0, 0, 0], [1, 0, 1, 0, 0, 0],
+                             [1, 1, 0, 1, 0, 0], [1, 1, 0, 0, 1, 0], [1, 0, 1, 0, 0, 1]], dtype=torch.bool)
+    assert torch.equal(tree.ancestors, expected)
+
+
+def test_tokens_read_by_depth_and_rank():
+    tree = build_tree([[0], [1], [1, 2]])
+    topk = torch.tensor([[10, 11, 12], [20, 21, 22]])
+    assert tree.tokens(torch.tensor(5), topk).tolist() == [5, 10, 11, 22]
+
+
+@pytest.mark.parametrize("paths, message", [
+    ([[0, 1]], "no parent path"),
+    ([], "at least one"),
+    ([[-1]], ">= 0"),
+])
+def test_bad_trees_are_refused(paths, message):
+    with pytest.raises(GorgonError, match=message):
+        build_tree(paths)
+
+
+def test_tree_from_accuracies_is_best_first_and_valid():
+    acc = [[0.6, 0.2, 0.1], [0.4, 0.2, 0.1], [0.3, 0.1, 0.05]]
+    paths = tree_from_accuracies(acc, size=6)
+    assert len(paths) == 5
+    build_tree(paths)  # prefix-closed
+    assert paths[:3] == [[0], [0, 0], [1]]  # 0.6, 0.24, 0.2
+    # No other prefix-closed tree of the same size does better (exhaustive over small candidates).
+    import itertools
+    pool = [list(p) for d in (1, 2, 3) for p in itertools.product(range(3), repeat=d)]
+    best = expected_accepted(acc, paths)
+    for combo in itertools.combinations(range(len(pool)), 5):
+        cand = [pool[i] for i in combo]
+        if all(p[:-1] in cand or len(p) == 1 for p in cand):
+            assert expected_accepted(acc, cand) <= best + 1e-12
+
+
+def test_default_trees_fit_the_device_and_the_heads():
+    cpu, gpu = build_tree(default_tree(4, "cpu")), build_tree(default_tree(4, "cuda"))
+    assert cpu.size == 16 and gpu.size == 64
+    assert gpu.max_depth <= 4 and build_tree(default_tree(2, "cuda")).max_depth <= 2
