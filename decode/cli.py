@@ -9,8 +9,8 @@ from pathlib import Path
 
 import torch
 
-from gorgon.heads import GorgonError, MedusaHeads, load_target
-from gorgon.heads.model import resolve_heads_folder
+from gorgon.heads import GorgonError
+from gorgon.heads.model import load_with_heads
 
 from .acceptance import Sampling
 from .drafters import HeadsDrafter
@@ -79,9 +79,7 @@ class TextStream:
 def main(argv=None) -> int:
     args = parser().parse_args(argv)
     tree = read_tree(args.tree)
-    heads_folder = resolve_heads_folder(args.heads)  # fail before the slower target load
-    target = load_target(args.target, device=args.device, dtype=args.dtype)
-    heads = MedusaHeads.from_pretrained(heads_folder, target=target)
+    target, heads = load_with_heads(args.heads, args.target, device=args.device, dtype=args.dtype)
     drafter = HeadsDrafter(heads, tree)
     tok = target.tokenizer
     sampling = Sampling(args.temperature, args.top_k, args.top_p)

@@ -11,6 +11,8 @@ import sys
 from .errors import GorgonError
 
 COMMANDS = {
+    "data": ("gorgon.train.data", "self-distillation: the target answers prompts; writes a datasets folder"),
+    "train": ("gorgon.train.heads", "train Medusa heads from a YAML recipe (as `accelerate launch train/heads.py`)"),
     "generate": ("gorgon.decode.cli", "generate with a target plus heads, streaming accepted tokens"),
 }
 

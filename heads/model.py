@@ -24,6 +24,7 @@ from .target import Target, base_model, lm_logits
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
 TREES_NAME = "trees.json"
+ADAPTER_DIR = "adapter"  # Medusa-2: the target's LoRA adapter, saved beside the heads
 
 
 @dataclass
@@ -119,6 +120,15 @@ class MedusaHeads(nn.Module):
         return self
 
     # -- compute ------------------------------------------------------------------------------
+    def head(self, k: int, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits of head k alone (..., V): training computes heads one at a time to bound memory."""
+        h = self.blocks[k](hidden)
+        if self.lm_heads is not None:
+            return self.lm_heads[k](h)
+        if self._target is None:
+            raise GorgonError("these heads share the target's lm_head: call heads.attach(target_model) first")
+        return lm_logits(self._target, h)
+
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         """Head logits for hidden states (..., H): shape (num_heads, ..., V)."""
         states = torch.stack([block(hidden) for block in self.blocks])
@@ -186,6 +196,17 @@ class MedusaHeads(nn.Module):
             return upload_folder(tmp, repo_id, private=private, revision=revision, commit_message=commit_message)
 
 
+def load_with_heads(heads: str | os.PathLike, target: str | None = None, device: str = "auto",
+                    dtype: str | torch.dtype = "auto") -> tuple[Target, "MedusaHeads"]:
+    """The target and its heads as one: a Medusa-2 heads folder's LoRA adapter is merged into the target."""
+    from .target import load_target
+
+    folder = resolve_heads_folder(heads)  # fail before the slower target load
+    adapter = folder / ADAPTER_DIR if (folder / ADAPTER_DIR).is_dir() else None
+    loaded = load_target(target, device=device, dtype=dtype, adapter=adapter)
+    return loaded, MedusaHeads.from_pretrained(folder, target=loaded)
+
+
 def resolve_heads_folder(name_or_path: str | os.PathLike) -> Path:
     """A local folder as is; anything else is treated as a hub repo id and fetched to the hub cache."""
     path = Path(name_or_path)
@@ -200,7 +221,8 @@ def resolve_heads_folder(name_or_path: str | os.PathLike) -> Path:
     from huggingface_hub import snapshot_download
 
     try:
-        return Path(snapshot_download(text, allow_patterns=[CONFIG_NAME, WEIGHTS_NAME, TREES_NAME, "*.md"]))
+        return Path(snapshot_download(text, allow_patterns=[CONFIG_NAME, WEIGHTS_NAME, TREES_NAME, "*.md",
+                                                            f"{ADAPTER_DIR}/*"]))
     except Exception as err:  # the hub client raises many types; all mean "not reachable or not there"
         raise GorgonError(f"could not fetch heads {text!r} from the hub ({err.__class__.__name__}): check the id, "
                           "your network, or set HF_HUB_OFFLINE=1 to use the local cache") from err

@@ -122,8 +122,12 @@ def resolve_dtype(dtype: str | torch.dtype = "auto", device: torch.device | None
 
 
 def load_target(name_or_path: str | None = None, device: str = "auto", dtype: str | torch.dtype = "auto",
-                attn_implementation: str | None = None) -> Target:
-    """Load a causal LM and its tokenizer: None means the embedded SmolLM2-135M-Instruct."""
+                attn_implementation: str | None = None, adapter: str | os.PathLike | None = None) -> Target:
+    """Load a causal LM and its tokenizer: None means the embedded SmolLM2-135M-Instruct.
+
+    `adapter`: a LoRA adapter folder (Medusa-2 training writes one beside its heads), merged into
+    the weights. The fingerprint stays the base model's, which is what the heads record.
+    """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     name = name_or_path or EMBEDDED_NAME
@@ -143,7 +147,14 @@ def load_target(name_or_path: str | None = None, device: str = "auto", dtype: st
         raise GorgonError(f"could not load target {name!r} ({first}); check the id or path, "
                           "or that the hub is reachable (HF_HUB_OFFLINE=1 uses the local cache only)") from err
     model.to(dev).eval()
-    return Target(model=model, tokenizer=tokenizer, name=name)
+    target = Target(model=model, tokenizer=tokenizer, name=name)
+    if adapter is not None:
+        from peft import PeftModel
+
+        base_fingerprint = target.fingerprint
+        target.model = PeftModel.from_pretrained(model, str(adapter)).merge_and_unload().eval()
+        target._fingerprint = base_fingerprint
+    return target
 
 
 def fingerprint(model: torch.nn.Module) -> str:
@@ -166,7 +177,8 @@ def fingerprint(model: torch.nn.Module) -> str:
 
 def lm_logits(model: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor:
     """The target's logits from its last hidden state, with final soft-capping where the model has it."""
-    logits = model.get_output_embeddings()(hidden)
+    head = model.get_output_embeddings()
+    logits = head(hidden.to(head.weight.dtype))
     cap = getattr(model.config, "final_logit_softcapping", None)
     if cap:
         logits = torch.tanh(logits / cap) * cap

@@ -71,3 +71,45 @@ def _offline_wandb(monkeypatch, tmp_path):
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_DIR", str(tmp_path))
     monkeypatch.setenv("HF_HUB_OFFLINE", os.environ.get("HF_HUB_OFFLINE", "1"))
+
+
+CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def tiny_tokenizer(chat_template: str | None = CHATML):
+    """A character-level tokenizer with ChatML specials: ids 0-3 special, then printable ASCII."""
+    import string
+
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<pad>", "<|im_start|>", "<|im_end|>", "<unk>"]
+    chars = [c for c in string.printable if c not in "\r\x0b\x0c"]
+    vocab = {tok: i for i, tok in enumerate(specials + chars)}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Split("", behavior="isolated")
+    from tokenizers import decoders
+    backend.decoder = decoders.Fuse()
+    tok = PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", eos_token="<|im_end|>",
+                                  unk_token="<unk>", additional_special_tokens=["<|im_start|>"])
+    tok.chat_template = chat_template
+    return tok
+
+
+def tiny_chat_target(tmp_path, arch: str = "llama", seed: int = 0):
+    """A tiny model plus tokenizer saved to a folder, loadable by path like any real target.
+
+    Its lm_head is scaled up so that, like a trained model, it predicts with some confidence
+    (a random init's logits are ~0.1 apart, so any weight change would flip its argmax).
+    """
+    tok = tiny_tokenizer()
+    model = tiny_model(arch, vocab=128, seed=seed)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(20)
+    model.generation_config.eos_token_id = tok.eos_token_id
+    model.generation_config.pad_token_id = tok.pad_token_id
+    path = tmp_path / f"tiny-{arch}-{seed}"
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    return path

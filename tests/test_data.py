@@ -1,0 +1,154 @@
+"""Self-distillation data: prompt shapes, `self` prompts, multi-turn, resume after SIGKILL, bad input."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import datasets
+import pytest
+from conftest import needs_embedded, tiny_chat_target
+
+from gorgon.heads import GorgonError
+from gorgon.train.data import METADATA_NAME, DataSettings, make_dataset
+from gorgon.train.prompts import load_conversations
+
+SHAPES = {
+    "mtbench": {"question_id": 7, "category": "x", "turns": ["first q", "second q"]},
+    "sharegpt": {"id": "a", "conversations": [{"from": "system", "value": "be brief"}, {"from": "human", "value": "first q"},
+                                              {"from": "gpt", "value": "old answer"}, {"from": "human", "value": "second q"}]},
+    "openai": {"messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "first q"},
+                            {"role": "assistant", "content": "old"}, {"role": "user", "content": "second q"}]},
+    "prompt": {"prompt": "first q"},
+    "alpaca": {"instruction": "first q", "input": "extra", "output": "ignored"},
+}
+
+
+def write_jsonl(path, records):
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return str(path)
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_each_prompt_shape(tmp_path, shape):
+    (conv,) = load_conversations(write_jsonl(tmp_path / "p.jsonl", [SHAPES[shape]]))
+    expected = {"mtbench": ["first q", "second q"], "sharegpt": ["first q", "second q"],
+                "openai": ["first q", "second q"], "prompt": ["first q"], "alpaca": ["first q\n\nextra"]}[shape]
+    assert conv["turns"] == expected
+    assert conv["system"] == ("be brief" if shape in ("sharegpt", "openai") else None)
+
+
+def test_json_file_and_dataset_folder(tmp_path):
+    (tmp_path / "p.json").write_text(json.dumps([SHAPES["prompt"], SHAPES["alpaca"]]))
+    assert len(load_conversations(str(tmp_path / "p.json"))) == 2
+    datasets.Dataset.from_list([SHAPES["openai"]] * 3).save_to_disk(str(tmp_path / "ds"))
+    assert [c["turns"] for c in load_conversations(str(tmp_path / "ds"), limit=2)] == [["first q", "second q"]] * 2
+
+
+def test_bad_prompt_files(tmp_path):
+    with pytest.raises(GorgonError, match="unknown shape.*accepted shapes: MT-Bench"):
+        load_conversations(write_jsonl(tmp_path / "a.jsonl", [{"text": "hello"}]))
+    (tmp_path / "b.jsonl").write_text('{"prompt": "ok"}\n{not json\n')
+    with pytest.raises(GorgonError, match="line 2 is not valid JSON"):
+        load_conversations(str(tmp_path / "b.jsonl"))
+    with pytest.raises(GorgonError, match="not found"):
+        load_conversations(str(tmp_path / "missing.jsonl"))
+    with pytest.raises(GorgonError, match="holds no prompts"):
+        load_conversations(write_jsonl(tmp_path / "c.jsonl", [{"prompt": "  "}]))
+    (tmp_path / "folder").mkdir()
+    with pytest.raises(GorgonError, match="not a saved `datasets` dataset"):
+        load_conversations(str(tmp_path / "folder"))
+
+
+def test_multi_turn_answers_with_the_targets_own_history(tmp_path):
+    target = tiny_chat_target(tmp_path)
+    src = write_jsonl(tmp_path / "p.jsonl", [SHAPES["sharegpt"], SHAPES["prompt"]])
+    out = make_dataset(DataSettings(prompts=src, target=str(target), max_new_tokens=12, turns="all",
+                                    batch_size=2), tmp_path / "out", progress=False)
+    rows = list(datasets.load_from_disk(str(out)))
+    roles = [[m["role"] for m in r["messages"]] for r in rows]
+    assert roles == [["system", "user", "assistant", "user", "assistant"], ["user", "assistant"]]
+    assert rows[0]["messages"][2]["content"] != "old answer"   # regenerated, not copied
+    meta = json.loads((out / METADATA_NAME).read_text())
+    assert meta["settings"]["turns"] == "all" and len(meta["target_fingerprint"]) == 16
+    first_only = make_dataset(DataSettings(prompts=src, target=str(target), max_new_tokens=12),
+                              tmp_path / "first", progress=False)
+    assert [len(r["messages"]) for r in datasets.load_from_disk(str(first_only))] == [3, 2]
+
+
+def test_self_prompts_are_written_by_the_target_and_deduplicated(tmp_path):
+    target = tiny_chat_target(tmp_path)
+    out = make_dataset(DataSettings(prompts="self", target=str(target), limit=5, max_new_tokens=10, batch_size=5),
+                       tmp_path / "out", progress=False)
+    rows = list(datasets.load_from_disk(str(out)))
+    users = [r["messages"][0]["content"] for r in rows]
+    assert len(rows) == 5 and len(set(users)) == 5
+    with pytest.raises(GorgonError, match="needs --limit"):
+        make_dataset(DataSettings(prompts="self", target=str(target)), tmp_path / "x", progress=False)
+
+
+def test_prompts_longer_than_the_context_are_skipped_and_counted(tmp_path):
+    target = tiny_chat_target(tmp_path)  # context 512
+    src = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "short"}, {"prompt": "x" * 600}])
+    out = make_dataset(DataSettings(prompts=src, target=str(target), max_new_tokens=8), tmp_path / "o", progress=False)
+    assert len(datasets.load_from_disk(str(out))) == 1
+    assert json.loads((out / METADATA_NAME).read_text())["skipped_turns_over_context"] == 1
+
+
+def test_no_chat_template_is_a_clear_error(tmp_path):
+    from conftest import tiny_model, tiny_tokenizer
+
+    path = tmp_path / "plain"
+    tiny_model(vocab=128).save_pretrained(path)
+    tiny_tokenizer(chat_template=None).save_pretrained(path)
+    src = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "hi"}])
+    with pytest.raises(GorgonError, match="no chat template: pass --chat-template"):
+        make_dataset(DataSettings(prompts=src, target=str(path)), tmp_path / "o", progress=False)
+
+
+def test_resume_after_sigkill_equals_an_uninterrupted_run(tmp_path):
+    target = tiny_chat_target(tmp_path)
+    src = write_jsonl(tmp_path / "p.jsonl", [{"prompt": f"question number {i}"} for i in range(40)])
+    args = ["--prompts", src, "--target", str(target), "--max-new-tokens", "48", "--shard-size", "2",
+            "--batch-size", "2"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "gorgon.heads.cli", "data"]
+    out, partial = tmp_path / "killed", tmp_path / "killed.partial"
+    proc = subprocess.Popen(cmd + args + ["--out", str(out)], env=env, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 120
+    while not list(partial.glob("shard-*.jsonl")) and time.time() < deadline and proc.poll() is None:
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert not (out / METADATA_NAME).exists(), "the run finished before it could be killed"
+    shards_before = len(list(partial.glob("shard-*.jsonl")))
+    assert 1 <= shards_before < 20
+    subprocess.run(cmd + args + ["--out", str(out)], env=env, check=True, capture_output=True)
+    subprocess.run(cmd + args + ["--out", str(tmp_path / "whole")], env=env, check=True, capture_output=True)
+    resumed, whole = datasets.load_from_disk(str(out)), datasets.load_from_disk(str(tmp_path / "whole"))
+    assert list(resumed) == list(whole) and len(whole) == 40
+    assert sorted(r["id"] for r in resumed) == sorted(str(i) for i in range(40))
+    assert not partial.exists()
+
+
+def test_resume_with_other_settings_is_refused(tmp_path):
+    target = tiny_chat_target(tmp_path)
+    src = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "a"}])
+    (tmp_path / "o.partial").mkdir()
+    settings = DataSettings(prompts=src, target=str(target), max_new_tokens=4)
+    (tmp_path / "o.partial" / "settings.json").write_text(json.dumps({"settings": {**settings.__dict__, "seed": 9},
+                                                                      "fingerprint": "x"}))
+    with pytest.raises(GorgonError, match=r"other settings \(seed, target fingerprint\)"):
+        make_dataset(settings, tmp_path / "o", progress=False)
+
+
+@needs_embedded
+def test_small_run_on_the_embedded_target(tmp_path, embedded_target):
+    src = write_jsonl(tmp_path / "p.jsonl", [{"turns": ["Name a colour."]}, {"prompt": "Say hello."}])
+    out = make_dataset(DataSettings(prompts=src, max_new_tokens=8, batch_size=2), tmp_path / "o",
+                       target=embedded_target, progress=False)
+    rows = list(datasets.load_from_disk(str(out)))
+    assert len(rows) == 2 and all(r["messages"][-1]["role"] == "assistant" and r["messages"][-1]["content"]
+                                  for r in rows)

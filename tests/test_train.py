@@ -1,0 +1,193 @@
+"""Head training: a real `accelerate launch`, learning, Medusa-2's preserved outputs, kill and resume."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import tiny_chat_target
+from safetensors.torch import load_file
+
+from gorgon.heads import GorgonError, MedusaHeads, load_target
+from gorgon.heads.model import load_with_heads
+from gorgon.train.heads import HeadsTrainConfig, train
+from gorgon.train.recipe import load_recipe, parse_overrides
+
+ROOT = Path(__file__).resolve().parents[1]
+WORDS = ["apple", "banana", "cherry", "delta", "echo", "fox", "golf", "hotel"]
+
+
+def toy_data(path: Path, n: int = 48) -> str:
+    """A learnable set: each answer is a fixed cycle of words, so later tokens follow from earlier ones."""
+    rows = [{"messages": [{"role": "user", "content": f"count from {i % 8}"},
+                          {"role": "assistant", "content": " ".join(WORDS[(i + j) % 8] for j in range(8))}]}
+            for i in range(n)]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
+def env():
+    return {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline", "PYTHONUNBUFFERED": "1"}
+
+
+def test_accelerate_launch_trains_a_few_steps(tmp_path):
+    target = tiny_chat_target(tmp_path)
+    data = toy_data(tmp_path / "toy.jsonl")
+    out = tmp_path / "heads"
+    run = subprocess.run(
+        [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(ROOT / "configs/accelerate/cpu.yaml"),
+         str(ROOT / "train/heads.py"), "--data", data, "--target", str(target), "--out", str(out),
+         "--max-steps", "4", "--batch-size", "4", "--log-every", "2", "--save-every", "2"],
+        env={**env(), "WANDB_DIR": str(tmp_path)}, capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert run.returncode == 0, run.stderr[-3000:]
+    for name in ["config.json", "model.safetensors", "trees.json", "metrics.json", "head_accuracy.png", "README.md"]:
+        assert (out / name).is_file(), name
+    trees = json.loads((out / "trees.json").read_text())
+    assert len(trees["cpu"]) == 15 and len(trees["cuda"]) == 63
+    assert "step 4:" in run.stderr + run.stdout
+    assert list((tmp_path / "wandb").glob("offline-run-*")), "wandb should log offline"
+    heads = MedusaHeads.from_pretrained(out, target=load_target(str(target), device="cpu"))
+    assert heads.config.num_heads == 4 and heads.trees == trees
+
+
+def eval_loss(heads, target, data):
+    """Mean CE of each head on the toy data (teacher-forced)."""
+    from gorgon.train.examples import collate, load_examples
+    from gorgon.train.losses import heads_loss
+
+    ex = load_examples(data, target.tokenizer, 256)
+    batch = collate(ex, target.tokenizer.pad_token_id)
+    with torch.no_grad():
+        hidden = target.model.get_decoder()(input_ids=batch["input_ids"],
+                                            attention_mask=batch["attention_mask"]).last_hidden_state
+        _, stats = heads_loss(heads, hidden, batch["input_ids"], batch["loss_mask"])
+    return [s["loss"] for s in stats.values()]
+
+
+def test_loss_falls_on_a_learnable_toy_set(tmp_path):
+    target_path = tiny_chat_target(tmp_path)
+    data = toy_data(tmp_path / "toy.jsonl")
+    out = train(HeadsTrainConfig(data=data, out=str(tmp_path / "h"), target=str(target_path), max_steps=60,
+                                 batch_size=8, learning_rate=3e-2, warmup_steps=5, report_to="none", save_every=0))
+    target = load_target(str(target_path), device="cpu")
+    fresh = MedusaHeads.for_target(target.model)
+    trained = MedusaHeads.from_pretrained(out, target=target)
+    before, after = eval_loss(fresh, target, data), eval_loss(trained, target, data)
+    assert all(a < 0.8 * b for a, b in zip(after, before)), (before, after)
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert len(metrics["top1"]) == 4 and all(0 <= a <= b <= 1 for a, b in zip(metrics["top1"], metrics["top5"]))
+
+
+def medusa2(tmp_path, target_path, data, base_kl_weight, name):
+    return train(HeadsTrainConfig(data=data, out=str(tmp_path / name), target=str(target_path), mode="medusa2",
+                                  max_steps=30, batch_size=8, learning_rate=3e-3, backbone_learning_rate=3e-3,
+                                  heads_warmup_steps=5, base_kl_weight=base_kl_weight, lora_r=4, lora_alpha=8,
+                                  report_to="none", save_every=0))
+
+
+def greedy_answers(model, tok, n=8):
+    out = []
+    for i in range(n):
+        ids = tok.apply_chat_template([{"role": "user", "content": f"count from {i}"}], add_generation_prompt=True,
+                                      return_tensors="pt", return_dict=True)["input_ids"]
+        out.append(model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=24, do_sample=False))
+    return out
+
+
+def test_medusa2_keeps_the_base_models_greedy_outputs(tmp_path):
+    """Trained on the target's own answers (as Medusa-2 is), with the KL term dominating."""
+    from gorgon.train.data import DataSettings, make_dataset
+
+    target_path = tiny_chat_target(tmp_path)
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": f"count from {i}"}) + "\n" for i in range(48)))
+    data = str(make_dataset(DataSettings(prompts=str(prompts), target=str(target_path), max_new_tokens=24,
+                                         batch_size=16), tmp_path / "self-data", progress=False))
+    base = load_target(str(target_path), device="cpu")
+    expected = greedy_answers(base.model, base.tokenizer)
+    out = medusa2(tmp_path, target_path, data, base_kl_weight=1000.0, name="kl")
+    adapter = load_file(out / "adapter" / "adapter_model.safetensors")
+    assert any(k.endswith("lora_B.weight") and v.abs().max() > 0 for k, v in adapter.items()), "LoRA never trained"
+    merged, heads = load_with_heads(out, str(target_path), device="cpu")
+    assert merged.fingerprint == base.fingerprint and heads.config.num_heads == 4
+    assert any(not torch.equal(a, b) for a, b in zip(base.model.parameters(), merged.model.parameters()))
+    assert all(torch.equal(a, b) for a, b in zip(greedy_answers(merged.model, base.tokenizer), expected))
+    # Without the KL term the same training moves the base model's outputs: the test can fail.
+    drifted, _ = load_with_heads(medusa2(tmp_path, target_path, data, base_kl_weight=0.0, name="nokl"),
+                                 str(target_path), device="cpu")
+    assert not all(torch.equal(a, b) for a, b in zip(greedy_answers(drifted.model, base.tokenizer), expected))
+
+
+def weights(folder):
+    return load_file(Path(folder) / "model.safetensors")
+
+
+def test_kill_and_resume_continues_exactly(tmp_path):
+    target = tiny_chat_target(tmp_path)
+    data = toy_data(tmp_path / "toy.jsonl", n=64)
+    common = [sys.executable, str(ROOT / "train/heads.py"), "--data", data, "--target", str(target),
+              "--max-steps", "40", "--batch-size", "4", "--save-every", "5", "--report-to", "none",
+              "--keep-checkpoints", "2"]
+    killed = tmp_path / "killed"
+    proc = subprocess.Popen(common + ["--out", str(killed)], env=env(), stderr=subprocess.DEVNULL,
+                            stdout=subprocess.DEVNULL, cwd=tmp_path)
+    deadline = time.time() + 300
+    while not list((killed / "checkpoints").glob("step-*")) and time.time() < deadline and proc.poll() is None:
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert not (killed / "model.safetensors").exists(), "training finished before it could be killed"
+    # A checkpoint only ever appears whole: each step-N folder was renamed into place complete.
+    assert all((c / "gorgon_state.json").is_file() and (c / "optimizer.bin").is_file()
+               for c in (killed / "checkpoints").glob("step-*"))
+    again = subprocess.run(common + ["--out", str(killed)], env=env(), capture_output=True, text=True, cwd=tmp_path)
+    assert again.returncode == 2 and "already has checkpoints: pass --resume true" in again.stderr
+    resumed = subprocess.run(common + ["--out", str(killed), "--resume", "true"], env=env(), capture_output=True,
+                             text=True, cwd=tmp_path)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert "resumed from" in resumed.stdout + resumed.stderr
+    whole = subprocess.run(common + ["--out", str(tmp_path / "whole")], env=env(), capture_output=True, text=True,
+                           cwd=tmp_path)
+    assert whole.returncode == 0, whole.stderr[-2000:]
+    a, b = weights(killed), weights(tmp_path / "whole")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_bad_config_keys_and_values(tmp_path):
+    with pytest.raises(GorgonError, match="unknown key 'learning_rat' on the command line: did you mean learning_rate"):
+        load_recipe(HeadsTrainConfig, None, parse_overrides(["--data", "x", "--out", "y", "--learning-rat", "1"]))
+    (tmp_path / "r.yaml").write_text("data: x\nout: y\nnum_head: 3\n")
+    with pytest.raises(GorgonError, match=r"unknown key 'num_head' in .*r.yaml: did you mean num_heads"):
+        load_recipe(HeadsTrainConfig, str(tmp_path / "r.yaml"), {})
+    with pytest.raises(GorgonError, match="batch_size must be int"):
+        load_recipe(HeadsTrainConfig, None, {"data": "x", "out": "y", "batch_size": "four"})
+    with pytest.raises(GorgonError, match="missing setting data"):
+        load_recipe(HeadsTrainConfig, None, {"out": "y"})
+    with pytest.raises(GorgonError, match="not found"):
+        load_recipe(HeadsTrainConfig, str(tmp_path / "nope.yaml"), {})
+    cfg = load_recipe(HeadsTrainConfig, None, parse_overrides(["--data=x", "--out", "y", "--lora-target-modules",
+                                                               "q_proj,v_proj", "--max-steps", "none"]))
+    assert cfg.lora_target_modules == ["q_proj", "v_proj"] and cfg.max_steps is None
+    run = subprocess.run([sys.executable, str(ROOT / "train/heads.py"), "--data", "x", "--out", "y", "--mode", "medusa3"],
+                         env=env(), capture_output=True, text=True)
+    assert run.returncode == 2 and run.stderr.strip().splitlines()[-1] == \
+        "train/heads.py: error: mode must be one of medusa1, medusa2, not 'medusa3'"
+
+
+def test_empty_dataset_is_refused(tmp_path):
+    target = tiny_chat_target(tmp_path)
+    (tmp_path / "empty.jsonl").write_text(json.dumps({"messages": [{"role": "user", "content": "hi"}]}) + "\n")
+    with pytest.raises(GorgonError, match="no conversations with assistant answers"):
+        train(HeadsTrainConfig(data=str(tmp_path / "empty.jsonl"), out=str(tmp_path / "o"), target=str(target),
+                               report_to="none"))
+
+
+@pytest.mark.parametrize("recipe", sorted((ROOT / "configs/heads").glob("*.yaml")), ids=lambda p: p.name)
+def test_shipped_recipes_load(recipe):
+    cfg = load_recipe(HeadsTrainConfig, str(recipe), {})
+    cfg.check()

@@ -1,0 +1,298 @@
+"""`gorgon data`: the frozen target answers prompts, and its answers become the training set.
+
+Heads learn what the target itself would say next, so the data is the target's own output
+(as Medusa-2 and EAGLE-3 regenerate theirs). Work is written in shards as it goes
+(`OUT.partial/shard-NNNNN.jsonl`, each renamed into place when complete), so a killed run
+rerun with the same command picks up where it stopped; each shard has its own seed, so the
+result equals an uninterrupted run. At the end the shards become a `datasets` dataset at OUT
+with `id` and `messages` columns, plus `gorgon_data.json` recording target and settings.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shutil
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from gorgon.heads.errors import GorgonError
+from gorgon.heads.model import atomic_write_text
+from gorgon.heads.target import Target, load_target
+
+from .prompts import load_conversations, user_prefix
+
+METADATA_NAME = "gorgon_data.json"
+
+
+@dataclass
+class DataSettings:
+    """Everything that decides the output; a resumed run must use the same."""
+
+    prompts: str
+    target: str | None = None
+    limit: int | None = None
+    max_new_tokens: int = 512
+    batch_size: int = 16
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int = 0
+    turns: str = "first"          # first | all
+    shard_size: int = 64
+    chat_template: str | None = None
+    engine: str = "transformers"  # transformers | vllm
+
+
+class Engine:
+    """Batched generation with transformers: left padding, length-sorted batches."""
+
+    def __init__(self, target: Target, settings: DataSettings):
+        self.model, self.tok, self.s = target.model, target.tokenizer, settings
+        self.pad = self.tok.pad_token_id if self.tok.pad_token_id is not None else self.tok.eos_token_id
+        self.eos = self.model.generation_config.eos_token_id
+        self.eos = set(self.eos if isinstance(self.eos, list) else [self.eos])
+
+    def generate(self, prompts: list[list[int]], seed: int, on_batch=None, temperature: float | None = None,
+                 max_new_tokens: int | None = None) -> list[list[int]]:
+        """Completions (EOS dropped) for token-id prompts, in the given order."""
+        temperature = self.s.temperature if temperature is None else temperature
+        max_new_tokens = max_new_tokens or self.s.max_new_tokens
+        order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
+        out: list[list[int]] = [[] for _ in prompts]
+        torch.manual_seed(seed)
+        for b in range(0, len(order), self.s.batch_size):
+            idx = order[b: b + self.s.batch_size]
+            width = max(len(prompts[i]) for i in idx)
+            ids = torch.full((len(idx), width), self.pad, dtype=torch.long)
+            mask = torch.zeros_like(ids)
+            for row, i in enumerate(idx):
+                ids[row, width - len(prompts[i]):] = torch.tensor(prompts[i])
+                mask[row, width - len(prompts[i]):] = 1
+            kwargs = dict(do_sample=True, temperature=temperature, top_p=self.s.top_p, top_k=None) \
+                if temperature > 0 else dict(do_sample=False)
+            with torch.inference_mode():
+                gen = self.model.generate(ids.to(self.model.device), attention_mask=mask.to(self.model.device),
+                                          max_new_tokens=max_new_tokens, pad_token_id=self.pad, **kwargs)
+            for row, i in enumerate(idx):
+                tokens = gen[row, width:].tolist()
+                cut = next((j for j, t in enumerate(tokens) if t in self.eos), len(tokens))
+                out[i] = tokens[:cut]
+            if on_batch:
+                on_batch(len(idx), sum(len(out[i]) for i in idx))
+        return out
+
+
+class VllmEngine(Engine):
+    """The same contract through vLLM, when it is installed (much faster on a GPU)."""
+
+    def __init__(self, target: Target, settings: DataSettings):
+        try:
+            import vllm
+        except ImportError as err:
+            raise GorgonError("--engine vllm needs vLLM: `pip install vllm`, or use --engine transformers") from err
+        super().__init__(target, settings)
+        self.llm = vllm.LLM(model=target.model.name_or_path, seed=settings.seed)
+        self.vllm = vllm
+
+    def generate(self, prompts, seed, on_batch=None, temperature=None, max_new_tokens=None):
+        params = self.vllm.SamplingParams(temperature=self.s.temperature if temperature is None else temperature,
+                                          top_p=self.s.top_p, seed=seed,
+                                          max_tokens=max_new_tokens or self.s.max_new_tokens)
+        outs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        result = [[t for t in o.outputs[0].token_ids if t not in self.eos] for o in outs]
+        if on_batch:
+            on_batch(len(prompts), sum(map(len, result)))
+        return result
+
+
+def chat_ids(tok, messages: list[dict], template: str | None) -> list[int]:
+    return tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=True,
+                                   chat_template=template)["input_ids"]
+
+
+def answer_shard(engine: Engine, convs: list[dict], settings: DataSettings, seed: int, context: int,
+                 on_batch=None) -> tuple[list[dict], int]:
+    """Regenerate the assistant turns of some conversations, round by round so each round is one batch.
+
+    Returns the records and how many user turns were skipped for not fitting the context.
+    """
+    tok, template = engine.tok, settings.chat_template
+    histories = [([{"role": "system", "content": c["system"]}] if c["system"] else []) for c in convs]
+    rounds = max(len(c["turns"]) for c in convs) if settings.turns == "all" else 1
+    alive = [True] * len(convs)
+    skipped = 0
+    for r in range(rounds):
+        batch, owners = [], []
+        for i, c in enumerate(convs):
+            if alive[i] and r < len(c["turns"]):
+                ids = chat_ids(tok, histories[i] + [{"role": "user", "content": c["turns"][r]}], template)
+                if len(ids) + settings.max_new_tokens > context:
+                    skipped += len(c["turns"]) - r if settings.turns == "all" else 1
+                    alive[i] = False
+                    continue
+                batch.append(ids)
+                owners.append(i)
+        if not batch:
+            break
+        for i, completion in zip(owners, engine.generate(batch, seed * 1000 + r, on_batch)):
+            histories[i] += [{"role": "user", "content": convs[i]["turns"][r]},
+                             {"role": "assistant", "content": tok.decode(completion, skip_special_tokens=True)}]
+    records = [{"id": c["id"], "messages": h} for c, h in zip(convs, histories)
+               if any(m["role"] == "assistant" for m in h)]
+    return records, skipped
+
+
+def self_prompts(engine: Engine, settings: DataSettings, count: int) -> list[dict]:
+    """User turns written by the target itself from its template's user prefix (Magpie), deduplicated."""
+    prefix = engine.tok(user_prefix(engine.tok), add_special_tokens=False)["input_ids"]
+    seen, convs = set(), []
+    for attempt in range(1, 11):  # duplicates are dropped, so draw again for the shortfall
+        need = count - len(convs)
+        if need <= 0:
+            break
+        for tokens in engine.generate([prefix] * need, settings.seed + attempt, temperature=settings.temperature or 1.0,
+                                      max_new_tokens=min(128, settings.max_new_tokens)):
+            text = engine.tok.decode(tokens, skip_special_tokens=True).strip()
+            key = " ".join(text.lower().split())
+            if len(key) >= 8 and key not in seen:
+                seen.add(key)
+                convs.append({"id": f"self-{len(convs)}", "system": None, "turns": [text]})
+    return convs[:count]
+
+
+def check_settings(partial: Path, settings: DataSettings, fingerprint: str) -> None:
+    """A resumed run must match the one that wrote the shards; otherwise the shards would mix."""
+    record = {"settings": asdict(settings), "fingerprint": fingerprint}
+    path = partial / "settings.json"
+    if path.exists():
+        old = json.loads(path.read_text())
+        if old != record:
+            diff = sorted(k for k in record["settings"] if old["settings"].get(k) != record["settings"][k])
+            if old["fingerprint"] != fingerprint:
+                diff.append("target fingerprint")
+            raise GorgonError(f"{partial} holds a run with other settings ({', '.join(diff)}): rerun with the same "
+                              f"options to resume, or delete {partial} to start over")
+    else:
+        atomic_write_text(path, json.dumps(record, indent=1))
+
+
+def make_dataset(settings: DataSettings, out: str | os.PathLike, target: Target | None = None,
+                 progress: bool = True) -> Path:
+    """Generate the self-distillation dataset at `out`; resumes from `out`.partial when present."""
+    import datasets
+    from tqdm.auto import tqdm
+
+    out = Path(out)
+    if settings.turns not in ("first", "all"):
+        raise GorgonError(f"--turns must be 'first' or 'all', not {settings.turns!r}")
+    if settings.batch_size < 1 or settings.shard_size < 1 or settings.max_new_tokens < 1:
+        raise GorgonError("--batch-size, --shard-size and --max-new-tokens must be at least 1")
+    if (out / METADATA_NAME).is_file():
+        print(f"gorgon data: {out} is already complete; delete it to regenerate")
+        return out
+    if settings.prompts == "self" and not settings.limit:
+        raise GorgonError("--prompts self needs --limit N: how many prompts the target should write")
+    template = None
+    if settings.chat_template:
+        if not Path(settings.chat_template).is_file():
+            raise GorgonError(f"chat template {settings.chat_template} not found: pass a Jinja file")
+        template = Path(settings.chat_template).read_text()
+    convs = None if settings.prompts == "self" else load_conversations(settings.prompts, settings.limit)
+    target = target or load_target(settings.target)
+    tok = target.tokenizer
+    if template is None and not getattr(tok, "chat_template", None):
+        raise GorgonError(f"the tokenizer of {target.name} has no chat template: pass --chat-template FILE (Jinja)")
+    engine_settings = DataSettings(**{**asdict(settings), "chat_template": template})
+    engine = (VllmEngine if settings.engine == "vllm" else Engine)(target, engine_settings)
+    partial = out.parent / f"{out.name}.partial"
+    partial.mkdir(parents=True, exist_ok=True)
+    check_settings(partial, settings, target.fingerprint)
+    if convs is None:
+        prompts_file = partial / "self_prompts.jsonl"
+        if not prompts_file.exists():
+            written = self_prompts(engine, engine_settings, settings.limit)
+            atomic_write_text(prompts_file, "".join(json.dumps(c) + "\n" for c in written))
+        convs = [json.loads(line) for line in prompts_file.read_text().splitlines()]
+    context = getattr(target.model.config.get_text_config(), "max_position_embeddings", None) or 10**9
+    n_shards = math.ceil(len(convs) / settings.shard_size)
+    done = {p.name for p in partial.glob("shard-*.jsonl")}
+    start, tokens = time.perf_counter(), 0
+    bar = tqdm(total=len(convs), unit="prompt", desc="gorgon data", disable=not progress, dynamic_ncols=True)
+    bar.update(sum(min(settings.shard_size, len(convs) - i * settings.shard_size)
+                   for i in range(n_shards) if f"shard-{i:05d}.jsonl" in done))
+
+    def on_batch(n_prompts: int, n_tokens: int) -> None:
+        nonlocal tokens
+        tokens += n_tokens
+        bar.set_postfix(tok_per_s=f"{tokens / (time.perf_counter() - start):.1f}")
+
+    for i in range(n_shards):
+        name = f"shard-{i:05d}.jsonl"
+        if name in done:
+            continue
+        chunk = convs[i * settings.shard_size: (i + 1) * settings.shard_size]
+        records, skipped = answer_shard(engine, chunk, engine_settings, settings.seed + i, context, on_batch)
+        atomic_write_text(partial / name, json.dumps({"skipped": skipped}) + "\n"
+                          + "".join(json.dumps(r) + "\n" for r in records))
+        bar.update(len(chunk))
+    bar.close()
+    rows, skipped = [], 0
+    for i in range(n_shards):
+        lines = (partial / f"shard-{i:05d}.jsonl").read_text().splitlines()
+        skipped += json.loads(lines[0])["skipped"]
+        rows += [json.loads(line) for line in lines[1:]]
+    if not rows:
+        raise GorgonError(f"no prompt fit the context of {context} tokens with --max-new-tokens "
+                          f"{settings.max_new_tokens}: lower --max-new-tokens or use shorter prompts")
+    metadata = {"target": target.name, "target_fingerprint": target.fingerprint, "settings": asdict(settings),
+                "conversations": len(rows), "skipped_turns_over_context": skipped}
+    tmp = out.parent / f".{out.name}.writing"
+    shutil.rmtree(tmp, ignore_errors=True)
+    datasets.Dataset.from_list(rows).save_to_disk(str(tmp))
+    atomic_write_text(tmp / METADATA_NAME, json.dumps(metadata, indent=1) + "\n")
+    if out.exists():
+        shutil.rmtree(out)
+    os.replace(tmp, out)
+    shutil.rmtree(partial)
+    secs = time.perf_counter() - start
+    turns = sum(sum(m["role"] == "assistant" for m in r["messages"]) for r in rows)
+    print(f"gorgon data: {len(rows)} conversations ({turns} answers) written to {out}; "
+          f"{tokens} tokens generated this run in {secs:.0f} s ({tokens / max(secs, 1e-9):.1f} tokens/s); "
+          f"{skipped} turns skipped as longer than the context")
+    return out
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="gorgon data",
+        description="Self-distillation: the frozen target answers prompts; the answers become the heads' training "
+                    "data (a `datasets` folder with a `messages` column). Rerun the same command to resume.")
+    p.add_argument("--prompts", required=True, help="a .jsonl/.json file (MT-Bench turns, ShareGPT conversations, "
+                   "OpenAI messages, {prompt}, Alpaca), a dataset folder, a hub dataset name, or 'self' (the target "
+                   "writes the prompts itself; needs --limit)")
+    p.add_argument("--out", required=True, help="output dataset folder")
+    p.add_argument("--target", default=None, help="hub id or path (default: the embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--limit", type=int, default=None, help="use at most N prompts")
+    p.add_argument("--max-new-tokens", type=int, default=512, help="longest answer per turn (default 512)")
+    p.add_argument("--batch-size", type=int, default=16, help="prompts generated together (default 16)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 (default) is greedy")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--turns", choices=["first", "all"], default="first",
+                   help="answer the first user turn only, or every turn with the target's own earlier answers")
+    p.add_argument("--shard-size", type=int, default=64, help="conversations per resumable shard (default 64)")
+    p.add_argument("--chat-template", default=None, help="a Jinja chat template file, for tokenizers without one")
+    p.add_argument("--engine", choices=["transformers", "vllm"], default="transformers")
+    return p
+
+
+def main(argv=None) -> int:
+    args = vars(parser().parse_args(argv))
+    out = args.pop("out")
+    make_dataset(DataSettings(**args), out)
+    return 0

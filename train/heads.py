@@ -1,0 +1,348 @@
+"""Train Medusa heads: `accelerate launch train/heads.py --config configs/heads/RECIPE.yaml [--key value ...]`.
+
+Runs the same under plain `python train/heads.py`, on a CPU, one GPU or many (the accelerate
+configs in configs/accelerate). Medusa-1 freezes the target and trains only the heads;
+Medusa-2 also trains LoRA adapters on the target, held to its original outputs by a KL term.
+At the end the heads' measured top-k accuracies on held-out data choose the decoding trees.
+The output folder holds the heads, config, trees, metrics, a per-head accuracy plot and a
+model card draft; checkpoints let `--resume true` continue after a kill.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from gorgon.heads.errors import GorgonError
+from gorgon.heads.model import ADAPTER_DIR
+
+
+@dataclass
+class HeadsTrainConfig:
+    """A heads training recipe. Every key can be set in the YAML or as --key value."""
+
+    data: str                          # `gorgon data` output folder or a conversation file
+    out: str                           # output folder
+    target: str | None = None          # hub id or path; None = the embedded SmolLM2-135M-Instruct
+    mode: str = "medusa1"              # medusa1 (frozen target) | medusa2 (joint, LoRA)
+    num_heads: int = 4
+    num_layers: int = 1
+    shared_lm_head: bool = True
+    loss: str = "ce"                   # ce (data tokens) | kl (the target's own distribution)
+    head_decay: float = 0.8            # head k's loss weight is head_decay ** k
+    max_length: int = 1024
+    batch_size: int = 4                # per device
+    grad_accum: int = 1
+    learning_rate: float = 1e-3        # heads
+    backbone_learning_rate: float = 5e-5  # medusa2 LoRA adapters
+    weight_decay: float = 0.0
+    warmup_steps: int = 20
+    epochs: float = 1.0
+    max_steps: int | None = None       # overrides epochs
+    max_grad_norm: float = 1.0
+    heads_warmup_steps: int = 0        # medusa2: train the heads alone first
+    base_kl_weight: float = 1.0        # medusa2: weight of the KL that keeps the target's outputs
+    lora_r: int = 16
+    lora_alpha: int = 32
+    lora_dropout: float = 0.0
+    lora_target_modules: list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
+    eval_fraction: float = 0.05
+    eval_every: int = 0                # 0: only at the end
+    log_every: int = 10
+    save_every: int = 100              # checkpoint every N steps (0: never)
+    keep_checkpoints: int = 2
+    resume: bool = False
+    seed: int = 0
+    dtype: str = "auto"                # target dtype: auto = bf16 on CUDA, fp32 on CPU
+    tree_topk: int = 10                # ranks measured per head for the trees
+    cpu_tree_size: int = 16
+    gpu_tree_size: int = 64
+    report_to: str = "wandb"           # wandb (offline without an API key) | none
+    project: str = "gorgon"
+    push_to_hub: str | None = None
+
+    def check(self) -> None:
+        choices = {"mode": ("medusa1", "medusa2"), "loss": ("ce", "kl"), "report_to": ("wandb", "none")}
+        for key, allowed in choices.items():
+            if getattr(self, key) not in allowed:
+                raise GorgonError(f"{key} must be one of {', '.join(allowed)}, not {getattr(self, key)!r}")
+        if self.num_heads < 1 or self.num_layers < 1 or self.batch_size < 1 or self.grad_accum < 1:
+            raise GorgonError("num_heads, num_layers, batch_size and grad_accum must be at least 1")
+
+
+class EpochSampler(torch.utils.data.Sampler):
+    """A shuffle that depends only on (seed, epoch), so a resumed run sees the same order.
+
+    (torch's RandomSampler draws from a generator whose state a resumed process lacks.)"""
+
+    def __init__(self, n: int, seed: int):
+        self.n, self.seed, self.epoch = n, seed, 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __iter__(self):
+        return iter(torch.randperm(self.n, generator=torch.Generator().manual_seed(self.seed + self.epoch)).tolist())
+
+    def __len__(self):
+        return self.n
+
+
+def schedule(warmup: int, total: int, delay: int = 0):
+    """Linear warmup then cosine decay; zero for the first `delay` steps (heads-only warmup)."""
+    def factor(step: int) -> float:
+        step -= delay
+        if step < 0:
+            return 0.0
+        if step < warmup:
+            return (step + 1) / warmup
+        return 0.5 * (1 + math.cos(math.pi * min(1.0, (step - warmup) / max(1, total - delay - warmup))))
+    return factor
+
+
+def latest_checkpoint(out: Path) -> Path | None:
+    ckpts = sorted((out / "checkpoints").glob("step-*"), key=lambda p: int(p.name.split("-")[1]))
+    return ckpts[-1] if ckpts else None
+
+
+def save_checkpoint(accelerator, out: Path, step: int, keep: int) -> None:
+    """accelerate's save_state into a temporary folder, renamed into place: never half-written."""
+    final = out / "checkpoints" / f"step-{step}"
+    tmp = out / "checkpoints" / f".step-{step}.tmp"
+    if accelerator.is_main_process:
+        shutil.rmtree(tmp, ignore_errors=True)
+    accelerator.wait_for_everyone()
+    accelerator.save_state(str(tmp))
+    accelerator.wait_for_everyone()
+    if accelerator.is_main_process:
+        (tmp / "gorgon_state.json").write_text(json.dumps({"step": step}))
+        os.replace(tmp, final)
+        for old in sorted((out / "checkpoints").glob("step-*"), key=lambda p: int(p.name.split("-")[1]))[:-keep]:
+            shutil.rmtree(old)
+    accelerator.wait_for_everyone()
+
+
+def evaluate(objective, loader, accelerator, tree_topk: int):
+    """Held-out per-head loss and rank counts (K, tree_topk + 1) over the eval split."""
+    from gorgon.train.losses import rank_counts
+
+    model = accelerator.unwrap_model(objective)
+    counts = torch.zeros(model.heads.config.num_heads, tree_topk + 1, dtype=torch.long)
+    losses = []
+    from gorgon.heads.target import base_model
+
+    with torch.no_grad():
+        for batch in loader:
+            loss, _ = model(**batch, train_backbone=False)
+            losses.append(float(loss))
+            hidden = base_model(model.target)(input_ids=batch["input_ids"],
+                                              attention_mask=batch["attention_mask"]).last_hidden_state
+            counts += rank_counts(model.heads, hidden, batch["input_ids"], batch["loss_mask"], tree_topk)
+    counts = accelerator.reduce(counts.to(accelerator.device), reduction="sum").cpu()
+    return (sum(losses) / max(1, len(losses))), counts
+
+
+def accuracy_table(counts: torch.Tensor) -> list[list[float]]:
+    """Per head, the chance that rank r is right, from rank counts (last column: total)."""
+    totals = counts[:, -1].clamp(min=1).double()
+    return (counts[:, :-1].double() / totals[:, None]).tolist()
+
+
+def train(cfg: HeadsTrainConfig) -> Path:
+    from accelerate import Accelerator
+    from accelerate.utils import set_seed
+    from tqdm.auto import tqdm
+
+    from gorgon.decode.tree import expected_accepted, tree_from_accuracies
+    from gorgon.heads import MedusaHeads, load_target
+
+    from gorgon.train.card import plot_head_accuracy, write_model_card
+    from gorgon.train.examples import collate, load_examples, split
+    from gorgon.train.losses import HeadsObjective
+
+    cfg.check()
+    out = Path(cfg.out)
+    if cfg.report_to == "wandb" and not os.environ.get("WANDB_API_KEY") and not os.environ.get("WANDB_MODE"):
+        os.environ["WANDB_MODE"] = "offline"  # log locally; never prompt for a login
+    accelerator = Accelerator(gradient_accumulation_steps=cfg.grad_accum, project_dir=str(out),
+                              log_with="wandb" if cfg.report_to == "wandb" else None)
+    set_seed(cfg.seed)
+    if not cfg.resume and latest_checkpoint(out) is not None:
+        raise GorgonError(f"{out} already has checkpoints: pass --resume true to continue, or choose another --out")
+    if cfg.resume and latest_checkpoint(out) is None:
+        raise GorgonError(f"--resume: no checkpoint in {out / 'checkpoints'}: run without --resume to start")
+    target = load_target(cfg.target, device=str(accelerator.device), dtype=cfg.dtype)
+    target.model.requires_grad_(False)
+    examples = load_examples(cfg.data, target.tokenizer, cfg.max_length, target.fingerprint)
+    train_ex, eval_ex = split(examples, cfg.eval_fraction, cfg.seed)
+    if not train_ex:
+        raise GorgonError(f"{cfg.data} has too few examples to train on after holding out the eval split: add data "
+                          "or lower eval_fraction")
+    heads = MedusaHeads.for_target(target.model, cfg.num_heads, cfg.num_layers, cfg.shared_lm_head,
+                                   target.name, target.fingerprint).float()
+    heads.attach(target.model)
+    model = target.model
+    if cfg.mode == "medusa2":
+        from peft import LoraConfig, get_peft_model
+
+        model = get_peft_model(model, LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
+                                                 target_modules=cfg.lora_target_modules, task_type="CAUSAL_LM"))
+        heads.attach(model)
+    objective = HeadsObjective(model, heads, cfg.mode, cfg.loss, cfg.head_decay, cfg.base_kl_weight)
+    groups = [{"params": [p for p in heads.parameters() if p.requires_grad], "lr": cfg.learning_rate}]
+    backbone = [p for p in model.parameters() if p.requires_grad]
+    if backbone:
+        groups.append({"params": backbone, "lr": cfg.backbone_learning_rate})
+    optimizer = torch.optim.AdamW(groups, weight_decay=cfg.weight_decay)
+    pad = target.tokenizer.pad_token_id if target.tokenizer.pad_token_id is not None else 0
+    sampler = EpochSampler(len(train_ex), cfg.seed)
+    loader = torch.utils.data.DataLoader(train_ex, batch_size=cfg.batch_size, sampler=sampler,
+                                         collate_fn=lambda b: collate(b, pad))
+    eval_loader = torch.utils.data.DataLoader(eval_ex, batch_size=cfg.batch_size, collate_fn=lambda b: collate(b, pad))
+    steps_per_epoch = max(1, math.ceil(len(loader) / (cfg.grad_accum * accelerator.num_processes)))
+    total = cfg.max_steps or max(1, math.ceil(cfg.epochs * steps_per_epoch))
+    lambdas = [schedule(cfg.warmup_steps, total)] + ([schedule(cfg.warmup_steps, total, cfg.heads_warmup_steps)]
+                                                     if backbone else [])
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambdas)
+    objective, optimizer, loader, eval_loader, scheduler = accelerator.prepare(
+        objective, optimizer, loader, eval_loader, scheduler)
+    step = 0
+    if cfg.resume:
+        ckpt = latest_checkpoint(out)
+        accelerator.load_state(str(ckpt))
+        step = json.loads((ckpt / "gorgon_state.json").read_text())["step"]
+        accelerator.print(f"gorgon train: resumed from {ckpt} at step {step}")
+    accelerator.init_trackers(cfg.project, config=asdict(cfg))
+    accelerator.print(f"gorgon train: {cfg.mode} on {target.name}, {len(train_ex)} train / {len(eval_ex)} eval "
+                      f"conversations, {total} steps on {accelerator.num_processes} x {accelerator.device}")
+    bar = tqdm(total=total, initial=step, desc="gorgon train", disable=not accelerator.is_main_process,
+               dynamic_ncols=True)
+    window = {"tokens": 0, "start": time.perf_counter(), "stats": {}}
+    batches_per_epoch = len(loader)
+    while step < total:
+        epoch, done_in_epoch = divmod(step * cfg.grad_accum, batches_per_epoch)
+        batches = accelerator.skip_first_batches(loader, done_in_epoch) if done_in_epoch else loader
+        # accelerate's loader passes its own epoch count to the sampler, which starts at 0 in a
+        # resumed process: set it from the step, so a resumed run sees the same order.
+        batches.set_epoch(epoch)
+        for batch in batches:
+            with accelerator.accumulate(objective):
+                loss, stats = objective(**batch, train_backbone=step >= cfg.heads_warmup_steps)
+                accelerator.backward(loss)
+                if accelerator.sync_gradients:
+                    accelerator.clip_grad_norm_(objective.parameters(), cfg.max_grad_norm)
+                optimizer.step()
+                scheduler.step()
+                optimizer.zero_grad()
+            window["tokens"] += int(batch["attention_mask"].sum())
+            for k, s in stats.items():
+                acc = window["stats"].setdefault(k, {})
+                for name, value in (s.items() if isinstance(s, dict) else [("value", s)]):
+                    acc[name] = acc.get(name, 0) + value
+                acc["batches"] = acc.get("batches", 0) + 1
+            if not accelerator.sync_gradients:
+                continue
+            step += 1
+            bar.update(1)
+            if step % cfg.log_every == 0 or step == total:
+                log_window(accelerator, window, step, scheduler, bar)
+            if cfg.eval_every and step % cfg.eval_every == 0:
+                eval_loss, _ = evaluate(objective, eval_loader, accelerator, cfg.tree_topk)
+                accelerator.log({"eval/loss": eval_loss}, step=step)
+            if cfg.save_every and step % cfg.save_every == 0 and step < total:
+                save_checkpoint(accelerator, out, step, cfg.keep_checkpoints)
+            if step >= total:
+                break
+    bar.close()
+    eval_loss, counts = evaluate(objective, eval_loader, accelerator, cfg.tree_topk)
+    accuracies = accuracy_table(counts)
+    trees = {"cpu": tree_from_accuracies(accuracies, cfg.cpu_tree_size),
+             "cuda": tree_from_accuracies(accuracies, cfg.gpu_tree_size)}
+    metrics = {
+        "eval_loss": eval_loss, "eval_tokens_per_head": counts[:, -1].tolist(),
+        "top1": [row[0] for row in accuracies], "top5": [sum(row[:5]) for row in accuracies],
+        "rank_accuracy": accuracies,
+        "expected_tau": {k: expected_accepted(accuracies, v) for k, v in trees.items()},
+        "steps": total, "train_conversations": len(train_ex), "eval_conversations": len(eval_ex),
+    }
+    accelerator.log({f"eval/top1_head{k}": a for k, a in enumerate(metrics["top1"])}, step=total)
+    if accelerator.is_main_process:
+        unwrapped = accelerator.unwrap_model(objective)
+        final_heads = unwrapped.heads
+        final_heads.trees = trees
+        out.mkdir(parents=True, exist_ok=True)
+        final_heads.save_pretrained(out)
+        if cfg.mode == "medusa2":
+            unwrapped.target.save_pretrained(str(out / ADAPTER_DIR))
+        (out / "metrics.json").write_text(json.dumps(metrics, indent=1) + "\n")
+        (out / "recipe.json").write_text(json.dumps(asdict(cfg), indent=1) + "\n")
+        plot_head_accuracy(metrics, out / "head_accuracy.png")
+        write_model_card(out, cfg, metrics, target.name)
+        summary = ", ".join(f"head {k}: top-1 {a:.3f} top-5 {b:.3f}"
+                            for k, (a, b) in enumerate(zip(metrics["top1"], metrics["top5"])))
+        print(f"gorgon train: saved heads to {out} ({summary}; expected tau cpu "
+              f"{metrics['expected_tau']['cpu']:.2f}, gpu {metrics['expected_tau']['cuda']:.2f})")
+        if cfg.push_to_hub:
+            from gorgon.heads.model import upload_folder
+
+            url = upload_folder(out, cfg.push_to_hub)
+            print(f"gorgon train: pushed to {url}")
+    accelerator.end_training()
+    return out
+
+
+def log_window(accelerator, window: dict, step: int, scheduler, bar) -> None:
+    """Log per-head loss and accuracy, tokens/s and learning rates over the last window of batches."""
+    secs = time.perf_counter() - window["start"]
+    logs = {"train/tokens_per_s": window["tokens"] / max(secs, 1e-9), "train/lr": scheduler.get_last_lr()[0]}
+    if len(scheduler.get_last_lr()) > 1:
+        logs["train/backbone_lr"] = scheduler.get_last_lr()[1]
+    for k, s in window["stats"].items():
+        if k == "base_kl":
+            logs["train/base_kl"] = s["value"] / s["batches"]
+            continue
+        logs[f"train/loss_head{k}"] = s["loss"] / s["batches"]
+        logs[f"train/top1_head{k}"] = s["top1"] / max(1, s["count"])
+        logs[f"train/top5_head{k}"] = s["top5"] / max(1, s["count"])
+    accelerator.log(logs, step=step)
+    heads_text = " ".join(f"h{k} {logs[f'train/loss_head{k}']:.2f}/{logs[f'train/top1_head{k}']:.2f}"
+                          for k in window["stats"] if k != "base_kl")
+    if accelerator.is_main_process:
+        bar.write(f"step {step}: loss/top-1 {heads_text} | {logs['train/tokens_per_s']:.0f} tok/s | "
+                  f"lr {logs['train/lr']:.2e}")
+    window.update(tokens=0, start=time.perf_counter(), stats={})
+
+
+def main(argv=None) -> int:
+    from gorgon.train.recipe import load_recipe, parse_overrides
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in ("-h", "--help"):
+        print(__doc__)
+        print("Settings (YAML keys, or --key value on the command line):")
+        import dataclasses
+        for f in dataclasses.fields(HeadsTrainConfig):
+            default = "required" if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING \
+                else (f.default if f.default is not dataclasses.MISSING else f.default_factory())
+            print(f"  --{f.name:<24} {default}")
+        return 0
+    overrides = parse_overrides(argv)
+    config_path = overrides.pop("config", None)
+    train(load_recipe(HeadsTrainConfig, config_path, overrides))
+    return 0
+
+
+if __name__ == "__main__":
+    try:
+        sys.exit(main())
+    except GorgonError as err:
+        print(f"train/heads.py: error: {err}", file=sys.stderr)
+        sys.exit(2)

@@ -1,0 +1,128 @@
+"""Head losses and accuracies. Head k read at position t predicts the token at t+k+2.
+
+Only positions whose label is an assistant token count. The vocabulary projection runs on
+those positions alone, head by head: all heads over a whole batch at once would hold
+K x B x L x V logits (1.6 GB for SmolLM2 at B=4, L=512).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def head_targets(loss_mask: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Positions t (as batch and time indices) where head k has an assistant label at t+k+2."""
+    shift = k + 2
+    valid = torch.zeros_like(loss_mask)
+    valid[:, :-shift] = loss_mask[:, shift:]
+    return valid.nonzero(as_tuple=True)
+
+
+def heads_loss(heads, hidden: torch.Tensor, input_ids: torch.Tensor, loss_mask: torch.Tensor, *,
+               loss: str = "ce", decay: float = 0.8, target_logits: torch.Tensor | None = None,
+               topk: int = 5) -> tuple[torch.Tensor, dict]:
+    """Weighted sum over heads of CE to the data's tokens or KL to the target's own distribution.
+
+    For `kl`, head k at t matches softmax(target_logits[t+k+1]): the target's prediction of the
+    same token t+k+2, which the frozen forward has already computed.
+    Returns the loss and per-head statistics (loss, top-1 and top-k hits, count).
+    """
+    total = hidden.new_zeros((), dtype=torch.float32)
+    stats = {}
+    for k in range(heads.config.num_heads):
+        b, t = head_targets(loss_mask, k)
+        if b.numel() == 0:
+            continue
+        logits = heads.head(k, hidden[b, t]).float()
+        labels = input_ids[b, t + k + 2]
+        if loss == "kl":
+            teacher = target_logits[b, t + k + 1].float().log_softmax(-1)
+            head_loss = F.kl_div(logits.log_softmax(-1), teacher, log_target=True, reduction="batchmean")
+        else:
+            head_loss = F.cross_entropy(logits, labels)
+        total = total + decay ** k * head_loss
+        with torch.no_grad():
+            top = logits.topk(topk, dim=-1).indices
+            stats[k] = {"loss": head_loss.detach().item(), "top1": int((top[:, 0] == labels).sum()),
+                        f"top{topk}": int((top == labels[:, None]).any(-1).sum()), "count": int(labels.numel())}
+    return total, stats
+
+
+@torch.no_grad()
+def rank_counts(heads, hidden: torch.Tensor, input_ids: torch.Tensor, loss_mask: torch.Tensor,
+                max_rank: int) -> torch.Tensor:
+    """(K, max_rank + 1) counts: how often the right token was each head's rank r, plus the total."""
+    counts = torch.zeros(heads.config.num_heads, max_rank + 1, dtype=torch.long)
+    for k in range(heads.config.num_heads):
+        b, t = head_targets(loss_mask, k)
+        if b.numel() == 0:
+            continue
+        top = heads.head(k, hidden[b, t]).topk(max_rank, dim=-1).indices
+        hits = top == input_ids[b, t + k + 2][:, None]
+        counts[k, :max_rank] += hits.sum(0).cpu()
+        counts[k, max_rank] += b.numel()
+    return counts
+
+
+class HeadsObjective(torch.nn.Module):
+    """The whole training loss as one module, so `accelerate` can wrap it (DDP, FSDP) as a unit.
+
+    medusa1: the target is frozen; its forward runs without gradients and only the heads learn.
+    medusa2: the target carries LoRA adapters and learns too. Its own next-token distribution
+    is held to the original model's by a KL term (teacher pass with the adapters disabled), so
+    the base model's outputs stay put while its hidden states become easier to draft from.
+    """
+
+    def __init__(self, target, heads, mode: str = "medusa1", loss: str = "ce", decay: float = 0.8,
+                 base_kl_weight: float = 1.0):
+        super().__init__()
+        self.target, self.heads = target, heads
+        self.mode, self.loss, self.decay, self.base_kl_weight = mode, loss, decay, base_kl_weight
+
+    def state_dict(self, *args, **kwargs):
+        """Only what training changes: checkpoints need not repeat the frozen target (540 MB for SmolLM2)."""
+        keep_vars = kwargs.pop("keep_vars", False)
+        full = super().state_dict(*args, keep_vars=True, **kwargs)
+        return {k: (v if keep_vars else v.detach()) for k, v in full.items()
+                if isinstance(v, torch.nn.Parameter) and v.requires_grad}
+
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        """The counterpart of `state_dict`: frozen target weights are expected to be absent."""
+        result = super().load_state_dict(state_dict, strict=False, assign=assign)
+        trainable = {n for n, p in self.named_parameters() if p.requires_grad}
+        missing = [k for k in result.missing_keys if k in trainable]
+        if strict and (missing or result.unexpected_keys):
+            raise RuntimeError(f"checkpoint does not match the model: missing {missing[:3]}, "
+                               f"unexpected {result.unexpected_keys[:3]}")
+        return type(result)(missing, result.unexpected_keys)
+
+    def forward(self, input_ids, attention_mask, loss_mask, train_backbone: bool = True):
+        from gorgon.heads.target import base_model, lm_logits
+
+        def run(grad: bool):
+            with torch.set_grad_enabled(grad):
+                hidden = base_model(self.target)(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+            return hidden
+
+        teacher_logits = None
+        if self.mode == "medusa2":
+            with torch.no_grad(), self.target.disable_adapter():
+                teacher_logits = lm_logits(self.target, run(False))
+            hidden = run(train_backbone)
+        else:
+            hidden = run(False)
+            if self.loss == "kl":
+                with torch.no_grad():
+                    teacher_logits = lm_logits(self.target, hidden)
+        total, stats = heads_loss(self.heads, hidden if self.mode == "medusa2" else hidden.detach(), input_ids,
+                                  loss_mask, loss=self.loss, decay=self.decay, target_logits=teacher_logits)
+        if self.mode == "medusa2" and train_backbone:
+            # The target's own prediction of token t+1, on assistant labels, against the original model.
+            b, t = head_targets(loss_mask, -1)
+            student = lm_logits(self.target, hidden[b, t]).float().log_softmax(-1)
+            teacher = teacher_logits[b, t].float().log_softmax(-1)
+            base_kl = F.kl_div(student, teacher, log_target=True, reduction="batchmean")
+            total = total + self.base_kl_weight * base_kl
+            stats["base_kl"] = base_kl.detach().item()
+        return total, stats

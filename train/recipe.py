@@ -1,0 +1,99 @@
+"""Training recipes: a dataclass of settings, filled from a YAML file, then `--key value` overrides.
+
+An unknown key, in the YAML or on the command line, is an error naming the close matches:
+a misspelt `learning_rate` must not silently train with the default.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from pathlib import Path
+
+import yaml
+
+from gorgon.heads.errors import GorgonError
+
+
+def _convert(value, annotation, key: str):
+    """Parse a command-line string (or check a YAML value) against a field's type."""
+    origin = typing.get_origin(annotation)
+    args = typing.get_args(annotation)
+    if origin in (typing.Union, types.UnionType):  # Optional[X]
+        if value is None or (isinstance(value, str) and value.lower() in ("none", "null")):
+            return None
+        annotation = next(a for a in args if a is not type(None))
+        origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+    if origin is list:
+        items = value if isinstance(value, list) else [v for v in str(value).split(",") if v]
+        return [_convert(v, args[0], key) for v in items]
+    try:
+        if annotation is bool:
+            if isinstance(value, bool):
+                return value
+            if str(value).lower() in ("true", "1", "yes"):
+                return True
+            if str(value).lower() in ("false", "0", "no"):
+                return False
+            raise ValueError(value)
+        if annotation is int and isinstance(value, float) and not value.is_integer():
+            raise ValueError(value)
+        return annotation(value)
+    except (TypeError, ValueError) as err:
+        raise GorgonError(f"{key} must be {getattr(annotation, '__name__', annotation)}, got {value!r}") from err
+
+
+def _unknown(key: str, known: set[str], where: str) -> GorgonError:
+    close = difflib.get_close_matches(key, known, n=3, cutoff=0.5)
+    hint = f"did you mean {', '.join(close)}?" if close else f"known keys: {', '.join(sorted(known))}"
+    return GorgonError(f"unknown key {key!r} {where}: {hint}")
+
+
+def parse_overrides(argv: list[str]) -> dict[str, str]:
+    """`--key value` and `--key=value` pairs (dashes in keys become underscores); `--flag` alone means true."""
+    out, i = {}, 0
+    while i < len(argv):
+        arg = argv[i]
+        if not arg.startswith("--"):
+            raise GorgonError(f"unexpected argument {arg!r}: options are --key value")
+        key, eq, value = arg[2:].partition("=")
+        if not eq:
+            if i + 1 < len(argv) and not argv[i + 1].startswith("--"):
+                value, i = argv[i + 1], i + 1
+            else:
+                value = "true"
+        out[key.replace("-", "_")] = value
+        i += 1
+    return out
+
+
+def load_recipe(cls, config_path: str | None, overrides: dict[str, str]):
+    """Build `cls` from a YAML file (optional) and command-line overrides, checking every key."""
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    types_ = typing.get_type_hints(cls)
+    values: dict = {}
+    if config_path:
+        path = Path(config_path)
+        if not path.is_file():
+            raise GorgonError(f"config {config_path} not found: pass a YAML recipe, e.g. configs/heads/smollm2-135m.yaml")
+        try:
+            data = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as err:
+            raise GorgonError(f"config {config_path} is not valid YAML ({err.__class__.__name__}): fix its syntax") from err
+        if not isinstance(data, dict):
+            raise GorgonError(f"config {config_path} must be a mapping of key: value")
+        for key, value in data.items():
+            if key not in fields:
+                raise _unknown(key, set(fields), f"in {config_path}")
+            values[key] = _convert(value, types_[key], key)
+    for key, value in overrides.items():
+        if key not in fields:
+            raise _unknown(key, set(fields), "on the command line")
+        values[key] = _convert(value, types_[key], key)
+    missing = [n for n, f in fields.items() if f.default is dataclasses.MISSING
+               and f.default_factory is dataclasses.MISSING and n not in values]
+    if missing:
+        raise GorgonError(f"missing setting {', '.join(missing)}: add it to the YAML or pass --{missing[0]} VALUE")
+    return cls(**values)
