@@ -40,6 +40,12 @@ def test_each_prompt_shape(tmp_path, shape):
     assert conv["system"] == ("be brief" if shape in ("sharegpt", "openai") else None)
 
 
+def test_unicode_line_separators_inside_strings_are_not_line_breaks(tmp_path):
+    (tmp_path / "p.jsonl").write_text(json.dumps({"prompt": "a\u2028b\x85c"}, ensure_ascii=False) + "\n",
+                                      encoding="utf-8")
+    assert load_conversations(str(tmp_path / "p.jsonl"))[0]["turns"] == ["a\u2028b\x85c"]
+
+
 def test_json_file_and_dataset_folder(tmp_path):
     (tmp_path / "p.json").write_text(json.dumps([SHAPES["prompt"], SHAPES["alpaca"]]))
     assert len(load_conversations(str(tmp_path / "p.json"))) == 2

@@ -25,7 +25,7 @@ from gorgon.heads.errors import GorgonError
 from gorgon.heads.model import atomic_write_text
 from gorgon.heads.target import Target, load_target
 
-from .prompts import load_conversations, user_prefix
+from .prompts import load_conversations, read_jsonl, user_prefix
 
 METADATA_NAME = "gorgon_data.json"
 
@@ -217,7 +217,7 @@ def make_dataset(settings: DataSettings, out: str | os.PathLike, target: Target 
         if not prompts_file.exists():
             written = self_prompts(engine, engine_settings, settings.limit)
             atomic_write_text(prompts_file, "".join(json.dumps(c) + "\n" for c in written))
-        convs = [json.loads(line) for line in prompts_file.read_text().splitlines()]
+        convs = read_jsonl(prompts_file)
     context = getattr(target.model.config.get_text_config(), "max_position_embeddings", None) or 10**9
     n_shards = math.ceil(len(convs) / settings.shard_size)
     done = {p.name for p in partial.glob("shard-*.jsonl")}
@@ -243,9 +243,9 @@ def make_dataset(settings: DataSettings, out: str | os.PathLike, target: Target 
     bar.close()
     rows, skipped = [], 0
     for i in range(n_shards):
-        lines = (partial / f"shard-{i:05d}.jsonl").read_text().splitlines()
-        skipped += json.loads(lines[0])["skipped"]
-        rows += [json.loads(line) for line in lines[1:]]
+        header, *records = read_jsonl(partial / f"shard-{i:05d}.jsonl")
+        skipped += header["skipped"]
+        rows += records
     if not rows:
         raise GorgonError(f"no prompt fit the context of {context} tokens with --max-new-tokens "
                           f"{settings.max_new_tokens}: lower --max-new-tokens or use shorter prompts")

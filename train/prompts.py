@@ -41,25 +41,30 @@ def conversation(record: dict, index: int) -> dict | None:
     return {"id": str(ident), "system": system, "turns": turns}
 
 
+def read_jsonl(path: Path) -> list:
+    """One JSON value per line, blank lines skipped; a bad line is an error naming its number."""
+    records = []
+    # Split on "\n" only: str.splitlines() also breaks at U+2028 and friends inside strings.
+    for n, line in enumerate(Path(path).read_text(encoding="utf-8").split("\n"), 1):
+        if line.strip():
+            try:
+                records.append(json.loads(line))
+            except json.JSONDecodeError as err:
+                raise GorgonError(f"{path} line {n} is not valid JSON ({err.msg}): fix or remove that line") from err
+    return records
+
+
 def read_records(source: str) -> list[dict]:
     """Records from a .jsonl/.json file, a `datasets` folder, or a hub dataset name."""
     path = Path(source)
     if path.is_file():
-        text = path.read_text(encoding="utf-8")
         if path.suffix == ".json":
             try:
-                data = json.loads(text)
+                data = json.loads(path.read_text(encoding="utf-8"))
             except json.JSONDecodeError as err:
                 raise GorgonError(f"{source} is not valid JSON (line {err.lineno}): fix it or use .jsonl") from err
             return data if isinstance(data, list) else [data]
-        records = []
-        for n, line in enumerate(text.splitlines(), 1):
-            if line.strip():
-                try:
-                    records.append(json.loads(line))
-                except json.JSONDecodeError as err:
-                    raise GorgonError(f"{source} line {n} is not valid JSON ({err.msg}): fix or remove that line") from err
-        return records
+        return read_jsonl(path)
     import datasets
 
     if path.is_dir():
