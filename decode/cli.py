@@ -55,7 +55,8 @@ def read_tree(value: str):
     try:
         paths = json.loads(path.read_text())
     except json.JSONDecodeError as err:
-        raise GorgonError(f"tree file {value} is not valid JSON ({err.msg}): write a list like [[0],[1],[0,0]]") from err
+        raise GorgonError(f"tree file {value} is not valid JSON ({err.msg}): "
+                          "write a list like [[0],[1],[0,0]]") from err
     if not isinstance(paths, list) or not all(isinstance(x, list) for x in paths):
         raise GorgonError(f"tree file {value} must hold a list of rank paths like [[0],[1],[0,0]]")
     return paths

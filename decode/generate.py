@@ -73,7 +73,8 @@ class StopRule:
 
 def check_prompt(model, input_ids: torch.Tensor, max_new_tokens: int) -> None:
     if input_ids.ndim != 2 or input_ids.shape[0] != 1:
-        raise GorgonError(f"input_ids must have shape (1, n); got {tuple(input_ids.shape)} (the decoder runs one sequence)")
+        raise GorgonError(f"input_ids must have shape (1, n), got {tuple(input_ids.shape)}: "
+                          "the decoder runs one sequence at a time")
     if input_ids.shape[1] == 0:
         raise GorgonError("the prompt is empty: give at least one token (a chat template adds some)")
     if max_new_tokens < 1:

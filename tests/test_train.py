@@ -173,8 +173,8 @@ def test_bad_config_keys_and_values(tmp_path):
     cfg = load_recipe(HeadsTrainConfig, None, parse_overrides(["--data=x", "--out", "y", "--lora-target-modules",
                                                                "q_proj,v_proj", "--max-steps", "none"]))
     assert cfg.lora_target_modules == ["q_proj", "v_proj"] and cfg.max_steps is None
-    run = subprocess.run([sys.executable, str(ROOT / "train/heads.py"), "--data", "x", "--out", "y", "--mode", "medusa3"],
-                         env=env(), capture_output=True, text=True)
+    run = subprocess.run([sys.executable, str(ROOT / "train/heads.py"), "--data", "x", "--out", "y",
+                          "--mode", "medusa3"], env=env(), capture_output=True, text=True)
     assert run.returncode == 2 and run.stderr.strip().splitlines()[-1] == \
         "train/heads.py: error: mode must be one of medusa1, medusa2, not 'medusa3'"
 

@@ -40,6 +40,8 @@ def write_model_card(out: Path, cfg, metrics: dict, target_name: str, bench: dic
                       f"(`gorgon data`, prompts `{meta['settings']['prompts']}`)")
     rows = "\n".join(f"| {k + 1} | t+{k + 2} | {a:.3f} | {b:.3f} |"
                      for k, (a, b) in enumerate(zip(metrics["top1"], metrics["top5"])))
+    lm_head = "the target's shared" if cfg.shared_lm_head else "their own"
+    tau = metrics["expected_tau"]
     base = target_name if "/" in target_name else f"HuggingFaceTB/{target_name}"
     speed = "Not measured yet: run `gorgon bench --heads THIS_FOLDER` to add tau and speedup."
     if bench:
@@ -56,8 +58,8 @@ tags:
 
 # Medusa heads for {target_name}
 
-{cfg.num_heads} draft heads ({cfg.num_layers} residual block(s) each, {'shared' if cfg.shared_lm_head else 'own'} LM head),
-trained with gorgon ({cfg.mode}, {cfg.loss} loss, {metrics['steps']} steps) on {data_line}.
+{cfg.num_heads} draft heads ({cfg.num_layers} residual block(s) each, {lm_head} LM head), trained with gorgon
+({cfg.mode}, {cfg.loss} loss, {metrics['steps']} steps) on {data_line}.
 Greedy decoding with these heads gives exactly the target's own output, only faster.
 
 ## Held-out accuracy
@@ -66,8 +68,8 @@ Greedy decoding with these heads gives exactly the target's own output, only fas
 |---|---|---|---|
 {rows}
 
-Expected tokens per target forward from these accuracies: {metrics['expected_tau']['cpu']:.2f} with the
-CPU tree ({cfg.cpu_tree_size} nodes), {metrics['expected_tau']['cuda']:.2f} with the GPU tree ({cfg.gpu_tree_size} nodes).
+Expected tokens per target forward from these accuracies: {tau['cpu']:.2f} with the CPU tree
+({cfg.cpu_tree_size} nodes), {tau['cuda']:.2f} with the GPU tree ({cfg.gpu_tree_size} nodes).
 
 ## Speed
 

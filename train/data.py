@@ -22,10 +22,10 @@ from pathlib import Path
 import torch
 
 from gorgon.heads.errors import GorgonError
-from gorgon.heads.model import atomic_write_text
+from gorgon.heads.files import atomic_write_text, read_jsonl
 from gorgon.heads.target import Target, load_target
 
-from .prompts import load_conversations, read_jsonl, user_prefix
+from .prompts import load_conversations, user_prefix
 
 METADATA_NAME = "gorgon_data.json"
 
@@ -43,9 +43,26 @@ class DataSettings:
     top_p: float = 1.0
     seed: int = 0
     turns: str = "first"          # first | all
+    max_prompt_tokens: int | None = None  # skip longer prompts (training windows would cut their answers)
+    batch_tokens: int = 32768     # at most this many padded tokens (prompt + answer) in one batch
     shard_size: int = 64
     chat_template: str | None = None
     engine: str = "transformers"  # transformers | vllm
+
+
+def length_batches(lengths: list[int], max_new_tokens: int, batch_size: int, batch_tokens: int):
+    """Prompt indices sorted by length, cut into batches of at most `batch_size` prompts and at
+    most `batch_tokens` padded tokens (prompt + answer), so a few long prompts do not pad a
+    whole batch of short ones to their length."""
+    batch: list[int] = []
+    for i in sorted(range(len(lengths)), key=lambda i: lengths[i]):
+        padded = (len(batch) + 1) * (lengths[i] + max_new_tokens)  # i is the longest so far
+        if batch and (len(batch) >= batch_size or padded > batch_tokens):
+            yield batch
+            batch = []
+        batch.append(i)
+    if batch:
+        yield batch
 
 
 class Engine:
@@ -62,11 +79,9 @@ class Engine:
         """Completions (EOS dropped) for token-id prompts, in the given order."""
         temperature = self.s.temperature if temperature is None else temperature
         max_new_tokens = max_new_tokens or self.s.max_new_tokens
-        order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
         out: list[list[int]] = [[] for _ in prompts]
         torch.manual_seed(seed)
-        for b in range(0, len(order), self.s.batch_size):
-            idx = order[b: b + self.s.batch_size]
+        for idx in length_batches([len(p) for p in prompts], max_new_tokens, self.s.batch_size, self.s.batch_tokens):
             width = max(len(prompts[i]) for i in idx)
             ids = torch.full((len(idx), width), self.pad, dtype=torch.long)
             mask = torch.zeros_like(ids)
@@ -119,7 +134,8 @@ def answer_shard(engine: Engine, convs: list[dict], settings: DataSettings, seed
                  on_batch=None) -> tuple[list[dict], int]:
     """Regenerate the assistant turns of some conversations, round by round so each round is one batch.
 
-    Returns the records and how many user turns were skipped for not fitting the context.
+    Returns the records and how many user turns were skipped as too long (for the context or
+    for --max-prompt-tokens).
     """
     tok, template = engine.tok, settings.chat_template
     histories = [([{"role": "system", "content": c["system"]}] if c["system"] else []) for c in convs]
@@ -131,7 +147,8 @@ def answer_shard(engine: Engine, convs: list[dict], settings: DataSettings, seed
         for i, c in enumerate(convs):
             if alive[i] and r < len(c["turns"]):
                 ids = chat_ids(tok, histories[i] + [{"role": "user", "content": c["turns"][r]}], template)
-                if len(ids) + settings.max_new_tokens > context:
+                too_long = settings.max_prompt_tokens and len(ids) > settings.max_prompt_tokens
+                if too_long or len(ids) + settings.max_new_tokens > context:
                     skipped += len(c["turns"]) - r if settings.turns == "all" else 1
                     alive[i] = False
                     continue
@@ -190,8 +207,8 @@ def make_dataset(settings: DataSettings, out: str | os.PathLike, target: Target 
     out = Path(out)
     if settings.turns not in ("first", "all"):
         raise GorgonError(f"--turns must be 'first' or 'all', not {settings.turns!r}")
-    if settings.batch_size < 1 or settings.shard_size < 1 or settings.max_new_tokens < 1:
-        raise GorgonError("--batch-size, --shard-size and --max-new-tokens must be at least 1")
+    if min(settings.batch_size, settings.shard_size, settings.max_new_tokens, settings.batch_tokens) < 1:
+        raise GorgonError("--batch-size, --shard-size, --batch-tokens and --max-new-tokens must be at least 1")
     if (out / METADATA_NAME).is_file():
         print(f"gorgon data: {out} is already complete; delete it to regenerate")
         return out
@@ -250,7 +267,7 @@ def make_dataset(settings: DataSettings, out: str | os.PathLike, target: Target 
         raise GorgonError(f"no prompt fit the context of {context} tokens with --max-new-tokens "
                           f"{settings.max_new_tokens}: lower --max-new-tokens or use shorter prompts")
     metadata = {"target": target.name, "target_fingerprint": target.fingerprint, "settings": asdict(settings),
-                "conversations": len(rows), "skipped_turns_over_context": skipped}
+                "conversations": len(rows), "skipped_turns_too_long": skipped}
     tmp = out.parent / f".{out.name}.writing"
     shutil.rmtree(tmp, ignore_errors=True)
     datasets.Dataset.from_list(rows).save_to_disk(str(tmp))
@@ -263,7 +280,7 @@ def make_dataset(settings: DataSettings, out: str | os.PathLike, target: Target 
     turns = sum(sum(m["role"] == "assistant" for m in r["messages"]) for r in rows)
     print(f"gorgon data: {len(rows)} conversations ({turns} answers) written to {out}; "
           f"{tokens} tokens generated this run in {secs:.0f} s ({tokens / max(secs, 1e-9):.1f} tokens/s); "
-          f"{skipped} turns skipped as longer than the context")
+          f"{skipped} turns skipped as too long for the context or --max-prompt-tokens")
     return out
 
 
@@ -280,6 +297,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--limit", type=int, default=None, help="use at most N prompts")
     p.add_argument("--max-new-tokens", type=int, default=512, help="longest answer per turn (default 512)")
     p.add_argument("--batch-size", type=int, default=16, help="prompts generated together (default 16)")
+    p.add_argument("--batch-tokens", type=int, default=32768,
+                   help="most padded tokens (prompt + answer) in one batch, so long prompts go in smaller batches")
+    p.add_argument("--max-prompt-tokens", type=int, default=None,
+                   help="skip prompts longer than this (and count them): match your training max_length")
     p.add_argument("--temperature", type=float, default=0.0, help="0 (default) is greedy")
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0)

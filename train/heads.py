@@ -163,7 +163,6 @@ def train(cfg: HeadsTrainConfig) -> Path:
 
     from gorgon.decode.tree import expected_accepted, tree_from_accuracies
     from gorgon.heads import MedusaHeads, load_target
-
     from gorgon.train.card import plot_head_accuracy, write_model_card
     from gorgon.train.examples import collate, load_examples, split
     from gorgon.train.losses import HeadsObjective

@@ -10,6 +10,7 @@ import json
 from pathlib import Path
 
 from gorgon.heads.errors import GorgonError
+from gorgon.heads.files import looks_like_path, read_jsonl
 
 SHAPES = ('MT-Bench/Spec-Bench {"turns": [...]}', 'ShareGPT {"conversations": [{"from", "value"}]}',
           'OpenAI {"messages": [{"role", "content"}]}', '{"prompt": ...}', 'Alpaca {"instruction", "input"}')
@@ -41,19 +42,6 @@ def conversation(record: dict, index: int) -> dict | None:
     return {"id": str(ident), "system": system, "turns": turns}
 
 
-def read_jsonl(path: Path) -> list:
-    """One JSON value per line, blank lines skipped; a bad line is an error naming its number."""
-    records = []
-    # Split on "\n" only: str.splitlines() also breaks at U+2028 and friends inside strings.
-    for n, line in enumerate(Path(path).read_text(encoding="utf-8").split("\n"), 1):
-        if line.strip():
-            try:
-                records.append(json.loads(line))
-            except json.JSONDecodeError as err:
-                raise GorgonError(f"{path} line {n} is not valid JSON ({err.msg}): fix or remove that line") from err
-    return records
-
-
 def read_records(source: str) -> list[dict]:
     """Records from a .jsonl/.json file, a `datasets` folder, or a hub dataset name."""
     path = Path(source)
@@ -76,7 +64,7 @@ def read_records(source: str) -> list[dict]:
         if isinstance(data, datasets.DatasetDict):
             data = data["train"] if "train" in data else next(iter(data.values()))
         return list(data)
-    if source.startswith((".", "/", "~")) or source.count("/") > 1 or source.endswith((".json", ".jsonl")):
+    if looks_like_path(source) or source.endswith((".json", ".jsonl")):
         raise GorgonError(f"prompt source {source} not found: pass a .jsonl/.json file, a dataset folder, "
                           "a hub dataset name, or 'self'")
     try:

@@ -77,11 +77,13 @@ def load_recipe(cls, config_path: str | None, overrides: dict[str, str]):
     if config_path:
         path = Path(config_path)
         if not path.is_file():
-            raise GorgonError(f"config {config_path} not found: pass a YAML recipe, e.g. configs/heads/smollm2-135m.yaml")
+            raise GorgonError(f"config {config_path} not found: pass a YAML recipe, "
+                              "e.g. configs/heads/smollm2-135m.yaml")
         try:
             data = yaml.safe_load(path.read_text()) or {}
         except yaml.YAMLError as err:
-            raise GorgonError(f"config {config_path} is not valid YAML ({err.__class__.__name__}): fix its syntax") from err
+            raise GorgonError(f"config {config_path} is not valid YAML ({err.__class__.__name__}): "
+                              "fix its syntax") from err
         if not isinstance(data, dict):
             raise GorgonError(f"config {config_path} must be a mapping of key: value")
         for key, value in data.items():

@@ -1,0 +1,278 @@
+"""`gorgon bench`: tau, tokens/s and speedup over plain `generate`, measured in one process.
+
+For each question, the baseline and gorgon run on the same model, device and dtype, one after
+the other (the order alternating between questions, so drift hits both alike), after a
+warm-up. A second turn is asked after the model's own first answer (the baseline's, so both
+methods see the same prompt). With greedy decoding the outputs must be identical; the report
+counts the questions where they are.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from gorgon.heads.errors import GorgonError
+from gorgon.heads.files import atomic_write_text, read_jsonl
+
+from .acceptance import Sampling
+from .generate import GenerationResult, speculative_generate
+
+BASELINES = ("generate", "prompt-lookup")
+
+
+def load_questions(path: str, limit: int | None = None) -> list[dict]:
+    """MT-Bench / Spec-Bench questions: {"question_id", "category", "turns": [...]} per line."""
+    if not Path(path).is_file():
+        raise GorgonError(f"questions file {path} not found: pass a .jsonl in the MT-Bench format "
+                          '({"question_id", "category", "turns": [...]}), e.g. scripts/data/mt_bench.jsonl')
+    questions = []
+    for i, q in enumerate(read_jsonl(Path(path)), 1):
+        if not isinstance(q, dict) or not isinstance(q.get("turns"), list) or not q["turns"] \
+                or not all(isinstance(t, str) and t.strip() for t in q["turns"]):
+            raise GorgonError(f"{path} record {i} has no usable 'turns' (a non-empty list of strings): each line "
+                              'must look like {"question_id": 1, "category": "writing", "turns": ["..."]}')
+        questions.append({"question_id": q.get("question_id", i), "category": q.get("category", "all"),
+                          "turns": q["turns"]})
+        if limit and len(questions) >= limit:
+            break
+    if not questions:
+        raise GorgonError(f"{path} holds no questions")
+    return questions
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def timed_generate(model, ids, max_new_tokens: int, sampling: Sampling, generator=None, **extra):
+    """Plain `generate`, timed; returns the new tokens and seconds."""
+    kwargs = dict(do_sample=False) if sampling.greedy else dict(
+        do_sample=True, temperature=sampling.temperature, top_k=sampling.top_k or None, top_p=sampling.top_p)
+    sync(model.device)
+    start = time.perf_counter()
+    with torch.inference_mode():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, **kwargs, **extra)
+    sync(model.device)
+    return out[0, ids.shape[1]:].tolist(), time.perf_counter() - start
+
+
+def timed_speculative(model, drafter, ids, max_new_tokens: int, sampling: Sampling, generator=None) -> GenerationResult:
+    sync(model.device)
+    start = time.perf_counter()
+    result = speculative_generate(model, drafter, ids, max_new_tokens, sampling=sampling, generator=generator)
+    sync(model.device)
+    result.seconds = time.perf_counter() - start
+    return result
+
+
+def summarize(rows: list[dict], greedy: bool, extra: tuple[str, ...]) -> dict:
+    """Aggregate figures over question rows (each one question, all its turns)."""
+    tokens = sum(r["tokens"] for r in rows)
+    seconds = sum(r["seconds"] for r in rows)
+    base_tokens = sum(r["baseline_tokens"] for r in rows)
+    base_seconds = sum(r["baseline_seconds"] for r in rows)
+    tps, base_tps = tokens / max(seconds, 1e-9), base_tokens / max(base_seconds, 1e-9)
+    out = {
+        "prompts": len(rows),
+        "tau": tokens / max(1, sum(r["target_forwards"] for r in rows)),
+        "tokens_per_s": tps,
+        "baseline_tokens_per_s": base_tps,
+        "speedup": tps / base_tps,
+        "speedup_median": statistics.median(r["speedup"] for r in rows),
+        "identical": sum(r["identical"] for r in rows) if greedy else None,
+    }
+    for name in extra:
+        t = sum(r[f"{name}_tokens"] for r in rows)
+        s = sum(r[f"{name}_seconds"] for r in rows)
+        out[f"{name}_tokens_per_s"] = t / max(s, 1e-9)
+        out[f"{name}_speedup"] = (t / max(s, 1e-9)) / base_tps
+    return out
+
+
+def run_bench(target, drafter, questions: list[dict], max_new_tokens: int = 256, sampling: Sampling = Sampling(),
+              baselines: tuple[str, ...] = ("generate",), assistant=None, seed: int = 0, progress: bool = True) -> dict:
+    """Run every question through the baseline and gorgon, interleaved; returns the report."""
+    from tqdm.auto import tqdm
+
+    model, tok = target.model, target.tokenizer
+    extra = tuple(b for b in baselines if b != "generate") + (("assistant",) if assistant is not None else ())
+    extra_kwargs = {"prompt-lookup": dict(prompt_lookup_num_tokens=10), "assistant": dict(assistant_model=assistant)}
+    generator = torch.Generator(device=model.device).manual_seed(seed)
+
+    def encode(messages):
+        return tok.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt",
+                                       return_dict=True)["input_ids"].to(model.device)
+
+    warm = encode([{"role": "user", "content": "Hello"}])  # load kernels and caches outside the timings
+    timed_generate(model, warm, 8, sampling)
+    timed_speculative(model, drafter, warm, 8, sampling, generator)
+    for name in extra:
+        timed_generate(model, warm, 8, sampling, **extra_kwargs[name])
+
+    context = getattr(model.config.get_text_config(), "max_position_embeddings", None) or 10**9
+    rows, histogram = [], {}
+    for qi, q in enumerate(tqdm(questions, desc="gorgon bench", disable=not progress, dynamic_ncols=True)):
+        row = {"question_id": q["question_id"], "category": q["category"], "tokens": 0, "seconds": 0.0,
+               "target_forwards": 0, "baseline_tokens": 0, "baseline_seconds": 0.0, "identical": True}
+        row.update({f"{n}_{k}": 0 for n in extra for k in ("tokens", "seconds")})
+        messages = []
+        for turn in q["turns"]:
+            messages.append({"role": "user", "content": turn})
+            ids = encode(messages)
+            if ids.shape[1] + max_new_tokens > context:
+                break  # a later turn that no longer fits the context ends the question
+            runs = {}
+            order = ["baseline", "gorgon"] if qi % 2 == 0 else ["gorgon", "baseline"]
+            for name in order:
+                if name == "baseline":
+                    runs[name] = timed_generate(model, ids, max_new_tokens, sampling)
+                else:
+                    runs[name] = timed_speculative(model, drafter, ids, max_new_tokens, sampling, generator)
+            base_tokens, base_secs = runs["baseline"]
+            spec = runs["gorgon"]
+            row["baseline_tokens"] += len(base_tokens)
+            row["baseline_seconds"] += base_secs
+            row["tokens"] += len(spec.tokens)
+            row["seconds"] += spec.seconds
+            row["target_forwards"] += spec.target_forwards
+            row["identical"] &= spec.tokens == base_tokens
+            for n in spec.accepted[1:]:  # the prefill's single token is not a verify step
+                histogram[n] = histogram.get(n, 0) + 1
+            for name in extra:
+                t, s = timed_generate(model, ids, max_new_tokens, sampling, **extra_kwargs[name])
+                row[f"{name}_tokens"] += len(t)
+                row[f"{name}_seconds"] += s
+            messages.append({"role": "assistant", "content": tok.decode(base_tokens, skip_special_tokens=True)})
+        base_rate = row["baseline_tokens"] / max(row["baseline_seconds"], 1e-9)
+        row["speedup"] = (row["tokens"] / max(row["seconds"], 1e-9)) / max(base_rate, 1e-9)
+        rows.append(row)
+
+    report = summarize(rows, sampling.greedy, extra)
+    report["per_category"] = {c: summarize([r for r in rows if r["category"] == c], sampling.greedy, extra)
+                              for c in sorted({r["category"] for r in rows})}
+    report["accepted_histogram"] = {str(k): histogram[k] for k in sorted(histogram)}
+    report["questions"] = rows
+    return report
+
+
+def environment(model, tree, sampling: Sampling, max_new_tokens: int) -> dict:
+    import platform
+
+    import transformers
+
+    device = model.device
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else (platform.processor() or platform.machine())
+    return {"device": f"{device.type} ({name})", "dtype": str(model.dtype).replace("torch.", ""),
+            "threads": torch.get_num_threads(), "tree": [list(p) for p in tree.paths], "tree_size": tree.size,
+            "max_new_tokens": max_new_tokens, "temperature": sampling.temperature, "top_k": sampling.top_k,
+            "top_p": sampling.top_p, "versions": {"torch": torch.__version__, "transformers": transformers.__version__,
+                                                  "python": platform.python_version()}}
+
+
+def markdown_table(report: dict) -> str:
+    lines = ["| category | prompts | tau | tokens/s | baseline tokens/s | speedup | median speedup | identical |",
+             "|---|---|---|---|---|---|---|---|"]
+    rows = list(report["per_category"].items()) + [("**all**", report)]
+    for name, r in rows:
+        ident = "-" if r["identical"] is None else f"{r['identical']}/{r['prompts']}"
+        lines.append(f"| {name} | {r['prompts']} | {r['tau']:.2f} | {r['tokens_per_s']:.1f} | "
+                     f"{r['baseline_tokens_per_s']:.1f} | {r['speedup']:.2f}x | {r['speedup_median']:.2f}x | {ident} |")
+    for key in report:
+        if key.endswith("_speedup") and key != "speedup_median":
+            lines.append(f"\n{key.replace('_speedup', '')}: {report[key]:.2f}x of plain generate")
+    return "\n".join(lines)
+
+
+def plot_report(report: dict, path: Path) -> None:
+    """Accepted tokens per verify step (histogram) and speedup per category."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(9, 3.4), dpi=120)
+    hist = report["accepted_histogram"]
+    left.bar([int(k) for k in hist], list(hist.values()), color="#3182bd")
+    left.set_xlabel("tokens per target forward (bonus included)")
+    left.set_ylabel("verify steps")
+    left.set_title(f"accepted length (tau {report['tau']:.2f})")
+    cats = list(report["per_category"])
+    right.barh(cats, [report["per_category"][c]["speedup"] for c in cats], color="#9ecae1")
+    right.axvline(1.0, color="black", lw=0.8)
+    right.set_xlabel("speedup over plain generate")
+    right.set_title(f"speedup ({report['speedup']:.2f}x overall)")
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="gorgon bench",
+        description="Measure gorgon against plain `generate` on MT-Bench-style questions, interleaved in one "
+                    "process: tau (tokens per target forward), tokens/s, speedup, and (greedy) how many outputs are "
+                    "identical to the baseline's.")
+    p.add_argument("--target", default=None, help="hub id or path (default: the embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--heads", required=True, help="heads folder or hub id")
+    p.add_argument("--questions", required=True, help="MT-Bench/Spec-Bench .jsonl, e.g. scripts/data/mt_bench.jsonl")
+    p.add_argument("--limit", type=int, default=None, help="first N questions only")
+    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 (default) is greedy")
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--tree", default="auto", help="'auto' or a JSON file of rank paths")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--baselines", default="generate",
+                   help=f"comma-separated, from {', '.join(BASELINES)} (generate is always run)")
+    p.add_argument("--assistant", default=None,
+                   help="also time transformers' assisted generation with this draft model")
+    p.add_argument("--out", default=None, help="write the JSON report here (and a PNG beside it)")
+    return p
+
+
+def main(argv=None) -> int:
+    from gorgon.heads.model import load_with_heads
+
+    from .cli import read_tree
+    from .drafters import HeadsDrafter
+
+    args = parser().parse_args(argv)
+    baselines = tuple(b.strip() for b in args.baselines.split(",") if b.strip())
+    unknown = [b for b in baselines if b not in BASELINES]
+    if unknown:
+        raise GorgonError(f"unknown baseline {unknown[0]!r}: use {', '.join(BASELINES)}")
+    questions = load_questions(args.questions, args.limit)
+    tree = read_tree(args.tree)
+    target, heads = load_with_heads(args.heads, args.target, device=args.device, dtype=args.dtype)
+    drafter = HeadsDrafter(heads, tree)
+    assistant = None
+    if args.assistant:
+        from transformers import AutoModelForCausalLM
+
+        assistant = AutoModelForCausalLM.from_pretrained(args.assistant, dtype=target.model.dtype)
+        assistant.to(target.model.device)
+    sampling = Sampling(args.temperature, args.top_k, args.top_p)
+    report = run_bench(target, drafter, questions, args.max_new_tokens, sampling, baselines, assistant, args.seed)
+    report.update(environment(target.model, drafter.tree, sampling, args.max_new_tokens))
+    report.update({"target": target.name, "heads": str(args.heads), "questions_file": args.questions,
+                   "command": "gorgon bench " + " ".join(sys.argv[2:] if argv is None else argv)})
+    print(markdown_table(report))
+    print(f"\n{report['device']}, {report['dtype']}, {report['threads']} thread(s), "
+          f"tree of {report['tree_size']} nodes")
+    if args.out:
+        out = Path(args.out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(out, json.dumps(report, indent=1) + "\n")
+        plot_report(report, out.with_suffix(".png"))
+        print(f"report: {out} (plot: {out.with_suffix('.png')})")
+    return 0

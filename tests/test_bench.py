@@ -1,0 +1,91 @@
+"""`gorgon bench`: the report's fields, the identical count catching a broken decoder, bad question files."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+from conftest import tiny_chat_target
+
+import gorgon.decode.acceptance as acceptance
+import gorgon.decode.generate as generate_module
+from gorgon.decode import HeadsDrafter
+from gorgon.decode.bench import load_questions, markdown_table, run_bench
+from gorgon.heads import GorgonError, MedusaHeads, load_target
+
+QUESTIONS = [{"question_id": i, "category": c, "turns": [f"count from {i}", "and again"]}
+             for i, c in enumerate(["writing", "math", "writing", "coding"])]
+
+
+@pytest.fixture
+def setup(tmp_path):
+    target = load_target(str(tiny_chat_target(tmp_path)), device="cpu")
+    drafter = HeadsDrafter(MedusaHeads.for_target(target.model), tree=[[0], [1], [0, 0]])
+    return target, drafter
+
+
+def test_report_fields(setup):
+    target, drafter = setup
+    report = run_bench(target, drafter, QUESTIONS, max_new_tokens=12, baselines=("generate", "prompt-lookup"),
+                       progress=False)
+    for key in ["tau", "tokens_per_s", "baseline_tokens_per_s", "speedup", "speedup_median", "identical", "prompts",
+                "per_category", "accepted_histogram", "prompt-lookup_speedup"]:
+        assert key in report, key
+    assert report["prompts"] == 4 and report["identical"] == 4
+    assert set(report["per_category"]) == {"writing", "math", "coding"}
+    assert report["per_category"]["writing"]["prompts"] == 2
+    assert report["tau"] >= 1.0 and report["speedup"] > 0
+    steps = sum(report["accepted_histogram"].values())
+    tokens = sum(int(k) * v for k, v in report["accepted_histogram"].items())
+    forwards = sum(q["target_forwards"] for q in report["questions"])
+    assert steps == forwards - 8  # every verify step, i.e. all forwards but the 4 x 2 prefills
+    assert tokens + 8 >= sum(q["tokens"] for q in report["questions"])  # output is cut at max_new_tokens
+    assert "| **all** | 4 |" in markdown_table(report)
+
+
+def test_identical_count_drops_when_the_decoder_is_broken(setup, monkeypatch):
+    target, drafter = setup
+
+    def accept_first_child(tree, tokens, logits):  # accepts drafts without checking them
+        path = tree.path_to[int(tree.children[0, 0])]
+        return path, tokens[list(path[1:])].tolist() + [int(logits[path[-1]].argmax())]
+
+    monkeypatch.setattr(generate_module, "accept_greedy", accept_first_child)
+    report = run_bench(target, drafter, QUESTIONS, max_new_tokens=12, progress=False)
+    assert report["identical"] < 4
+    monkeypatch.setattr(generate_module, "accept_greedy", acceptance.accept_greedy)
+    assert run_bench(target, drafter, QUESTIONS, max_new_tokens=12, progress=False)["identical"] == 4
+
+
+def test_bad_question_files(tmp_path):
+    with pytest.raises(GorgonError, match="not found"):
+        load_questions(str(tmp_path / "nope.jsonl"))
+    (tmp_path / "a.jsonl").write_text(json.dumps({"question_id": 1, "prompt": "hi"}) + "\n")
+    with pytest.raises(GorgonError, match="record 1 has no usable 'turns'"):
+        load_questions(str(tmp_path / "a.jsonl"))
+    (tmp_path / "b.jsonl").write_text("{oops\n")
+    with pytest.raises(GorgonError, match="line 1 is not valid JSON"):
+        load_questions(str(tmp_path / "b.jsonl"))
+    (tmp_path / "c.jsonl").write_text("\n")
+    with pytest.raises(GorgonError, match="holds no questions"):
+        load_questions(str(tmp_path / "c.jsonl"))
+
+
+def test_cli_writes_an_atomic_report_and_plot(tmp_path):
+    target_path = tiny_chat_target(tmp_path)
+    target = load_target(str(target_path), device="cpu")
+    MedusaHeads.for_target(target.model, target_fingerprint=target.fingerprint).save_pretrained(tmp_path / "heads")
+    q = tmp_path / "q.jsonl"
+    q.write_text("".join(json.dumps(x) + "\n" for x in QUESTIONS))
+    run = subprocess.run([sys.executable, "-m", "gorgon.heads.cli", "bench", "--target", str(target_path), "--heads",
+                          str(tmp_path / "heads"), "--questions", str(q), "--max-new-tokens", "8", "--limit", "2",
+                          "--out", str(tmp_path / "r" / "report.json")], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    report = json.loads((tmp_path / "r" / "report.json").read_text())
+    assert report["prompts"] == 2 and report["threads"] >= 1 and report["dtype"] == "float32"
+    assert report["versions"]["transformers"] and report["tree_size"] >= 2
+    assert (tmp_path / "r" / "report.png").stat().st_size > 1000
+    assert "| **all** |" in run.stdout
+    bad = subprocess.run([sys.executable, "-m", "gorgon.heads.cli", "bench", "--heads", str(tmp_path / "heads"),
+                          "--questions", str(q), "--baselines", "medusa"], capture_output=True, text=True)
+    assert bad.returncode == 2 and "unknown baseline 'medusa'" in bad.stderr
