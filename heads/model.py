@@ -157,9 +157,12 @@ class MedusaHeads(nn.Module):
     def from_pretrained(cls, name_or_path: str | os.PathLike, target=None, device=None,
                         dtype: torch.dtype | None = None) -> "MedusaHeads":
         """Load heads from a folder or hub id; with `target` check and attach it (a `Target` is also
-        checked by fingerprint; a bare model by shape only)."""
+        checked by fingerprint; a bare model by shape only). Folders in vLLM's or FasterDecoding
+        Medusa's format are read too (see `gorgon.heads.formats`)."""
         from safetensors import SafetensorError
         from safetensors.torch import load_file
+
+        from .formats import foreign_format, import_heads
 
         folder = resolve_heads_folder(name_or_path)
         config_path = folder / CONFIG_NAME
@@ -168,17 +171,22 @@ class MedusaHeads(nn.Module):
         except (OSError, json.JSONDecodeError) as err:
             raise GorgonError(f"cannot read {config_path} ({err.__class__.__name__}): "
                               "re-save or re-download the heads") from err
-        heads = cls(HeadsConfig.from_dict(data, source=str(config_path)))
+        fmt = foreign_format(folder, data)
         try:
-            state = load_file(folder / WEIGHTS_NAME)
+            if fmt:
+                fields, state = import_heads(folder, data, fmt)
+                heads = cls(HeadsConfig(**fields))
+            else:
+                heads = cls(HeadsConfig.from_dict(data, source=str(config_path)))
+                state = load_file(folder / WEIGHTS_NAME)
+            heads.load_state_dict(state)
         except FileNotFoundError as err:
             raise GorgonError(f"{folder} has no {WEIGHTS_NAME}: re-save or re-download the heads") from err
         except (SafetensorError, OSError) as err:
-            raise GorgonError(f"{folder / WEIGHTS_NAME} is corrupt ({err}): re-save or re-download the heads") from err
-        try:
-            heads.load_state_dict(state)
-        except RuntimeError as err:
-            raise GorgonError(f"{folder / WEIGHTS_NAME} does not match its config.json: re-save the heads") from err
+            raise GorgonError(f"the weights in {folder} are corrupt ({err}): re-save or re-download the heads") from err
+        except (RuntimeError, KeyError) as err:
+            raise GorgonError(f"the weights in {folder} do not match its config.json ({err.__class__.__name__}: "
+                              f"{str(err)[:80]}): re-save the heads") from err
         if (folder / TREES_NAME).is_file():
             heads.trees = json.loads((folder / TREES_NAME).read_text())
         if target is not None:
@@ -231,14 +239,16 @@ def resolve_heads_folder(name_or_path: str | os.PathLike) -> Path:
 
 def upload_folder(folder: str | os.PathLike, repo_id: str, private: bool = False, revision: str | None = None,
                   commit_message: str = "Upload gorgon heads") -> str:
-    """Create the repo if needed and upload a folder in one commit."""
+    """Create the repo if needed and upload a folder in one commit (training checkpoints left out)."""
     from huggingface_hub import HfApi
 
     api = HfApi()
     try:
         api.create_repo(repo_id, private=private, exist_ok=True)
+        if revision:
+            api.create_branch(repo_id, branch=revision, exist_ok=True)
         info = api.upload_folder(folder_path=str(folder), repo_id=repo_id, revision=revision,
-                                 commit_message=commit_message)
+                                 commit_message=commit_message, ignore_patterns=["checkpoints/*", ".*"])
     except Exception as err:
         reason = str(err).strip().split("\n")[0] or err.__class__.__name__
         raise GorgonError(f"upload to {repo_id} failed ({reason}); the local folder {folder} is unchanged: "

@@ -1,0 +1,172 @@
+"""Medusa checkpoint formats other tools read and write: export to them, import from them.
+
+- vllm: vLLM's Medusa draft model (vllm/model_executor/models/medusa.py, its config in
+  vllm/transformers_utils/configs/medusa.py): config.json with model_type "medusa"; weights
+  `blocks.{h}.layers.{layer}.weight/bias`, and `lm_heads.{h}.weight` per head or, with
+  `original_lm_head`, one `lm_head.weight` shared by all heads.
+- medusa: FasterDecoding Medusa's `medusa_lm_head.safetensors` (read by TGI and TensorRT-LLM,
+  e.g. TensorRT-LLM's load_medusa_hf): `{h}.{layer}.linear.weight/bias` and each head's own LM head
+  `{h}.{num_layers}.weight`; config.json with medusa_num_heads, medusa_num_layers and
+  base_model_name_or_path. Legacy `medusa_lm_head.pt` files are read with
+  `torch.load(weights_only=True)` only, so a pickle that holds code is refused.
+
+Both formats compute a head as ours does (x + SiLU(Wx + b) per layer, then an LM head), so a
+round trip gives identical logits.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from .errors import GorgonError
+from .files import atomic_write, atomic_write_text
+
+FORMATS = ("vllm", "medusa")
+MEDUSA_WEIGHTS = "medusa_lm_head.safetensors"
+MEDUSA_LEGACY = "medusa_lm_head.pt"
+
+
+def lm_head_weight(heads, k: int) -> torch.Tensor:
+    """Head k's LM head weight: its own, or the target's when shared."""
+    if heads.lm_heads is not None:
+        return heads.lm_heads[k].weight
+    if heads._target is None:
+        raise GorgonError("these heads share the target's lm_head, which the export must include: pass --target "
+                          "(or load the heads with target=...)")
+    return heads._target.get_output_embeddings().weight
+
+
+def export_heads(heads, fmt: str, out: str | Path, base_model: str | None = None) -> Path:
+    """Write `heads` in a serving engine's format to the folder `out`."""
+    from safetensors.torch import save_file
+
+    if fmt not in FORMATS:
+        raise GorgonError(f"unknown format {fmt!r}: use one of {', '.join(FORMATS)}")
+    cfg = heads.config
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    state = {}
+    for h, block in enumerate(heads.blocks):
+        for layer, res in enumerate(block):
+            prefix = f"blocks.{h}.layers.{layer}" if fmt == "vllm" else f"{h}.{layer}.linear"
+            state[f"{prefix}.weight"] = res.linear.weight
+            state[f"{prefix}.bias"] = res.linear.bias
+    if fmt == "vllm":
+        if cfg.shared_lm_head:
+            state["lm_head.weight"] = lm_head_weight(heads, 0)
+        else:
+            state.update({f"lm_heads.{h}.weight": lm_head_weight(heads, h) for h in range(cfg.num_heads)})
+        config = {"model_type": "medusa", "architectures": ["MedusaModel"], "num_heads": cfg.num_heads,
+                  "num_hidden_layers": cfg.num_layers, "hidden_size": cfg.hidden_size, "vocab_size": cfg.vocab_size,
+                  "truncated_vocab_size": cfg.vocab_size, "original_lm_head": cfg.shared_lm_head,
+                  "medusa_fc_bias": True, "base_model_name_or_path": base_model or cfg.target_name}
+        weights_name = "model.safetensors"
+    else:
+        state.update({f"{h}.{cfg.num_layers}.weight": lm_head_weight(heads, h) for h in range(cfg.num_heads)})
+        config = {"medusa_num_heads": cfg.num_heads, "medusa_num_layers": cfg.num_layers,
+                  "base_model_name_or_path": base_model or cfg.target_name, "hidden_size": cfg.hidden_size,
+                  "vocab_size": cfg.vocab_size}
+        weights_name = MEDUSA_WEIGHTS
+    # safetensors refuses tensors that share memory (the shared lm_head repeated per head): copy each.
+    state = {k: v.detach().to("cpu").clone().contiguous() for k, v in state.items()}
+    atomic_write(out / weights_name, lambda tmp: save_file(state, tmp, metadata={"format": "pt"}))
+    atomic_write_text(out / "config.json", json.dumps(config, indent=2) + "\n")
+    return out
+
+
+def foreign_format(folder: Path, config: dict) -> str | None:
+    """Which foreign format a heads folder holds, if any."""
+    if config.get("model_type") == "medusa":
+        return "vllm"
+    if (folder / MEDUSA_WEIGHTS).is_file() or (folder / MEDUSA_LEGACY).is_file() or "medusa_num_heads" in config:
+        return "medusa"
+    return None
+
+
+def _load_medusa_state(folder: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    if (folder / MEDUSA_WEIGHTS).is_file():
+        return load_file(folder / MEDUSA_WEIGHTS)
+    if not (folder / MEDUSA_LEGACY).is_file():
+        raise GorgonError(f"{folder} has a Medusa config.json but no {MEDUSA_WEIGHTS} or {MEDUSA_LEGACY}")
+    import pickle
+
+    try:
+        state = torch.load(folder / MEDUSA_LEGACY, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as err:
+        raise GorgonError(f"refused {folder / MEDUSA_LEGACY}: it holds more than tensors (code a full unpickle would "
+                          "run); convert it to safetensors where you trust it, or get a safetensors copy") from err
+    if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
+        raise GorgonError(f"{folder / MEDUSA_LEGACY} is not a state dict of tensors")
+    return state
+
+
+def import_heads(folder: Path, config: dict, fmt: str):
+    """Our (HeadsConfig fields, state dict) from a vLLM or FasterDecoding Medusa folder."""
+    from safetensors.torch import load_file
+
+    if fmt == "vllm":
+        if config.get("truncated_vocab_size", config["vocab_size"]) != config["vocab_size"]:
+            raise GorgonError("this vLLM Medusa checkpoint drafts from a truncated vocabulary (token_map), which "
+                              "gorgon does not read yet: use a checkpoint with the full vocabulary")
+        files = sorted(folder.glob("*.safetensors"))
+        if not files:
+            raise GorgonError(f"{folder} has a vLLM Medusa config.json but no .safetensors weights")
+        raw = {}
+        for f in files:
+            raw.update(load_file(f))
+        raw = {k.replace("medusa_heads.", ""): v for k, v in raw.items()}
+        heads, layers = config["num_heads"], config["num_hidden_layers"]
+        shared = bool(config.get("original_lm_head", False))
+        state = {}
+        for h in range(heads):
+            for layer in range(layers):
+                w = raw[f"blocks.{h}.layers.{layer}.weight"]
+                state[f"blocks.{h}.{layer}.linear.weight"] = w
+                bias = raw.get(f"blocks.{h}.layers.{layer}.bias", torch.zeros(w.shape[0]))  # medusa_fc_bias off
+                state[f"blocks.{h}.{layer}.linear.bias"] = bias
+            if not shared:
+                state[f"lm_heads.{h}.weight"] = raw[f"lm_heads.{h}.weight"]
+        fields = dict(num_heads=heads, num_layers=layers, hidden_size=config["hidden_size"],
+                      vocab_size=config["vocab_size"], shared_lm_head=shared,
+                      target_name=config.get("base_model_name_or_path"))
+        return fields, state
+    raw = _load_medusa_state(folder)
+    heads = config.get("medusa_num_heads") or 1 + max(int(k.split(".")[0]) for k in raw)
+    layers = config.get("medusa_num_layers") or 1 + max(int(k.split(".")[1]) for k in raw
+                                                         if k.endswith("linear.weight"))
+    state = {}
+    for h in range(heads):
+        for layer in range(layers):
+            state[f"blocks.{h}.{layer}.linear.weight"] = raw[f"{h}.{layer}.linear.weight"]
+            state[f"blocks.{h}.{layer}.linear.bias"] = raw[f"{h}.{layer}.linear.bias"]
+        state[f"lm_heads.{h}.weight"] = raw[f"{h}.{layers}.weight"]
+    vocab, hidden = raw[f"0.{layers}.weight"].shape
+    fields = dict(num_heads=heads, num_layers=layers, hidden_size=hidden, vocab_size=vocab, shared_lm_head=False,
+                  target_name=config.get("base_model_name_or_path"))
+    return fields, state
+
+
+def main(argv=None) -> int:
+    """`gorgon export`: write heads in a serving engine's format."""
+    import argparse
+
+    from .model import load_with_heads
+
+    p = argparse.ArgumentParser(prog="gorgon export", description="Export heads for a serving engine: 'vllm' (vLLM's "
+                                "Medusa model) or 'medusa' (FasterDecoding Medusa, which TGI and TensorRT-LLM read).")
+    p.add_argument("--heads", required=True, help="heads folder or hub id")
+    p.add_argument("--format", required=True, choices=FORMATS)
+    p.add_argument("--out", required=True, help="output folder")
+    p.add_argument("--target", default=None, help="the target (default: the embedded SmolLM2); its lm_head is "
+                   "written out when the heads share it")
+    p.add_argument("--base-model", default=None, help="base_model_name_or_path to record (default: the target name)")
+    args = p.parse_args(argv)
+    target, heads = load_with_heads(args.heads, args.target, device="cpu", dtype="float32")
+    out = export_heads(heads, args.format, args.out, args.base_model or target.name)
+    print(f"gorgon export: wrote {args.format} heads to {out}")
+    return 0

@@ -1,0 +1,59 @@
+"""The decoder on CUDA. Skipped without a GPU (CI has none); run them where one is present."""
+
+import warnings
+
+import pytest
+import torch
+from conftest import ARCHS, VOCAB, tiny_model
+from helpers import OracleDrafter
+
+from gorgon.decode import HeadsDrafter, Sampling, speculative_generate
+from gorgon.heads import MedusaHeads
+
+pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+PATHS = [[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0]]
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_greedy_equals_generate_on_cuda_fp32(arch):
+    model = tiny_model(arch).cuda()
+    drafter = HeadsDrafter(MedusaHeads.for_target(model, num_heads=3), tree=PATHS)
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(5):
+        ids = torch.randint(0, VOCAB, (1, 9), generator=gen).cuda()
+        ref = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=30, do_sample=False)
+        result = speculative_generate(model, drafter, ids, max_new_tokens=30)
+        assert result.tokens == ref[0, 9:].tolist()
+        oracle = OracleDrafter(ref[0, 9:].tolist(), 9, VOCAB, PATHS)
+        oracle.tree = oracle.tree.to("cuda")
+        assert speculative_generate(model, oracle, ids, max_new_tokens=30).tokens == ref[0, 9:].tolist()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_runs_and_samples_on_cuda(dtype):
+    model = tiny_model("llama").to("cuda", dtype)
+    drafter = HeadsDrafter(MedusaHeads.for_target(model, num_heads=3), tree=PATHS)
+    ids = torch.randint(0, VOCAB, (1, 7), device="cuda")
+    greedy = speculative_generate(model, drafter, ids, max_new_tokens=24)
+    assert len(greedy.tokens) == 24 and greedy.tau >= 1
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    sampled = speculative_generate(model, drafter, ids, max_new_tokens=24, sampling=Sampling(0.8, 20, 0.95),
+                                   generator=gen)
+    assert len(sampled.tokens) == 24
+
+
+def test_one_host_sync_per_step():
+    """Each verify step reads back to the host once (the acceptance result); nothing else waits."""
+    model = tiny_model("llama").cuda()
+    drafter = HeadsDrafter(MedusaHeads.for_target(model, num_heads=3), tree=PATHS)
+    ids = torch.randint(0, VOCAB, (1, 7), device="cuda")
+    speculative_generate(model, drafter, ids, max_new_tokens=8)  # warm-up
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            result = speculative_generate(model, drafter, ids, max_new_tokens=40)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    syncs = [w for w in caught if "synchroniz" in str(w.message).lower()]
+    assert len(syncs) <= result.target_forwards, [str(w.message)[:120] for w in syncs[:5]]

@@ -1,0 +1,197 @@
+"""Publishing: export to vLLM and FasterDecoding Medusa formats and back, and pushing to a Hub.
+
+Key names checked against the loaders that read them: vLLM's vllm/model_executor/models/medusa.py
+(`blocks.{h}.layers.{layer}.weight`, `lm_heads.{h}.weight`, `lm_head.weight` with original_lm_head)
+and TensorRT-LLM's load_medusa_hf (`{h}.{layer}.linear.weight/bias`, `{h}.{num_layers}.weight`).
+"""
+
+import base64
+import json
+import os
+import pickle
+import subprocess
+import sys
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+import torch
+from conftest import tiny_chat_target, tiny_model
+from safetensors.torch import load_file
+
+from gorgon.heads import GorgonError, MedusaHeads, load_target
+from gorgon.heads.formats import export_heads
+
+
+def trained_like(model, shared=True, layers=2):
+    heads = MedusaHeads.for_target(model, num_heads=3, num_layers=layers, shared_lm_head=shared)
+    with torch.no_grad():
+        for p in heads.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    return heads
+
+
+@pytest.mark.parametrize("fmt", ["vllm", "medusa"])
+@pytest.mark.parametrize("shared", [True, False])
+def test_export_then_import_gives_identical_logits(tmp_path, fmt, shared):
+    model = tiny_model("llama")
+    heads = trained_like(model, shared)
+    export_heads(heads, fmt, tmp_path / fmt, base_model="tiny")
+    back = MedusaHeads.from_pretrained(tmp_path / fmt, target=model)
+    hidden = torch.randn(4, 32)
+    torch.testing.assert_close(back(hidden), heads(hidden), rtol=0, atol=0)
+
+
+def test_exported_key_names_and_shapes(tmp_path):
+    model = tiny_model("llama")
+    heads = trained_like(model, shared=True)
+    export_heads(heads, "vllm", tmp_path / "v", base_model="tiny")
+    config = json.loads((tmp_path / "v" / "config.json").read_text())
+    assert config["model_type"] == "medusa" and config["architectures"] == ["MedusaModel"]
+    assert (config["num_heads"], config["num_hidden_layers"], config["hidden_size"], config["vocab_size"],
+            config["truncated_vocab_size"], config["original_lm_head"], config["medusa_fc_bias"]) == \
+        (3, 2, 32, 64, 64, True, True)
+    weights = load_file(tmp_path / "v" / "model.safetensors")
+    expected = {f"blocks.{h}.layers.{layer}.{p}": (32, 32) if p == "weight" else (32,)
+                for h in range(3) for layer in range(2) for p in ("weight", "bias")}
+    expected["lm_head.weight"] = (64, 32)
+    assert {k: tuple(v.shape) for k, v in weights.items()} == expected
+
+    export_heads(trained_like(model, shared=False, layers=1), "vllm", tmp_path / "v2")
+    assert {k for k in load_file(tmp_path / "v2" / "model.safetensors") if "lm_head" in k} == \
+        {"lm_heads.0.weight", "lm_heads.1.weight", "lm_heads.2.weight"}
+
+    export_heads(heads, "medusa", tmp_path / "m", base_model="tiny")
+    config = json.loads((tmp_path / "m" / "config.json").read_text())
+    assert (config["medusa_num_heads"], config["medusa_num_layers"],
+            config["base_model_name_or_path"]) == (3, 2, "tiny")
+    weights = load_file(tmp_path / "m" / "medusa_lm_head.safetensors")
+    expected = {f"{h}.{layer}.linear.{p}": (32, 32) if p == "weight" else (32,)
+                for h in range(3) for layer in range(2) for p in ("weight", "bias")}
+    expected.update({f"{h}.2.weight": (64, 32) for h in range(3)})
+    assert {k: tuple(v.shape) for k, v in weights.items()} == expected
+
+
+class Evil:
+    def __reduce__(self):
+        return (os.system, ("echo pwned",))
+
+
+def test_legacy_pt_is_read_safely_and_code_is_refused(tmp_path):
+    model = tiny_model("llama")
+    heads = trained_like(model, shared=False, layers=1)
+    export_heads(heads, "medusa", tmp_path / "m")
+    state = load_file(tmp_path / "m" / "medusa_lm_head.safetensors")
+    (tmp_path / "m" / "medusa_lm_head.safetensors").unlink()
+    torch.save(state, tmp_path / "m" / "medusa_lm_head.pt")
+    back = MedusaHeads.from_pretrained(tmp_path / "m", target=model)
+    hidden = torch.randn(2, 32)
+    torch.testing.assert_close(back(hidden), heads(hidden), rtol=0, atol=0)
+    with open(tmp_path / "m" / "medusa_lm_head.pt", "wb") as f:
+        pickle.dump({"0.0.linear.weight": Evil()}, f)
+    with pytest.raises(GorgonError, match="refused .*holds more than tensors"):
+        MedusaHeads.from_pretrained(tmp_path / "m", target=model)
+
+
+def test_export_of_shared_heads_needs_the_target(tmp_path):
+    heads = MedusaHeads.for_target(tiny_model("llama"))
+    object.__setattr__(heads, "_target", None)
+    with pytest.raises(GorgonError, match="pass --target"):
+        export_heads(heads, "vllm", tmp_path / "x")
+
+
+class FakeHub(BaseHTTPRequestHandler):
+    """The few Hub endpoints an upload uses; records every call. `fail_commit` makes commits fail."""
+
+    calls: list = []
+    files: dict = {}
+    fail_commit = False
+
+    def log_message(self, *args):
+        pass
+
+    def reply(self, code, body):
+        data = json.dumps(body).encode()
+        self.send_response(code)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def do_POST(self):
+        body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
+        self.calls.append(("POST", self.path))
+        if self.path == "/api/repos/create":
+            req = json.loads(body)
+            return self.reply(200, {"url": f"http://{self.headers['Host']}/{req.get('organization')}/{req['name']}"})
+        if self.path == "/api/validate-yaml":  # the client checks the model card's metadata
+            return self.reply(200, {})
+        if "/preupload/" in self.path:
+            files = json.loads(body)["files"]
+            return self.reply(200, {"files": [{"path": f["path"], "uploadMode": "regular", "shouldIgnore": False}
+                                              for f in files], "commitOid": "0" * 40})
+        if "/commit/" in self.path:
+            if self.fail_commit:
+                return self.reply(403, {"error": "You have no write access to someone/tiny-heads"})
+            for line in body.decode().splitlines():
+                item = json.loads(line)
+                if item["key"] == "file":
+                    self.files[item["value"]["path"]] = base64.b64decode(item["value"]["content"])
+            repo = self.path.split("/api/models/")[1].split("/commit/")[0]
+            return self.reply(200, {"commitUrl": f"http://{self.headers['Host']}/{repo}/commit/{'1' * 40}",
+                                    "commitOid": "1" * 40})
+        return self.reply(404, {"error": f"unexpected {self.path}"})
+
+    def do_GET(self):
+        self.calls.append(("GET", self.path))
+        self.reply(404, {"error": f"unexpected {self.path}"})
+
+
+@pytest.fixture
+def hub():
+    FakeHub.calls, FakeHub.files, FakeHub.fail_commit = [], {}, False
+    server = ThreadingHTTPServer(("127.0.0.1", 0), FakeHub)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_port}"
+    server.shutdown()
+
+
+def push(endpoint, folder):
+    env = {**os.environ, "HF_ENDPOINT": endpoint, "HF_TOKEN": "hf_test", "HF_HUB_OFFLINE": "0",
+           "HF_HUB_DISABLE_TELEMETRY": "1"}
+    return subprocess.run([sys.executable, "-m", "gorgon.heads.cli", "push", "--heads", str(folder),
+                           "--repo-id", "someone/tiny-heads"], env=env, capture_output=True, text=True, timeout=120)
+
+
+def heads_folder(tmp_path):
+    target = load_target(str(tiny_chat_target(tmp_path)), device="cpu")
+    folder = tmp_path / "heads"
+    MedusaHeads.for_target(target.model, target_name="tiny").save_pretrained(folder)
+    (folder / "README.md").write_text("---\nlibrary_name: gorgon\ntags:\n- medusa\n---\n# card\n")
+    (folder / "checkpoints" / "step-5").mkdir(parents=True)
+    (folder / "checkpoints" / "step-5" / "optimizer.bin").write_bytes(b"x")
+    return folder
+
+
+def test_push_creates_the_repo_and_uploads_in_one_commit(tmp_path, hub):
+    folder = heads_folder(tmp_path)
+    run = push(hub, folder)
+    assert run.returncode == 0, run.stderr[-2000:]
+    posts = [p for m, p in FakeHub.calls if m == "POST"]
+    assert posts[0] == "/api/repos/create" and "/api/validate-yaml" in posts
+    assert sum("/commit/" in p for p in posts) == 1 and posts[-1] == "/api/models/someone/tiny-heads/commit/main"
+    assert set(FakeHub.files) == {"config.json", "model.safetensors", "README.md"}  # no checkpoints
+    assert FakeHub.files["model.safetensors"] == (folder / "model.safetensors").read_bytes()
+    assert b"tags:\n- medusa" in FakeHub.files["README.md"]
+
+
+def test_failed_upload_leaves_the_folder_and_says_why(tmp_path, hub):
+    folder = heads_folder(tmp_path)
+    before = {p.name: p.read_bytes() for p in folder.iterdir() if p.is_file()}
+    FakeHub.fail_commit = True
+    run = push(hub, folder)
+    assert run.returncode == 2 and "Traceback" not in run.stderr
+    last = run.stderr.strip().splitlines()[-1]
+    assert last.startswith("gorgon push: error: upload to someone/tiny-heads failed") and "unchanged" in last
+    assert {p.name: p.read_bytes() for p in folder.iterdir() if p.is_file()} == before
