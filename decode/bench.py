@@ -229,7 +229,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--tree", default="auto", help="'auto' or a JSON file of rank paths")
+    p.add_argument("--tree", default="auto", help="'auto', a node count N, or a JSON file of rank paths "
+                   "(as for gorgon generate)")
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--baselines", default="generate",
@@ -237,6 +238,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--assistant", default=None,
                    help="also time transformers' assisted generation with this draft model")
     p.add_argument("--out", default=None, help="write the JSON report here (and a PNG beside it)")
+    p.add_argument("--update-card", action="store_true",
+                   help="write the figures into the heads folder's model card (README.md)")
     return p
 
 
@@ -275,4 +278,10 @@ def main(argv=None) -> int:
         atomic_write_text(out, json.dumps(report, indent=1) + "\n")
         plot_report(report, out.with_suffix(".png"))
         print(f"report: {out} (plot: {out.with_suffix('.png')})")
+    if args.update_card:
+        from gorgon.heads.model import resolve_heads_folder
+        from gorgon.train.card import refresh_model_card
+
+        refresh_model_card(resolve_heads_folder(args.heads), report)
+        print(f"model card updated: {resolve_heads_folder(args.heads) / 'README.md'}")
     return 0

@@ -36,7 +36,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--top-p", type=float, default=1.0, help="1 (default) is off")
     p.add_argument("--seed", type=int, default=None, help="seed for sampling")
     p.add_argument("--tree", default="auto", help="'auto' (the tree saved with the heads for this device, else a "
-                   "default) or a JSON file with a list of rank paths, e.g. [[0],[1],[0,0]]")
+                   "default), a node count N (the best N-node tree from the heads' measured accuracies), or a JSON "
+                   "file with a list of rank paths, e.g. [[0],[1],[0,0]]")
     p.add_argument("--acceptance", choices=["exact", "typical"], default="exact",
                    help="exact (lossless; default) or typical (Medusa's typical acceptance: LOSSY, sampling only)")
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
@@ -47,8 +48,11 @@ def parser() -> argparse.ArgumentParser:
 
 
 def read_tree(value: str):
+    """'auto', a node count, or a JSON file of rank paths."""
     if value == "auto":
         return "auto"
+    if value.isdigit():
+        return int(value)
     path = Path(value)
     if not path.is_file():
         raise GorgonError(f"tree file {value} not found: pass 'auto' or a JSON file with a list of rank paths")

@@ -14,7 +14,7 @@ import torch
 from gorgon.heads.errors import GorgonError
 from gorgon.heads.model import MedusaHeads
 
-from .tree import Tree, build_tree, default_tree
+from .tree import REFERENCE_ACCURACIES, Tree, build_tree, default_tree, tree_from_accuracies
 
 
 class Drafter(Protocol):
@@ -45,10 +45,14 @@ class HeadsDrafter:
 
 
 def pick_tree(heads: MedusaHeads, tree, device_type: str) -> list[list[int]]:
-    """An explicit list of paths wins; then the tree saved with the heads for this device; then a default."""
+    """An explicit list of paths wins; a number N is the best N-node tree from the heads' measured
+    accuracies (or the reference ones); then the tree saved with the heads for this device; then a default."""
     if isinstance(tree, list):
         return tree
+    if isinstance(tree, int):
+        accuracies = heads.trees.get("accuracies") or REFERENCE_ACCURACIES
+        return tree_from_accuracies(accuracies[: heads.config.num_heads], tree)
     if tree not in (None, "auto"):
-        raise GorgonError(f"unknown tree {tree!r}: pass a list of rank paths, a JSON file, or 'auto'")
+        raise GorgonError(f"unknown tree {tree!r}: pass a list of rank paths, a node count, a JSON file, or 'auto'")
     saved = heads.trees.get(device_type) or heads.trees.get("cpu")
     return saved or default_tree(heads.config.num_heads, device_type)

@@ -89,3 +89,26 @@ def test_cli_writes_an_atomic_report_and_plot(tmp_path):
     bad = subprocess.run([sys.executable, "-m", "gorgon.heads.cli", "bench", "--heads", str(tmp_path / "heads"),
                           "--questions", str(q), "--baselines", "medusa"], capture_output=True, text=True)
     assert bad.returncode == 2 and "unknown baseline 'medusa'" in bad.stderr
+
+
+def test_update_card_writes_the_measured_figures(tmp_path):
+    from gorgon.train.heads import HeadsTrainConfig, train
+
+    target_path = tiny_chat_target(tmp_path)
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"q{i}"},
+                                                     {"role": "assistant", "content": "an answer " * 3}]}) + "\n"
+                            for i in range(8)))
+    heads = train(HeadsTrainConfig(data=str(data), out=str(tmp_path / "h"), target=str(target_path), max_steps=2,
+                                   batch_size=4, report_to="none", save_every=0))
+    card = (heads / "README.md").read_text()
+    assert card.startswith("---\nbase_model:") and "- medusa\n- speculative-decoding" in card
+    assert "| 1 | t+2 |" in card and "Not measured yet" in card and "--format vllm" in card
+    q = tmp_path / "q.jsonl"
+    q.write_text("".join(json.dumps(x) + "\n" for x in QUESTIONS))
+    run = subprocess.run([sys.executable, "-m", "gorgon.heads.cli", "bench", "--target", str(target_path), "--heads",
+                          str(heads), "--questions", str(q), "--max-new-tokens", "6", "--limit", "2",
+                          "--update-card"], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    card = (heads / "README.md").read_text()
+    assert "Not measured yet" not in card and "| questions | tau |" in card and "gorgon bench --target" in card

@@ -48,7 +48,7 @@ def test_accelerate_launch_trains_a_few_steps(tmp_path):
     for name in ["config.json", "model.safetensors", "trees.json", "metrics.json", "head_accuracy.png", "README.md"]:
         assert (out / name).is_file(), name
     trees = json.loads((out / "trees.json").read_text())
-    assert len(trees["cpu"]) == 15 and len(trees["cuda"]) == 63
+    assert len(trees["cpu"]) == 15 and len(trees["cuda"]) == 63 and len(trees["accuracies"]) == 4
     assert "step 4:" in run.stderr + run.stdout
     assert list((tmp_path / "wandb").glob("offline-run-*")), "wandb should log offline"
     heads = MedusaHeads.from_pretrained(out, target=load_target(str(target), device="cpu"))

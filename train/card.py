@@ -30,6 +30,20 @@ def plot_head_accuracy(metrics: dict, path: Path) -> None:
     plt.close(fig)
 
 
+def refresh_model_card(folder: Path, bench: dict) -> None:
+    """Rewrite a trained heads folder's card with benchmark figures (from `gorgon bench --update-card`)."""
+    from gorgon.heads.errors import GorgonError
+    from gorgon.train.heads import HeadsTrainConfig
+
+    try:
+        cfg = HeadsTrainConfig(**json.loads((folder / "recipe.json").read_text()))
+        metrics = json.loads((folder / "metrics.json").read_text())
+    except FileNotFoundError as err:
+        raise GorgonError(f"{folder} has no recipe.json/metrics.json, so its card cannot be rebuilt: "
+                          "--update-card works on folders written by gorgon's training") from err
+    write_model_card(folder, cfg, metrics, metrics.get("target_name") or cfg.target or "SmolLM2-135M-Instruct", bench)
+
+
 def write_model_card(out: Path, cfg, metrics: dict, target_name: str, bench: dict | None = None) -> None:
     """README.md with Hub metadata, how the heads were trained, their measured accuracy, and usage."""
     data_meta = Path(cfg.data) / "gorgon_data.json"
@@ -43,11 +57,17 @@ def write_model_card(out: Path, cfg, metrics: dict, target_name: str, bench: dic
     lm_head = "the target's shared" if cfg.shared_lm_head else "their own"
     tau = metrics["expected_tau"]
     base = target_name if "/" in target_name else f"HuggingFaceTB/{target_name}"
-    speed = "Not measured yet: run `gorgon bench --heads THIS_FOLDER` to add tau and speedup."
+    speed = ("Not measured yet: `gorgon bench --heads THIS_FOLDER --questions scripts/data/mt_bench.jsonl "
+             "--update-card` adds tau and speedup here.")
     if bench:
-        speed = (f"tau {bench['tau']:.2f}, speedup {bench['speedup']:.2f}x over plain `generate` "
-                 f"({bench['identical']}/{bench['prompts']} outputs identical), on {bench['device']} {bench['dtype']}; "
-                 f"command: `{bench['command']}`")
+        identical = "-" if bench["identical"] is None else f"{bench['identical']}/{bench['prompts']}"
+        speed = (f"| questions | tau | tokens/s | plain generate tokens/s | speedup | identical outputs |\n"
+                 f"|---|---|---|---|---|---|\n"
+                 f"| {bench['prompts']} | {bench['tau']:.2f} | {bench['tokens_per_s']:.1f} | "
+                 f"{bench['baseline_tokens_per_s']:.1f} | {bench['speedup']:.2f}x | {identical} |\n\n"
+                 f"Measured on {bench['device']}, {bench['dtype']}, {bench['threads']} thread(s), a tree of "
+                 f"{bench['tree_size']} nodes, max {bench['max_new_tokens']} new tokens, by\n"
+                 f"`{bench['command']}`")
     text = f"""---
 base_model: {base}
 library_name: gorgon
@@ -92,5 +112,24 @@ ids = target.tokenizer.apply_chat_template([{{"role": "user", "content": "Hello"
 result = speculative_generate(target.model, HeadsDrafter(heads), ids, max_new_tokens=128)
 print(target.tokenizer.decode(result.tokens), result.tau)
 ```
+
+### In vLLM
+
+```bash
+gorgon export --heads THIS_FOLDER --format vllm --out medusa-vllm
+```
+```python
+from vllm import LLM
+llm = LLM(model="{base}", speculative_config={{"method": "medusa", "model": "medusa-vllm",
+                                                "num_speculative_tokens": {cfg.num_heads}}})
+```
+
+### In TGI or TensorRT-LLM (FasterDecoding Medusa format)
+
+```bash
+gorgon export --heads THIS_FOLDER --format medusa --out medusa-heads
+```
+TGI: point `--model-id` at `medusa-heads` (its config names the base model in `base_model_name_or_path`).
+TensorRT-LLM: pass `--medusa_model_dir medusa-heads` to its Medusa checkpoint converter.
 """
     (out / "README.md").write_text(text)

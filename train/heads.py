@@ -271,12 +271,13 @@ def train(cfg: HeadsTrainConfig) -> Path:
         "rank_accuracy": accuracies,
         "expected_tau": {k: expected_accepted(accuracies, v) for k, v in trees.items()},
         "steps": total, "train_conversations": len(train_ex), "eval_conversations": len(eval_ex),
+        "target_name": target.name,
     }
     accelerator.log({f"eval/top1_head{k}": a for k, a in enumerate(metrics["top1"])}, step=total)
     if accelerator.is_main_process:
         unwrapped = accelerator.unwrap_model(objective)
         final_heads = unwrapped.heads
-        final_heads.trees = trees
+        final_heads.trees = {**trees, "accuracies": accuracies}  # accuracies: for trees of other sizes
         out.mkdir(parents=True, exist_ok=True)
         final_heads.save_pretrained(out)
         if cfg.mode == "medusa2":
