@@ -215,13 +215,15 @@ def plot_report(report: dict, path: Path) -> None:
 
 
 def parser() -> argparse.ArgumentParser:
+    from .cli import add_drafter_arguments
+
     p = argparse.ArgumentParser(
         prog="gorgon bench",
         description="Measure gorgon against plain `generate` on MT-Bench-style questions, interleaved in one "
                     "process: tau (tokens per target forward), tokens/s, speedup, and (greedy) how many outputs are "
                     "identical to the baseline's.")
     p.add_argument("--target", default=None, help="hub id or path (default: the embedded SmolLM2-135M-Instruct)")
-    p.add_argument("--heads", required=True, help="heads folder or hub id")
+    add_drafter_arguments(p)
     p.add_argument("--questions", required=True, help="MT-Bench/Spec-Bench .jsonl, e.g. scripts/data/mt_bench.jsonl")
     p.add_argument("--limit", type=int, default=None, help="first N questions only")
     p.add_argument("--max-new-tokens", type=int, default=256)
@@ -244,10 +246,7 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
-    from gorgon.heads.model import load_with_heads
-
-    from .cli import read_tree
-    from .drafters import HeadsDrafter
+    from .cli import load_drafter, read_tree
 
     args = parser().parse_args(argv)
     baselines = tuple(b.strip() for b in args.baselines.split(",") if b.strip())
@@ -255,9 +254,7 @@ def main(argv=None) -> int:
     if unknown:
         raise GorgonError(f"unknown baseline {unknown[0]!r}: use {', '.join(BASELINES)}")
     questions = load_questions(args.questions, args.limit)
-    tree = read_tree(args.tree)
-    target, heads = load_with_heads(args.heads, args.target, device=args.device, dtype=args.dtype)
-    drafter = HeadsDrafter(heads, tree)
+    target, drafter = load_drafter(args, read_tree(args.tree))
     assistant = None
     if args.assistant:
         from transformers import AutoModelForCausalLM
@@ -267,7 +264,7 @@ def main(argv=None) -> int:
     sampling = Sampling(args.temperature, args.top_k, args.top_p)
     report = run_bench(target, drafter, questions, args.max_new_tokens, sampling, baselines, assistant, args.seed)
     report.update(environment(target.model, drafter.tree, sampling, args.max_new_tokens))
-    report.update({"target": target.name, "heads": str(args.heads), "questions_file": args.questions,
+    report.update({"target": target.name, "drafter": args.heads or args.draft, "questions_file": args.questions,
                    "command": "gorgon bench " + " ".join(sys.argv[2:] if argv is None else argv)})
     print(markdown_table(report))
     print(f"\n{report['device']}, {report['dtype']}, {report['threads']} thread(s), "
@@ -278,7 +275,7 @@ def main(argv=None) -> int:
         atomic_write_text(out, json.dumps(report, indent=1) + "\n")
         plot_report(report, out.with_suffix(".png"))
         print(f"report: {out} (plot: {out.with_suffix('.png')})")
-    if args.update_card:
+    if args.update_card and args.heads:
         from gorgon.heads.model import resolve_heads_folder
         from gorgon.train.card import refresh_model_card
 

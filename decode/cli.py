@@ -9,22 +9,23 @@ from pathlib import Path
 
 import torch
 
-from gorgon.heads import GorgonError
+from gorgon.heads import GorgonError, load_target
 from gorgon.heads.model import load_with_heads
 
 from .acceptance import Sampling
-from .drafters import HeadsDrafter
+from .drafters import DraftModelDrafter, HeadsDrafter
 from .generate import speculative_generate
 
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="gorgon generate",
-        description="Generate with a target and its Medusa heads. Greedy (the default) gives exactly the "
-                    "target's own greedy output, only faster; sampling keeps the target's distribution exactly.")
+        description="Generate with a target and its Medusa heads (or a draft model). Greedy (the default) gives "
+                    "exactly the target's own greedy output, only faster; sampling keeps the target's distribution "
+                    "exactly.")
     p.add_argument("--target", default=None, help="hub id or local path of the target (default: the embedded "
                    "SmolLM2-135M-Instruct)")
-    p.add_argument("--heads", required=True, help="heads folder or hub id (from `gorgon train` or save_pretrained)")
+    add_drafter_arguments(p)
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="one user message; the reply is streamed")
     src.add_argument("--chat", action="store_true", help="an interactive chat on stdin (empty line or Ctrl-D ends)")
@@ -45,6 +46,30 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="auto", help="auto (bf16 on CUDA, fp32 on CPU), float32, bfloat16, float16")
     p.add_argument("--stats", action="store_true", help="print tau, target forwards and tokens/s to stderr")
     return p
+
+
+def add_drafter_arguments(p: argparse.ArgumentParser) -> None:
+    """--heads (Medusa heads) or --draft (a small model with the target's tokenizer): one is required."""
+    group = p.add_mutually_exclusive_group(required=True)
+    group.add_argument("--heads", help="heads folder or hub id (from train/heads.py or save_pretrained)")
+    group.add_argument("--draft", help="a small draft model (hub id or path) sharing the target's tokenizer")
+    p.add_argument("--draft-tokens", type=int, default=4, help="tokens a --draft model proposes per step (default 4)")
+
+
+def load_drafter(args, tree):
+    """The target and the drafter the arguments name."""
+    if args.heads:
+        target, heads = load_with_heads(args.heads, args.target, device=args.device, dtype=args.dtype)
+        return target, HeadsDrafter(heads, tree)
+    from transformers import AutoModelForCausalLM
+
+    target = load_target(args.target, device=args.device, dtype=args.dtype)
+    try:
+        draft = AutoModelForCausalLM.from_pretrained(args.draft, dtype=target.model.dtype)
+    except (OSError, ValueError) as err:
+        raise GorgonError(f"could not load draft model {args.draft!r} ({str(err).strip().split(chr(10))[0]}): "
+                          "check the id or path") from err
+    return target, DraftModelDrafter(draft.to(target.model.device).eval(), args.draft_tokens).check_vocab(target.model)
 
 
 def read_tree(value: str):
@@ -83,9 +108,7 @@ class TextStream:
 
 def main(argv=None) -> int:
     args = parser().parse_args(argv)
-    tree = read_tree(args.tree)
-    target, heads = load_with_heads(args.heads, args.target, device=args.device, dtype=args.dtype)
-    drafter = HeadsDrafter(heads, tree)
+    target, drafter = load_drafter(args, read_tree(args.tree))
     tok = target.tokenizer
     sampling = Sampling(args.temperature, args.top_k, args.top_p)
     generator = None

@@ -39,9 +39,7 @@ class HeadsDrafter:
                               f"heads: use a tree at most {heads.config.num_heads} deep")
 
     def propose(self, root: torch.Tensor, hidden: torch.Tensor, context: torch.Tensor) -> torch.Tensor:
-        logits = self.heads(hidden)                                  # (K, V)
-        topk = logits.topk(self.tree.max_rank, dim=-1).indices
-        return self.tree.tokens(root, topk)
+        return self.tree.tokens(root, self.heads.draft_topk(hidden, self.tree.max_rank))
 
 
 def pick_tree(heads: MedusaHeads, tree, device_type: str) -> list[list[int]]:
@@ -56,3 +54,48 @@ def pick_tree(heads: MedusaHeads, tree, device_type: str) -> list[list[int]]:
         raise GorgonError(f"unknown tree {tree!r}: pass a list of rank paths, a node count, a JSON file, or 'auto'")
     saved = heads.trees.get(device_type) or heads.trees.get("cpu")
     return saved or default_tree(heads.config.num_heads, device_type)
+
+
+class DraftModelDrafter:
+    """A small causal LM with the target's tokenizer proposes a chain of k tokens, greedily, with
+    its own KV cache (classic draft-then-verify). The target verifies the chain in one forward
+    and the same acceptance rules apply, so output stays exact.
+
+    Between steps the draft's cache is cut back to the longest prefix it shares with the
+    accepted tokens, and only the new tokens are fed: usually the accepted drafts and the bonus.
+    """
+
+    def __init__(self, draft_model, k: int = 4):
+        if k < 1:
+            raise GorgonError(f"a draft model must propose at least one token, not {k}")
+        self.model = draft_model
+        self.tree = build_tree([[0] * d for d in range(1, k + 1)]).to(draft_model.device)
+        self.cache = None
+        self.seen = torch.empty(0, dtype=torch.long, device=draft_model.device)  # tokens in self.cache
+
+    def check_vocab(self, target_model) -> "DraftModelDrafter":
+        """Refuse a draft whose vocabulary differs from the target's (its token ids would mean other text)."""
+        mine, theirs = self.model.config.get_text_config().vocab_size, target_model.config.get_text_config().vocab_size
+        if mine != theirs:
+            raise GorgonError(f"the draft model's vocabulary ({mine}) differs from the target's ({theirs}): "
+                              "use a draft that shares the target's tokenizer")
+        return self
+
+    @torch.no_grad()
+    def propose(self, root: torch.Tensor, hidden: torch.Tensor, context: torch.Tensor) -> torch.Tensor:
+        from transformers import DynamicCache
+
+        n = min(self.seen.numel(), context.numel() - 1)  # always feed at least the newest token
+        same = int((self.seen[:n] == context[:n]).cumprod(0).sum()) if n else 0
+        if self.cache is None or same == 0:
+            self.cache, same = DynamicCache(), 0
+        for layer in self.cache.layers:
+            layer.keys, layer.values = layer.keys[:, :, :same], layer.values[:, :, :same]
+        fed = context[same:]
+        drafts = []
+        for _ in range(self.tree.max_depth):
+            logits = self.model(input_ids=fed[None], past_key_values=self.cache, use_cache=True).logits[0, -1]
+            fed = logits.argmax(-1, keepdim=True)
+            drafts.append(fed)
+        self.seen = torch.cat([context] + drafts[:-1])  # the last draft was never fed
+        return self.tree.tokens(root, torch.stack(drafts))

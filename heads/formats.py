@@ -7,7 +7,8 @@
 - medusa: FasterDecoding Medusa's `medusa_lm_head.safetensors` (read by TGI and TensorRT-LLM,
   e.g. TensorRT-LLM's load_medusa_hf): `{h}.{layer}.linear.weight/bias` and each head's own LM head
   `{h}.{num_layers}.weight`; config.json with medusa_num_heads, medusa_num_layers and
-  base_model_name_or_path. Legacy `medusa_lm_head.pt` files are read with
+  base_model_name_or_path. This format has no draft vocabulary: heads that draft from one are
+  exported drafting from the full vocabulary. Legacy `medusa_lm_head.pt` files are read with
   `torch.load(weights_only=True)` only, so a pickle that holds code is refused.
 
 Both formats compute a head as ours does (x + SiLU(Wx + b) per layer, then an LM head), so a
@@ -59,9 +60,12 @@ def export_heads(heads, fmt: str, out: str | Path, base_model: str | None = None
             state["lm_head.weight"] = lm_head_weight(heads, 0)
         else:
             state.update({f"lm_heads.{h}.weight": lm_head_weight(heads, h) for h in range(cfg.num_heads)})
+        if heads.token_map is not None:  # vLLM slices the full LM head by token_map itself
+            state["token_map"] = heads.token_map
         config = {"model_type": "medusa", "architectures": ["MedusaModel"], "num_heads": cfg.num_heads,
                   "num_hidden_layers": cfg.num_layers, "hidden_size": cfg.hidden_size, "vocab_size": cfg.vocab_size,
-                  "truncated_vocab_size": cfg.vocab_size, "original_lm_head": cfg.shared_lm_head,
+                  "truncated_vocab_size": cfg.draft_vocab_size or cfg.vocab_size,
+                  "original_lm_head": cfg.shared_lm_head,
                   "medusa_fc_bias": True, "base_model_name_or_path": base_model or cfg.target_name}
         weights_name = "model.safetensors"
     else:
@@ -110,9 +114,6 @@ def import_heads(folder: Path, config: dict, fmt: str):
     from safetensors.torch import load_file
 
     if fmt == "vllm":
-        if config.get("truncated_vocab_size", config["vocab_size"]) != config["vocab_size"]:
-            raise GorgonError("this vLLM Medusa checkpoint drafts from a truncated vocabulary (token_map), which "
-                              "gorgon does not read yet: use a checkpoint with the full vocabulary")
         files = sorted(folder.glob("*.safetensors"))
         if not files:
             raise GorgonError(f"{folder} has a vLLM Medusa config.json but no .safetensors weights")
@@ -131,9 +132,15 @@ def import_heads(folder: Path, config: dict, fmt: str):
                 state[f"blocks.{h}.{layer}.linear.bias"] = bias
             if not shared:
                 state[f"lm_heads.{h}.weight"] = raw[f"lm_heads.{h}.weight"]
+        draft = None
+        if config.get("truncated_vocab_size", config["vocab_size"]) < config["vocab_size"]:
+            if "token_map" not in raw:
+                raise GorgonError(f"{folder} declares a truncated vocabulary but has no token_map tensor")
+            state["token_map"] = raw["token_map"].long()
+            draft = int(state["token_map"].numel())
         fields = dict(num_heads=heads, num_layers=layers, hidden_size=config["hidden_size"],
                       vocab_size=config["vocab_size"], shared_lm_head=shared,
-                      target_name=config.get("base_model_name_or_path"))
+                      target_name=config.get("base_model_name_or_path"), draft_vocab_size=draft)
         return fields, state
     raw = _load_medusa_state(folder)
     heads = config.get("medusa_num_heads") or 1 + max(int(k.split(".")[0]) for k in raw)

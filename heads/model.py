@@ -39,6 +39,7 @@ class HeadsConfig:
     shared_lm_head: bool = True
     target_name: str | None = None
     target_fingerprint: str | None = None
+    draft_vocab_size: int | None = None  # heads draft from this many frequent tokens (None: all)
 
     @classmethod
     def from_dict(cls, data: dict, source: str = "config") -> "HeadsConfig":
@@ -84,7 +85,20 @@ class MedusaHeads(nn.Module):
             nn.Linear(config.hidden_size, config.vocab_size, bias=False) for _ in range(config.num_heads)
         )
         object.__setattr__(self, "_target", None)  # not a submodule: never saved, moved or trained
-        self.trees: dict[str, list[list[int]]] = {}
+        self.trees: dict[str, list] = {}
+        # The draft vocabulary (as vLLM's token_map): token ids the heads propose from. Drafting
+        # over the most frequent tokens only makes the heads' projection several times cheaper;
+        # acceptance still checks every draft against the target, so output is unchanged.
+        size = config.draft_vocab_size
+        self.register_buffer("token_map", torch.zeros(size, dtype=torch.long) if size else None)
+        object.__setattr__(self, "_draft_weights", None)
+
+    def set_draft_vocab(self, token_ids: torch.Tensor) -> None:
+        """Draft from these token ids only (e.g. the most frequent in the training data)."""
+        ids = torch.as_tensor(token_ids, dtype=torch.long).sort().values
+        self.config.draft_vocab_size = int(ids.numel())
+        self.token_map = ids.to(self.blocks[0][0].linear.weight.device)
+        object.__setattr__(self, "_draft_weights", None)
 
     # -- the target ---------------------------------------------------------------------------
     @classmethod
@@ -118,17 +132,39 @@ class MedusaHeads(nn.Module):
                               f"{self.config.target_fingerprint}) but this target's fingerprint is {fingerprint}: "
                               "train heads for this target, or load the target they were trained for")
         object.__setattr__(self, "_target", target_model)
+        object.__setattr__(self, "_draft_weights", None)
         return self
 
     # -- compute ------------------------------------------------------------------------------
     def head(self, k: int, hidden: torch.Tensor) -> torch.Tensor:
-        """Logits of head k alone (..., V): training computes heads one at a time to bound memory."""
+        """Logits of head k alone over its draft vocabulary (..., draft_vocab_size or V), the
+        vocabulary it drafts from and trains on. Training computes heads one at a time to bound memory."""
         h = self.blocks[k](hidden)
         if self.lm_heads is not None:
-            return self.lm_heads[k](h)
+            weight = self.lm_heads[k].weight
+            return nn.functional.linear(h, weight if self.token_map is None else weight[self.token_map])
         if self._target is None:
             raise GorgonError("these heads share the target's lm_head: call heads.attach(target_model) first")
-        return lm_logits(self._target, h)
+        return lm_logits(self._target, h, self.token_map)
+
+    @torch.no_grad()
+    def draft_topk(self, hidden: torch.Tensor, k: int) -> torch.Tensor:
+        """Each head's k most likely token ids (num_heads, ..., k), from the draft vocabulary."""
+        if self.token_map is None:
+            return self(hidden).topk(k, dim=-1).indices
+        if self._draft_weights is None:  # the LM head rows of the draft vocabulary, sliced once
+            full = [h.weight for h in self.lm_heads] if self.lm_heads is not None \
+                else [self._target.get_output_embeddings().weight] if self._target is not None else None
+            if full is None:
+                raise GorgonError("these heads share the target's lm_head: call heads.attach(target_model) first")
+            object.__setattr__(self, "_draft_weights", torch.stack([w[self.token_map] for w in full]))
+        states = torch.stack([block(hidden) for block in self.blocks])         # (K, ..., H)
+        weights = self._draft_weights.to(states.dtype)
+        if weights.shape[0] == 1:
+            logits = states @ weights[0].T
+        else:
+            logits = torch.einsum("k...h,kvh->k...v", states, weights)
+        return self.token_map[logits.topk(k, dim=-1).indices]
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         """Head logits for hidden states (..., H): shape (num_heads, ..., V)."""

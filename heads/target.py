@@ -177,10 +177,13 @@ def fingerprint(model: torch.nn.Module) -> str:
     return digest.hexdigest()[:16]
 
 
-def lm_logits(model: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor:
-    """The target's logits from its last hidden state, with final soft-capping where the model has it."""
-    head = model.get_output_embeddings()
-    logits = head(hidden.to(head.weight.dtype))
+def lm_logits(model: torch.nn.Module, hidden: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
+    """The target's logits from its last hidden state, with final soft-capping where the model has it;
+    with `rows`, only those vocabulary entries."""
+    weight = model.get_output_embeddings().weight
+    if rows is not None:
+        weight = weight[rows]
+    logits = torch.nn.functional.linear(hidden.to(weight.dtype), weight)
     cap = getattr(model.config, "final_logit_softcapping", None)
     if cap:
         logits = torch.tanh(logits / cap) * cap

@@ -112,3 +112,20 @@ def test_update_card_writes_the_measured_figures(tmp_path):
     assert run.returncode == 0, run.stderr[-2000:]
     card = (heads / "README.md").read_text()
     assert "Not measured yet" not in card and "| questions | tau |" in card and "gorgon bench --target" in card
+
+
+def test_bench_with_a_draft_model(tmp_path):
+    target_path = tiny_chat_target(tmp_path)
+    draft_path = tiny_chat_target(tmp_path, seed=3)
+    q = tmp_path / "q.jsonl"
+    q.write_text("".join(json.dumps(x) + "\n" for x in QUESTIONS))
+    run = subprocess.run([sys.executable, "-m", "gorgon.heads.cli", "bench", "--target", str(target_path), "--draft",
+                          str(draft_path), "--draft-tokens", "3", "--questions", str(q), "--max-new-tokens", "8",
+                          "--limit", "2", "--out", str(tmp_path / "r.json")], capture_output=True, text=True,
+                         timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    report = json.loads((tmp_path / "r.json").read_text())
+    assert report["identical"] == 2 and report["tree_size"] == 4 and report["drafter"] == str(draft_path)
+    bad = subprocess.run([sys.executable, "-m", "gorgon.heads.cli", "bench", "--target", str(target_path), "--draft",
+                          str(tmp_path / "nope"), "--questions", str(q)], capture_output=True, text=True)
+    assert bad.returncode == 2 and "could not load draft model" in bad.stderr.strip().splitlines()[-1]

@@ -114,3 +114,37 @@ def test_bad_inputs():
     other = tiny_model("qwen2", vocab=VOCAB + 1)
     with pytest.raises(GorgonError, match="vocabulary of 64"):
         heads.attach(other)
+
+
+def test_greedy_is_exact_with_a_draft_vocabulary():
+    model = tiny_model("qwen2")
+    heads = MedusaHeads.for_target(model, num_heads=3)
+    heads.set_draft_vocab(torch.arange(0, VOCAB, 3))
+    drafter = HeadsDrafter(heads, tree=PATHS[:7])
+    ids = torch.randint(0, VOCAB, (1, 6))
+    assert speculative_generate(model, drafter, ids, max_new_tokens=30).tokens == reference(model, ids, 30)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_a_draft_model_gives_exact_greedy_output(arch):
+    from gorgon.decode import DraftModelDrafter
+
+    model = tiny_model(arch)
+    gen = torch.Generator().manual_seed(5)
+    for draft, k in [(tiny_model(arch, seed=7), 3), (model, 4)]:   # another model, and the target itself
+        drafter = DraftModelDrafter(draft, k=k).check_vocab(model)
+        taus = []
+        for _ in range(4):
+            ids = torch.randint(0, VOCAB, (1, int(torch.randint(2, 12, (1,), generator=gen))), generator=gen)
+            result = speculative_generate(model, drafter, ids, max_new_tokens=25)
+            assert result.tokens == reference(model, ids, 25)
+            taus.append(result.tau)
+        if draft is model:  # a perfect draft: every step accepts all k drafts plus the bonus
+            assert min(taus) > 0.9 * 25 / (1 + 24 / (k + 1) + 1)
+
+
+def test_a_draft_with_another_vocabulary_is_refused():
+    from gorgon.decode import DraftModelDrafter
+
+    with pytest.raises(GorgonError, match="vocabulary .* differs"):
+        DraftModelDrafter(tiny_model("llama", vocab=VOCAB + 8)).check_vocab(tiny_model("llama"))

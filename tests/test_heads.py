@@ -101,3 +101,22 @@ def test_hub_id_goes_through_the_hub_client(tmp_path, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     with pytest.raises(GorgonError, match="could not fetch heads 'someone/heads'.*HF_HUB_OFFLINE"):
         MedusaHeads.from_pretrained("someone/heads")
+
+
+def test_draft_vocabulary_restricts_drafts_and_survives_save_load(tmp_path):
+    model = tiny_model("llama")
+    for shared in (True, False):
+        heads = MedusaHeads.for_target(model, num_heads=3, shared_lm_head=shared)
+        with torch.no_grad():
+            for p in heads.parameters():
+                p.add_(torch.randn_like(p) * 0.1)
+        vocab = torch.tensor([3, 9, 17, 20, 33, 41, 50, 63])
+        heads.set_draft_vocab(vocab)
+        hidden = torch.randn(5, 32)
+        top = heads.draft_topk(hidden, 3)
+        assert top.shape == (3, 5, 3) and torch.isin(top, vocab).all()
+        full = heads(hidden)[..., vocab]                       # the same ranking, restricted by hand
+        assert torch.equal(top, vocab[full.topk(3, dim=-1).indices])
+        heads.save_pretrained(tmp_path / str(shared))
+        back = MedusaHeads.from_pretrained(tmp_path / str(shared), target=model)
+        assert back.config.draft_vocab_size == 8 and torch.equal(back.draft_topk(hidden, 3), top)

@@ -42,6 +42,20 @@ def test_export_then_import_gives_identical_logits(tmp_path, fmt, shared):
     torch.testing.assert_close(back(hidden), heads(hidden), rtol=0, atol=0)
 
 
+def test_vllm_round_trip_keeps_the_draft_vocabulary(tmp_path):
+    model = tiny_model("llama")
+    heads = trained_like(model)
+    heads.set_draft_vocab(torch.arange(0, 64, 2))
+    export_heads(heads, "vllm", tmp_path / "v")
+    config = json.loads((tmp_path / "v" / "config.json").read_text())
+    weights = load_file(tmp_path / "v" / "model.safetensors")
+    assert config["truncated_vocab_size"] == 32 and weights["token_map"].tolist() == list(range(0, 64, 2))
+    assert weights["lm_head.weight"].shape == (64, 32)  # vLLM slices the full head by token_map itself
+    back = MedusaHeads.from_pretrained(tmp_path / "v", target=model)
+    hidden = torch.randn(3, 32)
+    assert torch.equal(back.draft_topk(hidden, 4), heads.draft_topk(hidden, 4))
+
+
 def test_exported_key_names_and_shapes(tmp_path):
     model = tiny_model("llama")
     heads = trained_like(model, shared=True)

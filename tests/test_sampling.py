@@ -39,8 +39,8 @@ def exact_distribution(model, prompt, s: Sampling):
     return {tuple(seq.tolist()): float(p) for seq, p in zip(seqs, probs.prod(1))}
 
 
-def sample_counts(model, prompt, s: Sampling):
-    drafter = TargetRolloutDrafter(model, PATHS)
+def sample_counts(model, prompt, s: Sampling, drafter=None):
+    drafter = drafter or TargetRolloutDrafter(model, PATHS)
     gen = torch.Generator().manual_seed(1234)
     counts, accepted = {}, []
     for _ in range(SAMPLES):
@@ -77,6 +77,18 @@ def test_speculative_sampling_is_exact(peaky_model, s):
     prompt = torch.tensor([[1, 5, 2]])
     counts, accepted = sample_counts(peaky_model, prompt, s)
     assert max(accepted) >= 3  # tree candidates, not only bonus tokens, were accepted
+    assert chi_square_p(exact_distribution(peaky_model, prompt, s), counts) > 1e-3
+
+
+def test_sampling_with_a_draft_model_is_exact(peaky_model):
+    from gorgon.decode import DraftModelDrafter
+
+    draft = tiny_model("llama", vocab=V, seed=4)
+    with torch.no_grad():
+        draft.lm_head.weight.mul_(40)
+    s = Sampling(temperature=1.0)
+    prompt = torch.tensor([[1, 5, 2]])
+    counts, _ = sample_counts(peaky_model, prompt, s, DraftModelDrafter(draft, k=2))
     assert chi_square_p(exact_distribution(peaky_model, prompt, s), counts) > 1e-3
 
 

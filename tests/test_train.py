@@ -73,13 +73,16 @@ def test_loss_falls_on_a_learnable_toy_set(tmp_path):
     target_path = tiny_chat_target(tmp_path)
     data = toy_data(tmp_path / "toy.jsonl")
     out = train(HeadsTrainConfig(data=data, out=str(tmp_path / "h"), target=str(target_path), max_steps=60,
-                                 batch_size=8, learning_rate=3e-2, warmup_steps=5, report_to="none", save_every=0))
+                                 batch_size=8, learning_rate=3e-2, warmup_steps=5, report_to="none", save_every=0,
+                                 draft_vocab_size=30))
     target = load_target(str(target_path), device="cpu")
     fresh = MedusaHeads.for_target(target.model)
     trained = MedusaHeads.from_pretrained(out, target=target)
     before, after = eval_loss(fresh, target, data), eval_loss(trained, target, data)
     assert all(a < 0.8 * b for a, b in zip(after, before)), (before, after)
     metrics = json.loads((out / "metrics.json").read_text())
+    assert 0.99 <= metrics["draft_vocab_coverage"] <= 1.0  # the toy answers use fewer than 30 characters
+    assert trained.config.draft_vocab_size == 30 and trained.token_map.numel() == 30
     assert len(metrics["top1"]) == 4 and all(0 <= a <= b <= 1 for a, b in zip(metrics["top1"], metrics["top5"]))
 
 

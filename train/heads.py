@@ -63,6 +63,7 @@ class HeadsTrainConfig:
     seed: int = 0
     dtype: str = "auto"                # target dtype: auto = bf16 on CUDA, fp32 on CPU
     tree_topk: int = 10                # ranks measured per head for the trees
+    draft_vocab_size: int | None = None  # heads draft from, and train over, the N most frequent answer tokens
     cpu_tree_size: int = 16
     gpu_tree_size: int = 64
     report_to: str = "wandb"           # wandb (offline without an API key) | none
@@ -150,6 +151,15 @@ def evaluate(objective, loader, accelerator, tree_topk: int):
     return (sum(losses) / max(1, len(losses))), counts
 
 
+def set_draft_vocab(heads, examples: list[dict], size: int) -> float:
+    """Let the heads draft from the `size` most frequent answer tokens; returns their share of answer tokens."""
+    answer = [t for ex in examples for t, m in zip(ex["input_ids"], ex["loss_mask"]) if m]
+    counts = torch.bincount(torch.tensor(answer), minlength=heads.config.vocab_size)
+    top = counts.topk(min(size, heads.config.vocab_size))
+    heads.set_draft_vocab(top.indices)
+    return float(top.values.sum() / counts.sum())
+
+
 def accuracy_table(counts: torch.Tensor) -> list[list[float]]:
     """Per head, the chance that rank r is right, from rank counts (last column: total)."""
     totals = counts[:, -1].clamp(min=1).double()
@@ -188,6 +198,7 @@ def train(cfg: HeadsTrainConfig) -> Path:
     heads = MedusaHeads.for_target(target.model, cfg.num_heads, cfg.num_layers, cfg.shared_lm_head,
                                    target.name, target.fingerprint).float()
     heads.attach(target.model)
+    coverage = set_draft_vocab(heads, train_ex, cfg.draft_vocab_size) if cfg.draft_vocab_size else None
     model = target.model
     if cfg.mode == "medusa2":
         from peft import LoraConfig, get_peft_model
@@ -271,7 +282,7 @@ def train(cfg: HeadsTrainConfig) -> Path:
         "rank_accuracy": accuracies,
         "expected_tau": {k: expected_accepted(accuracies, v) for k, v in trees.items()},
         "steps": total, "train_conversations": len(train_ex), "eval_conversations": len(eval_ex),
-        "target_name": target.name,
+        "target_name": target.name, "draft_vocab_size": cfg.draft_vocab_size, "draft_vocab_coverage": coverage,
     }
     accelerator.log({f"eval/top1_head{k}": a for k, a in enumerate(metrics["top1"])}, step=total)
     if accelerator.is_main_process:

@@ -26,18 +26,32 @@ def heads_loss(heads, hidden: torch.Tensor, input_ids: torch.Tensor, loss_mask: 
 
     For `kl`, head k at t matches softmax(target_logits[t+k+1]): the target's prediction of the
     same token t+k+2, which the frozen forward has already computed.
+    Heads with a draft vocabulary train over it: positions whose label lies outside are skipped
+    (the head could never draft that token), and the KL teacher is renormalised over it.
+    Accuracies count every assistant position, so they include the vocabulary's coverage.
     Returns the loss and per-head statistics (loss, top-1 and top-k hits, count).
     """
     total = hidden.new_zeros((), dtype=torch.float32)
     stats = {}
+    index = None
+    if heads.token_map is not None:  # token id -> position in the draft vocabulary, -1 outside
+        index = torch.full((heads.config.vocab_size,), -1, dtype=torch.long, device=input_ids.device)
+        index[heads.token_map] = torch.arange(heads.token_map.numel(), device=input_ids.device)
     for k in range(heads.config.num_heads):
         b, t = head_targets(loss_mask, k)
+        count = int(b.numel())
+        labels = input_ids[b, t + k + 2]
+        if index is not None:
+            inside = index[labels] >= 0
+            b, t, labels = b[inside], t[inside], index[labels[inside]]
         if b.numel() == 0:
             continue
         logits = heads.head(k, hidden[b, t]).float()
-        labels = input_ids[b, t + k + 2]
         if loss == "kl":
-            teacher = target_logits[b, t + k + 1].float().log_softmax(-1)
+            teacher = target_logits[b, t + k + 1].float()
+            if heads.token_map is not None:
+                teacher = teacher[:, heads.token_map]
+            teacher = teacher.log_softmax(-1)
             head_loss = F.kl_div(logits.log_softmax(-1), teacher, log_target=True, reduction="batchmean")
         else:
             head_loss = F.cross_entropy(logits, labels)
@@ -45,7 +59,7 @@ def heads_loss(heads, hidden: torch.Tensor, input_ids: torch.Tensor, loss_mask: 
         with torch.no_grad():
             top = logits.topk(topk, dim=-1).indices
             stats[k] = {"loss": head_loss.detach().item(), "top1": int((top[:, 0] == labels).sum()),
-                        f"top{topk}": int((top == labels[:, None]).any(-1).sum()), "count": int(labels.numel())}
+                        f"top{topk}": int((top == labels[:, None]).any(-1).sum()), "count": count}
     return total, stats
 
 
@@ -58,7 +72,7 @@ def rank_counts(heads, hidden: torch.Tensor, input_ids: torch.Tensor, loss_mask:
         b, t = head_targets(loss_mask, k)
         if b.numel() == 0:
             continue
-        top = heads.head(k, hidden[b, t]).topk(max_rank, dim=-1).indices
+        top = heads.draft_topk(hidden[b, t], max_rank)[k]  # ranks as the decoder will see them
         hits = top == input_ids[b, t + k + 2][:, None]
         counts[k, :max_rank] += hits.sum(0).cpu()
         counts[k, max_rank] += b.numel()
