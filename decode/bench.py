@@ -201,6 +201,7 @@ def plot_report(report: dict, path: Path) -> None:
     fig, (left, right) = plt.subplots(1, 2, figsize=(9, 3.4), dpi=120)
     hist = report["accepted_histogram"]
     left.bar([int(k) for k in hist], list(hist.values()), color="#3182bd")
+    left.set_xticks([int(k) for k in hist])
     left.set_xlabel("tokens per target forward (bonus included)")
     left.set_ylabel("verify steps")
     left.set_title(f"accepted length (tau {report['tau']:.2f})")
@@ -215,26 +216,16 @@ def plot_report(report: dict, path: Path) -> None:
 
 
 def parser() -> argparse.ArgumentParser:
-    from .cli import add_drafter_arguments
+    from .cli import add_model_arguments
 
     p = argparse.ArgumentParser(
         prog="gorgon bench",
         description="Measure gorgon against plain `generate` on MT-Bench-style questions, interleaved in one "
                     "process: tau (tokens per target forward), tokens/s, speedup, and (greedy) how many outputs are "
                     "identical to the baseline's.")
-    p.add_argument("--target", default=None, help="hub id or path (default: the embedded SmolLM2-135M-Instruct)")
-    add_drafter_arguments(p)
+    add_model_arguments(p)
     p.add_argument("--questions", required=True, help="MT-Bench/Spec-Bench .jsonl, e.g. scripts/data/mt_bench.jsonl")
     p.add_argument("--limit", type=int, default=None, help="first N questions only")
-    p.add_argument("--max-new-tokens", type=int, default=256)
-    p.add_argument("--temperature", type=float, default=0.0, help="0 (default) is greedy")
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--tree", default="auto", help="'auto', a node count N, or a JSON file of rank paths "
-                   "(as for gorgon generate)")
-    p.add_argument("--device", default="auto")
-    p.add_argument("--dtype", default="auto")
     p.add_argument("--baselines", default="generate",
                    help=f"comma-separated, from {', '.join(BASELINES)} (generate is always run)")
     p.add_argument("--assistant", default=None,
@@ -262,7 +253,8 @@ def main(argv=None) -> int:
         assistant = AutoModelForCausalLM.from_pretrained(args.assistant, dtype=target.model.dtype)
         assistant.to(target.model.device)
     sampling = Sampling(args.temperature, args.top_k, args.top_p)
-    report = run_bench(target, drafter, questions, args.max_new_tokens, sampling, baselines, assistant, args.seed)
+    seed = 0 if args.seed is None else args.seed  # reproducible unless asked otherwise
+    report = run_bench(target, drafter, questions, args.max_new_tokens, sampling, baselines, assistant, seed)
     report.update(environment(target.model, drafter.tree, sampling, args.max_new_tokens))
     report.update({"target": target.name, "drafter": args.heads or args.draft, "questions_file": args.questions,
                    "command": "gorgon bench " + " ".join(sys.argv[2:] if argv is None else argv)})

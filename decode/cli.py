@@ -23,37 +23,40 @@ def parser() -> argparse.ArgumentParser:
         description="Generate with a target and its Medusa heads (or a draft model). Greedy (the default) gives "
                     "exactly the target's own greedy output, only faster; sampling keeps the target's distribution "
                     "exactly.")
-    p.add_argument("--target", default=None, help="hub id or local path of the target (default: the embedded "
-                   "SmolLM2-135M-Instruct)")
-    add_drafter_arguments(p)
+    add_model_arguments(p)
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="one user message; the reply is streamed")
     src.add_argument("--chat", action="store_true", help="an interactive chat on stdin (empty line or Ctrl-D ends)")
     p.add_argument("--system", default=None, help="system message for the chat template")
     p.add_argument("--raw", action="store_true", help="feed --prompt as is, without the chat template")
+    p.add_argument("--acceptance", choices=["exact", "typical"], default="exact",
+                   help="exact (lossless; default) or typical (Medusa's typical acceptance: LOSSY, sampling only)")
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    p.add_argument("--stats", action="store_true", help="print tau, target forwards and tokens/s to stderr")
+    return p
+
+
+def add_model_arguments(p: argparse.ArgumentParser) -> None:
+    """What `gorgon generate` and `gorgon bench` share: the target, the drafter, the tree, sampling, device.
+
+    --heads (Medusa heads) or --draft (a small model with the target's tokenizer): one is required.
+    """
+    p.add_argument("--target", default=None, help="hub id or local path of the target (default: the embedded "
+                   "SmolLM2-135M-Instruct)")
+    group = p.add_mutually_exclusive_group(required=True)
+    group.add_argument("--heads", help="heads folder or hub id (from train/heads.py or save_pretrained)")
+    group.add_argument("--draft", help="a small draft model (hub id or path) sharing the target's tokenizer")
+    p.add_argument("--draft-tokens", type=int, default=4, help="tokens a --draft model proposes per step (default 4)")
+    p.add_argument("--tree", default="auto", help="'auto' (the tree saved with the heads for this device, else a "
+                   "default), a node count N (the best N-node tree from the heads' measured accuracies), or a JSON "
+                   "file with a list of rank paths, e.g. [[0],[1],[0,0]]")
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--temperature", type=float, default=0.0, help="0 (default) is greedy")
     p.add_argument("--top-k", type=int, default=0, help="0 (default) is off")
     p.add_argument("--top-p", type=float, default=1.0, help="1 (default) is off")
     p.add_argument("--seed", type=int, default=None, help="seed for sampling")
-    p.add_argument("--tree", default="auto", help="'auto' (the tree saved with the heads for this device, else a "
-                   "default), a node count N (the best N-node tree from the heads' measured accuracies), or a JSON "
-                   "file with a list of rank paths, e.g. [[0],[1],[0,0]]")
-    p.add_argument("--acceptance", choices=["exact", "typical"], default="exact",
-                   help="exact (lossless; default) or typical (Medusa's typical acceptance: LOSSY, sampling only)")
-    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", default="auto", help="auto (bf16 on CUDA, fp32 on CPU), float32, bfloat16, float16")
-    p.add_argument("--stats", action="store_true", help="print tau, target forwards and tokens/s to stderr")
-    return p
-
-
-def add_drafter_arguments(p: argparse.ArgumentParser) -> None:
-    """--heads (Medusa heads) or --draft (a small model with the target's tokenizer): one is required."""
-    group = p.add_mutually_exclusive_group(required=True)
-    group.add_argument("--heads", help="heads folder or hub id (from train/heads.py or save_pretrained)")
-    group.add_argument("--draft", help="a small draft model (hub id or path) sharing the target's tokenizer")
-    p.add_argument("--draft-tokens", type=int, default=4, help="tokens a --draft model proposes per step (default 4)")
 
 
 def load_drafter(args, tree):
