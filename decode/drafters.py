@@ -15,6 +15,7 @@ from gorgon.heads.errors import GorgonError
 from gorgon.heads.model import MedusaHeads
 
 from .tree import REFERENCE_ACCURACIES, Tree, build_tree, default_tree, tree_from_accuracies
+from .verify import crop_cache
 
 
 class Drafter(Protocol):
@@ -89,8 +90,7 @@ class DraftModelDrafter:
         same = int((self.seen[:n] == context[:n]).cumprod(0).sum()) if n else 0
         if self.cache is None or same == 0:
             self.cache, same = DynamicCache(), 0
-        for layer in self.cache.layers:
-            layer.keys, layer.values = layer.keys[:, :, :same], layer.values[:, :, :same]
+        crop_cache(self.cache, same)
         fed = context[same:]
         drafts = []
         for _ in range(self.tree.max_depth):

@@ -77,13 +77,17 @@ def keep_path(cache, past_len: int, nodes: torch.Tensor) -> None:
 
     After verification the cache holds past_len + T entries in node order; the accepted path's
     nodes (ascending, root first) move to past_len, past_len + 1, ... and the rest is cut off.
-    The cut slices each layer's tensors directly: `Cache.crop` changed meaning between
-    transformers releases (an absolute length in 5.17, a count to remove later).
     """
-    end = past_len + nodes.numel()
     src = past_len + nodes
     for layer in cache.layers:
-        for name in ("keys", "values"):
-            buf = getattr(layer, name)
-            buf[:, :, past_len:end] = buf[:, :, src]
-            setattr(layer, name, buf[:, :, :end])
+        for buf in (layer.keys, layer.values):
+            buf[:, :, past_len: past_len + nodes.numel()] = buf[:, :, src]
+    crop_cache(cache, past_len + nodes.numel())
+
+
+def crop_cache(cache, length: int) -> None:
+    """Keep the first `length` positions of every layer. This slices the tensors directly:
+    `Cache.crop` changed meaning between transformers releases (an absolute length in 5.17,
+    a count to remove later)."""
+    for layer in cache.layers:
+        layer.keys, layer.values = layer.keys[:, :, :length], layer.values[:, :, :length]

@@ -17,7 +17,7 @@ from transformers import DynamicCache
 from gorgon.decode.acceptance import accept_greedy
 from gorgon.decode.cli import read_tree
 from gorgon.decode.drafters import HeadsDrafter
-from gorgon.decode.verify import keep_path, verify
+from gorgon.decode.verify import crop_cache, keep_path, verify
 from gorgon.heads.model import load_with_heads
 from gorgon.heads.target import base_model, lm_logits
 
@@ -53,8 +53,7 @@ def main():
         root = lm_logits(model, hidden).argmax()
 
         def reset():
-            for layer in cache.layers:
-                layer.keys, layer.values = layer.keys[:, :, : args.context], layer.values[:, :, : args.context]
+            crop_cache(cache, args.context)
 
         results["plain step (1 token + lm_head)"] = median_ms(
             lambda: lm_logits(model, base_model(model)(input_ids=root.view(1, 1), past_key_values=cache,
