@@ -30,16 +30,6 @@ MEDUSA_WEIGHTS = "medusa_lm_head.safetensors"
 MEDUSA_LEGACY = "medusa_lm_head.pt"
 
 
-def lm_head_weight(heads, k: int) -> torch.Tensor:
-    """Head k's LM head weight: its own, or the target's when shared."""
-    if heads.lm_heads is not None:
-        return heads.lm_heads[k].weight
-    if heads._target is None:
-        raise GorgonError("these heads share the target's lm_head, which the export must include: pass --target "
-                          "(or load the heads with target=...)")
-    return heads._target.get_output_embeddings().weight
-
-
 def export_heads(heads, fmt: str, out: str | Path, base_model: str | None = None) -> Path:
     """Write `heads` in a serving engine's format to the folder `out`."""
     from safetensors.torch import save_file
@@ -47,6 +37,9 @@ def export_heads(heads, fmt: str, out: str | Path, base_model: str | None = None
     if fmt not in FORMATS:
         raise GorgonError(f"unknown format {fmt!r}: use one of {', '.join(FORMATS)}")
     cfg = heads.config
+    if cfg.shared_lm_head and heads._target is None:
+        raise GorgonError("these heads share the target's lm_head, which the export must include: pass --target "
+                          "(or load the heads with target=...)")
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     state = {}
@@ -57,9 +50,9 @@ def export_heads(heads, fmt: str, out: str | Path, base_model: str | None = None
             state[f"{prefix}.bias"] = res.linear.bias
     if fmt == "vllm":
         if cfg.shared_lm_head:
-            state["lm_head.weight"] = lm_head_weight(heads, 0)
+            state["lm_head.weight"] = heads.lm_head_weight(0)
         else:
-            state.update({f"lm_heads.{h}.weight": lm_head_weight(heads, h) for h in range(cfg.num_heads)})
+            state.update({f"lm_heads.{h}.weight": heads.lm_head_weight(h) for h in range(cfg.num_heads)})
         if heads.token_map is not None:  # vLLM slices the full LM head by token_map itself
             state["token_map"] = heads.token_map
         config = {"model_type": "medusa", "architectures": ["MedusaModel"], "num_heads": cfg.num_heads,
@@ -69,7 +62,7 @@ def export_heads(heads, fmt: str, out: str | Path, base_model: str | None = None
                   "medusa_fc_bias": True, "base_model_name_or_path": base_model or cfg.target_name}
         weights_name = "model.safetensors"
     else:
-        state.update({f"{h}.{cfg.num_layers}.weight": lm_head_weight(heads, h) for h in range(cfg.num_heads)})
+        state.update({f"{h}.{cfg.num_layers}.weight": heads.lm_head_weight(h) for h in range(cfg.num_heads)})
         config = {"medusa_num_heads": cfg.num_heads, "medusa_num_layers": cfg.num_layers,
                   "base_model_name_or_path": base_model or cfg.target_name, "hidden_size": cfg.hidden_size,
                   "vocab_size": cfg.vocab_size}

@@ -147,17 +147,23 @@ class MedusaHeads(nn.Module):
             raise GorgonError("these heads share the target's lm_head: call heads.attach(target_model) first")
         return lm_logits(self._target, h, self.token_map)
 
+    def lm_head_weight(self, k: int) -> torch.Tensor:
+        """Head k's LM head weight (V, H): its own, or the target's when shared."""
+        if self.lm_heads is not None:
+            return self.lm_heads[k].weight
+        if self._target is None:
+            raise GorgonError("these heads share the target's lm_head: call heads.attach(target_model) first")
+        return self._target.get_output_embeddings().weight
+
     @torch.no_grad()
     def draft_topk(self, hidden: torch.Tensor, k: int) -> torch.Tensor:
         """Each head's k most likely token ids (num_heads, ..., k), from the draft vocabulary."""
         if self.token_map is None:
             return self(hidden).topk(k, dim=-1).indices
         if self._draft_weights is None:  # the LM head rows of the draft vocabulary, sliced once
-            full = [h.weight for h in self.lm_heads] if self.lm_heads is not None \
-                else [self._target.get_output_embeddings().weight] if self._target is not None else None
-            if full is None:
-                raise GorgonError("these heads share the target's lm_head: call heads.attach(target_model) first")
-            object.__setattr__(self, "_draft_weights", torch.stack([w[self.token_map] for w in full]))
+            heads = range(self.config.num_heads) if self.lm_heads is not None else [0]  # shared: one weight
+            object.__setattr__(self, "_draft_weights",
+                               torch.stack([self.lm_head_weight(k)[self.token_map] for k in heads]))
         states = torch.stack([block(hidden) for block in self.blocks])         # (K, ..., H)
         weights = self._draft_weights.to(states.dtype)
         if weights.shape[0] == 1:
