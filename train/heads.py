@@ -138,14 +138,10 @@ def evaluate(objective, loader, accelerator, tree_topk: int):
     model = accelerator.unwrap_model(objective)
     counts = torch.zeros(model.heads.config.num_heads, tree_topk + 1, dtype=torch.long)
     losses = []
-    from gorgon.heads.target import base_model
-
     with torch.no_grad():
         for batch in loader:
-            loss, _ = model(**batch, train_backbone=False)
+            loss, _, hidden = model(**batch, train_backbone=False)
             losses.append(float(loss))
-            hidden = base_model(model.target)(input_ids=batch["input_ids"],
-                                              attention_mask=batch["attention_mask"]).last_hidden_state
             counts += rank_counts(model.heads, hidden, batch["input_ids"], batch["loss_mask"], tree_topk)
     counts = accelerator.reduce(counts.to(accelerator.device), reduction="sum").cpu()
     return (sum(losses) / max(1, len(losses))), counts
@@ -245,7 +241,7 @@ def train(cfg: HeadsTrainConfig) -> Path:
         batches.set_epoch(epoch)
         for batch in batches:
             with accelerator.accumulate(objective):
-                loss, stats = objective(**batch, train_backbone=step >= cfg.heads_warmup_steps)
+                loss, stats, _ = objective(**batch, train_backbone=step >= cfg.heads_warmup_steps)
                 accelerator.backward(loss)
                 if accelerator.sync_gradients:
                     accelerator.clip_grad_norm_(objective.parameters(), cfg.max_grad_norm)

@@ -139,4 +139,4 @@ class HeadsObjective(torch.nn.Module):
             base_kl = F.kl_div(student, teacher, log_target=True, reduction="batchmean")
             total = total + self.base_kl_weight * base_kl
             stats["base_kl"] = base_kl.detach().item()
-        return total, stats
+        return total, stats, hidden  # hidden: evaluation reuses it rather than run the target again
