@@ -232,7 +232,7 @@ def parser() -> argparse.ArgumentParser:
                    help="also time transformers' assisted generation with this draft model")
     p.add_argument("--out", default=None, help="write the JSON report here (and a PNG beside it)")
     p.add_argument("--update-card", action="store_true",
-                   help="write the figures into the heads folder's model card (README.md)")
+                   help="write the figures into the model card (README.md) of the --heads or --draft folder")
     return p
 
 
@@ -267,10 +267,11 @@ def main(argv=None) -> int:
         atomic_write_text(out, json.dumps(report, indent=1) + "\n")
         plot_report(report, out.with_suffix(".png"))
         print(f"report: {out} (plot: {out.with_suffix('.png')})")
-    if args.update_card and args.heads:
+    if args.update_card:
         from gorgon.heads.model import resolve_heads_folder
         from gorgon.train.card import refresh_model_card
 
-        refresh_model_card(resolve_heads_folder(args.heads), report)
-        print(f"model card updated: {resolve_heads_folder(args.heads) / 'README.md'}")
+        folder = resolve_heads_folder(args.heads) if args.heads else Path(args.draft)
+        refresh_model_card(folder, report)
+        print(f"model card updated: {folder / 'README.md'}")
     return 0

@@ -11,6 +11,7 @@ import torch
 
 from gorgon.heads import GorgonError, load_target
 from gorgon.heads.model import load_with_heads
+from gorgon.heads.target import check_same_tokenizer
 
 from .acceptance import Sampling
 from .drafters import DraftModelDrafter, HeadsDrafter
@@ -64,7 +65,7 @@ def load_drafter(args, tree):
     if args.heads:
         target, heads = load_with_heads(args.heads, args.target, device=args.device, dtype=args.dtype)
         return target, HeadsDrafter(heads, tree)
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     target = load_target(args.target, device=args.device, dtype=args.dtype)
     try:
@@ -72,6 +73,12 @@ def load_drafter(args, tree):
     except (OSError, ValueError) as err:
         raise GorgonError(f"could not load draft model {args.draft!r} ({str(err).strip().split(chr(10))[0]}): "
                           "check the id or path") from err
+    try:
+        draft_tokenizer = AutoTokenizer.from_pretrained(args.draft)
+    except (OSError, ValueError):
+        draft_tokenizer = None  # weights only: the vocabulary size check below is all there is to go on
+    if draft_tokenizer is not None:
+        check_same_tokenizer(target.tokenizer, draft_tokenizer, f"draft {args.draft}")
     return target, DraftModelDrafter(draft.to(target.model.device).eval(), args.draft_tokens).check_vocab(target.model)
 
 

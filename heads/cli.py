@@ -13,7 +13,8 @@ from .errors import GorgonError
 COMMANDS = {
     "data": ("gorgon.train.data", "self-distillation: the target answers prompts; writes a datasets folder"),
     "train": ("gorgon.train.heads", "train Medusa heads from a YAML recipe (as `accelerate launch train/heads.py`)"),
-    "generate": ("gorgon.decode.cli", "generate with a target plus heads, streaming accepted tokens"),
+    "draft": ("gorgon.train.draft", "distil a small draft model (as `accelerate launch train/draft.py`)"),
+    "generate": ("gorgon.decode.cli", "generate with a target plus heads or a draft model, streaming accepted tokens"),
     "export": ("gorgon.heads.formats", "write heads in vLLM's or FasterDecoding Medusa's format (TGI, TensorRT-LLM)"),
     "push": ("gorgon.heads.push", "upload a heads folder (and its model card) to the Hugging Face Hub"),
     "bench": ("gorgon.decode.bench", "tau, tokens/s and speedup over plain generate, with an identical-output check"),

@@ -177,6 +177,18 @@ def fingerprint(model: torch.nn.Module) -> str:
     return digest.hexdigest()[:16]
 
 
+def check_same_tokenizer(target_tokenizer, draft_tokenizer, draft_name: str) -> None:
+    """Refuse a draft whose token ids mean other text than the target's: speculation compares ids,
+    so a draft from another tokenizer would be verified against the wrong tokens."""
+    mine, theirs = target_tokenizer.get_vocab(), draft_tokenizer.get_vocab()
+    differ = sorted(tok for tok in mine.keys() | theirs.keys() if mine.get(tok) != theirs.get(tok))
+    if differ:
+        examples = ", ".join(repr(t) for t in differ[:3])
+        raise GorgonError(f"{draft_name}'s tokenizer differs from the target's ({len(differ)} tokens are missing or "
+                          f"have other ids, e.g. {examples}): use a draft from the target's own model family, or a "
+                          "truncated copy of the target (student_layers)")
+
+
 def lm_logits(model: torch.nn.Module, hidden: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
     """The target's logits from its last hidden state, with final soft-capping where the model has it;
     with `rows`, only those vocabulary entries."""

@@ -115,17 +115,30 @@ def test_update_card_writes_the_measured_figures(tmp_path):
 
 
 def test_bench_with_a_draft_model(tmp_path):
+    from test_train import toy_data
+
+    from gorgon.train.draft import DraftTrainConfig, train
+
     target_path = tiny_chat_target(tmp_path)
-    draft_path = tiny_chat_target(tmp_path, seed=3)
+    draft_path = train(DraftTrainConfig(data=toy_data(tmp_path / "toy.jsonl", n=8), out=str(tmp_path / "draft"),
+                                        target=str(target_path), student_layers=1, max_steps=0, report_to="none"))
     q = tmp_path / "q.jsonl"
     q.write_text("".join(json.dumps(x) + "\n" for x in QUESTIONS))
     run = subprocess.run([sys.executable, "-m", "gorgon.heads.cli", "bench", "--target", str(target_path), "--draft",
                           str(draft_path), "--draft-tokens", "3", "--questions", str(q), "--max-new-tokens", "8",
-                          "--limit", "2", "--out", str(tmp_path / "r.json")], capture_output=True, text=True,
-                         timeout=300)
+                          "--limit", "2", "--out", str(tmp_path / "r.json"), "--update-card"], capture_output=True,
+                         text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-2000:]
     report = json.loads((tmp_path / "r.json").read_text())
     assert report["identical"] == 2 and report["tree_size"] == 4 and report["drafter"] == str(draft_path)
+    card = (draft_path / "README.md").read_text()
+    assert "# Draft model for" in card and "| questions | tau |" in card and "Not measured yet" not in card
     bad = subprocess.run([sys.executable, "-m", "gorgon.heads.cli", "bench", "--target", str(target_path), "--draft",
                           str(tmp_path / "nope"), "--questions", str(q)], capture_output=True, text=True)
     assert bad.returncode == 2 and "could not load draft model" in bad.stderr.strip().splitlines()[-1]
+    tokenizer = load_target(str(draft_path), device="cpu").tokenizer
+    tokenizer.add_tokens(["<extra>"])
+    tokenizer.save_pretrained(draft_path)
+    bad = subprocess.run([sys.executable, "-m", "gorgon.heads.cli", "bench", "--target", str(target_path), "--draft",
+                          str(draft_path), "--questions", str(q)], capture_output=True, text=True)
+    assert bad.returncode == 2 and "tokenizer differs from the target's (1 tokens" in bad.stderr

@@ -130,6 +130,32 @@ def weights(folder):
     return load_file(Path(folder) / "model.safetensors")
 
 
+def kill_after_a_checkpoint(cmd: list[str], folder: Path, complete: str, cwd: Path) -> None:
+    """Run a training command and SIGKILL it as soon as `folder` holds a file matching the glob
+    `complete`, the proof of a whole checkpoint."""
+    proc = subprocess.Popen(cmd, env=env(), stderr=subprocess.DEVNULL, stdout=subprocess.DEVNULL, cwd=cwd)
+    deadline = time.time() + 300
+    while not list(folder.glob(complete)) and time.time() < deadline and proc.poll() is None:
+        time.sleep(0.005)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+
+
+def resume_equals_a_whole_run(common: list[str], killed: Path, whole: Path, says: str) -> None:
+    """A killed run is refused without --resume, then resumed to the same weights as an uninterrupted run."""
+    assert not (killed / "model.safetensors").exists(), "training finished before it could be killed"
+    again = subprocess.run(common + ["--out", str(killed)], env=env(), capture_output=True, text=True)
+    assert again.returncode == 2 and "already has checkpoints: pass --resume true" in again.stderr
+    resumed = subprocess.run(common + ["--out", str(killed), "--resume", "true"], env=env(), capture_output=True,
+                             text=True)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert says in resumed.stdout + resumed.stderr
+    run = subprocess.run(common + ["--out", str(whole)], env=env(), capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr[-2000:]
+    a, b = weights(killed), weights(whole)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
 def test_kill_and_resume_continues_exactly(tmp_path):
     target = tiny_chat_target(tmp_path)
     data = toy_data(tmp_path / "toy.jsonl", n=64)
@@ -137,28 +163,11 @@ def test_kill_and_resume_continues_exactly(tmp_path):
               "--max-steps", "40", "--batch-size", "4", "--save-every", "5", "--report-to", "none",
               "--keep-checkpoints", "2"]
     killed = tmp_path / "killed"
-    proc = subprocess.Popen(common + ["--out", str(killed)], env=env(), stderr=subprocess.DEVNULL,
-                            stdout=subprocess.DEVNULL, cwd=tmp_path)
-    deadline = time.time() + 300
-    while not list((killed / "checkpoints").glob("step-*")) and time.time() < deadline and proc.poll() is None:
-        time.sleep(0.01)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
-    assert not (killed / "model.safetensors").exists(), "training finished before it could be killed"
+    kill_after_a_checkpoint(common + ["--out", str(killed)], killed / "checkpoints", "step-*", tmp_path)
     # A checkpoint only ever appears whole: each step-N folder was renamed into place complete.
     assert all((c / "gorgon_state.json").is_file() and (c / "optimizer.bin").is_file()
                for c in (killed / "checkpoints").glob("step-*"))
-    again = subprocess.run(common + ["--out", str(killed)], env=env(), capture_output=True, text=True, cwd=tmp_path)
-    assert again.returncode == 2 and "already has checkpoints: pass --resume true" in again.stderr
-    resumed = subprocess.run(common + ["--out", str(killed), "--resume", "true"], env=env(), capture_output=True,
-                             text=True, cwd=tmp_path)
-    assert resumed.returncode == 0, resumed.stderr[-2000:]
-    assert "resumed from" in resumed.stdout + resumed.stderr
-    whole = subprocess.run(common + ["--out", str(tmp_path / "whole")], env=env(), capture_output=True, text=True,
-                           cwd=tmp_path)
-    assert whole.returncode == 0, whole.stderr[-2000:]
-    a, b = weights(killed), weights(tmp_path / "whole")
-    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    resume_equals_a_whole_run(common, killed, tmp_path / "whole", "resumed from")
 
 
 def test_bad_config_keys_and_values(tmp_path):

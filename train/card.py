@@ -31,43 +31,63 @@ def plot_head_accuracy(metrics: dict, path: Path) -> None:
 
 
 def refresh_model_card(folder: Path, bench: dict) -> None:
-    """Rewrite a trained heads folder's card with benchmark figures (from `gorgon bench --update-card`)."""
+    """Rewrite a trained heads or draft folder's card with benchmark figures (`gorgon bench --update-card`)."""
     from gorgon.heads.errors import GorgonError
-    from gorgon.train.heads import HeadsTrainConfig
 
     try:
-        cfg = HeadsTrainConfig(**json.loads((folder / "recipe.json").read_text()))
+        recipe = json.loads((folder / "recipe.json").read_text())
         metrics = json.loads((folder / "metrics.json").read_text())
     except FileNotFoundError as err:
         raise GorgonError(f"{folder} has no recipe.json/metrics.json, so its card cannot be rebuilt: "
                           "--update-card works on folders written by gorgon's training") from err
+    if metrics.get("kind") == "draft":
+        from gorgon.train.draft import DraftTrainConfig
+
+        write_draft_card(folder, DraftTrainConfig(**recipe), metrics, bench)
+        return
+    from gorgon.train.heads import HeadsTrainConfig
+
+    cfg = HeadsTrainConfig(**recipe)
     write_model_card(folder, cfg, metrics, metrics.get("target_name") or cfg.target or "SmolLM2-135M-Instruct", bench)
+
+
+def data_line(data: str) -> str:
+    """The training data, with its size and prompts when `gorgon data` wrote it."""
+    meta_path = Path(data) / "gorgon_data.json"
+    line = f"`{data}`"
+    if meta_path.is_file():
+        meta = json.loads(meta_path.read_text())
+        line += (f": {meta['conversations']} conversations answered by the target itself "
+                 f"(`gorgon data`, prompts `{meta['settings']['prompts']}`)")
+    return line
+
+
+def speed_section(bench: dict | None, flag: str) -> str:
+    """The card's benchmark table, or how to measure one."""
+    if not bench:
+        return (f"Not measured yet: `gorgon bench {flag} THIS_FOLDER --questions scripts/data/mt_bench.jsonl "
+                "--update-card` adds tau and speedup here.")
+    identical = "-" if bench["identical"] is None else f"{bench['identical']}/{bench['prompts']}"
+    return (f"| questions | tau | tokens/s | plain generate tokens/s | speedup | identical outputs |\n"
+            f"|---|---|---|---|---|---|\n"
+            f"| {bench['prompts']} | {bench['tau']:.2f} | {bench['tokens_per_s']:.1f} | "
+            f"{bench['baseline_tokens_per_s']:.1f} | {bench['speedup']:.2f}x | {identical} |\n\n"
+            f"Measured on {bench['device']}, {bench['dtype']}, {bench['threads']} thread(s), "
+            f"a tree of {bench['tree_size']} nodes, max {bench['max_new_tokens']} new tokens, by\n"
+            f"`{bench['command']}`")
+
+
+def hub_id(target_name: str) -> str:
+    return target_name if "/" in target_name else f"HuggingFaceTB/{target_name}"
 
 
 def write_model_card(out: Path, cfg, metrics: dict, target_name: str, bench: dict | None = None) -> None:
     """README.md with Hub metadata, how the heads were trained, their measured accuracy, and usage."""
-    data_meta = Path(cfg.data) / "gorgon_data.json"
-    data_line = f"`{cfg.data}`"
-    if data_meta.is_file():
-        meta = json.loads(data_meta.read_text())
-        data_line += (f": {meta['conversations']} conversations answered by the target itself "
-                      f"(`gorgon data`, prompts `{meta['settings']['prompts']}`)")
     rows = "\n".join(f"| {k + 1} | t+{k + 2} | {a:.3f} | {b:.3f} |"
                      for k, (a, b) in enumerate(zip(metrics["top1"], metrics["top5"])))
     lm_head = "the target's shared" if cfg.shared_lm_head else "their own"
     tau = metrics["expected_tau"]
-    base = target_name if "/" in target_name else f"HuggingFaceTB/{target_name}"
-    speed = ("Not measured yet: `gorgon bench --heads THIS_FOLDER --questions scripts/data/mt_bench.jsonl "
-             "--update-card` adds tau and speedup here.")
-    if bench:
-        identical = "-" if bench["identical"] is None else f"{bench['identical']}/{bench['prompts']}"
-        speed = (f"| questions | tau | tokens/s | plain generate tokens/s | speedup | identical outputs |\n"
-                 f"|---|---|---|---|---|---|\n"
-                 f"| {bench['prompts']} | {bench['tau']:.2f} | {bench['tokens_per_s']:.1f} | "
-                 f"{bench['baseline_tokens_per_s']:.1f} | {bench['speedup']:.2f}x | {identical} |\n\n"
-                 f"Measured on {bench['device']}, {bench['dtype']}, {bench['threads']} thread(s), a tree of "
-                 f"{bench['tree_size']} nodes, max {bench['max_new_tokens']} new tokens, by\n"
-                 f"`{bench['command']}`")
+    base = hub_id(target_name)
     text = f"""---
 base_model: {base}
 library_name: gorgon
@@ -79,7 +99,7 @@ tags:
 # Medusa heads for {target_name}
 
 {cfg.num_heads} draft heads ({cfg.num_layers} residual block(s) each, {lm_head} LM head), trained with gorgon
-({cfg.mode}, {cfg.loss} loss, {metrics['steps']} steps) on {data_line}.
+({cfg.mode}, {cfg.loss} loss, {metrics['steps']} steps) on {data_line(cfg.data)}.
 Greedy decoding with these heads gives exactly the target's own output, only faster.
 
 ## Held-out accuracy
@@ -93,7 +113,7 @@ Expected tokens per target forward from these accuracies: {tau['cpu']:.2f} with 
 
 ## Speed
 
-{speed}
+{speed_section(bench, '--heads')}
 
 ## Use
 
@@ -131,5 +151,72 @@ gorgon export --heads THIS_FOLDER --format medusa --out medusa-heads
 ```
 TGI: point `--model-id` at `medusa-heads` (its config names the base model in `base_model_name_or_path`).
 TensorRT-LLM: pass `--medusa_model_dir medusa-heads` to its Medusa checkpoint converter.
+"""
+    (out / "README.md").write_text(text)
+
+
+def write_draft_card(out: Path, cfg, metrics: dict, bench: dict | None = None) -> None:
+    """README.md for a distilled draft model: what it started from, how close it follows the target, usage."""
+    target_name = metrics["target_name"]
+    base = hub_id(target_name)
+    before, after, tau = metrics["before"], metrics["after"], metrics["expected_tau"]
+    divergence = {0.0: "forward KL", 1.0: "reverse KL"}.get(cfg.beta, f"generalised JSD (beta {cfg.beta})")
+    policy = f", {cfg.lmbda:.0%} of batches answered by the draft itself" if cfg.lmbda else ""
+    text = f"""---
+base_model: {base}
+library_name: transformers
+tags:
+- speculative-decoding
+- draft-model
+- distillation
+---
+
+# Draft model for {target_name}
+
+A {metrics['student_parameters'] / 1e6:.1f}M-parameter draft model for speculative decoding with {target_name}
+({metrics['target_parameters'] / 1e6:.1f}M). It started from {metrics['student']}.
+It was distilled with gorgon (trl GKD, {divergence}{policy}{', LoRA merged' if cfg.lora else ''},
+{metrics['steps']} steps) on {data_line(cfg.data)}.
+
+Speculative decoding with it gives exactly the target's own output; the draft only sets the speed.
+
+## How closely it follows the target
+
+On {metrics['eval_conversations']} held-out conversations ({metrics['eval_tokens']} answer tokens):
+
+| | KL(target \\|\\| draft) | top-1 agreement | expected tokens per step ({metrics['draft_tokens']} drafted) |
+|---|---|---|---|
+| before distillation | {before['kl']:.3f} | {before['top1']:.3f} | {tau['before']:.2f} |
+| after distillation | {after['kl']:.3f} | {after['top1']:.3f} | {tau['after']:.2f} |
+
+Expected tokens per step assume each drafted token matches independently with the top-1 agreement.
+
+## Speed
+
+{speed_section(bench, '--draft')}
+
+## Use
+
+```bash
+gorgon generate --draft THIS_FOLDER --draft-tokens {metrics['draft_tokens']} --prompt "Hello"
+```
+
+In transformers' own assisted generation:
+```python
+from transformers import AutoModelForCausalLM, AutoTokenizer
+target = AutoModelForCausalLM.from_pretrained("{base}")
+draft = AutoModelForCausalLM.from_pretrained("THIS_FOLDER")
+tok = AutoTokenizer.from_pretrained("THIS_FOLDER")
+ids = tok.apply_chat_template([{{"role": "user", "content": "Hello"}}], add_generation_prompt=True,
+                              return_tensors="pt", return_dict=True)
+out = target.generate(**ids, assistant_model=draft, do_sample=False, max_new_tokens=128)
+```
+
+In vLLM:
+```python
+from vllm import LLM
+llm = LLM(model="{base}", speculative_config={{"model": "THIS_FOLDER",
+                                                "num_speculative_tokens": {metrics['draft_tokens']}}})
+```
 """
     (out / "README.md").write_text(text)

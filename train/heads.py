@@ -14,7 +14,6 @@ import json
 import math
 import os
 import shutil
-import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -329,27 +328,12 @@ def log_window(accelerator, window: dict, step: int, scheduler, bar) -> None:
 
 
 def main(argv=None) -> int:
-    from gorgon.train.recipe import load_recipe, parse_overrides
+    from gorgon.train.recipe import recipe_main
 
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if argv and argv[0] in ("-h", "--help"):
-        print(__doc__)
-        print("Settings (YAML keys, or --key value on the command line):")
-        import dataclasses
-        for f in dataclasses.fields(HeadsTrainConfig):
-            default = "required" if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING \
-                else (f.default if f.default is not dataclasses.MISSING else f.default_factory())
-            print(f"  --{f.name:<24} {default}")
-        return 0
-    overrides = parse_overrides(argv)
-    config_path = overrides.pop("config", None)
-    train(load_recipe(HeadsTrainConfig, config_path, overrides))
-    return 0
+    return recipe_main(HeadsTrainConfig, train, __doc__, argv)
 
 
 if __name__ == "__main__":
-    try:
-        sys.exit(main())
-    except GorgonError as err:
-        print(f"train/heads.py: error: {err}", file=sys.stderr)
-        sys.exit(2)
+    from gorgon.train.recipe import run_script
+
+    run_script(main, "train/heads.py")

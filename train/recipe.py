@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import sys
 import types
 import typing
 from pathlib import Path
@@ -99,3 +100,37 @@ def load_recipe(cls, config_path: str | None, overrides: dict[str, str]):
     if missing:
         raise GorgonError(f"missing setting {', '.join(missing)}: add it to the YAML or pass --{missing[0]} VALUE")
     return cls(**values)
+
+
+def print_settings(cls) -> None:
+    """The --help list of a recipe's keys with their defaults."""
+    print("Settings (YAML keys, or --key value on the command line):")
+    for f in dataclasses.fields(cls):
+        if f.default is not dataclasses.MISSING:
+            default = f.default
+        elif f.default_factory is not dataclasses.MISSING:
+            default = f.default_factory()
+        else:
+            default = "required"
+        print(f"  --{f.name:<24} {default}")
+
+
+def recipe_main(cls, train, doc: str, argv: list[str] | None = None) -> int:
+    """A training script's command line: --help lists the recipe's keys, else YAML plus overrides go to train()."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in ("-h", "--help"):
+        print(doc)
+        print_settings(cls)
+        return 0
+    overrides = parse_overrides(argv)
+    train(load_recipe(cls, overrides.pop("config", None), overrides))
+    return 0
+
+
+def run_script(main, name: str) -> None:
+    """`python train/NAME.py` and `accelerate launch train/NAME.py`: bad input exits 2 with one line."""
+    try:
+        sys.exit(main())
+    except GorgonError as err:
+        print(f"{name}: error: {err}", file=sys.stderr)
+        sys.exit(2)

@@ -1,0 +1,315 @@
+"""Distil a small draft model from the target: `accelerate launch train/draft.py --config configs/draft/RECIPE.yaml`.
+
+The other way to draft (besides heads): a small causal LM with the target's tokenizer proposes
+a few tokens and the target verifies them in one forward (`gorgon generate --draft OUT`, or
+`assistant_model=` in transformers' own `generate`). The draft starts from a smaller model of
+the same family (`student`) or, when the target has none, from a copy of the target cut to its
+first `student_layers` layers (embedding, those layers, final norm, LM head). It is then trained
+with trl's GKD trainer to match the target's full next-token distribution on the target's own
+answers (`gorgon data`): beta 0 is the forward KL, 1 the reverse KL, between them the generalised
+JSD; `lmbda` > 0 lets the draft answer part of the prompts itself (on-policy distillation).
+The held-out KL and top-1 agreement with the target are measured before and after; the output
+folder is a plain transformers model with its tokenizer, metrics.json and a model card.
+Checkpoints let `--resume true` continue after a kill. `--max_steps 0` saves the starting draft
+untrained: the baseline that distillation is measured against.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import re
+import shutil
+import warnings
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from gorgon.heads.errors import GorgonError
+
+
+@dataclass
+class DraftTrainConfig:
+    """A draft distillation recipe. Every key can be set in the YAML or as --key value."""
+
+    data: str                          # `gorgon data` output folder or a conversation file
+    out: str                           # output folder
+    target: str | None = None          # hub id or path; None = the embedded SmolLM2-135M-Instruct
+    student: str | None = None         # a smaller model sharing the target's tokenizer; None = truncate the target
+    student_layers: int = 4            # without `student`: keep the target's first N layers
+    beta: float = 0.0                  # generalised JSD: 0 = KL(target || draft), 1 = KL(draft || target)
+    lmbda: float = 0.0                 # share of batches the draft answers itself (on-policy GKD)
+    temperature: float = 1.0           # lmbda > 0: sampling temperature of the draft's own answers
+    max_new_tokens: int = 128          # lmbda > 0: length of the draft's own answers
+    lora: bool = False                 # train LoRA adapters (merged at the end) instead of every weight
+    lora_r: int = 16
+    lora_alpha: int = 32
+    lora_dropout: float = 0.0
+    lora_target_modules: list[str] = field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
+    max_length: int = 1024
+    batch_size: int = 4                # per device
+    grad_accum: int = 1
+    learning_rate: float = 2e-4
+    weight_decay: float = 0.0
+    warmup_steps: int = 20
+    epochs: float = 1.0
+    max_steps: int | None = None       # overrides epochs; 0 saves the starting draft untrained
+    max_grad_norm: float = 1.0
+    gradient_checkpointing: bool = False
+    eval_fraction: float = 0.05
+    log_every: int = 10
+    save_every: int = 100              # checkpoint every N steps (0: never)
+    keep_checkpoints: int = 2
+    resume: bool = False
+    seed: int = 0
+    dtype: str = "auto"                # target dtype: auto = bf16 on CUDA, fp32 on CPU (the draft trains in fp32)
+    draft_tokens: int = 4              # the chain length the expected tau in metrics.json assumes
+    report_to: str = "wandb"           # wandb (offline without an API key) | none
+    project: str = "gorgon"
+    push_to_hub: str | None = None
+
+    def check(self) -> None:
+        if self.report_to not in ("wandb", "none"):
+            raise GorgonError(f"report_to must be wandb or none, not {self.report_to!r}")
+        for key in ("beta", "lmbda"):
+            if not 0.0 <= getattr(self, key) <= 1.0:
+                raise GorgonError(f"{key} must lie between 0 and 1, not {getattr(self, key)}")
+        if self.student is None and self.student_layers < 1:
+            raise GorgonError(f"student_layers must be at least 1, not {self.student_layers}")
+        if self.batch_size < 1 or self.grad_accum < 1 or self.draft_tokens < 1:
+            raise GorgonError("batch_size, grad_accum and draft_tokens must be at least 1")
+
+
+def truncated_copy(model: torch.nn.Module, num_layers: int) -> torch.nn.Module:
+    """The target cut to its first `num_layers` decoder layers, keeping its embedding, final norm
+    and LM head: a draft that starts out speaking the target's vocabulary and style."""
+    total = model.config.num_hidden_layers
+    if not 1 <= num_layers < total:
+        raise GorgonError(f"student_layers must be between 1 and {total - 1} (the target has {total} layers), "
+                          f"not {num_layers}")
+    config = copy.deepcopy(model.config)
+    config.num_hidden_layers = num_layers
+    if getattr(config, "layer_types", None):
+        config.layer_types = config.layer_types[:num_layers]
+    student = type(model)(config)
+    layer = re.compile(r"\.layers\.(\d+)\.")
+    state = {k: v for k, v in model.state_dict().items()
+             if not (m := layer.search(k)) or int(m.group(1)) < num_layers}
+    student.load_state_dict(state, strict=True)
+    student.generation_config = copy.deepcopy(model.generation_config)
+    return student
+
+
+def load_student(cfg: DraftTrainConfig, target) -> tuple[torch.nn.Module, str]:
+    """The draft to start from, in fp32 on the target's device, and a phrase saying what it is."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from gorgon.heads.target import check_same_tokenizer
+
+    if cfg.student is None:
+        student = truncated_copy(target.model, cfg.student_layers)
+        what = f"the first {cfg.student_layers} of the target's {target.model.config.num_hidden_layers} layers"
+    else:
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(cfg.student)
+            student = AutoModelForCausalLM.from_pretrained(cfg.student, dtype=torch.float32)
+        except (OSError, ValueError) as err:
+            first = str(err).strip().split("\n")[0] or type(err).__name__
+            raise GorgonError(f"could not load student {cfg.student!r} ({first}): check the id or path") from err
+        check_same_tokenizer(target.tokenizer, tokenizer, f"student {cfg.student}")
+        what = f"`{cfg.student}`"
+    mine = student.config.get_text_config().vocab_size
+    theirs = target.model.config.get_text_config().vocab_size
+    if mine != theirs:
+        raise GorgonError(f"the student's output layer has {mine} rows but the target's has {theirs}: distillation "
+                          "compares whole next-token distributions, so pick a student with the target's vocab_size")
+    return student.float().to(target.model.device), what
+
+
+def collate_for_gkd(batch: list[dict], pad_id: int) -> dict[str, torch.Tensor]:
+    """What trl's GKD trainer reads: right-padded ids with labels on assistant tokens only (-100
+    elsewhere), and each conversation's opening prompt, left-padded, for on-policy answers."""
+    from gorgon.train.examples import collate
+
+    out = collate(batch, pad_id)
+    out["labels"] = out["input_ids"].masked_fill(~out.pop("loss_mask"), -100)
+    starts = [b["loss_mask"].index(True) for b in batch]
+    width = max(starts)
+    out["prompts"] = torch.full((len(batch), width), pad_id, dtype=torch.long)
+    out["prompt_attention_mask"] = torch.zeros(len(batch), width, dtype=torch.long)
+    for row, (b, n) in enumerate(zip(batch, starts)):
+        out["prompts"][row, width - n:] = torch.tensor(b["input_ids"][:n])
+        out["prompt_attention_mask"][row, width - n:] = 1
+    return out
+
+
+@torch.no_grad()
+def agreement(draft, target, examples: list[dict], pad_id: int, batch_size: int = 8) -> dict:
+    """How closely the draft follows the target on assistant tokens: the mean KL(target || draft)
+    and the share of positions where both pick the same next token (a greedy draft's acceptance
+    rate, before the cost of a rejection cutting a chain short)."""
+    from gorgon.train.examples import collate
+
+    device = next(draft.parameters()).device
+    kl_sum, same, count = 0.0, 0, 0
+    for i in range(0, len(examples), batch_size):
+        batch = {k: v.to(device) for k, v in collate(examples[i:i + batch_size], pad_id).items()}
+        mask = batch.pop("loss_mask")[:, 1:]  # position t predicts token t+1
+        teacher = target(**batch).logits[:, :-1][mask].float().log_softmax(-1)
+        student = draft(**batch).logits[:, :-1][mask].float().log_softmax(-1)
+        kl_sum += float((teacher.exp() * (teacher - student)).sum())
+        same += int((teacher.argmax(-1) == student.argmax(-1)).sum())
+        count += int(mask.sum())
+    return {"kl": kl_sum / max(1, count), "top1": same / max(1, count), "tokens": count}
+
+
+def expected_tau(top1: float, k: int) -> float:
+    """Tokens per target forward for a k-token greedy chain if each draft matched independently
+    with probability top1: 1 + a + ... + a^k (the bonus token included)."""
+    return sum(top1 ** i for i in range(k + 1))
+
+
+def latest_checkpoint(folder: Path) -> Path | None:
+    """The newest complete trainer checkpoint. The trainer writes trainer_state.json last, so a
+    checkpoint without a readable one was cut short by a kill; it is removed."""
+    ckpts = sorted(folder.glob("checkpoint-*"), key=lambda p: int(p.name.split("-")[1]), reverse=True)
+    for ckpt in ckpts:
+        try:
+            json.loads((ckpt / "trainer_state.json").read_text())
+            return ckpt
+        except (OSError, ValueError):
+            shutil.rmtree(ckpt)
+    return None
+
+
+def save_draft(student, tokenizer, out: Path) -> None:
+    """save_pretrained into a temporary folder, then each file renamed into place."""
+    tmp = out / ".draft.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    student.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    for path in tmp.iterdir():
+        os.replace(path, out / path.name)
+    tmp.rmdir()
+
+
+def gkd_trainer(cfg: DraftTrainConfig, student, target, train_ex: list[dict], ckpt_dir: Path, device: torch.device):
+    """trl's GKD trainer set up from the recipe: the draft as student, the frozen target as teacher."""
+    from datasets import Dataset
+
+    os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")  # GKD lives in trl.experimental; chosen knowingly
+    from trl.experimental.gkd import GKDConfig, GKDTrainer
+
+    # transformers >= 5.23 renames gradient_checkpointing, but trl's configs still set it (True by default)
+    warnings.filterwarnings("ignore", message="`gradient_checkpointing` is deprecated", category=FutureWarning)
+    args = GKDConfig(
+        output_dir=str(ckpt_dir), per_device_train_batch_size=cfg.batch_size,
+        gradient_accumulation_steps=cfg.grad_accum, learning_rate=cfg.learning_rate,
+        weight_decay=cfg.weight_decay, warmup_steps=cfg.warmup_steps, lr_scheduler_type="cosine",
+        num_train_epochs=cfg.epochs, max_steps=cfg.max_steps or -1, max_grad_norm=cfg.max_grad_norm,
+        logging_steps=cfg.log_every, save_strategy="steps" if cfg.save_every else "no",
+        save_steps=cfg.save_every or 1, save_total_limit=cfg.keep_checkpoints, seed=cfg.seed,
+        report_to=["wandb"] if cfg.report_to == "wandb" else [], run_name=Path(cfg.out).name,
+        bf16=device.type == "cuda" and torch.cuda.is_bf16_supported(), fp16=False,
+        gradient_checkpointing=cfg.gradient_checkpointing,
+        lmbda=cfg.lmbda, beta=cfg.beta, temperature=cfg.temperature, max_new_tokens=cfg.max_new_tokens,
+        max_length=cfg.max_length, remove_unused_columns=False, dataloader_num_workers=0,
+        dataloader_pin_memory=device.type == "cuda")
+    peft_config = None
+    if cfg.lora:
+        from peft import LoraConfig
+
+        peft_config = LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
+                                 target_modules=cfg.lora_target_modules, task_type="CAUSAL_LM")
+    pad = target.tokenizer.pad_token_id
+    return GKDTrainer(model=student.train(), teacher_model=target.model, args=args,
+                      train_dataset=Dataset.from_list(train_ex), processing_class=target.tokenizer,
+                      data_collator=lambda b: collate_for_gkd(b, pad), peft_config=peft_config)
+
+
+def train(cfg: DraftTrainConfig) -> Path:
+    from accelerate import PartialState
+    from transformers import AutoModelForCausalLM
+
+    from gorgon.heads import load_target
+    from gorgon.heads.files import atomic_write_text
+    from gorgon.train.card import write_draft_card
+    from gorgon.train.examples import load_examples, split
+
+    cfg.check()
+    out = Path(cfg.out)
+    ckpt_dir = out / "checkpoints"
+    resume_from = latest_checkpoint(ckpt_dir) if ckpt_dir.is_dir() else None
+    if resume_from is not None and not cfg.resume:
+        raise GorgonError(f"{out} already has checkpoints: pass --resume true to continue, or choose another --out")
+    if cfg.resume and resume_from is None:
+        raise GorgonError(f"--resume: no complete checkpoint in {ckpt_dir}: run without --resume to start")
+    if cfg.report_to == "wandb" and not os.environ.get("WANDB_API_KEY") and not os.environ.get("WANDB_MODE"):
+        os.environ["WANDB_MODE"] = "offline"  # log locally; never prompt for a login
+    os.environ.setdefault("WANDB_PROJECT", cfg.project)
+    state = PartialState()
+    target = load_target(cfg.target, device=str(state.device), dtype=cfg.dtype)
+    target.model.requires_grad_(False)
+    tokenizer = target.tokenizer
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token_id = 0  # trl's trainer insists on one; padded positions are masked anyway
+    pad = tokenizer.pad_token_id
+    examples = load_examples(cfg.data, tokenizer, cfg.max_length, target.fingerprint)
+    train_ex, eval_ex = split(examples, cfg.eval_fraction, cfg.seed)
+    if not train_ex or not eval_ex:
+        raise GorgonError(f"{cfg.data} has too few conversations to train on and hold out an eval split: add data "
+                          "or change eval_fraction")
+    student, what = load_student(cfg, target)
+    before = agreement(student.eval(), target.model, eval_ex, pad)
+    state.print(f"gorgon draft: {what} ({sum(p.numel() for p in student.parameters()) / 1e6:.1f}M parameters) "
+                f"before distillation: held-out KL {before['kl']:.3f}, top-1 agreement {before['top1']:.3f}")
+    steps = 0
+    if cfg.max_steps != 0:
+        trainer = gkd_trainer(cfg, student, target, train_ex, ckpt_dir, state.device)
+        if resume_from is not None:
+            state.print(f"gorgon draft: resuming from {resume_from}")
+        trainer.train(resume_from_checkpoint=str(resume_from) if resume_from else None)
+        steps = trainer.state.global_step
+        student = trainer.accelerator.unwrap_model(trainer.model)
+        if cfg.lora:
+            student = student.merge_and_unload()
+    if not state.is_main_process:
+        return out
+    out.mkdir(parents=True, exist_ok=True)
+    save_draft(student, tokenizer, out)
+    draft = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).to(state.device).eval()  # as users load it
+    after = agreement(draft, target.model, eval_ex, pad) if steps else before
+    metrics = {
+        "kind": "draft", "target_name": target.name, "target_fingerprint": target.fingerprint, "student": what,
+        "student_parameters": sum(p.numel() for p in draft.parameters()),
+        "target_parameters": sum(p.numel() for p in target.model.parameters()),
+        "steps": steps, "train_conversations": len(train_ex), "eval_conversations": len(eval_ex),
+        "eval_tokens": after["tokens"], "before": before, "after": after, "draft_tokens": cfg.draft_tokens,
+        "expected_tau": {"before": expected_tau(before["top1"], cfg.draft_tokens),
+                         "after": expected_tau(after["top1"], cfg.draft_tokens)},
+    }
+    atomic_write_text(out / "metrics.json", json.dumps(metrics, indent=1) + "\n")
+    atomic_write_text(out / "recipe.json", json.dumps(asdict(cfg), indent=1) + "\n")
+    write_draft_card(out, cfg, metrics)
+    print(f"gorgon draft: saved to {out} after {steps} steps: held-out KL {before['kl']:.3f} -> {after['kl']:.3f}, "
+          f"top-1 agreement {before['top1']:.3f} -> {after['top1']:.3f}")
+    if cfg.push_to_hub:
+        from gorgon.heads.model import upload_folder
+
+        print(f"gorgon draft: pushed to {upload_folder(out, cfg.push_to_hub)}")
+    return out
+
+
+def main(argv=None) -> int:
+    from gorgon.train.recipe import recipe_main
+
+    return recipe_main(DraftTrainConfig, train, __doc__, argv)
+
+
+if __name__ == "__main__":
+    from gorgon.train.recipe import run_script
+
+    run_script(main, "train/draft.py")
