@@ -266,7 +266,7 @@ def train(cfg: DraftTrainConfig) -> Path:
     before = agreement(student.eval(), target.model, eval_ex, pad)
     state.print(f"gorgon draft: {what} ({sum(p.numel() for p in student.parameters()) / 1e6:.1f}M parameters) "
                 f"before distillation: held-out KL {before['kl']:.3f}, top-1 agreement {before['top1']:.3f}")
-    steps = 0
+    steps, trainer = 0, None
     if cfg.max_steps != 0:
         trainer = gkd_trainer(cfg, student, target, train_ex, ckpt_dir, state.device)
         if resume_from is not None:
@@ -282,6 +282,9 @@ def train(cfg: DraftTrainConfig) -> Path:
     save_draft(student, tokenizer, out)
     draft = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).to(state.device).eval()  # as users load it
     after = agreement(draft, target.model, eval_ex, pad) if steps else before
+    if trainer is not None:  # into the trainer's log and wandb run, beside the training curves
+        trainer.log({f"eval/{k}_{when}": v[k] for when, v in (("before", before), ("after", after))
+                     for k in ("kl", "top1")})
     metrics = {
         "kind": "draft", "target_name": target.name, "target_fingerprint": target.fingerprint, "student": what,
         "student_parameters": sum(p.numel() for p in draft.parameters()),
