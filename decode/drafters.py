@@ -94,7 +94,8 @@ class DraftModelDrafter:
         fed = context[same:]
         drafts = []
         for _ in range(self.tree.max_depth):
-            logits = self.model(input_ids=fed[None], past_key_values=self.cache, use_cache=True).logits[0, -1]
+            logits = self.model(input_ids=fed[None], past_key_values=self.cache, use_cache=True,
+                                logits_to_keep=1).logits[0, -1]  # no LM head over a re-fed prompt
             fed = logits.argmax(-1, keepdim=True)
             drafts.append(fed)
         self.seen = torch.cat([context] + drafts[:-1])  # the last draft was never fed

@@ -1,10 +1,12 @@
 """Where one speculative step's time goes, against one plain decoding step, on the same cache.
 
     OMP_NUM_THREADS=1 python scripts/profile_step.py --heads runs/heads/smollm2-135m [--tree 16] [--dtype float32]
+    OMP_NUM_THREADS=1 python scripts/profile_step.py --draft runs/drafts/smollm2-l6 --draft-tokens 3
 
 Times each part of a step with the library's own functions (median of --repeat runs, cache of
---context tokens): the heads' proposal, the verify forward, the target's lm_head over the tree,
-greedy acceptance, and the cache compaction. Prints milliseconds and ratios to a plain step.
+--context tokens): the drafter's proposal (heads, or a draft model's chain with its own cache),
+the verify forward, the target's lm_head over the tree, greedy acceptance, and the cache
+compaction. Prints milliseconds and ratios to a plain step.
 """
 
 import argparse
@@ -15,10 +17,8 @@ import torch
 from transformers import DynamicCache
 
 from gorgon.decode.acceptance import accept_greedy
-from gorgon.decode.cli import read_tree
-from gorgon.decode.drafters import HeadsDrafter
+from gorgon.decode.cli import add_model_arguments, load_drafter, read_tree
 from gorgon.decode.verify import crop_cache, keep_path, verify
-from gorgon.heads.model import load_with_heads
 from gorgon.heads.target import base_model, lm_logits
 
 
@@ -34,18 +34,14 @@ def median_ms(fn, repeat: int, reset) -> float:
 
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--heads", required=True)
-    p.add_argument("--target", default=None)
-    p.add_argument("--tree", default="auto")
-    p.add_argument("--dtype", default="float32")
+    add_model_arguments(p)
     p.add_argument("--context", type=int, default=256)
     p.add_argument("--repeat", type=int, default=15)
     args = p.parse_args()
-    target, heads = load_with_heads(args.heads, args.target, device="cpu", dtype=args.dtype)
+    target, drafter = load_drafter(args, read_tree(args.tree))
     model = target.model
-    drafter = HeadsDrafter(heads, read_tree(args.tree))
     tree = drafter.tree
-    prompt = torch.randint(100, model.config.vocab_size, (1, args.context))
+    prompt = torch.randint(100, model.config.vocab_size, (1, args.context), device=model.device)
     results = {}
     with torch.inference_mode():
         cache = DynamicCache()
@@ -59,7 +55,7 @@ def main():
             lambda: lm_logits(model, base_model(model)(input_ids=root.view(1, 1), past_key_values=cache,
                                                        use_cache=True).last_hidden_state), args.repeat, reset)
         tokens = drafter.propose(root, hidden, prompt[0])
-        results["heads propose"] = median_ms(lambda: drafter.propose(root, hidden, prompt[0]), args.repeat, reset)
+        results["drafter propose"] = median_ms(lambda: drafter.propose(root, hidden, prompt[0]), args.repeat, reset)
         results[f"verify forward ({tree.size} nodes)"] = median_ms(lambda: verify(model, cache, tokens, tree),
                                                                    args.repeat, reset)
         node_hidden = verify(model, cache, tokens, tree)
@@ -68,7 +64,7 @@ def main():
         logits = lm_logits(model, node_hidden)
         results["greedy acceptance"] = median_ms(lambda: accept_greedy(tree, tokens, logits), args.repeat, lambda: None)
         path, _ = accept_greedy(tree, tokens, logits)
-        nodes = torch.tensor(path)
+        nodes = torch.tensor(path, device=model.device)
 
         def compact():
             verify(model, cache, tokens, tree)
