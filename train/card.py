@@ -78,6 +78,7 @@ def speed_section(bench: dict | None, flag: str) -> str:
 
 
 def hub_id(target_name: str) -> str:
+    """The card's base_model: the name as given, or the Hub id of the embedded target."""
     return target_name if "/" in target_name else f"HuggingFaceTB/{target_name}"
 
 
