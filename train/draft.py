@@ -77,8 +77,6 @@ class DraftTrainConfig:
         for key in ("beta", "lmbda"):
             if not 0.0 <= getattr(self, key) <= 1.0:
                 raise GorgonError(f"{key} must lie between 0 and 1, not {getattr(self, key)}")
-        if self.student is None and self.student_layers < 1:
-            raise GorgonError(f"student_layers must be at least 1, not {self.student_layers}")
         if self.batch_size < 1 or self.grad_accum < 1 or self.draft_tokens < 1:
             raise GorgonError("batch_size, grad_accum and draft_tokens must be at least 1")
 
