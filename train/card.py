@@ -163,6 +163,9 @@ def write_draft_card(out: Path, cfg, metrics: dict, bench: dict | None = None) -
     before, after, tau = metrics["before"], metrics["after"], metrics["expected_tau"]
     divergence = {0.0: "forward KL", 1.0: "reverse KL"}.get(cfg.beta, f"generalised JSD (beta {cfg.beta})")
     policy = f", {cfg.lmbda:.0%} of batches answered by the draft itself" if cfg.lmbda else ""
+    how = (f"It was distilled with gorgon (trl GKD, {divergence}{policy}{', LoRA merged' if cfg.lora else ''},\n"
+           f"{metrics['steps']} steps) on {data_line(cfg.data)}." if metrics["steps"] else
+           "It is not distilled: saved with `--max_steps 0`, as the baseline that distillation is measured against.")
     text = f"""---
 base_model: {base}
 library_name: transformers
@@ -176,8 +179,7 @@ tags:
 
 A {metrics['student_parameters'] / 1e6:.1f}M-parameter draft model for speculative decoding with {target_name}
 ({metrics['target_parameters'] / 1e6:.1f}M). It started from {metrics['student']}.
-It was distilled with gorgon (trl GKD, {divergence}{policy}{', LoRA merged' if cfg.lora else ''},
-{metrics['steps']} steps) on {data_line(cfg.data)}.
+{how}
 
 Speculative decoding with it gives exactly the target's own output; the draft only sets the speed.
 
