@@ -166,3 +166,4 @@ def test_on_policy_batches_answer_with_the_draft(tmp_path, monkeypatch):
     text = tok.decode(answered[0][0], skip_special_tokens=False).replace("<pad>", "")
     assert text.startswith("<|im_start|>user\ncount from") and text.endswith("<|im_end|>\n<|im_start|>assistant\n")
     assert json.loads((out / "metrics.json").read_text())["steps"] == 3
+

@@ -203,3 +203,15 @@ def test_empty_dataset_is_refused(tmp_path):
 def test_shipped_recipes_load(recipe):
     cfg = load_recipe(HeadsTrainConfig, str(recipe), {})
     cfg.check()
+
+
+def test_resume_without_a_checkpoint_is_refused(tmp_path):
+    """The rule both training scripts share (gorgon.train.recipe.resume_point)."""
+    from gorgon.train.draft import DraftTrainConfig
+    from gorgon.train.draft import train as train_draft
+
+    for run, cfg in [(train_draft, DraftTrainConfig(data="x", out=str(tmp_path / "d"), resume=True, report_to="none")),
+                     (train, HeadsTrainConfig(data="x", out=str(tmp_path / "h"), resume=True, report_to="none"))]:
+        with pytest.raises(GorgonError, match=r"^--resume: no complete checkpoint in .*checkpoints: run without "
+                                              r"--resume to start$"):
+            run(cfg)

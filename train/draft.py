@@ -236,17 +236,13 @@ def train(cfg: DraftTrainConfig) -> Path:
     from gorgon.heads.files import atomic_write_text
     from gorgon.train.card import write_draft_card
     from gorgon.train.examples import load_examples, split
+    from gorgon.train.recipe import resume_point, wandb_offline_without_key
 
     cfg.check()
     out = Path(cfg.out)
     ckpt_dir = out / "checkpoints"
-    resume_from = latest_checkpoint(ckpt_dir) if ckpt_dir.is_dir() else None
-    if resume_from is not None and not cfg.resume:
-        raise GorgonError(f"{out} already has checkpoints: pass --resume true to continue, or choose another --out")
-    if cfg.resume and resume_from is None:
-        raise GorgonError(f"--resume: no complete checkpoint in {ckpt_dir}: run without --resume to start")
-    if cfg.report_to == "wandb" and not os.environ.get("WANDB_API_KEY") and not os.environ.get("WANDB_MODE"):
-        os.environ["WANDB_MODE"] = "offline"  # log locally; never prompt for a login
+    resume_from = resume_point(latest_checkpoint(ckpt_dir), cfg.resume, out)
+    wandb_offline_without_key(cfg.report_to)
     os.environ.setdefault("WANDB_PROJECT", cfg.project)
     state = PartialState()
     target = load_target(cfg.target, device=str(state.device), dtype=cfg.dtype)

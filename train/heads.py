@@ -171,18 +171,15 @@ def train(cfg: HeadsTrainConfig) -> Path:
     from gorgon.train.card import plot_head_accuracy, write_model_card
     from gorgon.train.examples import collate, load_examples, split
     from gorgon.train.losses import HeadsObjective
+    from gorgon.train.recipe import resume_point, wandb_offline_without_key
 
     cfg.check()
     out = Path(cfg.out)
-    if cfg.report_to == "wandb" and not os.environ.get("WANDB_API_KEY") and not os.environ.get("WANDB_MODE"):
-        os.environ["WANDB_MODE"] = "offline"  # log locally; never prompt for a login
+    wandb_offline_without_key(cfg.report_to)
     accelerator = Accelerator(gradient_accumulation_steps=cfg.grad_accum, project_dir=str(out),
                               log_with="wandb" if cfg.report_to == "wandb" else None)
     set_seed(cfg.seed)
-    if not cfg.resume and latest_checkpoint(out) is not None:
-        raise GorgonError(f"{out} already has checkpoints: pass --resume true to continue, or choose another --out")
-    if cfg.resume and latest_checkpoint(out) is None:
-        raise GorgonError(f"--resume: no checkpoint in {out / 'checkpoints'}: run without --resume to start")
+    resume_from = resume_point(latest_checkpoint(out), cfg.resume, out)
     target = load_target(cfg.target, device=str(accelerator.device), dtype=cfg.dtype)
     target.model.requires_grad_(False)
     examples = load_examples(cfg.data, target.tokenizer, cfg.max_length, target.fingerprint)
@@ -220,11 +217,10 @@ def train(cfg: HeadsTrainConfig) -> Path:
     objective, optimizer, loader, eval_loader, scheduler = accelerator.prepare(
         objective, optimizer, loader, eval_loader, scheduler)
     step = 0
-    if cfg.resume:
-        ckpt = latest_checkpoint(out)
-        accelerator.load_state(str(ckpt))
-        step = json.loads((ckpt / "gorgon_state.json").read_text())["step"]
-        accelerator.print(f"gorgon train: resumed from {ckpt} at step {step}")
+    if resume_from is not None:
+        accelerator.load_state(str(resume_from))
+        step = json.loads((resume_from / "gorgon_state.json").read_text())["step"]
+        accelerator.print(f"gorgon train: resumed from {resume_from} at step {step}")
     accelerator.init_trackers(cfg.project, config=asdict(cfg))
     accelerator.print(f"gorgon train: {cfg.mode} on {target.name}, {len(train_ex)} train / {len(eval_ex)} eval "
                       f"conversations, {total} steps on {accelerator.num_processes} x {accelerator.device}")

@@ -1,4 +1,5 @@
-"""Training recipes: a dataclass of settings, filled from a YAML file, then `--key value` overrides.
+"""Training recipes: a dataclass of settings, filled from a YAML file, then `--key value` overrides,
+and what both training scripts share: their command line, the resume rule, the logging mode.
 
 An unknown key, in the YAML or on the command line, is an error naming the close matches:
 a misspelt `learning_rate` must not silently train with the default.
@@ -8,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import os
 import sys
 import types
 import typing
@@ -100,6 +102,22 @@ def load_recipe(cls, config_path: str | None, overrides: dict[str, str]):
     if missing:
         raise GorgonError(f"missing setting {', '.join(missing)}: add it to the YAML or pass --{missing[0]} VALUE")
     return cls(**values)
+
+
+def resume_point(latest: Path | None, resume: bool, out: Path) -> Path | None:
+    """The checkpoint to continue from: a run's checkpoints are never trained over without --resume,
+    and --resume without one is an error rather than a silent fresh start."""
+    if latest is not None and not resume:
+        raise GorgonError(f"{out} already has checkpoints: pass --resume true to continue, or choose another --out")
+    if resume and latest is None:
+        raise GorgonError(f"--resume: no complete checkpoint in {out / 'checkpoints'}: run without --resume to start")
+    return latest
+
+
+def wandb_offline_without_key(report_to: str) -> None:
+    """wandb logs locally unless the user has a key or chose a mode: a run never stops to ask for a login."""
+    if report_to == "wandb" and not os.environ.get("WANDB_API_KEY") and not os.environ.get("WANDB_MODE"):
+        os.environ["WANDB_MODE"] = "offline"
 
 
 def print_settings(cls) -> None:
