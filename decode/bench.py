@@ -22,7 +22,9 @@ from gorgon.heads.errors import GorgonError
 from gorgon.heads.files import atomic_write_text, read_jsonl
 
 from .acceptance import Sampling
+from .calibrate import cpu_flags
 from .generate import GenerationResult, speculative_generate
+from .kernels import kernels_in_use, stock_kernels
 
 BASELINES = ("generate", "prompt-lookup")
 
@@ -73,8 +75,13 @@ def timed_speculative(model, drafter, ids, max_new_tokens: int, sampling: Sampli
     return result
 
 
-def summarize(rows: list[dict], greedy: bool, extra: tuple[str, ...]) -> dict:
-    """Aggregate figures over question rows (each one question, all its turns)."""
+def summarize(rows: list[dict], greedy: bool, extra: tuple[str, ...], stock: bool = False) -> dict:
+    """Aggregate figures over question rows (each one question, all its turns).
+
+    With `stock`, plain `generate` was also timed on torch's stock kernels: `speedup_vs_stock`
+    is gorgon against that (what a user gains end to end), `speedup` against `generate` on the
+    same fast kernels (what speculation alone gives).
+    """
     tokens = sum(r["tokens"] for r in rows)
     seconds = sum(r["seconds"] for r in rows)
     base_tokens = sum(r["baseline_tokens"] for r in rows)
@@ -89,6 +96,11 @@ def summarize(rows: list[dict], greedy: bool, extra: tuple[str, ...]) -> dict:
         "speedup_median": statistics.median(r["speedup"] for r in rows),
         "identical": sum(r["identical"] for r in rows) if greedy else None,
     }
+    if stock:
+        stock_tps = sum(r["stock_tokens"] for r in rows) / max(sum(r["stock_seconds"] for r in rows), 1e-9)
+        out["stock_tokens_per_s"] = stock_tps
+        out["speedup_vs_stock"] = tps / stock_tps
+        out["identical_vs_stock"] = sum(r["identical_vs_stock"] for r in rows) if greedy else None
     for name in extra:
         t = sum(r[f"{name}_tokens"] for r in rows)
         s = sum(r[f"{name}_seconds"] for r in rows)
@@ -99,10 +111,15 @@ def summarize(rows: list[dict], greedy: bool, extra: tuple[str, ...]) -> dict:
 
 def run_bench(target, drafter, questions: list[dict], max_new_tokens: int = 256, sampling: Sampling = Sampling(),
               baselines: tuple[str, ...] = ("generate",), assistant=None, seed: int = 0, progress: bool = True) -> dict:
-    """Run every question through the baseline and gorgon, interleaved; returns the report."""
+    """Run every question through the baseline and gorgon, interleaved; returns the report.
+
+    When the target runs on the CPU fast kernels, plain `generate` is timed twice per turn: on
+    those kernels (the `speedup` baseline) and on torch's stock ones (`speedup_vs_stock`).
+    """
     from tqdm.auto import tqdm
 
     model, tok = target.model, target.tokenizer
+    stock = kernels_in_use(model) == "fast"
     extra = tuple(b for b in baselines if b != "generate") + (("assistant",) if assistant is not None else ())
     extra_kwargs = {"prompt-lookup": dict(prompt_lookup_num_tokens=10), "assistant": dict(assistant_model=assistant)}
     generator = torch.Generator(device=model.device).manual_seed(seed)
@@ -114,6 +131,9 @@ def run_bench(target, drafter, questions: list[dict], max_new_tokens: int = 256,
     warm = encode([{"role": "user", "content": "Hello"}])  # load kernels and caches outside the timings
     timed_generate(model, warm, 8, sampling)
     timed_speculative(model, drafter, warm, 8, sampling, generator)
+    if stock:
+        with stock_kernels(model):
+            timed_generate(model, warm, 8, sampling)
     for name in extra:
         timed_generate(model, warm, 8, sampling, **extra_kwargs[name])
 
@@ -123,6 +143,8 @@ def run_bench(target, drafter, questions: list[dict], max_new_tokens: int = 256,
         row = {"question_id": q["question_id"], "category": q["category"], "tokens": 0, "seconds": 0.0,
                "target_forwards": 0, "baseline_tokens": 0, "baseline_seconds": 0.0, "identical": True}
         row.update({f"{n}_{k}": 0 for n in extra for k in ("tokens", "seconds")})
+        if stock:
+            row.update({"stock_tokens": 0, "stock_seconds": 0.0, "identical_vs_stock": True})
         messages = []
         for turn in q["turns"]:
             messages.append({"role": "user", "content": turn})
@@ -130,10 +152,13 @@ def run_bench(target, drafter, questions: list[dict], max_new_tokens: int = 256,
             if ids.shape[1] + max_new_tokens > context:
                 break  # a later turn that no longer fits the context ends the question
             runs = {}
-            order = ["baseline", "gorgon"] if qi % 2 == 0 else ["gorgon", "baseline"]
-            for name in order:
+            methods = ["baseline", "gorgon", "stock"] if stock else ["baseline", "gorgon"]
+            for name in methods[qi % len(methods):] + methods[:qi % len(methods)]:  # each goes first in turn
                 if name == "baseline":
                     runs[name] = timed_generate(model, ids, max_new_tokens, sampling)
+                elif name == "stock":
+                    with stock_kernels(model):
+                        runs[name] = timed_generate(model, ids, max_new_tokens, sampling)
                 else:
                     runs[name] = timed_speculative(model, drafter, ids, max_new_tokens, sampling, generator)
             base_tokens, base_secs = runs["baseline"]
@@ -144,6 +169,10 @@ def run_bench(target, drafter, questions: list[dict], max_new_tokens: int = 256,
             row["seconds"] += spec.seconds
             row["target_forwards"] += spec.target_forwards
             row["identical"] &= spec.tokens == base_tokens
+            if stock:
+                row["stock_tokens"] += len(runs["stock"][0])
+                row["stock_seconds"] += runs["stock"][1]
+                row["identical_vs_stock"] &= spec.tokens == runs["stock"][0]
             for n in spec.accepted[1:]:  # the prefill's single token is not a verify step
                 histogram[n] = histogram.get(n, 0) + 1
             for name in extra:
@@ -155,8 +184,8 @@ def run_bench(target, drafter, questions: list[dict], max_new_tokens: int = 256,
         row["speedup"] = (row["tokens"] / max(row["seconds"], 1e-9)) / max(base_rate, 1e-9)
         rows.append(row)
 
-    report = summarize(rows, sampling.greedy, extra)
-    report["per_category"] = {c: summarize([r for r in rows if r["category"] == c], sampling.greedy, extra)
+    report = summarize(rows, sampling.greedy, extra, stock)
+    report["per_category"] = {c: summarize([r for r in rows if r["category"] == c], sampling.greedy, extra, stock)
                               for c in sorted({r["category"] for r in rows})}
     report["accepted_histogram"] = {str(k): histogram[k] for k in sorted(histogram)}
     report["questions"] = rows
@@ -171,6 +200,7 @@ def environment(model, tree, sampling: Sampling, max_new_tokens: int) -> dict:
     device = model.device
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else (platform.processor() or platform.machine())
     return {"device": f"{device.type} ({name})", "dtype": str(model.dtype).replace("torch.", ""),
+            "kernels": kernels_in_use(model) if device.type == "cpu" else "cuda", "cpu_flags": cpu_flags(),
             "threads": torch.get_num_threads(), "tree": [list(p) for p in tree.paths], "tree_size": tree.size,
             "max_new_tokens": max_new_tokens, "temperature": sampling.temperature, "top_k": sampling.top_k,
             "top_p": sampling.top_p, "versions": {"torch": torch.__version__, "transformers": transformers.__version__,
@@ -178,13 +208,20 @@ def environment(model, tree, sampling: Sampling, max_new_tokens: int) -> dict:
 
 
 def markdown_table(report: dict) -> str:
-    lines = ["| category | prompts | tau | tokens/s | baseline tokens/s | speedup | median speedup | identical |",
-             "|---|---|---|---|---|---|---|---|"]
+    stock = "speedup_vs_stock" in report
+    head = "| category | prompts | tau | tokens/s | baseline tokens/s | speedup | median speedup | identical |"
+    if stock:
+        head += " stock tokens/s | speedup vs stock | identical vs stock |"
+    lines = [head, "|---" * head.count(" | ") + "|---|"]
     rows = list(report["per_category"].items()) + [("**all**", report)]
     for name, r in rows:
         ident = "-" if r["identical"] is None else f"{r['identical']}/{r['prompts']}"
-        lines.append(f"| {name} | {r['prompts']} | {r['tau']:.2f} | {r['tokens_per_s']:.1f} | "
-                     f"{r['baseline_tokens_per_s']:.1f} | {r['speedup']:.2f}x | {r['speedup_median']:.2f}x | {ident} |")
+        line = (f"| {name} | {r['prompts']} | {r['tau']:.2f} | {r['tokens_per_s']:.1f} | "
+                f"{r['baseline_tokens_per_s']:.1f} | {r['speedup']:.2f}x | {r['speedup_median']:.2f}x | {ident} |")
+        if stock:
+            ident = "-" if r["identical_vs_stock"] is None else f"{r['identical_vs_stock']}/{r['prompts']}"
+            line += f" {r['stock_tokens_per_s']:.1f} | {r['speedup_vs_stock']:.2f}x | {ident} |"
+        lines.append(line)
     for key in report:
         if key.endswith("_speedup") and key != "speedup_median":
             lines.append(f"\n{key.replace('_speedup', '')}: {report[key]:.2f}x of plain generate")
@@ -206,10 +243,21 @@ def plot_report(report: dict, path: Path) -> None:
     left.set_ylabel("verify steps")
     left.set_title(f"accepted length (tau {report['tau']:.2f})")
     cats = list(report["per_category"])
-    right.barh(cats, [report["per_category"][c]["speedup"] for c in cats], color="#9ecae1")
+    y = range(len(cats))
+    stock = "speedup_vs_stock" in report
+    height = 0.4 if stock else 0.8
+    right.barh([i + (height / 2 if stock else 0) for i in y], [report["per_category"][c]["speedup"] for c in cats],
+               height=height, color="#9ecae1", label="vs generate, same kernels")
+    title = f"speedup ({report['speedup']:.2f}x overall"
+    if stock:
+        right.barh([i - height / 2 for i in y], [report["per_category"][c]["speedup_vs_stock"] for c in cats],
+                   height=height, color="#3182bd", label="vs generate, stock kernels")
+        right.legend(fontsize=7, loc="lower right")
+        title += f", {report['speedup_vs_stock']:.2f}x vs stock"
+    right.set_yticks(list(y), cats)
     right.axvline(1.0, color="black", lw=0.8)
     right.set_xlabel("speedup over plain generate")
-    right.set_title(f"speedup ({report['speedup']:.2f}x overall)")
+    right.set_title(title + ")")
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)

@@ -14,8 +14,11 @@ from gorgon.heads.model import load_with_heads
 from gorgon.heads.target import check_same_tokenizer
 
 from .acceptance import Sampling
+from .calibrate import verify_costs
 from .drafters import DraftModelDrafter, HeadsDrafter
 from .generate import speculative_generate
+from .kernels import KERNELS, use_cpu_kernels
+from .tree import best_tree_size
 
 
 def parser() -> argparse.ArgumentParser:
@@ -58,12 +61,23 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=None, help="seed for sampling")
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", default="auto", help="auto (bf16 on CUDA, fp32 on CPU), float32, bfloat16, float16")
+    p.add_argument("--cpu-kernels", choices=KERNELS, default="fast",
+                   help="on the CPU: fast (default: linear layers on weights prepacked for oneDNN, so verifying a "
+                        "few tokens costs about one step) or stock (torch's default kernels); ignored on CUDA")
 
 
 def load_drafter(args, tree):
-    """The target and the drafter the arguments name."""
+    """The target and the drafter the arguments name, on the chosen CPU kernels.
+
+    With heads and `--tree auto`, the tree's size is chosen for this machine: from the heads'
+    measured accuracies and the verify costs measured here (a few seconds, cached).
+    """
     if args.heads:
         target, heads = load_with_heads(args.heads, args.target, device=args.device, dtype=args.dtype)
+        use_cpu_kernels(target.model, args.cpu_kernels)
+        if tree == "auto" and heads.trees.get("accuracies"):
+            tree = best_tree_size(heads.trees["accuracies"][: heads.config.num_heads], verify_costs(target.model))
+            print(f"gorgon: a {tree}-node tree fits this machine best (--tree N to choose another)", file=sys.stderr)
         return target, HeadsDrafter(heads, tree)
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -79,7 +93,10 @@ def load_drafter(args, tree):
         draft_tokenizer = None  # weights only: the vocabulary size check below is all there is to go on
     if draft_tokenizer is not None:
         check_same_tokenizer(target.tokenizer, draft_tokenizer, f"draft {args.draft}")
-    return target, DraftModelDrafter(draft.to(target.model.device).eval(), args.draft_tokens).check_vocab(target.model)
+    use_cpu_kernels(target.model, args.cpu_kernels)
+    draft = draft.to(target.model.device).eval()
+    use_cpu_kernels(draft, args.cpu_kernels)
+    return target, DraftModelDrafter(draft, args.draft_tokens).check_vocab(target.model)
 
 
 def read_tree(value: str):

@@ -134,3 +134,34 @@ def default_tree(num_heads: int, device_type: str) -> list[list[int]]:
     """A tree sized for the device (a verify forward is far cheaper per token on a GPU)."""
     size = DEVICE_TREE_SIZE.get(device_type, 16)
     return tree_from_accuracies(REFERENCE_ACCURACIES[:num_heads], size)
+
+
+def interpolate_cost(costs: dict[int, float], size: int) -> float:
+    """A forward's cost for `size` tokens, linear between the measured sizes (flat past the ends)."""
+    sizes = sorted(costs)
+    if size <= sizes[0]:
+        return costs[sizes[0]]
+    for lo, hi in zip(sizes, sizes[1:]):
+        if size <= hi:
+            return costs[lo] + (costs[hi] - costs[lo]) * (size - lo) / (hi - lo)
+    return costs[sizes[-1]] * size / sizes[-1]
+
+
+def best_tree_size(accuracies, costs: dict[int, float], max_size: int | None = None) -> int:
+    """The node count whose best tree gives the most tokens per unit of time on this machine.
+
+    A tree of n nodes emits `expected_accepted` tokens per step and costs a forward over n
+    tokens; a plain step emits one token for a forward over one. The ratio of the two is the
+    expected speedup, so the choice follows both the heads' accuracies and the hardware.
+    `costs` maps token counts to measured forward times and must include 1.
+    """
+    if 1 not in costs:
+        raise GorgonError("verify costs must include a one-token forward (size 1)")
+    max_size = max_size or max(costs)
+    best, best_gain = 2, 0.0
+    for n in range(2, max_size + 1):
+        tokens_per_step = expected_accepted(accuracies, tree_from_accuracies(accuracies, n))
+        gain = tokens_per_step / (interpolate_cost(costs, n) / costs[1])
+        if gain > best_gain:
+            best, best_gain = n, gain
+    return best

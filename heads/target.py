@@ -192,10 +192,11 @@ def check_same_tokenizer(target_tokenizer, draft_tokenizer, draft_name: str) -> 
 def lm_logits(model: torch.nn.Module, hidden: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
     """The target's logits from its last hidden state, with final soft-capping where the model has it;
     with `rows`, only those vocabulary entries."""
-    weight = model.get_output_embeddings().weight
-    if rows is not None:
-        weight = weight[rows]
-    logits = torch.nn.functional.linear(hidden.to(weight.dtype), weight)
+    head = model.get_output_embeddings()
+    if rows is None:  # through the module, so the CPU fast kernels (gorgon.decode.kernels) apply to it too
+        logits = head(hidden.to(head.weight.dtype))
+    else:
+        logits = torch.nn.functional.linear(hidden.to(head.weight.dtype), head.weight[rows])
     cap = getattr(model.config, "final_logit_softcapping", None)
     if cap:
         logits = torch.tanh(logits / cap) * cap

@@ -1,89 +1,104 @@
 """Where one speculative step's time goes, against one plain decoding step, on the same cache.
 
-    OMP_NUM_THREADS=1 python scripts/profile_step.py --heads runs/heads/smollm2-135m [--tree 16] [--dtype float32]
+    OMP_NUM_THREADS=1 python scripts/profile_step.py --heads runs/heads/smollm2-135m [--tree 4] [--json]
     OMP_NUM_THREADS=1 python scripts/profile_step.py --draft runs/drafts/smollm2-l6 --draft-tokens 3
+    OMP_NUM_THREADS=1 python scripts/profile_step.py --heads ... --cpu-kernels stock   # torch's stock CPU kernels
 
 Times each part of a step with the library's own functions (median of --repeat runs, cache of
---context tokens): the drafter's proposal (heads, or a draft model's chain with its own cache),
-the verify forward, the target's lm_head over the tree, greedy acceptance, and the cache
-compaction. Prints milliseconds and ratios to a plain step.
+--context tokens): the drafter's proposal, the verify forward, the target's lm_head over the
+tree, greedy acceptance and the cache compaction; and the cost of a forward over 1, 2, 4, 8 and
+16 tokens (lm_head included) relative to one. `--json` prints one JSON line instead of the table:
+{"plain_ms", "verify_ratio", "step_ratio", "tree_size", "kernels", "cpu_flags", ...}.
 """
 
 import argparse
-import statistics
-import time
+import json
+import platform
 
 import torch
 from transformers import DynamicCache
 
 from gorgon.decode.acceptance import accept_greedy
+from gorgon.decode.calibrate import cpu_flags, measure_verify_costs, median_ms
 from gorgon.decode.cli import add_model_arguments, load_drafter, read_tree
+from gorgon.decode.kernels import kernels_in_use
 from gorgon.decode.verify import crop_cache, keep_path, verify
 from gorgon.heads.target import base_model, lm_logits
 
 
-def median_ms(fn, repeat: int, reset) -> float:
-    times = []
-    for _ in range(repeat + 1):
-        start = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - start) * 1000)
+def profile(model, drafter, context: int, repeat: int) -> dict[str, float]:
+    """Milliseconds of each part of one speculative step, and of a plain step, on a cache of `context`."""
+    tree, device = drafter.tree, model.device
+    prompt = torch.randint(100, model.config.get_text_config().vocab_size, (1, context), device=device)
+    parts = {}
+    cache = DynamicCache()
+    hidden = base_model(model)(input_ids=prompt, past_key_values=cache, use_cache=True).last_hidden_state[0, -1]
+    root = lm_logits(model, hidden).argmax()
+
+    def reset():
+        crop_cache(cache, context)
+
+    def timed(fn, reset=reset):
+        return median_ms(fn, repeat, reset, device)
+
+    parts["plain step (1 token + lm_head)"] = timed(
+        lambda: lm_logits(model, base_model(model)(input_ids=root.view(1, 1), past_key_values=cache,
+                                                   use_cache=True).last_hidden_state))
+    tokens = drafter.propose(root, hidden, prompt[0])
+    parts["drafter propose"] = timed(lambda: drafter.propose(root, hidden, prompt[0]))
+    parts[f"verify forward ({tree.size} nodes)"] = timed(lambda: verify(model, cache, tokens, tree))
+    node_hidden = verify(model, cache, tokens, tree)
+    reset()
+    parts["target lm_head over the tree"] = timed(lambda: lm_logits(model, node_hidden))
+    logits = lm_logits(model, node_hidden)
+    parts["greedy acceptance"] = timed(lambda: accept_greedy(tree, tokens, logits), lambda: None)
+    path, _ = accept_greedy(tree, tokens, logits)
+    nodes = torch.tensor(path, device=device)
+
+    def reverify():  # each compaction needs a freshly verified tree in the cache
         reset()
-    return statistics.median(times[1:])  # the first run warms up
+        verify(model, cache, tokens, tree)
+
+    verify(model, cache, tokens, tree)
+    parts["cache compaction"] = timed(lambda: keep_path(cache, context, nodes), reverify)
+    reset()
+    return parts
 
 
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_model_arguments(p)
-    p.add_argument("--context", type=int, default=256)
-    p.add_argument("--repeat", type=int, default=15)
+    p.add_argument("--context", type=int, default=256, help="cached tokens before the step (default 256)")
+    p.add_argument("--repeat", type=int, default=15, help="timed runs per figure; the median is kept (default 15)")
+    p.add_argument("--json", action="store_true", help="print one JSON line instead of the table")
     args = p.parse_args()
     target, drafter = load_drafter(args, read_tree(args.tree))
     model = target.model
-    tree = drafter.tree
-    prompt = torch.randint(100, model.config.vocab_size, (1, args.context), device=model.device)
-    results = {}
     with torch.inference_mode():
-        cache = DynamicCache()
-        hidden = base_model(model)(input_ids=prompt, past_key_values=cache, use_cache=True).last_hidden_state[0, -1]
-        root = lm_logits(model, hidden).argmax()
-
-        def reset():
-            crop_cache(cache, args.context)
-
-        results["plain step (1 token + lm_head)"] = median_ms(
-            lambda: lm_logits(model, base_model(model)(input_ids=root.view(1, 1), past_key_values=cache,
-                                                       use_cache=True).last_hidden_state), args.repeat, reset)
-        tokens = drafter.propose(root, hidden, prompt[0])
-        results["drafter propose"] = median_ms(lambda: drafter.propose(root, hidden, prompt[0]), args.repeat, reset)
-        results[f"verify forward ({tree.size} nodes)"] = median_ms(lambda: verify(model, cache, tokens, tree),
-                                                                   args.repeat, reset)
-        node_hidden = verify(model, cache, tokens, tree)
-        reset()
-        results["target lm_head over the tree"] = median_ms(lambda: lm_logits(model, node_hidden), args.repeat, reset)
-        logits = lm_logits(model, node_hidden)
-        results["greedy acceptance"] = median_ms(lambda: accept_greedy(tree, tokens, logits), args.repeat, lambda: None)
-        path, _ = accept_greedy(tree, tokens, logits)
-        nodes = torch.tensor(path, device=model.device)
-
-        def compact():
-            verify(model, cache, tokens, tree)
-            start = time.perf_counter()
-            keep_path(cache, args.context, nodes)
-            return (time.perf_counter() - start) * 1000
-
-        compact_times = []
-        for _ in range(args.repeat):
-            compact_times.append(compact())
-            reset()
-        results["cache compaction"] = statistics.median(compact_times)
-    plain = results["plain step (1 token + lm_head)"]
-    spec = sum(v for k, v in results.items() if not k.startswith("plain"))
-    print(f"{model.dtype}, {torch.get_num_threads()} thread(s), cache of {args.context} tokens, tree of {tree.size}")
-    for name, ms in results.items():
+        parts = profile(model, drafter, args.context, args.repeat)
+    costs = measure_verify_costs(model, context=args.context, repeat=args.repeat)
+    plain = parts["plain step (1 token + lm_head)"]
+    spec = sum(v for k, v in parts.items() if not k.startswith("plain"))
+    kernels = kernels_in_use(model) if model.device.type == "cpu" else "cuda"
+    if args.json:
+        print(json.dumps({
+            "plain_ms": round(plain, 3),
+            "verify_ratio": {str(n): round(ms / costs[1], 3) for n, ms in costs.items()},
+            "step_ratio": round(spec / plain, 3), "tree_size": drafter.tree.size, "kernels": kernels,
+            "cpu_flags": cpu_flags(), "dtype": str(model.dtype).replace("torch.", ""),
+            "threads": torch.get_num_threads(), "context": args.context,
+            "parts_ms": {k: round(v, 3) for k, v in parts.items()},
+            "device": model.device.type if model.device.type == "cpu" else torch.cuda.get_device_name(model.device),
+            "cpu": platform.processor(), "torch": torch.__version__}))
+        return
+    print(f"{model.dtype}, {torch.get_num_threads()} thread(s), {kernels} kernels, cache of {args.context} tokens, "
+          f"tree of {drafter.tree.size}; CPU flags: {' '.join(cpu_flags()) or '-'}")
+    for name, ms in parts.items():
         print(f"  {name:<36} {ms:7.1f} ms  {ms / plain:5.2f}x plain")
     print(f"  {'speculative step, total':<36} {spec:7.1f} ms  {spec / plain:5.2f}x plain"
           f"  -> break-even tau {spec / plain:.2f}")
+    print("forward over n tokens (lm_head included) / one token: "
+          + ", ".join(f"{n}: {ms / costs[1]:.2f}x" for n, ms in costs.items()))
 
 
 if __name__ == "__main__":

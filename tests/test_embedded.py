@@ -10,6 +10,7 @@ import torch
 from conftest import needs_embedded
 
 from gorgon.decode import HeadsDrafter, speculative_generate
+from gorgon.decode.kernels import KERNELS, use_cpu_kernels
 from gorgon.heads import MedusaHeads, load_target
 
 PROMPTS = ["Write a haiku about the sea.", "What is 17 times 23? Explain step by step.",
@@ -27,16 +28,21 @@ def test_embedded_target_loads_from_cache_fast(embedded_target):
 
 
 @needs_embedded
-def test_greedy_equals_generate_on_the_embedded_target(embedded_target):
+@pytest.mark.parametrize("kernels", KERNELS)
+def test_greedy_equals_generate_on_the_embedded_target(embedded_target, kernels):
     model, tok = embedded_target.model, embedded_target.tokenizer
     heads = MedusaHeads.for_target(model, target_fingerprint=embedded_target.fingerprint)
     drafter = HeadsDrafter(heads)
-    for prompt in PROMPTS:
-        ids = tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
-                                      return_tensors="pt", return_dict=True)["input_ids"]
-        ref = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=40, do_sample=False)
-        result = speculative_generate(model, drafter, ids, max_new_tokens=40)
-        assert result.tokens == ref[0, ids.shape[1]:].tolist()
+    use_cpu_kernels(model, kernels)
+    try:
+        for prompt in PROMPTS:
+            ids = tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                          return_tensors="pt", return_dict=True)["input_ids"]
+            ref = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=40, do_sample=False)
+            result = speculative_generate(model, drafter, ids, max_new_tokens=40)
+            assert result.tokens == ref[0, ids.shape[1]:].tolist()
+    finally:
+        use_cpu_kernels(model, "stock")  # the target is shared by the whole session
 
 
 @needs_embedded

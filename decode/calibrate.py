@@ -1,0 +1,113 @@
+"""What a verify forward costs on this machine, measured once and cached: the input to the tree's size.
+
+A tree pays when the tokens it adds per step outweigh what verifying it costs, and that cost
+depends on the hardware, the kernels, the dtype and the thread count, not only the model. So
+the cost of a forward over 1, 2, 4, ... tokens (lm_head included, on a cache of 256) is timed
+here in a few seconds and kept in the gorgon cache under a key of everything it depends on.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import platform
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from gorgon.heads.files import atomic_write_text
+from gorgon.heads.target import base_model, cache_dir, lm_logits
+
+from .kernels import kernels_in_use
+from .tree import build_tree
+from .verify import crop_cache, verify
+
+CPU_SIZES = (1, 2, 4, 8, 16)
+CUDA_SIZES = (1, 2, 4, 8, 16, 32, 64)
+CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_fp16", "amx_bf16", "amx_tile")
+
+
+def cpu_flags() -> list[str]:
+    """The vector and matrix extensions this CPU reports (Linux), which decide which kernels are fast."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return []
+    flags = next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), [])
+    return [f for f in CPU_FLAGS if f in flags]
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def median_ms(fn, repeat: int, reset=lambda: None, device: torch.device = torch.device("cpu")) -> float:
+    """Median wall time of fn() over `repeat` runs after one warm-up, calling reset() after each."""
+    times = []
+    for _ in range(repeat + 1):
+        sync(device)
+        start = time.perf_counter()
+        fn()
+        sync(device)
+        times.append((time.perf_counter() - start) * 1000)
+        reset()
+    return statistics.median(times[1:])
+
+
+@torch.inference_mode()
+def measure_verify_costs(model, sizes=None, context: int = 256, repeat: int = 5) -> dict[int, float]:
+    """Milliseconds of one target forward over n tree tokens plus the lm_head over them, for each n.
+
+    The tree for n is a chain (position ids 1..n): for the cost only the token count matters.
+    """
+    from transformers import DynamicCache
+
+    device = model.device
+    sizes = sizes or (CUDA_SIZES if device.type == "cuda" else CPU_SIZES)
+    prompt = torch.randint(0, model.config.get_text_config().vocab_size, (1, context), device=device)
+    cache = DynamicCache()
+    base_model(model)(input_ids=prompt, past_key_values=cache, use_cache=True)
+    costs = {}
+    for n in sizes:
+        tokens = prompt[0, :n]
+        if n == 1:  # a plain decoding step
+            def step():
+                lm_logits(model, base_model(model)(input_ids=tokens[None], past_key_values=cache,
+                                                   use_cache=True).last_hidden_state)
+        else:
+            chain = build_tree([[0] * d for d in range(1, n)]).to(device)
+
+            def step(tree=chain, tokens=tokens):
+                lm_logits(model, verify(model, cache, tokens, tree))
+        costs[n] = median_ms(step, repeat, lambda: crop_cache(cache, context), device)
+    return costs
+
+
+def calibration_key(model) -> dict:
+    """Everything a verify cost depends on."""
+    cfg = model.config.get_text_config()
+    device = model.device
+    return {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor(),
+            "cpu_flags": cpu_flags(), "threads": torch.get_num_threads(), "torch": torch.__version__,
+            "dtype": str(model.dtype), "kernels": kernels_in_use(model) if device.type == "cpu" else "cuda",
+            "model": {k: getattr(cfg, k, None) for k in ("model_type", "hidden_size", "intermediate_size",
+                                                         "num_hidden_layers", "vocab_size")}}
+
+
+def verify_costs(model, refresh: bool = False) -> dict[int, float]:
+    """Measured verify costs for this model on this machine, from the cache when they were measured before."""
+    key = calibration_key(model)
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+    path = cache_dir() / "calibration" / f"{digest}.json"
+    if path.is_file() and not refresh:
+        try:
+            return {int(n): float(ms) for n, ms in json.loads(path.read_text())["costs_ms"].items()}
+        except (ValueError, KeyError, TypeError):
+            pass  # a damaged cache entry is measured again
+    costs = measure_verify_costs(model)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(path, json.dumps({"key": key, "costs_ms": costs}, indent=1) + "\n")
+    return costs

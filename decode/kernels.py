@@ -1,0 +1,132 @@
+"""CPU kernels for the target: every linear layer on weights prepacked once for oneDNN.
+
+Why: a decode step reads every weight once, so on a CPU it is bound by memory bandwidth, and
+verifying a few tree nodes in one forward should cost about one step. torch's default CPU
+linear (MKL sgemm) does not behave that way: two rows can cost 1.5-2x one row. oneDNN's
+linear on a weight reordered once for it (the ops torch's inductor emits for CPU linears under
+freezing) stays nearly flat for a few rows and is faster for one row too.
+
+The switch is reversible and leaves the model as it was: `use_cpu_kernels(model, "fast")`
+gives each `nn.Linear` an instance-level `forward` that calls the prepacked op (parameters,
+state_dict and module names untouched), and `"stock"` removes it. Packed weights are kept
+beside the module, so `stock_kernels(model)` can time plain `generate` on the unmodified path
+in the same run. A layer falls back to `F.linear` whenever the fast op does not apply: off the
+CPU, a dtype it was not packed for, autograd through the layer, or a weight changed since it
+was packed (training, a LoRA merge), so no result is ever computed from a stale copy.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import types
+import warnings
+
+import torch
+import torch.nn.functional as F
+
+from gorgon.heads.errors import GorgonError
+
+KERNELS = ("fast", "stock")
+# oneDNN picks its weight layout for an expected row count; 4 measured best for 1-16 rows
+# (a hint of 1 made two rows cost 1.4x one row).
+PACK_ROWS_HINT = 4
+_ATTR = "_gorgon_packed"
+
+
+def fast_kernels_unavailable(dtype: torch.dtype) -> str | None:
+    """Why the fast path cannot run with this dtype on this torch build and CPU, or None if it can."""
+    if not torch.backends.mkldnn.is_available():
+        return "this torch build has no oneDNN (mkldnn)"
+    try:
+        reorder = torch.ops.mkldnn._reorder_linear_weight
+        linear = torch.ops.mkldnn._linear_pointwise
+    except (AttributeError, RuntimeError):
+        return "this torch build lacks torch.ops.mkldnn._linear_pointwise"
+    if dtype == torch.bfloat16 and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        return "this CPU has no bf16 instructions for oneDNN"
+    if dtype not in (torch.float32, torch.bfloat16):
+        return f"{dtype} is not packed (float32 and bfloat16 are)"
+    # A probe with the real ops: a build can expose them and still refuse to run them.
+    try:
+        w, x = torch.randn(8, 16, dtype=dtype), torch.randn(3, 16, dtype=dtype)
+        got = linear(x, reorder(w, PACK_ROWS_HINT), None, "none", [], "")
+    except RuntimeError as err:
+        return f"oneDNN's linear failed a probe ({str(err).splitlines()[0]})"
+    if not torch.allclose(got.float(), F.linear(x, w).float(), rtol=1e-2, atol=1e-2):
+        return "oneDNN's linear gave wrong results in a probe"
+    return None
+
+
+def use_cpu_kernels(model: torch.nn.Module, kernels: str = "fast") -> str:
+    """Put the model's linear layers on the chosen kernels; returns what is in use, for reports.
+
+    "fast" falls back to "stock" with a warning where it cannot run (other torch builds, CUDA,
+    float16), so asking for it is always safe.
+    """
+    if kernels not in KERNELS:
+        raise GorgonError(f"unknown --cpu-kernels {kernels!r}: use fast (oneDNN prepacked weights) or stock")
+    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    if kernels == "stock":
+        for m in linears:
+            m.__dict__.pop("forward", None)
+            m.__dict__.pop(_ATTR, None)
+        return "stock"
+    device, dtype = next(model.parameters()).device, next(model.parameters()).dtype
+    reason = "the model is not on the CPU" if device.type != "cpu" else fast_kernels_unavailable(dtype)
+    if reason:
+        if device.type == "cpu":
+            warnings.warn(f"gorgon: CPU fast kernels are off: {reason}; using torch's stock kernels", stacklevel=2)
+        return use_cpu_kernels(model, "stock")
+    for m in linears:
+        _pack(m)
+    return kernels_in_use(model)
+
+
+def kernels_in_use(model: torch.nn.Module) -> str:
+    """"fast" when the model's linear layers run on prepacked weights, else "stock"."""
+    return "fast" if any(isinstance(m.__dict__.get("forward"), types.MethodType) and _ATTR in m.__dict__
+                         for m in model.modules()) else "stock"
+
+
+@contextlib.contextmanager
+def stock_kernels(model: torch.nn.Module):
+    """Run the block on torch's stock kernels, then restore the fast path if it was on.
+    The packed weights are kept, so switching back costs nothing."""
+    saved = {m: m.__dict__.pop("forward") for m in model.modules() if "forward" in m.__dict__ and _ATTR in m.__dict__}
+    try:
+        yield
+    finally:
+        for m, forward in saved.items():
+            m.forward = forward
+
+
+class _PackedWeight:
+    """A linear weight reordered for oneDNN, remade whenever the weight is not the one it was made from
+    (another tensor, an in-place update): a result is never computed from a stale copy."""
+
+    def __init__(self, dtype: torch.dtype):
+        self.dtype, self.key, self.tensor = dtype, None, None
+
+    def get(self, weight: torch.Tensor) -> torch.Tensor:
+        key = (weight.data_ptr(), weight._version)
+        if key != self.key:
+            self.tensor = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_ROWS_HINT)
+            self.key = key
+        return self.tensor
+
+    def __deepcopy__(self, memo) -> "_PackedWeight":
+        return _PackedWeight(self.dtype)  # oneDNN tensors cannot be copied; the copy packs its own weight
+
+
+def _pack(linear: torch.nn.Linear) -> None:
+    packed = linear.__dict__[_ATTR] = _PackedWeight(linear.weight.dtype)
+    packed.get(linear.weight)
+    linear.forward = types.MethodType(_packed_forward, linear)
+
+
+def _packed_forward(linear: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    packed, w = linear.__dict__[_ATTR], linear.weight
+    if (x.device.type != "cpu" or x.dtype != packed.dtype or w.dtype != packed.dtype
+            or (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad))):
+        return F.linear(x, w, linear.bias)
+    return torch.ops.mkldnn._linear_pointwise(x, packed.get(w), linear.bias, "none", [], "")

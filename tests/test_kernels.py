@@ -1,0 +1,156 @@
+"""The CPU fast path (oneDNN prepacked linears): same results as torch's stock kernels, reversible,
+a clean fallback where it cannot run, and the bench's two baselines. Its speed is a benchmark
+(scripts/profile_step.py), never a test."""
+
+import copy
+import json
+
+import pytest
+import torch
+from conftest import ARCHS, VOCAB, tiny_chat_target, tiny_model
+
+import gorgon.decode.calibrate as calibrate
+from gorgon.decode import HeadsDrafter, speculative_generate
+from gorgon.decode.bench import markdown_table, run_bench
+from gorgon.decode.cli import parser as generate_parser
+from gorgon.decode.kernels import fast_kernels_unavailable, kernels_in_use, stock_kernels, use_cpu_kernels
+from gorgon.decode.tree import best_tree_size, interpolate_cost
+from gorgon.heads import GorgonError, MedusaHeads, load_target
+
+needs_onednn = pytest.mark.skipif(fast_kernels_unavailable(torch.float32) is not None,
+                                  reason="this torch build cannot run the oneDNN fast path")
+
+
+@needs_onednn
+@pytest.mark.parametrize("arch", ARCHS)
+def test_fast_logits_match_stock_and_greedy_output_is_identical(arch):
+    model = tiny_model(arch)
+    ids = torch.randint(0, VOCAB, (1, 12), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        stock_logits = model(ids).logits
+        stock_out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=20, do_sample=False)
+    keys = list(model.state_dict())
+    assert use_cpu_kernels(model, "fast") == "fast" == kernels_in_use(model)
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, stock_logits, atol=1e-4, rtol=1e-4)
+        fast_out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=20, do_sample=False)
+    assert fast_out.tolist() == stock_out.tolist()
+    drafter = HeadsDrafter(MedusaHeads.for_target(model, num_heads=3), tree=[[0], [1], [0, 0], [0, 0, 0]])
+    assert speculative_generate(model, drafter, ids, max_new_tokens=20).tokens == fast_out[0, 12:].tolist()
+    assert list(model.state_dict()) == keys  # parameters and names untouched
+
+
+@needs_onednn
+def test_switch_is_reversible_and_stock_kernels_restores():
+    model = tiny_model("llama")
+    linear = model.model.layers[0].mlp.up_proj
+    use_cpu_kernels(model, "fast")
+    assert "forward" in linear.__dict__
+    with stock_kernels(model):
+        assert kernels_in_use(model) == "stock" and "forward" not in linear.__dict__
+    assert kernels_in_use(model) == "fast"
+    assert use_cpu_kernels(model, "stock") == "stock"
+    assert not any("forward" in m.__dict__ for m in model.modules())
+
+
+@needs_onednn
+def test_changed_weights_autograd_and_copies_never_use_a_stale_pack():
+    layer = torch.nn.Linear(16, 8)
+    use_cpu_kernels(layer, "fast")
+    x = torch.randn(3, 16)
+    with torch.no_grad():
+        layer.weight.mul_(3)  # an in-place update after packing
+        torch.testing.assert_close(layer(x), torch.nn.functional.linear(x, layer.weight, layer.bias))
+    y = layer(x)  # autograd goes through torch's own linear
+    y.sum().backward()
+    assert layer.weight.grad is not None
+    twin = copy.deepcopy(layer)
+    with torch.no_grad():
+        twin.weight.zero_()
+        torch.testing.assert_close(twin(x), twin.bias.expand(3, 8))  # the copy computes with its own weight
+        torch.testing.assert_close(layer(x), torch.nn.functional.linear(x, layer.weight, layer.bias))
+
+
+def test_fallback_when_onednn_is_missing(monkeypatch):
+    monkeypatch.setattr(torch.backends.mkldnn, "is_available", lambda: False)
+    model = tiny_model("llama")
+    with pytest.warns(UserWarning, match="fast kernels are off: this torch build has no oneDNN"):
+        assert use_cpu_kernels(model, "fast") == "stock"
+    assert kernels_in_use(model) == "stock"
+
+
+@needs_onednn
+def test_fallback_when_the_op_fails(monkeypatch):
+    def broken(*args):
+        raise RuntimeError("no kernel for this CPU")
+
+    monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise", broken)
+    model = tiny_model("qwen2")
+    with pytest.warns(UserWarning, match="oneDNN's linear failed a probe"):
+        assert use_cpu_kernels(model, "fast") == "stock"
+    ids = torch.randint(0, VOCAB, (1, 5))
+    model(ids)  # still runs, on stock kernels
+
+
+def test_unknown_kernels_and_cli_switch():
+    with pytest.raises(GorgonError, match="unknown --cpu-kernels 'turbo'"):
+        use_cpu_kernels(tiny_model("llama"), "turbo")
+    args = generate_parser().parse_args(["--heads", "h", "--prompt", "x"])
+    assert args.cpu_kernels == "fast"
+    args = generate_parser().parse_args(["--heads", "h", "--prompt", "x", "--cpu-kernels", "stock"])
+    assert args.cpu_kernels == "stock"
+
+
+@needs_onednn
+def test_bench_reports_both_ratios(tmp_path):
+    target = load_target(str(tiny_chat_target(tmp_path)), device="cpu")
+    use_cpu_kernels(target.model, "fast")
+    drafter = HeadsDrafter(MedusaHeads.for_target(target.model), tree=[[0], [1], [0, 0]])
+    questions = [{"question_id": i, "category": c, "turns": [f"count from {i}"]} for i, c in enumerate("ab")]
+    report = run_bench(target, drafter, questions, max_new_tokens=10, progress=False)
+    for key in ("stock_tokens", "stock_seconds", "identical_vs_stock"):
+        assert all(key in q for q in report["questions"]), key
+    assert report["speedup_vs_stock"] > 0 and report["stock_tokens_per_s"] > 0
+    assert report["identical"] == report["identical_vs_stock"] == 2
+    assert report["per_category"]["a"]["identical_vs_stock"] == 1
+    assert "speedup vs stock" in markdown_table(report)
+    use_cpu_kernels(target.model, "stock")  # without the fast path there is one baseline only
+    report = run_bench(target, drafter, questions, max_new_tokens=10, progress=False)
+    assert "speedup_vs_stock" not in report and "speedup vs stock" not in markdown_table(report)
+
+
+def test_tree_size_follows_the_verify_costs():
+    accuracies = [[0.6, 0.2, 0.1], [0.4, 0.2, 0.1], [0.3, 0.1, 0.1]]
+    flat = {1: 10.0, 2: 10.0, 4: 10.0, 8: 10.0, 16: 10.0}
+    steep = {1: 10.0, 2: 17.0, 4: 30.0, 8: 60.0, 16: 120.0}
+    assert best_tree_size(accuracies, flat) == 16  # extra nodes are free: take them all
+    assert best_tree_size(accuracies, steep) < 4
+    assert interpolate_cost(steep, 3) == pytest.approx(23.5)
+    assert interpolate_cost(steep, 32) == pytest.approx(240.0)
+    with pytest.raises(GorgonError, match="must include a one-token forward"):
+        best_tree_size(accuracies, {2: 1.0})
+
+
+def test_verify_costs_are_measured_once_per_machine(monkeypatch, tmp_path):
+    monkeypatch.setenv("GORGON_CACHE", str(tmp_path))
+    calls = []
+
+    def fake_measure(model):
+        calls.append(model)
+        return {1: 10.0, 2: 11.0, 4: 12.0}
+
+    monkeypatch.setattr(calibrate, "measure_verify_costs", fake_measure)
+    model = tiny_model("llama")
+    assert calibrate.verify_costs(model) == {1: 10.0, 2: 11.0, 4: 12.0}
+    assert calibrate.verify_costs(model) == {1: 10.0, 2: 11.0, 4: 12.0}
+    assert len(calls) == 1
+    (saved,) = (tmp_path / "calibration").glob("*.json")
+    assert json.loads(saved.read_text())["key"]["kernels"] == "stock"
+    saved.write_text("{broken")  # a damaged entry is measured again
+    calibrate.verify_costs(model)
+    assert len(calls) == 2
+
+
+def test_measured_verify_costs_cover_the_sizes():
+    costs = calibrate.measure_verify_costs(tiny_model("gemma3"), sizes=(1, 2, 4), context=16, repeat=1)
+    assert sorted(costs) == [1, 2, 4] and all(ms > 0 for ms in costs.values())
