@@ -22,7 +22,7 @@ from gorgon.heads.errors import GorgonError
 from gorgon.heads.files import atomic_write_text, read_jsonl
 
 from .acceptance import Sampling
-from .calibrate import cpu_flags
+from .calibrate import cpu_flags, cpu_name
 from .generate import GenerationResult, speculative_generate
 from .kernels import kernels_in_use, stock_kernels
 
@@ -198,7 +198,7 @@ def environment(model, tree, sampling: Sampling, max_new_tokens: int) -> dict:
     import transformers
 
     device = model.device
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else (platform.processor() or platform.machine())
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_name()
     return {"device": f"{device.type} ({name})", "dtype": str(model.dtype).replace("torch.", ""),
             "kernels": kernels_in_use(model) if device.type == "cpu" else "cuda", "cpu_flags": cpu_flags(),
             "threads": torch.get_num_threads(), "tree": [list(p) for p in tree.paths], "tree_size": tree.size,

@@ -29,14 +29,22 @@ CUDA_SIZES = (1, 2, 4, 8, 16, 32, 64)
 CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_fp16", "amx_bf16", "amx_tile")
 
 
-def cpu_flags() -> list[str]:
-    """The vector and matrix extensions this CPU reports (Linux), which decide which kernels are fast."""
+def _cpuinfo(field: str) -> str:
     try:
         text = Path("/proc/cpuinfo").read_text()
     except OSError:
-        return []
-    flags = next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), [])
+        return ""
+    return next((line.split(":", 1)[1].strip() for line in text.splitlines() if line.startswith(field)), "")
+
+
+def cpu_flags() -> list[str]:
+    """The vector and matrix extensions this CPU reports (Linux), which decide which kernels are fast."""
+    flags = _cpuinfo("flags").split()
     return [f for f in CPU_FLAGS if f in flags]
+
+
+def cpu_name() -> str:
+    return _cpuinfo("model name") or platform.processor() or platform.machine()
 
 
 def sync(device: torch.device) -> None:
@@ -90,7 +98,7 @@ def calibration_key(model) -> dict:
     """Everything a verify cost depends on."""
     cfg = model.config.get_text_config()
     device = model.device
-    return {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor(),
+    return {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_name(),
             "cpu_flags": cpu_flags(), "threads": torch.get_num_threads(), "torch": torch.__version__,
             "dtype": str(model.dtype), "kernels": kernels_in_use(model) if device.type == "cpu" else "cuda",
             "model": {k: getattr(cfg, k, None) for k in ("model_type", "hidden_size", "intermediate_size",

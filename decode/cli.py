@@ -40,14 +40,14 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
-def add_model_arguments(p: argparse.ArgumentParser) -> None:
+def add_model_arguments(p: argparse.ArgumentParser, drafter_required: bool = True) -> None:
     """What `gorgon generate` and `gorgon bench` share: the target, the drafter, the tree, sampling, device.
 
     --heads (Medusa heads) or --draft (a small model with the target's tokenizer): one is required.
     """
     p.add_argument("--target", default=None, help="hub id or local path of the target (default: the embedded "
                    "SmolLM2-135M-Instruct)")
-    group = p.add_mutually_exclusive_group(required=True)
+    group = p.add_mutually_exclusive_group(required=drafter_required)
     group.add_argument("--heads", help="heads folder or hub id (from train/heads.py or save_pretrained)")
     group.add_argument("--draft", help="a small draft model (hub id or path) sharing the target's tokenizer")
     p.add_argument("--draft-tokens", type=int, default=4, help="tokens a --draft model proposes per step (default 4)")

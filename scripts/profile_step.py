@@ -3,6 +3,7 @@
     OMP_NUM_THREADS=1 python scripts/profile_step.py --heads runs/heads/smollm2-135m [--tree 4] [--json]
     OMP_NUM_THREADS=1 python scripts/profile_step.py --draft runs/drafts/smollm2-l6 --draft-tokens 3
     OMP_NUM_THREADS=1 python scripts/profile_step.py --heads ... --cpu-kernels stock   # torch's stock CPU kernels
+    python scripts/profile_step.py --random-target llama-8b/config.json --tree 64 --dtype bfloat16 --json
 
 Times each part of a step with the library's own functions (median of --repeat runs, cache of
 --context tokens): the drafter's proposal, the verify forward, the target's lm_head over the
@@ -13,23 +14,24 @@ tree, greedy acceptance and the cache compaction; and the cost of a forward over
 
 import argparse
 import json
-import platform
 
 import torch
 from transformers import DynamicCache
 
 from gorgon.decode.acceptance import accept_greedy
-from gorgon.decode.calibrate import cpu_flags, measure_verify_costs, median_ms
+from gorgon.decode.calibrate import cpu_flags, cpu_name, measure_verify_costs, median_ms
 from gorgon.decode.cli import add_model_arguments, load_drafter, read_tree
-from gorgon.decode.kernels import kernels_in_use
+from gorgon.decode.drafters import HeadsDrafter
+from gorgon.decode.kernels import kernels_in_use, use_cpu_kernels
 from gorgon.decode.verify import crop_cache, keep_path, verify
-from gorgon.heads.target import base_model, lm_logits
+from gorgon.heads.model import MedusaHeads
+from gorgon.heads.target import base_model, lm_logits, resolve_device, resolve_dtype
 
 
 def profile(model, drafter, context: int, repeat: int) -> dict[str, float]:
     """Milliseconds of each part of one speculative step, and of a plain step, on a cache of `context`."""
     tree, device = drafter.tree, model.device
-    prompt = torch.randint(100, model.config.get_text_config().vocab_size, (1, context), device=device)
+    prompt = torch.randint(0, model.config.get_text_config().vocab_size, (1, context), device=device)
     parts = {}
     cache = DynamicCache()
     hidden = base_model(model)(input_ids=prompt, past_key_values=cache, use_cache=True).last_hidden_state[0, -1]
@@ -65,15 +67,36 @@ def profile(model, drafter, context: int, repeat: int) -> dict[str, float]:
     return parts
 
 
+def random_target(args):
+    """A target built from a config with random weights, and random heads with the asked-for tree."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    device = resolve_device(args.device)
+    config = AutoConfig.from_pretrained(args.random_target)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=resolve_dtype(args.dtype, device)).eval()
+    use_cpu_kernels(model, args.cpu_kernels)
+    tree = read_tree(args.tree)
+    return model, HeadsDrafter(MedusaHeads.for_target(model, num_heads=4), None if tree == "auto" else tree)
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_model_arguments(p)
+    add_model_arguments(p, drafter_required=False)
+    p.add_argument("--random-target", metavar="CONFIG",
+                   help="instead of --heads/--draft: build the target from this config.json with random weights, "
+                        "with 4 random Medusa heads (costs need no real weights, e.g. an 8B-shaped Llama)")
     p.add_argument("--context", type=int, default=256, help="cached tokens before the step (default 256)")
     p.add_argument("--repeat", type=int, default=15, help="timed runs per figure; the median is kept (default 15)")
     p.add_argument("--json", action="store_true", help="print one JSON line instead of the table")
     args = p.parse_args()
-    target, drafter = load_drafter(args, read_tree(args.tree))
-    model = target.model
+    if args.random_target:
+        model, drafter = random_target(args)
+    elif args.heads or args.draft:
+        target, drafter = load_drafter(args, read_tree(args.tree))
+        model = target.model
+    else:
+        p.error("one of --heads, --draft or --random-target is required")
     with torch.inference_mode():
         parts = profile(model, drafter, args.context, args.repeat)
     costs = measure_verify_costs(model, context=args.context, repeat=args.repeat)
@@ -89,7 +112,7 @@ def main():
             "threads": torch.get_num_threads(), "context": args.context,
             "parts_ms": {k: round(v, 3) for k, v in parts.items()},
             "device": model.device.type if model.device.type == "cpu" else torch.cuda.get_device_name(model.device),
-            "cpu": platform.processor(), "torch": torch.__version__}))
+            "cpu": cpu_name(), "torch": torch.__version__}))
         return
     print(f"{model.dtype}, {torch.get_num_threads()} thread(s), {kernels} kernels, cache of {args.context} tokens, "
           f"tree of {drafter.tree.size}; CPU flags: {' '.join(cpu_flags()) or '-'}")

@@ -4,6 +4,9 @@ a clean fallback where it cannot run, and the bench's two baselines. Its speed i
 
 import copy
 import json
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -154,3 +157,18 @@ def test_verify_costs_are_measured_once_per_machine(monkeypatch, tmp_path):
 def test_measured_verify_costs_cover_the_sizes():
     costs = calibrate.measure_verify_costs(tiny_model("gemma3"), sizes=(1, 2, 4), context=16, repeat=1)
     assert sorted(costs) == [1, 2, 4] and all(ms > 0 for ms in costs.values())
+
+
+@pytest.mark.parametrize("kernels", ["fast", "stock"])
+def test_profile_step_prints_one_json_line(tmp_path, kernels):
+    tiny_model("llama").config.save_pretrained(tmp_path)
+    run = subprocess.run([sys.executable, "scripts/profile_step.py", "--random-target", str(tmp_path / "config.json"),
+                          "--tree", "4", "--json", "--repeat", "1", "--context", "16", "--cpu-kernels", kernels],
+                         capture_output=True, text=True, cwd=Path(__file__).parents[1], timeout=300)
+    assert run.returncode == 0, run.stderr
+    (line,) = run.stdout.strip().splitlines()
+    report = json.loads(line)
+    assert {"plain_ms", "verify_ratio", "step_ratio", "tree_size", "kernels", "cpu_flags"} <= set(report)
+    assert list(report["verify_ratio"]) == ["1", "2", "4", "8", "16"] and report["verify_ratio"]["1"] == 1.0
+    assert report["tree_size"] == 4
+    assert report["kernels"] == (kernels if fast_kernels_unavailable(torch.float32) is None else "stock")
