@@ -24,7 +24,7 @@ from gorgon.heads.files import atomic_write_text, read_jsonl
 from .acceptance import Sampling
 from .calibrate import cpu_flags, cpu_name
 from .generate import GenerationResult, speculative_generate
-from .kernels import kernels_in_use, stock_kernels
+from .kernels import kernels_in_use, one_row_kernel, stock_kernels
 
 BASELINES = ("generate", "prompt-lookup")
 
@@ -200,7 +200,8 @@ def environment(model, tree, sampling: Sampling, max_new_tokens: int) -> dict:
     device = model.device
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_name()
     return {"device": f"{device.type} ({name})", "dtype": str(model.dtype).replace("torch.", ""),
-            "kernels": kernels_in_use(model) if device.type == "cpu" else "cuda", "cpu_flags": cpu_flags(),
+            "kernels": kernels_in_use(model) if device.type == "cpu" else "cuda",
+            "one_row_kernel": one_row_kernel(model), "cpu_flags": cpu_flags(),
             "threads": torch.get_num_threads(), "tree": [list(p) for p in tree.paths], "tree_size": tree.size,
             "max_new_tokens": max_new_tokens, "temperature": sampling.temperature, "top_k": sampling.top_k,
             "top_p": sampling.top_p, "versions": {"torch": torch.__version__, "transformers": transformers.__version__,

@@ -20,7 +20,7 @@ import torch
 from gorgon.heads.files import atomic_write_text
 from gorgon.heads.target import base_model, cache_dir, lm_logits
 
-from .kernels import kernels_in_use
+from .kernels import kernels_in_use, one_row_kernel
 from .tree import build_tree
 from .verify import crop_cache, verify
 
@@ -101,6 +101,7 @@ def calibration_key(model) -> dict:
     return {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_name(),
             "cpu_flags": cpu_flags(), "threads": torch.get_num_threads(), "torch": torch.__version__,
             "dtype": str(model.dtype), "kernels": kernels_in_use(model) if device.type == "cpu" else "cuda",
+            "one_row_kernel": one_row_kernel(model),
             "model": {k: getattr(cfg, k, None) for k in ("model_type", "hidden_size", "intermediate_size",
                                                          "num_hidden_layers", "vocab_size")}}
 

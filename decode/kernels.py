@@ -18,6 +18,8 @@ was packed (training, a LoRA merge), so no result is ever computed from a stale 
 from __future__ import annotations
 
 import contextlib
+import statistics
+import time
 import types
 import warnings
 
@@ -26,7 +28,10 @@ import torch.nn.functional as F
 
 from gorgon.heads.errors import GorgonError
 
+from .verify import crop_cache
+
 KERNELS = ("fast", "stock")
+ONE_ROW_KERNELS = ("onednn", "stock")
 # oneDNN picks its weight layout for an expected row count; 4 measured best for 1-16 rows
 # (a hint of 1 made two rows cost 1.4x one row).
 PACK_ROWS_HINT = 4
@@ -57,11 +62,12 @@ def fast_kernels_unavailable(dtype: torch.dtype) -> str | None:
     return None
 
 
-def use_cpu_kernels(model: torch.nn.Module, kernels: str = "fast") -> str:
+def use_cpu_kernels(model: torch.nn.Module, kernels: str = "fast", one_row: str = "measure") -> str:
     """Put the model's linear layers on the chosen kernels; returns what is in use, for reports.
 
     "fast" falls back to "stock" with a warning where it cannot run (other torch builds, CUDA,
-    float16), so asking for it is always safe.
+    float16), so asking for it is always safe. `one_row`: the kernel for one-row products,
+    "measure" (the faster on this machine, timed in a fraction of a second), "onednn" or "stock".
     """
     if kernels not in KERNELS:
         raise GorgonError(f"unknown --cpu-kernels {kernels!r}: use fast (oneDNN prepacked weights) or stock")
@@ -79,7 +85,49 @@ def use_cpu_kernels(model: torch.nn.Module, kernels: str = "fast") -> str:
         return use_cpu_kernels(model, "stock")
     for m in linears:
         _pack(m)
+    if one_row == "measure":
+        one_row = fastest_one_row_kernel(model) if hasattr(model, "get_decoder") else "onednn"
+    set_one_row_kernel(model, one_row)
     return kernels_in_use(model)
+
+
+def set_one_row_kernel(model: torch.nn.Module, kernel: str) -> None:
+    """Which kernel a one-row product (a plain decoding step) takes on the fast path: "onednn" or "stock".
+
+    Machines differ here: on one, oneDNN's one-row product was twice as fast as MKL's; on another,
+    MKL's was slightly faster, because for small matrices oneDNN's fixed cost per call (tens of
+    microseconds) outweighs its better use of memory bandwidth. Several rows are always oneDNN's.
+    """
+    if kernel not in ONE_ROW_KERNELS:
+        raise GorgonError(f"unknown one-row kernel {kernel!r}: use one of {', '.join(ONE_ROW_KERNELS)}")
+    for m in model.modules():
+        if _ATTR in m.__dict__:
+            m.__dict__[_ATTR].one_row_onednn = kernel == "onednn"
+
+
+def one_row_kernel(model: torch.nn.Module) -> str | None:
+    """The one-row kernel of the fast path ("onednn" or "stock"); None when the fast path is off."""
+    packed = next((m.__dict__[_ATTR] for m in model.modules() if _ATTR in m.__dict__), None)
+    return None if packed is None else ("onednn" if packed.one_row_onednn else "stock")
+
+
+@torch.inference_mode()
+def fastest_one_row_kernel(model: torch.nn.Module, repeat: int = 5) -> str:
+    """Time a one-token decoding step of this causal LM with each one-row kernel, interleaved; the faster wins."""
+    from transformers import DynamicCache
+
+    prompt = torch.zeros(1, 16, dtype=torch.long, device=next(model.parameters()).device)
+    cache = DynamicCache()
+    model(input_ids=prompt, past_key_values=cache, use_cache=True, logits_to_keep=1)
+    times = {kernel: [] for kernel in ONE_ROW_KERNELS}
+    for _ in range(repeat + 1):  # the first round warms up
+        for kernel in ONE_ROW_KERNELS:
+            set_one_row_kernel(model, kernel)
+            start = time.perf_counter()
+            model(input_ids=prompt[:, :1], past_key_values=cache, use_cache=True, logits_to_keep=1)
+            times[kernel].append(time.perf_counter() - start)
+            crop_cache(cache, prompt.shape[1])
+    return min(ONE_ROW_KERNELS, key=lambda k: statistics.median(times[k][1:]))
 
 
 def kernels_in_use(model: torch.nn.Module) -> str:
@@ -106,6 +154,7 @@ class _PackedWeight:
 
     def __init__(self, dtype: torch.dtype):
         self.dtype, self.key, self.tensor = dtype, None, None
+        self.one_row_onednn = True
 
     def get(self, weight: torch.Tensor) -> torch.Tensor:
         key = (weight.data_ptr(), weight._version)
@@ -115,7 +164,9 @@ class _PackedWeight:
         return self.tensor
 
     def __deepcopy__(self, memo) -> "_PackedWeight":
-        return _PackedWeight(self.dtype)  # oneDNN tensors cannot be copied; the copy packs its own weight
+        twin = _PackedWeight(self.dtype)  # oneDNN tensors cannot be copied; the copy packs its own weight
+        twin.one_row_onednn = self.one_row_onednn
+        return twin
 
 
 def _pack(linear: torch.nn.Linear) -> None:
@@ -127,6 +178,7 @@ def _pack(linear: torch.nn.Linear) -> None:
 def _packed_forward(linear: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
     packed, w = linear.__dict__[_ATTR], linear.weight
     if (x.device.type != "cpu" or x.dtype != packed.dtype or w.dtype != packed.dtype
+            or (not packed.one_row_onednn and x.numel() == x.shape[-1])
             or (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad))):
         return F.linear(x, w, linear.bias)
-    return torch.ops.mkldnn._linear_pointwise(x, packed.get(w), linear.bias, "none", [], "")
+    return torch.ops.mkldnn._linear_pointwise.default(x, packed.get(w), linear.bias, "none", [], "")

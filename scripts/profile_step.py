@@ -22,7 +22,7 @@ from gorgon.decode.acceptance import accept_greedy
 from gorgon.decode.calibrate import cpu_flags, cpu_name, measure_verify_costs, median_ms
 from gorgon.decode.cli import add_model_arguments, load_drafter, read_tree
 from gorgon.decode.drafters import HeadsDrafter
-from gorgon.decode.kernels import kernels_in_use, use_cpu_kernels
+from gorgon.decode.kernels import kernels_in_use, one_row_kernel, use_cpu_kernels
 from gorgon.decode.verify import crop_cache, keep_path, verify
 from gorgon.heads.model import MedusaHeads
 from gorgon.heads.target import base_model, lm_logits, resolve_device, resolve_dtype
@@ -108,13 +108,15 @@ def main():
             "plain_ms": round(plain, 3),
             "verify_ratio": {str(n): round(ms / costs[1], 3) for n, ms in costs.items()},
             "step_ratio": round(spec / plain, 3), "tree_size": drafter.tree.size, "kernels": kernels,
+            "one_row_kernel": one_row_kernel(model),
             "cpu_flags": cpu_flags(), "dtype": str(model.dtype).replace("torch.", ""),
             "threads": torch.get_num_threads(), "context": args.context,
             "parts_ms": {k: round(v, 3) for k, v in parts.items()},
             "device": model.device.type if model.device.type == "cpu" else torch.cuda.get_device_name(model.device),
             "cpu": cpu_name(), "torch": torch.__version__}))
         return
-    print(f"{model.dtype}, {torch.get_num_threads()} thread(s), {kernels} kernels, cache of {args.context} tokens, "
+    print(f"{model.dtype}, {torch.get_num_threads()} thread(s), {kernels} kernels (one row: {one_row_kernel(model)}), "
+          f"cache of {args.context} tokens, "
           f"tree of {drafter.tree.size}; CPU flags: {' '.join(cpu_flags()) or '-'}")
     for name, ms in parts.items():
         print(f"  {name:<36} {ms:7.1f} ms  {ms / plain:5.2f}x plain")

@@ -8,7 +8,7 @@ from helpers import OracleDrafter
 from transformers import DynamicCache
 
 from gorgon.decode import HeadsDrafter, speculative_generate
-from gorgon.decode.kernels import KERNELS, use_cpu_kernels
+from gorgon.decode.kernels import use_cpu_kernels
 from gorgon.decode.tree import build_tree
 from gorgon.decode.verify import keep_path, verify
 from gorgon.heads import GorgonError, MedusaHeads
@@ -21,11 +21,15 @@ def reference(model, ids, n):
     return out[0, ids.shape[1]:].tolist()
 
 
-@pytest.mark.parametrize("kernels", KERNELS)
+# torch's kernels; the fast path with oneDNN for every product; the fast path with one-row products on MKL
+KERNEL_SETTINGS = [("stock", "stock"), ("fast", "onednn"), ("fast", "stock")]
+
+
+@pytest.mark.parametrize("kernels,one_row", KERNEL_SETTINGS)
 @pytest.mark.parametrize("arch", ARCHS)
-def test_greedy_equals_generate_with_random_heads(arch, kernels):
+def test_greedy_equals_generate_with_random_heads(arch, kernels, one_row):
     model = tiny_model(arch)
-    use_cpu_kernels(model, kernels)
+    use_cpu_kernels(model, kernels, one_row)
     drafter = HeadsDrafter(MedusaHeads.for_target(model, num_heads=4), tree=PATHS)
     gen = torch.Generator().manual_seed(1)
     for _ in range(8):
@@ -36,12 +40,12 @@ def test_greedy_equals_generate_with_random_heads(arch, kernels):
         assert result.target_forwards == len(result.accepted) and sum(result.accepted) >= len(result.tokens)
 
 
-@pytest.mark.parametrize("kernels", KERNELS)
+@pytest.mark.parametrize("kernels,one_row", KERNEL_SETTINGS)
 @pytest.mark.parametrize("arch", ARCHS)
-def test_greedy_equals_generate_when_drafts_are_accepted(arch, kernels):
+def test_greedy_equals_generate_when_drafts_are_accepted(arch, kernels, one_row):
     """Drafts that are often right make every step accept a different branch and depth."""
     model = tiny_model(arch)
-    use_cpu_kernels(model, kernels)
+    use_cpu_kernels(model, kernels, one_row)
     gen = torch.Generator().manual_seed(2)
     taus = []
     for trial in range(6):

@@ -16,7 +16,14 @@ import gorgon.decode.calibrate as calibrate
 from gorgon.decode import HeadsDrafter, speculative_generate
 from gorgon.decode.bench import markdown_table, run_bench
 from gorgon.decode.cli import parser as generate_parser
-from gorgon.decode.kernels import fast_kernels_unavailable, kernels_in_use, stock_kernels, use_cpu_kernels
+from gorgon.decode.kernels import (
+    fast_kernels_unavailable,
+    kernels_in_use,
+    one_row_kernel,
+    set_one_row_kernel,
+    stock_kernels,
+    use_cpu_kernels,
+)
 from gorgon.decode.tree import best_tree_size, interpolate_cost
 from gorgon.heads import GorgonError, MedusaHeads, load_target
 
@@ -33,7 +40,7 @@ def test_fast_logits_match_stock_and_greedy_output_is_identical(arch):
         stock_logits = model(ids).logits
         stock_out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=20, do_sample=False)
     keys = list(model.state_dict())
-    assert use_cpu_kernels(model, "fast") == "fast" == kernels_in_use(model)
+    assert use_cpu_kernels(model, "fast", one_row="onednn") == "fast" == kernels_in_use(model)
     with torch.no_grad():
         torch.testing.assert_close(model(ids).logits, stock_logits, atol=1e-4, rtol=1e-4)
         fast_out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=20, do_sample=False)
@@ -41,6 +48,24 @@ def test_fast_logits_match_stock_and_greedy_output_is_identical(arch):
     drafter = HeadsDrafter(MedusaHeads.for_target(model, num_heads=3), tree=[[0], [1], [0, 0], [0, 0, 0]])
     assert speculative_generate(model, drafter, ids, max_new_tokens=20).tokens == fast_out[0, 12:].tolist()
     assert list(model.state_dict()) == keys  # parameters and names untouched
+
+
+@needs_onednn
+@needs_onednn
+def test_one_row_kernel_is_chosen_by_timing_and_settable():
+    model = tiny_model("llama")
+    use_cpu_kernels(model, "fast")
+    assert one_row_kernel(model) in ("onednn", "stock")
+    ids = torch.randint(0, VOCAB, (1, 9))
+    outputs = {}
+    for kernel in ("onednn", "stock"):
+        set_one_row_kernel(model, kernel)
+        assert one_row_kernel(model) == kernel
+        outputs[kernel] = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False)
+    assert outputs["onednn"].tolist() == outputs["stock"].tolist()
+    with pytest.raises(GorgonError, match="unknown one-row kernel 'mkl'"):
+        set_one_row_kernel(model, "mkl")
+    assert one_row_kernel(tiny_model("llama")) is None
 
 
 @needs_onednn
