@@ -197,3 +197,22 @@ def test_profile_step_prints_one_json_line(tmp_path, kernels):
     assert list(report["verify_ratio"]) == ["1", "2", "4", "8", "16"] and report["verify_ratio"]["1"] == 1.0
     assert report["tree_size"] == 4
     assert report["kernels"] == (kernels if fast_kernels_unavailable(torch.float32) is None else "stock")
+
+
+def test_auto_tree_is_sized_from_accuracies_and_measured_costs(tmp_path, monkeypatch, capsys):
+    import gorgon.decode.cli as cli
+
+    target_path = tiny_chat_target(tmp_path)
+    target = load_target(str(target_path), device="cpu")
+    heads = MedusaHeads.for_target(target.model, num_heads=3, target_fingerprint=target.fingerprint)
+    heads.trees = {"accuracies": [[0.6, 0.2, 0.1], [0.4, 0.2, 0.1], [0.3, 0.1, 0.1]], "cpu": [[0]]}
+    heads.save_pretrained(tmp_path / "heads")
+    args = generate_parser().parse_args(["--heads", str(tmp_path / "heads"), "--target", str(target_path),
+                                         "--prompt", "x", "--cpu-kernels", "stock"])
+    for costs, size in [({1: 10.0, 2: 10.0, 4: 10.0, 8: 10.0, 16: 10.0}, 16), ({1: 10.0, 2: 10.0, 4: 40.0}, 2)]:
+        monkeypatch.setattr(cli, "verify_costs", lambda model, costs=costs: costs)
+        _, drafter = cli.load_drafter(args, "auto")
+        assert drafter.tree.size == size
+        assert f"a {size}-node tree fits this machine best" in capsys.readouterr().err
+    _, drafter = cli.load_drafter(args, 3)  # an explicit size is kept
+    assert drafter.tree.size == 3
