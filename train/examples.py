@@ -134,6 +134,10 @@ class RankBatches(torch.utils.data.Sampler):
                               "or launch fewer processes (--num_processes)")
         self.sampler, self.size, self.world = sampler, batch_size, world
 
+    def set_epoch(self, epoch: int) -> None:
+        """transformers' Trainer calls it through accelerate's sharding wrapper."""
+        self.sampler.set_epoch(epoch)
+
     def _global_bounds(self) -> list[int]:
         n, step = len(self.sampler), self.size * self.world
         bounds = list(range(0, n, step)) + [n]
