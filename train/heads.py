@@ -149,7 +149,7 @@ def accuracy_table(counts: torch.Tensor) -> list[list[float]]:
 
 def train(cfg: HeadsTrainConfig) -> Path:
     from accelerate import Accelerator
-    from accelerate.utils import set_seed
+    from accelerate.utils import DistributedDataParallelKwargs, set_seed
     from tqdm.auto import tqdm
 
     from gorgon.decode.tree import expected_accepted, tree_from_accuracies
@@ -165,9 +165,11 @@ def train(cfg: HeadsTrainConfig) -> Path:
     connect_cpu_processes()
     # The schedule counts optimizer steps of the whole run; accelerate would otherwise step it
     # once per process at every step (it assumes a schedule written for one process).
+    # Medusa-2's heads-only warmup leaves the adapters out of the loss, which DDP must be told.
+    unused = DistributedDataParallelKwargs(find_unused_parameters=cfg.mode == "medusa2" and cfg.heads_warmup_steps > 0)
     accelerator = Accelerator(gradient_accumulation_steps=cfg.grad_accum, project_dir=str(out),
                               log_with="wandb" if cfg.report_to == "wandb" else None,
-                              step_scheduler_with_optimizer=False)
+                              step_scheduler_with_optimizer=False, kwargs_handlers=[unused])
     set_seed(cfg.seed)
     resume_from = resume_point(latest_checkpoint(out), cfg.resume, out)
     target = load_target(cfg.target, device=str(accelerator.device), dtype=cfg.dtype)
