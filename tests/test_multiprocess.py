@@ -146,3 +146,14 @@ def test_more_processes_than_conversations_is_a_one_line_error_under_accelerate(
     assert ("train/heads.py: error: 1 training conversations cannot be split over 2 processes: add data, or launch "
             "fewer processes (--num_processes)") in run.stderr.splitlines()
     assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.slow
+def test_fsdp_on_cpu_processes_is_refused(tmp_path):
+    """accelerate enables FSDP on GPUs only: on CPU processes it would silently be DDP."""
+    run = subprocess.run(LAUNCH + ["--config_file", str(ROOT / "configs/accelerate/fsdp.yaml"), "--num_processes",
+                                   "2", "--mixed_precision", "no", "--main_process_port", "0",
+                                   str(ROOT / "train/heads.py"), "--data", "x", "--out", str(tmp_path / "o"),
+                                   "--report-to", "none"], env=env(), capture_output=True, text=True, timeout=300)
+    assert run.returncode != 0 and ("train/heads.py: error: FSDP needs GPUs: accelerate runs CPU processes as plain "
+                                    "DDP; launch with configs/accelerate/multi_cpu.yaml on CPUs") in run.stderr.splitlines()

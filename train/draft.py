@@ -317,6 +317,7 @@ def train(cfg: DraftTrainConfig) -> Path:
         "student_parameters": sum(p.numel() for p in draft.parameters()),
         "target_parameters": sum(p.numel() for p in target.model.parameters()),
         "steps": steps, "train_conversations": len(train_ex), "eval_conversations": len(eval_ex),
+        "processes": state.num_processes,
         "eval_tokens": after["tokens"], "before": before, "after": after, "draft_tokens": cfg.draft_tokens,
         "expected_tau": {"before": expected_tau(before["top1"], cfg.draft_tokens),
                          "after": expected_tau(after["top1"], cfg.draft_tokens)},

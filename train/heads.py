@@ -223,6 +223,7 @@ def train(cfg: HeadsTrainConfig) -> Path:
     bar = tqdm(total=total, initial=step, desc="gorgon train", disable=not accelerator.is_main_process,
                dynamic_ncols=True)
     window = new_window(cfg.num_heads)
+    started = time.perf_counter()
     loss_curve = []  # [step, per-head loss] at every log, over all processes
     batches_per_epoch = len(loader)  # this process's share
     while step < total:
@@ -261,6 +262,7 @@ def train(cfg: HeadsTrainConfig) -> Path:
             if step >= total:
                 break
     bar.close()
+    train_seconds = time.perf_counter() - started  # this run's loop (after a resume: since the resume)
     trained = count_all(accelerator, trained)
     eval_loss, counts, evaluated = evaluate(objective, eval_loader, accelerator, cfg.tree_topk)
     accuracies = accuracy_table(counts)
@@ -273,7 +275,7 @@ def train(cfg: HeadsTrainConfig) -> Path:
         "expected_tau": {k: expected_accepted(accuracies, v) for k, v in trees.items()},
         "steps": total, "train_conversations": len(train_ex), "eval_conversations": len(eval_ex),
         "processes": world, "conversations_trained": trained, "conversations_evaluated": evaluated,
-        "loss_curve": loss_curve,
+        "loss_curve": loss_curve, "train_seconds": train_seconds,
         "target_name": target.name, "draft_vocab_size": cfg.draft_vocab_size, "draft_vocab_coverage": coverage,
     }
     accelerator.log({f"eval/top1_head{k}": a for k, a in enumerate(metrics["top1"])}, step=total)

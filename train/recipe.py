@@ -125,10 +125,16 @@ def connect_cpu_processes() -> None:
 
     `accelerate launch --multi_gpu` (or a config with several processes) starts them, but without a
     GPU accelerate leaves each one alone unless ACCELERATE_USE_CPU is set: N unconnected copies
-    would each train on all the data and write the same outputs. Call before the Accelerator."""
+    would each train on all the data and write the same outputs. Call before the Accelerator.
+    FSDP and DeepSpeed are refused there: accelerate enables them on GPUs only and would silently
+    run plain DDP instead."""
     import torch
 
     if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not torch.cuda.is_available():
+        for name in ("FSDP", "DEEPSPEED"):
+            if os.environ.get(f"ACCELERATE_USE_{name}", "false").lower() == "true":
+                raise GorgonError(f"{'DeepSpeed' if name == 'DEEPSPEED' else name} needs GPUs: accelerate runs CPU "
+                                  "processes as plain DDP; launch with configs/accelerate/multi_cpu.yaml on CPUs")
         os.environ["ACCELERATE_USE_CPU"] = "true"
 
 
