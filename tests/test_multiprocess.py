@@ -71,7 +71,7 @@ def test_two_processes_train_heads_as_one_with_the_same_global_batch(tmp_path, m
     common = ["--data", data, "--target", str(target), "--mode", mode, "--max-steps", "6", "--log-every", "2",
               "--learning-rate", "1e-2", "--warmup-steps", "2", "--save-every", "0", "--lora-r", "4",
               "--heads-warmup-steps", "2"]
-    one = launch("train/heads.py", common + ["--batch-size", "8"], 1, tmp_path, "one")
+    launch("train/heads.py", common + ["--batch-size", "8"], 1, tmp_path, "one")
     two = launch("train/heads.py", common + ["--batch-size", "4"], 2, tmp_path, "two")
     written_once(two, tmp_path, "two", "gorgon train: saved heads")
     assert "6 steps on 2 x cpu" in two.stdout + two.stderr
@@ -155,5 +155,6 @@ def test_fsdp_on_cpu_processes_is_refused(tmp_path):
                                    "2", "--mixed_precision", "no", "--main_process_port", "0",
                                    str(ROOT / "train/heads.py"), "--data", "x", "--out", str(tmp_path / "o"),
                                    "--report-to", "none"], env=env(), capture_output=True, text=True, timeout=300)
-    assert run.returncode != 0 and ("train/heads.py: error: FSDP needs GPUs: accelerate runs CPU processes as plain "
-                                    "DDP; launch with configs/accelerate/multi_cpu.yaml on CPUs") in run.stderr.splitlines()
+    assert run.returncode != 0
+    assert ("train/heads.py: error: FSDP needs GPUs: accelerate runs CPU processes as plain DDP; launch with "
+            "configs/accelerate/multi_cpu.yaml on CPUs") in run.stderr.splitlines()
