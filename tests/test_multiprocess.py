@@ -126,6 +126,19 @@ def test_two_processes_killed_and_resumed_equal_an_uninterrupted_run(tmp_path):
     assert metrics["processes"] == 2 and metrics["conversations_trained"] == 2 * 61 + 10 * 4
 
 
+@pytest.mark.slow
+def test_two_processes_killed_and_resumed_distil_the_same_draft(tmp_path):
+    target = tiny_chat_target(tmp_path)
+    data = toy_data(tmp_path / "toy.jsonl", n=64)
+    common = LAUNCH + ["--config_file", MULTI_CPU, str(ROOT / "train/draft.py"), "--data", data, "--target",
+                       str(target), "--student-layers", "1", "--max-steps", "12", "--batch-size", "2",
+                       "--save-every", "3", "--report-to", "none", "--learning-rate", "1e-2"]
+    killed = tmp_path / "killed"
+    kill_after_a_checkpoint(common + ["--out", str(killed)], killed / "checkpoints",
+                            "checkpoint-*/trainer_state.json", tmp_path)
+    resume_equals_a_whole_run(common, killed, tmp_path / "whole", "resuming from", refused=1)
+
+
 def test_a_missing_accelerate_config_is_named(tmp_path):
     """accelerate's launcher reports it (after its own traceback): the last line names the file."""
     run = subprocess.run(LAUNCH + ["--config_file", str(tmp_path / "missing.yaml"), str(ROOT / "train/heads.py")],

@@ -208,9 +208,18 @@ def gkd_trainer(cfg: DraftTrainConfig, student, target, train_ex: list[dict], ck
     from datasets import Dataset
 
     os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")  # GKD lives in trl.experimental; chosen knowingly
+    from transformers import TrainerCallback
     from trl.experimental.gkd import GKDConfig, GKDTrainer
 
     from gorgon.train.examples import EpochSampler, RankBatches
+
+    class NoCheckpointAtTheEnd(TrainerCallback):
+        """The final save follows the last step at once. A checkpoint there would be resumed one step
+        too far: after resuming at max_steps, transformers' Trainer trains another step."""
+
+        def on_step_end(self, args, state, control, **kwargs):
+            if state.global_step >= state.max_steps:
+                control.should_save = False
 
     class Trainer(GKDTrainer):
         """GKD with gorgon's split of the data over processes: every conversation once per epoch.
@@ -246,8 +255,9 @@ def gkd_trainer(cfg: DraftTrainConfig, student, target, train_ex: list[dict], ck
                                  target_modules=cfg.lora_target_modules, task_type="CAUSAL_LM")
     pad = target.tokenizer.pad_token_id
     return Trainer(model=student.train(), teacher_model=target.model, args=args,
-                      train_dataset=Dataset.from_list(train_ex), processing_class=target.tokenizer,
-                      data_collator=lambda b: collate_for_gkd(b, pad), peft_config=peft_config)
+                   train_dataset=Dataset.from_list(train_ex), processing_class=target.tokenizer,
+                   data_collator=lambda b: collate_for_gkd(b, pad), peft_config=peft_config,
+                   callbacks=[NoCheckpointAtTheEnd()])
 
 
 def train(cfg: DraftTrainConfig) -> Path:

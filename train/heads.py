@@ -163,10 +163,10 @@ def train(cfg: HeadsTrainConfig) -> Path:
     out = Path(cfg.out)
     wandb_offline_without_key(cfg.report_to)
     connect_cpu_processes()
-    # The schedule counts optimizer steps of the whole run; accelerate would otherwise step it
-    # once per process at every step (it assumes a schedule written for one process).
     # Medusa-2's heads-only warmup leaves the adapters out of the loss, which DDP must be told.
     unused = DistributedDataParallelKwargs(find_unused_parameters=cfg.mode == "medusa2" and cfg.heads_warmup_steps > 0)
+    # step_scheduler_with_optimizer: the schedule counts the run's optimizer steps; accelerate would
+    # otherwise step it once per process at every step (it assumes a schedule written for one process).
     accelerator = Accelerator(gradient_accumulation_steps=cfg.grad_accum, project_dir=str(out),
                               log_with="wandb" if cfg.report_to == "wandb" else None,
                               step_scheduler_with_optimizer=False, kwargs_handlers=[unused])
