@@ -203,7 +203,8 @@ def save_draft(student, tokenizer, out: Path, state_dict: dict | None = None) ->
     tmp.rmdir()
 
 
-def gkd_trainer(cfg: DraftTrainConfig, student, target, train_ex: list[dict], ckpt_dir: Path, device: torch.device):
+def gkd_trainer(cfg: DraftTrainConfig, student, target, train_ex: list[dict], ckpt_dir: Path, device: torch.device,
+                resume_from: Path | None = None):
     """trl's GKD trainer set up from the recipe: the draft as student, the frozen target as teacher."""
     from datasets import Dataset
 
@@ -226,8 +227,13 @@ def gkd_trainer(cfg: DraftTrainConfig, student, target, train_ex: list[dict], ck
         (The Trainer's own sampler, sharded by accelerate, repeats examples to even out the end.)"""
 
         def get_train_dataloader(self):
-            batches = RankBatches(EpochSampler(len(self.train_dataset), self.args.seed), self._train_batch_size,
-                                  self.accelerator.num_processes, "training conversations")
+            sampler = EpochSampler(len(self.train_dataset), self.args.seed)
+            if resume_from is not None:
+                # The Trainer wraps the resumed epoch's loader to skip batches, and its set_epoch then
+                # no longer reaches the sampler through accelerate's sharding: start at that epoch.
+                sampler.set_epoch(int(json.loads((resume_from / "trainer_state.json").read_text())["epoch"]))
+            batches = RankBatches(sampler, self._train_batch_size, self.accelerator.num_processes,
+                                  "training conversations")
             return self.accelerator.prepare(torch.utils.data.DataLoader(
                 self.train_dataset, batch_sampler=batches, collate_fn=self.data_collator,
                 pin_memory=self.args.dataloader_pin_memory))
@@ -301,7 +307,7 @@ def train(cfg: DraftTrainConfig) -> Path:
                 f"before distillation: held-out KL {before['kl']:.3f}, top-1 agreement {before['top1']:.3f}")
     steps, trainer, weights = 0, None, None
     if cfg.max_steps != 0:
-        trainer = gkd_trainer(cfg, student, target, train_ex, ckpt_dir, state.device)
+        trainer = gkd_trainer(cfg, student, target, train_ex, ckpt_dir, state.device, resume_from)
         if resume_from is not None:
             state.print(f"gorgon draft: resuming from {resume_from}")
         trainer.train(resume_from_checkpoint=str(resume_from) if resume_from else None)
