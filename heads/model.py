@@ -183,13 +183,14 @@ class MedusaHeads(nn.Module):
         return lm_logits(self._target, states)
 
     # -- save / load / push -------------------------------------------------------------------
-    def save_pretrained(self, path: str | os.PathLike) -> None:
-        """Write config.json, model.safetensors and trees.json (each atomically)."""
+    def save_pretrained(self, path: str | os.PathLike, state_dict: dict | None = None) -> None:
+        """Write config.json, model.safetensors and trees.json (each atomically). `state_dict`: the
+        weights to write instead of the module's own (training gathers them whole from shards)."""
         from safetensors.torch import save_file
 
         path = Path(path)
         path.mkdir(parents=True, exist_ok=True)
-        state = {k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()}
+        state = {k: v.detach().contiguous().cpu() for k, v in (state_dict or self.state_dict()).items()}
         atomic_write(path / WEIGHTS_NAME, lambda tmp: save_file(state, tmp, metadata={"format": "pt"}))
         atomic_write_text(path / CONFIG_NAME, json.dumps(self.config.to_dict(), indent=2) + "\n")
         if self.trees:

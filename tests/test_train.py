@@ -131,21 +131,24 @@ def weights(folder):
 
 
 def kill_after_a_checkpoint(cmd: list[str], folder: Path, complete: str, cwd: Path) -> None:
-    """Run a training command and SIGKILL it as soon as `folder` holds a file matching the glob
+    """Run a training command and SIGKILL it (all its processes) as soon as `folder` holds a file matching the glob
     `complete`, the proof of a whole checkpoint."""
-    proc = subprocess.Popen(cmd, env=env(), stderr=subprocess.DEVNULL, stdout=subprocess.DEVNULL, cwd=cwd)
+    proc = subprocess.Popen(cmd, env=env(), stderr=subprocess.DEVNULL, stdout=subprocess.DEVNULL, cwd=cwd,
+                            start_new_session=True)
     deadline = time.time() + 300
     while not list(folder.glob(complete)) and time.time() < deadline and proc.poll() is None:
         time.sleep(0.005)
-    proc.send_signal(signal.SIGKILL)
+    if proc.poll() is None:  # the whole group: `accelerate launch` runs the training in children
+        os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
 
 
-def resume_equals_a_whole_run(common: list[str], killed: Path, whole: Path, says: str) -> None:
-    """A killed run is refused without --resume, then resumed to the same weights as an uninterrupted run."""
+def resume_equals_a_whole_run(common: list[str], killed: Path, whole: Path, says: str, refused: int = 2) -> None:
+    """A killed run is refused without --resume (exit code `refused`: accelerate's multi-process
+    launcher turns the script's 2 into 1), then resumed to the same weights as an uninterrupted run."""
     assert not (killed / "model.safetensors").exists(), "training finished before it could be killed"
     again = subprocess.run(common + ["--out", str(killed)], env=env(), capture_output=True, text=True)
-    assert again.returncode == 2 and "already has checkpoints: pass --resume true" in again.stderr
+    assert again.returncode == refused and "already has checkpoints: pass --resume true" in again.stderr
     resumed = subprocess.run(common + ["--out", str(killed), "--resume", "true"], env=env(), capture_output=True,
                              text=True)
     assert resumed.returncode == 0, resumed.stderr[-2000:]

@@ -148,20 +148,28 @@ def collate_for_gkd(batch: list[dict], pad_id: int) -> dict[str, torch.Tensor]:
 def agreement(draft, target, examples: list[dict], pad_id: int, batch_size: int = 8) -> dict:
     """How closely the draft follows the target on assistant tokens: the mean KL(target || draft)
     and the share of positions where both pick the same next token (a greedy draft's acceptance
-    rate, before the cost of a rejection cutting a chain short)."""
+    rate, before the cost of a rejection cutting a chain short). Each process measures its share
+    of `examples`; the sums are added over all processes."""
+    from accelerate import PartialState
+    from accelerate.utils import reduce
+
     from gorgon.train.examples import collate
 
+    state = PartialState()
     device = next(draft.parameters()).device
+    mine = examples[state.process_index::state.num_processes]
     kl_sum, same, count = 0.0, 0, 0
-    for i in range(0, len(examples), batch_size):
-        batch = {k: v.to(device) for k, v in collate(examples[i:i + batch_size], pad_id).items()}
+    for i in range(0, len(mine), batch_size):
+        batch = {k: v.to(device) for k, v in collate(mine[i:i + batch_size], pad_id).items()}
         mask = batch.pop("loss_mask")[:, 1:]  # position t predicts token t+1
         teacher = target(**batch).logits[:, :-1][mask].float().log_softmax(-1)
         student = draft(**batch).logits[:, :-1][mask].float().log_softmax(-1)
         kl_sum += float((teacher.exp() * (teacher - student)).sum())
         same += int((teacher.argmax(-1) == student.argmax(-1)).sum())
         count += int(mask.sum())
-    return {"kl": kl_sum / max(1, count), "top1": same / max(1, count), "tokens": count}
+    kl_sum, same, count = reduce(torch.tensor([kl_sum, same, count], dtype=torch.float64, device=state.device),
+                                 reduction="sum").tolist()
+    return {"kl": kl_sum / max(1, count), "top1": same / max(1, count), "tokens": int(count)}
 
 
 def expected_tau(top1: float, k: int) -> float:
@@ -183,23 +191,52 @@ def latest_checkpoint(folder: Path) -> Path | None:
     return None
 
 
-def save_draft(student, tokenizer, out: Path) -> None:
-    """save_pretrained into a temporary folder, then each file renamed into place."""
+def save_draft(student, tokenizer, out: Path, state_dict: dict | None = None) -> None:
+    """save_pretrained into a temporary folder, then each file renamed into place. `state_dict`:
+    the weights to write instead of the model's own (gathered whole from shards)."""
     tmp = out / ".draft.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
-    student.save_pretrained(tmp)
+    student.save_pretrained(tmp, state_dict=state_dict)
     tokenizer.save_pretrained(tmp)
     for path in tmp.iterdir():
         os.replace(path, out / path.name)
     tmp.rmdir()
 
 
-def gkd_trainer(cfg: DraftTrainConfig, student, target, train_ex: list[dict], ckpt_dir: Path, device: torch.device):
+def gkd_trainer(cfg: DraftTrainConfig, student, target, train_ex: list[dict], ckpt_dir: Path, device: torch.device,
+                resume_from: Path | None = None):
     """trl's GKD trainer set up from the recipe: the draft as student, the frozen target as teacher."""
     from datasets import Dataset
 
     os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")  # GKD lives in trl.experimental; chosen knowingly
+    from transformers import TrainerCallback
     from trl.experimental.gkd import GKDConfig, GKDTrainer
+
+    from gorgon.train.examples import EpochSampler, RankBatches
+
+    class NoCheckpointAtTheEnd(TrainerCallback):
+        """The final save follows the last step at once. A checkpoint there would be resumed one step
+        too far: after resuming at max_steps, transformers' Trainer trains another step."""
+
+        def on_step_end(self, args, state, control, **kwargs):
+            if state.global_step >= state.max_steps:
+                control.should_save = False
+
+    class Trainer(GKDTrainer):
+        """GKD with gorgon's split of the data over processes: every conversation once per epoch.
+        (The Trainer's own sampler, sharded by accelerate, repeats examples to even out the end.)"""
+
+        def get_train_dataloader(self):
+            sampler = EpochSampler(len(self.train_dataset), self.args.seed)
+            if resume_from is not None:
+                # The Trainer wraps the resumed epoch's loader to skip batches, and its set_epoch then
+                # no longer reaches the sampler through accelerate's sharding: start at that epoch.
+                sampler.set_epoch(int(json.loads((resume_from / "trainer_state.json").read_text())["epoch"]))
+            batches = RankBatches(sampler, self._train_batch_size, self.accelerator.num_processes,
+                                  "training conversations")
+            return self.accelerator.prepare(torch.utils.data.DataLoader(
+                self.train_dataset, batch_sampler=batches, collate_fn=self.data_collator,
+                pin_memory=self.args.dataloader_pin_memory))
 
     # transformers >= 5.23 renames gradient_checkpointing, but trl's configs still set it (True by default)
     warnings.filterwarnings("ignore", message="`gradient_checkpointing` is deprecated", category=FutureWarning)
@@ -223,20 +260,22 @@ def gkd_trainer(cfg: DraftTrainConfig, student, target, train_ex: list[dict], ck
         peft_config = LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
                                  target_modules=cfg.lora_target_modules, task_type="CAUSAL_LM")
     pad = target.tokenizer.pad_token_id
-    return GKDTrainer(model=student.train(), teacher_model=target.model, args=args,
-                      train_dataset=Dataset.from_list(train_ex), processing_class=target.tokenizer,
-                      data_collator=lambda b: collate_for_gkd(b, pad), peft_config=peft_config)
+    return Trainer(model=student.train(), teacher_model=target.model, args=args,
+                   train_dataset=Dataset.from_list(train_ex), processing_class=target.tokenizer,
+                   data_collator=lambda b: collate_for_gkd(b, pad), peft_config=peft_config,
+                   callbacks=[NoCheckpointAtTheEnd()])
 
 
 def train(cfg: DraftTrainConfig) -> Path:
     from accelerate import PartialState
+    from accelerate.utils import DistributedType
     from transformers import AutoModelForCausalLM
 
     from gorgon.heads import load_target
     from gorgon.heads.files import atomic_write_text
     from gorgon.train.card import write_draft_card
     from gorgon.train.examples import load_examples, split
-    from gorgon.train.recipe import resume_point, wandb_offline_without_key
+    from gorgon.train.recipe import connect_cpu_processes, full_state_dict, resume_point, wandb_offline_without_key
 
     cfg.check()
     out = Path(cfg.out)
@@ -244,7 +283,13 @@ def train(cfg: DraftTrainConfig) -> Path:
     resume_from = resume_point(latest_checkpoint(ckpt_dir), cfg.resume, out)
     wandb_offline_without_key(cfg.report_to)
     os.environ.setdefault("WANDB_PROJECT", cfg.project)
+    connect_cpu_processes()
     state = PartialState()
+    sharded = state.distributed_type == DistributedType.FSDP or os.environ.get("ACCELERATE_DEEPSPEED_ZERO_STAGE") == "3"
+    if cfg.lora and sharded:
+        raise GorgonError("lora: true merges the adapters into the draft's whole weights at the end, which FSDP and "
+                          "DeepSpeed ZeRO-3 shard: train a LoRA draft with DDP (configs/accelerate/multi_gpu.yaml), "
+                          "or set lora: false")
     target = load_target(cfg.target, device=str(state.device), dtype=cfg.dtype)
     target.model.requires_grad_(False)
     tokenizer = target.tokenizer
@@ -260,22 +305,26 @@ def train(cfg: DraftTrainConfig) -> Path:
     before = agreement(student.eval(), target.model, eval_ex, pad)
     state.print(f"gorgon draft: {what} ({sum(p.numel() for p in student.parameters()) / 1e6:.1f}M parameters) "
                 f"before distillation: held-out KL {before['kl']:.3f}, top-1 agreement {before['top1']:.3f}")
-    steps, trainer = 0, None
+    steps, trainer, weights = 0, None, None
     if cfg.max_steps != 0:
-        trainer = gkd_trainer(cfg, student, target, train_ex, ckpt_dir, state.device)
+        trainer = gkd_trainer(cfg, student, target, train_ex, ckpt_dir, state.device, resume_from)
         if resume_from is not None:
             state.print(f"gorgon draft: resuming from {resume_from}")
         trainer.train(resume_from_checkpoint=str(resume_from) if resume_from else None)
         steps = trainer.state.global_step
-        student = trainer.accelerator.unwrap_model(trainer.model)
-        if cfg.lora:
-            student = student.merge_and_unload()
-    if not state.is_main_process:
-        return out
-    out.mkdir(parents=True, exist_ok=True)
-    save_draft(student, tokenizer, out)
+        if cfg.lora:  # adapters merged into weights that are whole on every process (sharding is refused above)
+            student = trainer.accelerator.unwrap_model(trainer.model).merge_and_unload()
+        else:
+            weights = full_state_dict(trainer.accelerator, trainer.model)  # every process: it gathers shards
+            student = trainer.accelerator.unwrap_model(trainer.model)
+    if state.is_main_process:
+        out.mkdir(parents=True, exist_ok=True)
+        save_draft(student, tokenizer, out, weights)
+    state.wait_for_everyone()
     draft = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).to(state.device).eval()  # as users load it
     after = agreement(draft, target.model, eval_ex, pad) if steps else before
+    if not state.is_main_process:
+        return out
     if trainer is not None:  # into the trainer's log and wandb run, beside the training curves
         trainer.log({f"eval/{k}_{when}": v[k] for when, v in (("before", before), ("after", after))
                      for k in ("kl", "top1")})
@@ -284,6 +333,7 @@ def train(cfg: DraftTrainConfig) -> Path:
         "student_parameters": sum(p.numel() for p in draft.parameters()),
         "target_parameters": sum(p.numel() for p in target.model.parameters()),
         "steps": steps, "train_conversations": len(train_ex), "eval_conversations": len(eval_ex),
+        "processes": state.num_processes,
         "eval_tokens": after["tokens"], "before": before, "after": after, "draft_tokens": cfg.draft_tokens,
         "expected_tau": {"before": expected_tau(before["top1"], cfg.draft_tokens),
                          "after": expected_tau(after["top1"], cfg.draft_tokens)},

@@ -94,3 +94,66 @@ def collate(batch: list[dict], pad_id: int) -> dict[str, torch.Tensor]:
         attn[row, :n] = 1
         loss[row, :n] = torch.tensor(b["loss_mask"])
     return {"input_ids": ids, "attention_mask": attn, "loss_mask": loss}
+
+
+class EpochSampler(torch.utils.data.Sampler):
+    """A shuffle that depends only on (seed, epoch), so a resumed run sees the same order.
+
+    (torch's RandomSampler draws from a generator whose state a resumed process lacks.)
+    seed None keeps the order (evaluation)."""
+
+    def __init__(self, n: int, seed: int | None):
+        self.n, self.seed, self.epoch = n, seed, 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __iter__(self):
+        if self.seed is None:
+            return iter(range(self.n))
+        return iter(torch.randperm(self.n, generator=torch.Generator().manual_seed(self.seed + self.epoch)).tolist())
+
+    def __len__(self):
+        return self.n
+
+
+class RankBatches(torch.utils.data.Sampler):
+    """Batches for `world` processes that see every example exactly once per epoch.
+
+    Each global batch of `batch_size * world` examples is cut into `world` consecutive parts;
+    accelerate deals part i to process i % world, so one step of N processes trains on the same
+    examples as one process with an N times larger batch. (accelerate's own sharding of a plain
+    batch sampler pads an uneven end with examples from the start: duplicates.) The last global
+    batch is cut into near-equal parts; when it is smaller than `world` it joins the one before,
+    so no process is ever left without a batch. It has no `batch_size` attribute: accelerate
+    then takes the parts as they come."""
+
+    def __init__(self, sampler: EpochSampler, batch_size: int, world: int = 1, what: str = "examples"):
+        if 0 < len(sampler) < world:
+            raise GorgonError(f"{len(sampler)} {what} cannot be split over {world} processes: add data, "
+                              "or launch fewer processes (--num_processes)")
+        self.sampler, self.size, self.world = sampler, batch_size, world
+
+    def set_epoch(self, epoch: int) -> None:
+        """transformers' Trainer calls it through accelerate's sharding wrapper."""
+        self.sampler.set_epoch(epoch)
+
+    def _global_bounds(self) -> list[int]:
+        n, step = len(self.sampler), self.size * self.world
+        bounds = list(range(0, n, step)) + [n]
+        if len(bounds) > 2 and n - bounds[-2] < self.world:
+            del bounds[-2]
+        return bounds
+
+    def __iter__(self):
+        order = list(self.sampler)
+        bounds = self._global_bounds()
+        for start, end in zip(bounds, bounds[1:]):
+            share, extra = divmod(end - start, self.world)
+            for rank in range(self.world):
+                stop = start + share + (rank < extra)
+                yield order[start:stop]
+                start = stop
+
+    def __len__(self):
+        return (len(self._global_bounds()) - 1) * self.world

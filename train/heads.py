@@ -78,24 +78,6 @@ class HeadsTrainConfig:
             raise GorgonError("num_heads, num_layers, batch_size and grad_accum must be at least 1")
 
 
-class EpochSampler(torch.utils.data.Sampler):
-    """A shuffle that depends only on (seed, epoch), so a resumed run sees the same order.
-
-    (torch's RandomSampler draws from a generator whose state a resumed process lacks.)"""
-
-    def __init__(self, n: int, seed: int):
-        self.n, self.seed, self.epoch = n, seed, 0
-
-    def set_epoch(self, epoch: int) -> None:
-        self.epoch = epoch
-
-    def __iter__(self):
-        return iter(torch.randperm(self.n, generator=torch.Generator().manual_seed(self.seed + self.epoch)).tolist())
-
-    def __len__(self):
-        return self.n
-
-
 def schedule(warmup: int, total: int, delay: int = 0):
     """Linear warmup then cosine decay; zero for the first `delay` steps (heads-only warmup)."""
     def factor(step: int) -> float:
@@ -113,8 +95,10 @@ def latest_checkpoint(out: Path) -> Path | None:
     return ckpts[-1] if ckpts else None
 
 
-def save_checkpoint(accelerator, out: Path, step: int, keep: int) -> None:
-    """accelerate's save_state into a temporary folder, renamed into place: never half-written."""
+def save_checkpoint(accelerator, out: Path, progress: dict, keep: int) -> None:
+    """accelerate's save_state into a temporary folder, renamed into place: never half-written.
+    `progress` (the step, the examples trained on) goes beside it in gorgon_state.json."""
+    step = progress["step"]
     final = out / "checkpoints" / f"step-{step}"
     tmp = out / "checkpoints" / f".step-{step}.tmp"
     if accelerator.is_main_process:
@@ -123,27 +107,29 @@ def save_checkpoint(accelerator, out: Path, step: int, keep: int) -> None:
     accelerator.save_state(str(tmp))
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
-        (tmp / "gorgon_state.json").write_text(json.dumps({"step": step}))
+        (tmp / "gorgon_state.json").write_text(json.dumps(progress))
         os.replace(tmp, final)
         for old in sorted((out / "checkpoints").glob("step-*"), key=lambda p: int(p.name.split("-")[1]))[:-keep]:
             shutil.rmtree(old)
     accelerator.wait_for_everyone()
 
 
-def evaluate(objective, loader, accelerator, tree_topk: int):
-    """Held-out per-head loss and rank counts (K, tree_topk + 1) over the eval split."""
+def evaluate(objective, loader, accelerator, tree_topk: int) -> tuple[float, torch.Tensor, int]:
+    """Held-out loss (mean over batches), rank counts (K, tree_topk + 1) and the number of
+    conversations, summed over every process's share of the eval split."""
     from gorgon.train.losses import rank_counts
 
     model = accelerator.unwrap_model(objective)
     counts = torch.zeros(model.heads.config.num_heads, tree_topk + 1, dtype=torch.long)
-    losses = []
+    totals = torch.zeros(3, dtype=torch.float64)  # loss sum, batches, conversations
     with torch.no_grad():
         for batch in loader:
             loss, _, hidden = model(**batch, train_backbone=False)
-            losses.append(float(loss))
+            totals += torch.tensor([float(loss), 1, len(batch["input_ids"])], dtype=torch.float64)
             counts += rank_counts(model.heads, hidden, batch["input_ids"], batch["loss_mask"], tree_topk)
     counts = accelerator.reduce(counts.to(accelerator.device), reduction="sum").cpu()
-    return (sum(losses) / max(1, len(losses))), counts
+    loss_sum, batches, conversations = accelerator.reduce(totals.to(accelerator.device), reduction="sum").tolist()
+    return loss_sum / max(1, batches), counts, int(conversations)
 
 
 def set_draft_vocab(heads, examples: list[dict], size: int) -> float:
@@ -163,21 +149,27 @@ def accuracy_table(counts: torch.Tensor) -> list[list[float]]:
 
 def train(cfg: HeadsTrainConfig) -> Path:
     from accelerate import Accelerator
-    from accelerate.utils import set_seed
+    from accelerate.utils import DistributedDataParallelKwargs, set_seed
     from tqdm.auto import tqdm
 
     from gorgon.decode.tree import expected_accepted, tree_from_accuracies
     from gorgon.heads import MedusaHeads, load_target
     from gorgon.train.card import plot_head_accuracy, write_model_card
-    from gorgon.train.examples import collate, load_examples, split
+    from gorgon.train.examples import EpochSampler, RankBatches, collate, load_examples, split
     from gorgon.train.losses import HeadsObjective
-    from gorgon.train.recipe import resume_point, wandb_offline_without_key
+    from gorgon.train.recipe import connect_cpu_processes, full_state_dict, resume_point, wandb_offline_without_key
 
     cfg.check()
     out = Path(cfg.out)
     wandb_offline_without_key(cfg.report_to)
+    connect_cpu_processes()
+    # Medusa-2's heads-only warmup leaves the adapters out of the loss, which DDP must be told.
+    unused = DistributedDataParallelKwargs(find_unused_parameters=cfg.mode == "medusa2" and cfg.heads_warmup_steps > 0)
+    # step_scheduler_with_optimizer: the schedule counts the run's optimizer steps; accelerate would
+    # otherwise step it once per process at every step (it assumes a schedule written for one process).
     accelerator = Accelerator(gradient_accumulation_steps=cfg.grad_accum, project_dir=str(out),
-                              log_with="wandb" if cfg.report_to == "wandb" else None)
+                              log_with="wandb" if cfg.report_to == "wandb" else None,
+                              step_scheduler_with_optimizer=False, kwargs_handlers=[unused])
     set_seed(cfg.seed)
     resume_from = resume_point(latest_checkpoint(out), cfg.resume, out)
     target = load_target(cfg.target, device=str(accelerator.device), dtype=cfg.dtype)
@@ -187,6 +179,11 @@ def train(cfg: HeadsTrainConfig) -> Path:
     if not train_ex:
         raise GorgonError(f"{cfg.data} has too few examples to train on after holding out the eval split: add data "
                           "or lower eval_fraction")
+    world = accelerator.num_processes
+    sampler = EpochSampler(len(train_ex), cfg.seed)
+    train_batches = RankBatches(sampler, cfg.batch_size, world, "training conversations")
+    eval_batches = RankBatches(EpochSampler(len(eval_ex), None), cfg.batch_size, world,
+                               "held-out conversations (raise eval_fraction)")
     heads = MedusaHeads.for_target(target.model, cfg.num_heads, cfg.num_layers, cfg.shared_lm_head,
                                    target.name, target.fingerprint).float()
     heads.attach(target.model)
@@ -205,65 +202,69 @@ def train(cfg: HeadsTrainConfig) -> Path:
         groups.append({"params": backbone, "lr": cfg.backbone_learning_rate})
     optimizer = torch.optim.AdamW(groups, weight_decay=cfg.weight_decay)
     pad = target.tokenizer.pad_token_id if target.tokenizer.pad_token_id is not None else 0
-    sampler = EpochSampler(len(train_ex), cfg.seed)
-    loader = torch.utils.data.DataLoader(train_ex, batch_size=cfg.batch_size, sampler=sampler,
-                                         collate_fn=lambda b: collate(b, pad))
-    eval_loader = torch.utils.data.DataLoader(eval_ex, batch_size=cfg.batch_size, collate_fn=lambda b: collate(b, pad))
-    steps_per_epoch = max(1, math.ceil(len(loader) / (cfg.grad_accum * accelerator.num_processes)))
+    loader = torch.utils.data.DataLoader(train_ex, batch_sampler=train_batches, collate_fn=lambda b: collate(b, pad))
+    eval_loader = torch.utils.data.DataLoader(eval_ex, batch_sampler=eval_batches, collate_fn=lambda b: collate(b, pad))
+    steps_per_epoch = max(1, math.ceil(len(train_batches) / (cfg.grad_accum * world)))
     total = cfg.max_steps or max(1, math.ceil(cfg.epochs * steps_per_epoch))
     lambdas = [schedule(cfg.warmup_steps, total)] + ([schedule(cfg.warmup_steps, total, cfg.heads_warmup_steps)]
                                                      if backbone else [])
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambdas)
     objective, optimizer, loader, eval_loader, scheduler = accelerator.prepare(
         objective, optimizer, loader, eval_loader, scheduler)
-    step = 0
+    step, trained = 0, 0  # trained: conversations this process has trained on (the main one: with the resumed)
     if resume_from is not None:
         accelerator.load_state(str(resume_from))
-        step = json.loads((resume_from / "gorgon_state.json").read_text())["step"]
+        progress = json.loads((resume_from / "gorgon_state.json").read_text())
+        step, trained = progress["step"], progress["examples"] if accelerator.is_main_process else 0
         accelerator.print(f"gorgon train: resumed from {resume_from} at step {step}")
     accelerator.init_trackers(cfg.project, config=asdict(cfg))
     accelerator.print(f"gorgon train: {cfg.mode} on {target.name}, {len(train_ex)} train / {len(eval_ex)} eval "
-                      f"conversations, {total} steps on {accelerator.num_processes} x {accelerator.device}")
+                      f"conversations, {total} steps on {world} x {accelerator.device}")
     bar = tqdm(total=total, initial=step, desc="gorgon train", disable=not accelerator.is_main_process,
                dynamic_ncols=True)
-    window = {"tokens": 0, "start": time.perf_counter(), "stats": {}}
-    batches_per_epoch = len(loader)
+    window = new_window(cfg.num_heads)
+    started = time.perf_counter()
+    loss_curve = []  # [step, per-head loss] at every log, over all processes
+    batches_per_epoch = len(loader)  # this process's share
     while step < total:
         epoch, done_in_epoch = divmod(step * cfg.grad_accum, batches_per_epoch)
         batches = accelerator.skip_first_batches(loader, done_in_epoch) if done_in_epoch else loader
         # accelerate's loader passes its own epoch count to the sampler, which starts at 0 in a
-        # resumed process: set it from the step, so a resumed run sees the same order.
+        # resumed process: set it from the step, so a resumed run sees the same order. (The
+        # loader's own set_epoch does not reach the sampler through accelerate's sharding.)
         batches.set_epoch(epoch)
+        sampler.set_epoch(epoch)
         for batch in batches:
             with accelerator.accumulate(objective):
                 loss, stats, _ = objective(**batch, train_backbone=step >= cfg.heads_warmup_steps)
                 accelerator.backward(loss)
                 if accelerator.sync_gradients:
                     accelerator.clip_grad_norm_(objective.parameters(), cfg.max_grad_norm)
-                optimizer.step()
-                scheduler.step()
+                optimizer.step()  # accelerate skips it between accumulated batches; the schedule too:
+                if accelerator.sync_gradients:
+                    scheduler.step()
                 optimizer.zero_grad()
-            window["tokens"] += int(batch["attention_mask"].sum())
-            for k, s in stats.items():
-                acc = window["stats"].setdefault(k, {})
-                for name, value in (s.items() if isinstance(s, dict) else [("value", s)]):
-                    acc[name] = acc.get(name, 0) + value
-                acc["batches"] = acc.get("batches", 0) + 1
+            trained += len(batch["input_ids"])
+            add_to_window(window, stats, int(batch["attention_mask"].sum()))
             if not accelerator.sync_gradients:
                 continue
             step += 1
             bar.update(1)
             if step % cfg.log_every == 0 or step == total:
-                log_window(accelerator, window, step, scheduler, bar)
+                loss_curve.append([step, log_window(accelerator, window, step, scheduler, bar)])
+                window = new_window(cfg.num_heads)
             if cfg.eval_every and step % cfg.eval_every == 0:
-                eval_loss, _ = evaluate(objective, eval_loader, accelerator, cfg.tree_topk)
+                eval_loss, _, _ = evaluate(objective, eval_loader, accelerator, cfg.tree_topk)
                 accelerator.log({"eval/loss": eval_loss}, step=step)
             if cfg.save_every and step % cfg.save_every == 0 and step < total:
-                save_checkpoint(accelerator, out, step, cfg.keep_checkpoints)
+                progress = {"step": step, "examples": count_all(accelerator, trained)}
+                save_checkpoint(accelerator, out, progress, cfg.keep_checkpoints)
             if step >= total:
                 break
     bar.close()
-    eval_loss, counts = evaluate(objective, eval_loader, accelerator, cfg.tree_topk)
+    train_seconds = time.perf_counter() - started  # this run's loop (after a resume: since the resume)
+    trained = count_all(accelerator, trained)
+    eval_loss, counts, evaluated = evaluate(objective, eval_loader, accelerator, cfg.tree_topk)
     accuracies = accuracy_table(counts)
     trees = {"cpu": tree_from_accuracies(accuracies, cfg.cpu_tree_size),
              "cuda": tree_from_accuracies(accuracies, cfg.gpu_tree_size)}
@@ -273,17 +274,22 @@ def train(cfg: HeadsTrainConfig) -> Path:
         "rank_accuracy": accuracies,
         "expected_tau": {k: expected_accepted(accuracies, v) for k, v in trees.items()},
         "steps": total, "train_conversations": len(train_ex), "eval_conversations": len(eval_ex),
+        "processes": world, "conversations_trained": trained, "conversations_evaluated": evaluated,
+        "loss_curve": loss_curve, "train_seconds": train_seconds,
         "target_name": target.name, "draft_vocab_size": cfg.draft_vocab_size, "draft_vocab_coverage": coverage,
     }
     accelerator.log({f"eval/top1_head{k}": a for k, a in enumerate(metrics["top1"])}, step=total)
+    trained_weights = full_state_dict(accelerator, objective)  # every process: it gathers shards
     if accelerator.is_main_process:
         unwrapped = accelerator.unwrap_model(objective)
         final_heads = unwrapped.heads
         final_heads.trees = {**trees, "accuracies": accuracies}  # accuracies: for trees of other sizes
         out.mkdir(parents=True, exist_ok=True)
-        final_heads.save_pretrained(out)
+        # The heads' own buffers (the draft vocabulary) with the gathered trained weights.
+        final_heads.save_pretrained(out, {**final_heads.state_dict(), **strip_prefix(trained_weights, "heads.")})
         if cfg.mode == "medusa2":
-            unwrapped.target.save_pretrained(str(out / ADAPTER_DIR))
+            unwrapped.target.save_pretrained(str(out / ADAPTER_DIR),
+                                             state_dict=strip_prefix(trained_weights, "target."))
         (out / "metrics.json").write_text(json.dumps(metrics, indent=1) + "\n")
         (out / "recipe.json").write_text(json.dumps(asdict(cfg), indent=1) + "\n")
         plot_head_accuracy(metrics, out / "head_accuracy.png")
@@ -301,26 +307,52 @@ def train(cfg: HeadsTrainConfig) -> Path:
     return out
 
 
-def log_window(accelerator, window: dict, step: int, scheduler, bar) -> None:
-    """Log per-head loss and accuracy, tokens/s and learning rates over the last window of batches."""
+def count_all(accelerator, n: int) -> int:
+    return int(accelerator.reduce(torch.tensor(n, device=accelerator.device), reduction="sum"))
+
+
+def strip_prefix(state: dict, prefix: str) -> dict:
+    return {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
+
+
+def new_window(num_heads: int) -> dict:
+    """Sums over the batches since the last log. Per head (rows; the last row: Medusa-2's base KL):
+    loss, top-1 hits, top-5 hits, positions, batches; one tensor, so all processes sum it at once."""
+    return {"sums": torch.zeros(num_heads + 1, 5, dtype=torch.float64), "tokens": 0, "start": time.perf_counter()}
+
+
+def add_to_window(window: dict, stats: dict, tokens: int) -> None:
+    window["tokens"] += tokens
+    for k, s in stats.items():
+        row = [s, 0, 0, 0, 1] if k == "base_kl" else [s["loss"], s["top1"], s["top5"], s["count"], 1]
+        window["sums"][-1 if k == "base_kl" else k] += torch.tensor(row, dtype=torch.float64)
+
+
+def log_window(accelerator, window: dict, step: int, scheduler, bar) -> list[float]:
+    """Log per-head loss and accuracy, tokens/s and learning rates over the last window of batches
+    of all processes (every process calls it: the sums are reduced). Returns the per-head losses."""
     secs = time.perf_counter() - window["start"]
-    logs = {"train/tokens_per_s": window["tokens"] / max(secs, 1e-9), "train/lr": scheduler.get_last_lr()[0]}
+    sums = torch.cat([window["sums"].flatten(), torch.tensor([window["tokens"]], dtype=torch.float64)])
+    sums = accelerator.reduce(sums.to(accelerator.device), reduction="sum").cpu()
+    heads, tokens = sums[:-1].view_as(window["sums"]), float(sums[-1])
+    logs = {"train/tokens_per_s": tokens / max(secs, 1e-9), "train/lr": scheduler.get_last_lr()[0]}
     if len(scheduler.get_last_lr()) > 1:
         logs["train/backbone_lr"] = scheduler.get_last_lr()[1]
-    for k, s in window["stats"].items():
-        if k == "base_kl":
-            logs["train/base_kl"] = s["value"] / s["batches"]
-            continue
-        logs[f"train/loss_head{k}"] = s["loss"] / s["batches"]
-        logs[f"train/top1_head{k}"] = s["top1"] / max(1, s["count"])
-        logs[f"train/top5_head{k}"] = s["top5"] / max(1, s["count"])
+    if heads[-1, 4]:
+        logs["train/base_kl"] = float(heads[-1, 0] / heads[-1, 4])
+    losses = []
+    for k, (loss, top1, top5, count, batches) in enumerate(heads[:-1].tolist()):
+        losses.append(loss / max(1, batches))
+        logs[f"train/loss_head{k}"] = losses[-1]
+        logs[f"train/top1_head{k}"] = top1 / max(1, count)
+        logs[f"train/top5_head{k}"] = top5 / max(1, count)
     accelerator.log(logs, step=step)
     heads_text = " ".join(f"h{k} {logs[f'train/loss_head{k}']:.2f}/{logs[f'train/top1_head{k}']:.2f}"
-                          for k in window["stats"] if k != "base_kl")
+                          for k in range(len(losses)))
     if accelerator.is_main_process:
         bar.write(f"step {step}: loss/top-1 {heads_text} | {logs['train/tokens_per_s']:.0f} tok/s | "
                   f"lr {logs['train/lr']:.2e}")
-    window.update(tokens=0, start=time.perf_counter(), stats={})
+    return losses
 
 
 def main(argv=None) -> int:

@@ -120,6 +120,31 @@ def wandb_offline_without_key(report_to: str) -> None:
         os.environ["WANDB_MODE"] = "offline"
 
 
+def connect_cpu_processes() -> None:
+    """Several processes and no GPU means CPU processes talking over gloo.
+
+    `accelerate launch --multi_gpu` (or a config with several processes) starts them, but without a
+    GPU accelerate leaves each one alone unless ACCELERATE_USE_CPU is set: N unconnected copies
+    would each train on all the data and write the same outputs. Call before the Accelerator.
+    FSDP and DeepSpeed are refused there: accelerate enables them on GPUs only and would silently
+    run plain DDP instead."""
+    import torch
+
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not torch.cuda.is_available():
+        for name in ("FSDP", "DEEPSPEED"):
+            if os.environ.get(f"ACCELERATE_USE_{name}", "false").lower() == "true":
+                raise GorgonError(f"{'DeepSpeed' if name == 'DEEPSPEED' else name} needs GPUs: accelerate runs CPU "
+                                  "processes as plain DDP; launch with configs/accelerate/multi_cpu.yaml on CPUs")
+        os.environ["ACCELERATE_USE_CPU"] = "true"
+
+
+def full_state_dict(accelerator, model) -> dict:
+    """The trained weights whole, on the main process: under FSDP and DeepSpeed ZeRO-3 each
+    process holds a shard, and unwrapping on the main process alone would save only its shard.
+    Every process must call it (it gathers); other processes may get an empty dict."""
+    return {k: v.detach().cpu() for k, v in accelerator.get_state_dict(model).items()}
+
+
 def print_settings(cls) -> None:
     """The --help list of a recipe's keys with their defaults."""
     print("Settings (YAML keys, or --key value on the command line):")
