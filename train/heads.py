@@ -215,7 +215,10 @@ def train(cfg: HeadsTrainConfig) -> Path:
     if resume_from is not None:
         accelerator.load_state(str(resume_from))
         progress = json.loads((resume_from / "gorgon_state.json").read_text())
-        step, trained = progress["step"], progress["examples"] if accelerator.is_main_process else 0
+        step = progress["step"]
+        # checkpoints from before the count was kept: every step so far took one global batch
+        resumed = progress.get("examples", step * cfg.batch_size * cfg.grad_accum * world)
+        trained = resumed if accelerator.is_main_process else 0
         accelerator.print(f"gorgon train: resumed from {resume_from} at step {step}")
     accelerator.init_trackers(cfg.project, config=asdict(cfg))
     accelerator.print(f"gorgon train: {cfg.mode} on {target.name}, {len(train_ex)} train / {len(eval_ex)} eval "
