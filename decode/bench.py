@@ -18,8 +18,8 @@ from pathlib import Path
 
 import torch
 
-from gorgon.heads.errors import GorgonError
-from gorgon.heads.files import atomic_write_text, read_jsonl
+from gorgon.heads.errors import GorgonError, int_at_least
+from gorgon.heads.files import atomic_write_text, check_output, read_jsonl
 
 from .acceptance import Sampling
 from .calibrate import cpu_flags, cpu_name
@@ -34,6 +34,8 @@ def load_questions(path: str, limit: int | None = None) -> list[dict]:
     if not Path(path).is_file():
         raise GorgonError(f"questions file {path} not found: pass a .jsonl in the MT-Bench format "
                           '({"question_id", "category", "turns": [...]}), e.g. scripts/data/mt_bench.jsonl')
+    if limit is not None and limit < 1:
+        raise GorgonError(f"--limit must be at least 1, not {limit}")
     questions = []
     for i, q in enumerate(read_jsonl(Path(path)), 1):
         if not isinstance(q, dict) or not isinstance(q.get("turns"), list) or not q["turns"] \
@@ -42,7 +44,7 @@ def load_questions(path: str, limit: int | None = None) -> list[dict]:
                               'must look like {"question_id": 1, "category": "writing", "turns": ["..."]}')
         questions.append({"question_id": q.get("question_id", i), "category": q.get("category", "all"),
                           "turns": q["turns"]})
-        if limit and len(questions) >= limit:
+        if limit is not None and len(questions) >= limit:
             break
     if not questions:
         raise GorgonError(f"{path} holds no questions")
@@ -138,7 +140,7 @@ def run_bench(target, drafter, questions: list[dict], max_new_tokens: int = 256,
         timed_generate(model, warm, 8, sampling, **extra_kwargs[name])
 
     context = getattr(model.config.get_text_config(), "max_position_embeddings", None) or 10**9
-    rows, histogram = [], {}
+    rows, skipped, histogram = [], [], {}
     for qi, q in enumerate(tqdm(questions, desc="gorgon bench", disable=not progress, dynamic_ncols=True)):
         row = {"question_id": q["question_id"], "category": q["category"], "tokens": 0, "seconds": 0.0,
                "target_forwards": 0, "baseline_tokens": 0, "baseline_seconds": 0.0, "identical": True}
@@ -150,7 +152,7 @@ def run_bench(target, drafter, questions: list[dict], max_new_tokens: int = 256,
             messages.append({"role": "user", "content": turn})
             ids = encode(messages)
             if ids.shape[1] + max_new_tokens > context:
-                break  # a later turn that no longer fits the context ends the question
+                break  # a turn that no longer fits the context ends the question
             runs = {}
             methods = ["baseline", "gorgon", "stock"] if stock else ["baseline", "gorgon"]
             for name in methods[qi % len(methods):] + methods[:qi % len(methods)]:  # each goes first in turn
@@ -180,15 +182,24 @@ def run_bench(target, drafter, questions: list[dict], max_new_tokens: int = 256,
                 row[f"{name}_tokens"] += len(t)
                 row[f"{name}_seconds"] += s
             messages.append({"role": "assistant", "content": tok.decode(base_tokens, skip_special_tokens=True)})
+        if not row["target_forwards"]:  # not even the first turn fit: nothing was run, nothing is counted
+            skipped.append({"question_id": q["question_id"], "category": q["category"],
+                            "reason": f"the first turn ({ids.shape[1]} tokens) plus --max-new-tokens {max_new_tokens} "
+                                      f"exceeds the context of {context}"})
+            continue
         base_rate = row["baseline_tokens"] / max(row["baseline_seconds"], 1e-9)
         row["speedup"] = (row["tokens"] / max(row["seconds"], 1e-9)) / max(base_rate, 1e-9)
         rows.append(row)
 
+    if not rows:
+        raise GorgonError(f"no question fits the context of {context} tokens with --max-new-tokens {max_new_tokens}: "
+                          "lower --max-new-tokens or use shorter questions")
     report = summarize(rows, sampling.greedy, extra, stock)
     report["per_category"] = {c: summarize([r for r in rows if r["category"] == c], sampling.greedy, extra, stock)
                               for c in sorted({r["category"] for r in rows})}
     report["accepted_histogram"] = {str(k): histogram[k] for k in sorted(histogram)}
     report["questions"] = rows
+    report["skipped"] = skipped
     return report
 
 
@@ -223,6 +234,8 @@ def markdown_table(report: dict) -> str:
             ident = "-" if r["identical_vs_stock"] is None else f"{r['identical_vs_stock']}/{r['prompts']}"
             line += f" {r['stock_tokens_per_s']:.1f} | {r['speedup_vs_stock']:.2f}x | {ident} |"
         lines.append(line)
+    for q in report["skipped"]:
+        lines.append(f"\nskipped question {q['question_id']} ({q['category']}): {q['reason']}")
     for key in report:
         if key.endswith("_speedup") and key != "speedup_median":
             lines.append(f"\n{key.replace('_speedup', '')}: {report[key]:.2f}x of plain generate")
@@ -264,6 +277,15 @@ def plot_report(report: dict, path: Path) -> None:
     plt.close(fig)
 
 
+def is_report(path: Path) -> bool:
+    """A report `gorgon bench` wrote (the only file --out may replace, with --overwrite)."""
+    try:
+        report = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return False
+    return isinstance(report, dict) and str(report.get("command", "")).startswith("gorgon bench")
+
+
 def parser() -> argparse.ArgumentParser:
     from .cli import add_model_arguments
 
@@ -274,12 +296,13 @@ def parser() -> argparse.ArgumentParser:
                     "identical to the baseline's.")
     add_model_arguments(p)
     p.add_argument("--questions", required=True, help="MT-Bench/Spec-Bench .jsonl, e.g. scripts/data/mt_bench.jsonl")
-    p.add_argument("--limit", type=int, default=None, help="first N questions only")
+    p.add_argument("--limit", type=int_at_least(1), default=None, help="first N questions only")
     p.add_argument("--baselines", default="generate",
                    help=f"comma-separated, from {', '.join(BASELINES)} (generate is always run)")
     p.add_argument("--assistant", default=None,
                    help="also time transformers' assisted generation with this draft model")
     p.add_argument("--out", default=None, help="write the JSON report here (and a PNG beside it)")
+    p.add_argument("--overwrite", action="store_true", help="replace an earlier report at --out")
     p.add_argument("--update-card", action="store_true",
                    help="write the figures into the model card (README.md) of the --heads or --draft folder")
     return p
@@ -294,6 +317,11 @@ def main(argv=None) -> int:
     if unknown:
         raise GorgonError(f"unknown baseline {unknown[0]!r}: use {', '.join(BASELINES)}")
     questions = load_questions(args.questions, args.limit)
+    sampling = Sampling(args.temperature, args.top_k, args.top_p)
+    if args.out:
+        check_output(Path(args.out), is_report, args.overwrite, kind="file")
+        check_output(Path(args.out).with_suffix(".png"), lambda png: is_report(Path(args.out)), args.overwrite,
+                     kind="file")
     target, drafter = load_drafter(args, read_tree(args.tree))
     assistant = None
     if args.assistant:
@@ -301,7 +329,6 @@ def main(argv=None) -> int:
 
         assistant = AutoModelForCausalLM.from_pretrained(args.assistant, dtype=target.model.dtype)
         assistant.to(target.model.device)
-    sampling = Sampling(args.temperature, args.top_k, args.top_p)
     seed = 0 if args.seed is None else args.seed  # reproducible unless asked otherwise
     report = run_bench(target, drafter, questions, args.max_new_tokens, sampling, baselines, assistant, seed)
     report.update(environment(target.model, drafter.tree, sampling, args.max_new_tokens))
@@ -312,7 +339,6 @@ def main(argv=None) -> int:
           f"tree of {report['tree_size']} nodes")
     if args.out:
         out = Path(args.out)
-        out.parent.mkdir(parents=True, exist_ok=True)
         atomic_write_text(out, json.dumps(report, indent=1) + "\n")
         plot_report(report, out.with_suffix(".png"))
         print(f"report: {out} (plot: {out.with_suffix('.png')})")

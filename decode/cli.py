@@ -10,6 +10,8 @@ from pathlib import Path
 import torch
 
 from gorgon.heads import GorgonError, load_target
+from gorgon.heads.errors import int_at_least
+from gorgon.heads.files import not_found_locally_or_on_hub, read_text
 from gorgon.heads.model import load_with_heads
 from gorgon.heads.target import check_same_tokenizer
 
@@ -50,11 +52,12 @@ def add_model_arguments(p: argparse.ArgumentParser, drafter_required: bool = Tru
     group = p.add_mutually_exclusive_group(required=drafter_required)
     group.add_argument("--heads", help="heads folder or hub id (from train/heads.py or save_pretrained)")
     group.add_argument("--draft", help="a small draft model (hub id or path) sharing the target's tokenizer")
-    p.add_argument("--draft-tokens", type=int, default=4, help="tokens a --draft model proposes per step (default 4)")
+    p.add_argument("--draft-tokens", type=int_at_least(1), default=4,
+                   help="tokens a --draft model proposes per step (default 4)")
     p.add_argument("--tree", default="auto", help="'auto' (the tree saved with the heads for this device, else a "
                    "default), a node count N (the best N-node tree from the heads' measured accuracies), or a JSON "
                    "file with a list of rank paths, e.g. [[0],[1],[0,0]]")
-    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--max-new-tokens", type=int_at_least(1), default=256)
     p.add_argument("--temperature", type=float, default=0.0, help="0 (default) is greedy")
     p.add_argument("--top-k", type=int, default=0, help="0 (default) is off")
     p.add_argument("--top-p", type=float, default=1.0, help="1 (default) is off")
@@ -72,6 +75,8 @@ def load_drafter(args, tree):
     With heads and `--tree auto`, the tree's size is chosen for this machine: from the heads'
     measured accuracies and the verify costs measured here (a few seconds, cached).
     """
+    if args.draft and args.tree != "auto":
+        raise GorgonError("--tree applies to --heads only: a --draft model proposes a chain of --draft-tokens")
     if args.heads:
         target, heads = load_with_heads(args.heads, args.target, device=args.device, dtype=args.dtype)
         use_cpu_kernels(target.model, args.cpu_kernels)
@@ -85,8 +90,7 @@ def load_drafter(args, tree):
     try:
         draft = AutoModelForCausalLM.from_pretrained(args.draft, dtype=target.model.dtype)
     except (OSError, ValueError) as err:
-        raise GorgonError(f"could not load draft model {args.draft!r} ({str(err).strip().split(chr(10))[0]}): "
-                          "check the id or path") from err
+        raise not_found_locally_or_on_hub("draft model", args.draft, err) from err
     try:
         draft_tokenizer = AutoTokenizer.from_pretrained(args.draft)
     except (OSError, ValueError):
@@ -109,7 +113,7 @@ def read_tree(value: str):
     if not path.is_file():
         raise GorgonError(f"tree file {value} not found: pass 'auto' or a JSON file with a list of rank paths")
     try:
-        paths = json.loads(path.read_text())
+        paths = json.loads(read_text(path))
     except json.JSONDecodeError as err:
         raise GorgonError(f"tree file {value} is not valid JSON ({err.msg}): "
                           "write a list like [[0],[1],[0,0]]") from err
@@ -135,9 +139,9 @@ class TextStream:
 
 def main(argv=None) -> int:
     args = parser().parse_args(argv)
+    sampling = Sampling(args.temperature, args.top_k, args.top_p)
     target, drafter = load_drafter(args, read_tree(args.tree))
     tok = target.tokenizer
-    sampling = Sampling(args.temperature, args.top_k, args.top_p)
     generator = None
     if args.seed is not None:
         generator = torch.Generator(device=target.model.device).manual_seed(args.seed)

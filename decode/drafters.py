@@ -38,6 +38,10 @@ class HeadsDrafter:
         if self.tree.max_depth > heads.config.num_heads:
             raise GorgonError(f"the tree is {self.tree.max_depth} deep but there are only {heads.config.num_heads} "
                               f"heads: use a tree at most {heads.config.num_heads} deep")
+        choices = heads.config.draft_vocab_size or heads.config.vocab_size
+        if self.tree.max_rank > choices:
+            raise GorgonError(f"the tree asks for rank {self.tree.max_rank - 1} but the heads draft from {choices} "
+                              f"tokens: use ranks below {choices}")
 
     def propose(self, root: torch.Tensor, hidden: torch.Tensor, context: torch.Tensor) -> torch.Tensor:
         return self.tree.tokens(root, self.heads.draft_topk(hidden, self.tree.max_rank))
@@ -57,6 +61,10 @@ def pick_tree(heads: MedusaHeads, tree, device_type: str) -> list[list[int]]:
     return saved or default_tree(heads.config.num_heads, device_type)
 
 
+# A longer chain is all but never accepted whole, and each drafted token costs a draft forward.
+MAX_DRAFT_TOKENS = 64
+
+
 class DraftModelDrafter:
     """A small causal LM with the target's tokenizer proposes a chain of k tokens, greedily, with
     its own KV cache (classic draft-then-verify). The target verifies the chain in one forward
@@ -67,8 +75,8 @@ class DraftModelDrafter:
     """
 
     def __init__(self, draft_model, k: int = 4):
-        if k < 1:
-            raise GorgonError(f"a draft model must propose at least one token, not {k}")
+        if not 1 <= k <= MAX_DRAFT_TOKENS:
+            raise GorgonError(f"a draft model proposes 1 to {MAX_DRAFT_TOKENS} tokens per step, not {k}")
         self.model = draft_model
         self.tree = build_tree([[0] * d for d in range(1, k + 1)]).to(draft_model.device)
         self.cache = None

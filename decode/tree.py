@@ -53,13 +53,21 @@ class Tree:
         return torch.cat([root.reshape(1), topk[heads, self.rank[1:]]])
 
 
+# The most nodes a tree may have: beyond this a verify forward costs far more than the tokens it
+# could save, on any hardware (the trees trained for a GPU have 64).
+MAX_TREE_NODES = 256
+
+
 def build_tree(paths) -> Tree:
     """Validate a list of rank paths and compute the tree's buffers."""
-    unique = sorted({tuple(int(r) for r in p) for p in paths}, key=lambda p: (len(p), p))
+    bad = [r for p in paths for r in p if isinstance(r, bool) or not isinstance(r, int) or r < 0]
+    if bad:
+        raise GorgonError(f"tree ranks must be whole numbers >= 0 (0 is a head's best token), not {bad[0]!r}")
+    unique = sorted({tuple(p) for p in paths}, key=lambda p: (len(p), p))
     if not unique or any(len(p) == 0 for p in unique):
         raise GorgonError("a tree needs at least one non-empty path of ranks, e.g. [[0], [0, 0]]")
-    if any(r < 0 for p in unique for r in p):
-        raise GorgonError("tree ranks must be >= 0 (0 is a head's best token)")
+    if len(unique) + 1 > MAX_TREE_NODES:
+        raise GorgonError(f"a tree of {len(unique) + 1} nodes is more than {MAX_TREE_NODES}: use a smaller tree")
     index = {(): 0}
     for i, p in enumerate(unique, start=1):
         if p[:-1] not in index:
@@ -92,8 +100,8 @@ def tree_from_accuracies(accuracies, size: int) -> list[list[int]]:
     A child never beats its parent, so taking paths best-first (Medusa's greedy construction)
     always yields a valid tree and is optimal for that sum.
     """
-    if size < 2:
-        raise GorgonError("a tree needs a size of at least 2 (the root and one candidate)")
+    if not 2 <= size <= MAX_TREE_NODES:
+        raise GorgonError(f"a tree needs a size from 2 (the root and one candidate) to {MAX_TREE_NODES}, not {size}")
     frontier = [(-float(accuracies[0][r]), (r,)) for r in range(len(accuracies[0]))]
     heapq.heapify(frontier)
     chosen = []

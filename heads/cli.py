@@ -8,7 +8,7 @@ from __future__ import annotations
 import importlib
 import sys
 
-from .errors import GorgonError
+from .errors import user_error_line
 
 COMMANDS = {
     "data": ("gorgon.train.data", "self-distillation: the target answers prompts; writes a datasets folder"),
@@ -40,11 +40,14 @@ def main(argv: list[str] | None = None) -> int:
     module = importlib.import_module(COMMANDS[name][0])
     try:
         return module.main(rest) or 0
-    except GorgonError as err:
-        print(f"gorgon {name}: error: {err}", file=sys.stderr)
-        return 2
     except KeyboardInterrupt:
         return 130
+    except Exception as err:
+        line = user_error_line(err)
+        if line is None:
+            raise
+        print(f"gorgon {name}: error: {line}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

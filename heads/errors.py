@@ -1,5 +1,40 @@
 """The one exception type users see: a single line that names the problem and the fix."""
 
+import errno
+
 
 class GorgonError(Exception):
     """Bad input or state that the user can fix; the CLI prints it without a traceback."""
+
+
+# Failures of the machine, not of gorgon, that a user fixes (free space, a writable place):
+# the command entry points print these as one line too, wherever in the work they happen.
+_DISK_ERRORS = {errno.ENOSPC: "free some space", errno.EDQUOT: "free some space or raise the quota",
+                errno.EROFS: "choose a writable --out", errno.EACCES: "check the permissions"}
+
+
+def user_error_line(err: Exception) -> str | None:
+    """The one line to print for an error the user can fix (a GorgonError, or a full, read-only or
+    forbidden disk); None for anything else, which is a bug and keeps its traceback."""
+    if isinstance(err, GorgonError):
+        return str(err)
+    if isinstance(err, OSError) and err.errno in _DISK_ERRORS:
+        where = f" {err.filename}" if err.filename else ""
+        return f"cannot write{where} ({err.strerror}): {_DISK_ERRORS[err.errno]}"
+    return None
+
+
+def int_at_least(low: int):
+    """An argparse type: a whole number >= `low` (so --limit 0 or --max-new-tokens -1 fail as they are parsed)."""
+    def parse(text: str) -> int:
+        import argparse
+
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be at least {low}, not {value}")
+        return value
+    parse.__name__ = f"int >= {low}"
+    return parse

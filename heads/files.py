@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import tempfile
@@ -15,12 +16,42 @@ def looks_like_path(text: str) -> bool:
     return text.startswith((".", "/", "~")) or text.count("/") > 1
 
 
+def local_path_problem(text: str) -> str | None:
+    """Why `text`, which names something on disk, is not a readable folder (None when it names nothing
+    on disk, or a folder): so a broken local path is not reported as a failed hub download."""
+    path = Path(text).expanduser()
+    try:
+        path.stat()
+    except OSError as err:
+        if err.errno == errno.ELOOP:
+            return f"{text} is a symlink loop"
+        return f"{text} is a broken symlink" if os.path.lexists(path) else None
+    return None if path.is_dir() else f"{text} is a file, not a folder"
+
+
+def not_found_locally_or_on_hub(what: str, text: str, err: Exception) -> GorgonError:
+    """The error for a name that is neither a local folder nor reachable on the hub."""
+    problem = local_path_problem(text)
+    if problem:
+        return GorgonError(f"{what} {problem}: pass a folder")
+    where = ("the local hub cache (HF_HUB_OFFLINE is set)" if os.environ.get("HF_HUB_OFFLINE", "0") not in ("", "0")
+             else "the hub (or it is unreachable)")
+    return GorgonError(f"no {what} {text!r}: no local folder by that name, and {where} has none "
+                       f"({err.__class__.__name__}): check the path or the hub id")
+
+
 def atomic_write(path: Path, write) -> None:
-    """Call write(tmp_path) then rename over `path`, so readers never see a half-written file."""
+    """Call write(tmp_path) then rename over `path`, so readers never see a half-written file.
+
+    mkstemp makes the file 0600; it gets the mode any new file would (0666 less the umask), so
+    another user (a serving engine) can read what gorgon wrote."""
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
     os.close(fd)
     try:
         write(tmp)
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)
         os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):
@@ -31,14 +62,57 @@ def atomic_write_text(path: Path, text: str) -> None:
     atomic_write(Path(path), lambda tmp: Path(tmp).write_text(text))
 
 
+def read_text(path: Path) -> str:
+    """A text file's contents; a binary or non-UTF-8 file is an error saying so."""
+    try:
+        return Path(path).read_text(encoding="utf-8")
+    except UnicodeDecodeError as err:
+        raise GorgonError(f"{path} is not UTF-8 text (byte {err.start} cannot be decoded): pass a text file") from err
+
+
 def read_jsonl(path: Path) -> list:
     """One JSON value per line, blank lines skipped; a bad line is an error naming its number."""
     records = []
     # Split on "\n" only: str.splitlines() also breaks at U+2028 and friends inside strings.
-    for n, line in enumerate(Path(path).read_text(encoding="utf-8").split("\n"), 1):
+    for n, line in enumerate(read_text(path).split("\n"), 1):
         if line.strip():
             try:
                 records.append(json.loads(line))
             except json.JSONDecodeError as err:
                 raise GorgonError(f"{path} line {n} is not valid JSON ({err.msg}): fix or remove that line") from err
     return records
+
+
+def check_output(out: Path, ours, overwrite: bool, kind: str = "folder") -> bool:
+    """Before any work: may a command write its output (a `kind`: folder or file) at `out`?
+
+    Anything that is not gorgon's own output is never written over: a file where a folder is
+    wanted (or the reverse), a non-empty folder or a file gorgon did not make. gorgon's own
+    earlier output (`ours(out)` is true) is replaced only with --overwrite. Returns whether earlier
+    output will be replaced. The place is then checked for writing, so a read-only disk fails now.
+    """
+    exists = out.exists() or os.path.lexists(out)
+    if exists and (out.is_dir() != (kind == "folder")):
+        raise GorgonError(f"--out {out} is {'a file' if kind == 'folder' else 'a folder'}: pass a {kind} path")
+    replace = False
+    if exists and (kind == "file" or any(out.iterdir())):
+        if not ours(out):
+            raise GorgonError(f"--out {out} already holds files gorgon did not write: choose a new "
+                              f"{'or empty folder' if kind == 'folder' else 'file'}")
+        if not overwrite:
+            raise GorgonError(f"--out {out} holds earlier gorgon output: pass --overwrite to replace it, or choose "
+                              f"another --out")
+        replace = True
+    check_writable(out if kind == "folder" else out.parent)
+    return replace
+
+
+def check_writable(folder: Path) -> None:
+    """Create `folder` (and its parents) and write a scratch file there; fail in one line if that fails."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=folder):
+            pass
+    except OSError as err:
+        raise GorgonError(f"cannot write to {folder} ({err.strerror or err.__class__.__name__}): choose a writable "
+                          "--out") from err

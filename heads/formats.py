@@ -18,12 +18,13 @@ round trip gives identical logits.
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import torch
 
 from .errors import GorgonError
-from .files import atomic_write, atomic_write_text
+from .files import atomic_write, atomic_write_text, check_output
 
 FORMATS = ("vllm", "medusa")
 MEDUSA_WEIGHTS = "medusa_lm_head.safetensors"
@@ -72,6 +73,14 @@ def export_heads(heads, fmt: str, out: str | Path, base_model: str | None = None
     atomic_write(out / weights_name, lambda tmp: save_file(state, tmp, metadata={"format": "pt"}))
     atomic_write_text(out / "config.json", json.dumps(config, indent=2) + "\n")
     return out
+
+
+def is_export(folder: Path) -> bool:
+    """A folder `gorgon export` wrote: a config.json in one of the foreign formats."""
+    try:
+        return foreign_format(folder, json.loads((folder / "config.json").read_text(encoding="utf-8"))) is not None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, AttributeError):
+        return False
 
 
 def foreign_format(folder: Path, config: dict) -> str | None:
@@ -165,8 +174,15 @@ def main(argv=None) -> int:
     p.add_argument("--target", default=None, help="the target (default: the embedded SmolLM2); its lm_head is "
                    "written out when the heads share it")
     p.add_argument("--base-model", default=None, help="base_model_name_or_path to record (default: the target name)")
+    p.add_argument("--overwrite", action="store_true", help="replace an earlier export at --out")
     args = p.parse_args(argv)
+    out = Path(args.out)
+    if Path(args.heads).is_dir() and out.exists() and out.resolve() == Path(args.heads).resolve():
+        raise GorgonError(f"--out {out} is the heads folder itself: choose another folder for the export")
+    replace = check_output(out, is_export, args.overwrite)
     target, heads = load_with_heads(args.heads, args.target, device="cpu", dtype="float32")
-    out = export_heads(heads, args.format, args.out, args.base_model or target.name)
+    if replace:
+        shutil.rmtree(out)  # an earlier export, perhaps in the other format: none of its files may linger
+    out = export_heads(heads, args.format, out, args.base_model or target.name)
     print(f"gorgon export: wrote {args.format} heads to {out}")
     return 0

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from .errors import GorgonError
-from .files import atomic_write, atomic_write_text, looks_like_path
+from .files import atomic_write, atomic_write_text, local_path_problem, looks_like_path, not_found_locally_or_on_hub
 from .target import Target, base_model, lm_logits
 
 CONFIG_NAME = "config.json"
@@ -231,7 +231,7 @@ class MedusaHeads(nn.Module):
             raise GorgonError(f"the weights in {folder} do not match its config.json ({err.__class__.__name__}: "
                               f"{str(err)[:80]}): re-save the heads") from err
         if (folder / TREES_NAME).is_file():
-            heads.trees = json.loads((folder / TREES_NAME).read_text())
+            heads.trees = read_trees(folder / TREES_NAME)
         if target is not None:
             model, fp = (target.model, target.fingerprint) if isinstance(target, Target) else (target, None)
             device = device or model.get_output_embeddings().weight.device
@@ -259,6 +259,23 @@ def load_with_heads(heads: str | os.PathLike, target: str | None = None, device:
     return loaded, MedusaHeads.from_pretrained(folder, target=loaded)
 
 
+def read_trees(path: Path) -> dict:
+    """trees.json: {"cpu": paths, "cuda": paths, "accuracies": per-head rank accuracies}; a malformed one is an
+    error naming the file (the paths themselves are checked when a tree is built from them)."""
+    try:
+        trees = json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise GorgonError(f"{path} is not valid JSON ({err.__class__.__name__}): delete it to use the default tree, "
+                          "or re-save the heads") from err
+    shaped = isinstance(trees, dict) and all(
+        isinstance(v, list) and all(isinstance(x, list) and all(isinstance(r, (int, float)) for r in x) for x in v)
+        for v in trees.values())
+    if not shaped:
+        raise GorgonError(f"{path} must map 'cpu', 'cuda' and 'accuracies' to lists of number lists: delete it to use "
+                          "the default tree, or re-save the heads")
+    return trees
+
+
 def resolve_heads_folder(name_or_path: str | os.PathLike) -> Path:
     """A local folder as is; anything else is treated as a hub repo id and fetched to the hub cache."""
     path = Path(name_or_path)
@@ -268,6 +285,9 @@ def resolve_heads_folder(name_or_path: str | os.PathLike) -> Path:
                               "`gorgon train` or pass the folder that `save_pretrained` wrote)")
         return path
     text = str(name_or_path)
+    problem = local_path_problem(text)
+    if problem:
+        raise GorgonError(f"heads {problem}: pass a folder written by save_pretrained or a hub id like user/repo")
     if looks_like_path(text) or text.count("/") != 1:
         raise GorgonError(f"no heads at {text}: pass a folder written by save_pretrained or a hub id like user/repo")
     from huggingface_hub import snapshot_download
@@ -276,8 +296,7 @@ def resolve_heads_folder(name_or_path: str | os.PathLike) -> Path:
         return Path(snapshot_download(text, allow_patterns=[CONFIG_NAME, WEIGHTS_NAME, TREES_NAME, "*.md",
                                                             f"{ADAPTER_DIR}/*"]))
     except Exception as err:  # the hub client raises many types; all mean "not reachable or not there"
-        raise GorgonError(f"could not fetch heads {text!r} from the hub ({err.__class__.__name__}): check the id, "
-                          "your network, or set HF_HUB_OFFLINE=1 to use the local cache") from err
+        raise not_found_locally_or_on_hub("heads", text, err) from err
 
 
 def upload_folder(folder: str | os.PathLike, repo_id: str, private: bool = False, revision: str | None = None,

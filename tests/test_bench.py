@@ -135,7 +135,7 @@ def test_bench_with_a_draft_model(tmp_path):
     assert "# Draft model for" in card and "| questions | tau |" in card and "Not measured yet" not in card
     bad = subprocess.run([sys.executable, "-m", "gorgon.heads.cli", "bench", "--target", str(target_path), "--draft",
                           str(tmp_path / "nope"), "--questions", str(q)], capture_output=True, text=True)
-    assert bad.returncode == 2 and "could not load draft model" in bad.stderr.strip().splitlines()[-1]
+    assert bad.returncode == 2 and "no draft model" in bad.stderr.strip().splitlines()[-1]
     tokenizer = load_target(str(draft_path), device="cpu").tokenizer
     tokenizer.add_tokens(["<extra>"])
     tokenizer.save_pretrained(draft_path)

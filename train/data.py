@@ -21,8 +21,8 @@ from pathlib import Path
 
 import torch
 
-from gorgon.heads.errors import GorgonError
-from gorgon.heads.files import atomic_write_text, read_jsonl
+from gorgon.heads.errors import GorgonError, int_at_least
+from gorgon.heads.files import atomic_write_text, check_output, read_jsonl
 from gorgon.heads.target import Target, load_target
 
 from .prompts import load_conversations, user_prefix
@@ -198,20 +198,34 @@ def check_settings(partial: Path, settings: DataSettings, fingerprint: str) -> N
         atomic_write_text(path, json.dumps(record, indent=1))
 
 
+def is_dataset(out: Path) -> bool:
+    """A dataset folder `gorgon data` wrote (recognised by its metadata file)."""
+    return (out / METADATA_NAME).is_file()
+
+
 def make_dataset(settings: DataSettings, out: str | os.PathLike, target: Target | None = None,
-                 progress: bool = True) -> Path:
-    """Generate the self-distillation dataset at `out`; resumes from `out`.partial when present."""
+                 progress: bool = True, overwrite: bool = False) -> Path:
+    """Generate the self-distillation dataset at `out`; resumes from `out`.partial when present.
+
+    `out` must be new, an empty folder, or a dataset gorgon data wrote, which is replaced only
+    with `overwrite`: the output is swapped in whole, so a folder of other files is refused."""
     import datasets
     from tqdm.auto import tqdm
+
+    from gorgon.decode.acceptance import Sampling
 
     out = Path(out)
     if settings.turns not in ("first", "all"):
         raise GorgonError(f"--turns must be 'first' or 'all', not {settings.turns!r}")
     if min(settings.batch_size, settings.shard_size, settings.max_new_tokens, settings.batch_tokens) < 1:
         raise GorgonError("--batch-size, --shard-size, --batch-tokens and --max-new-tokens must be at least 1")
-    if (out / METADATA_NAME).is_file():
-        print(f"gorgon data: {out} is already complete; delete it to regenerate")
+    if settings.limit is not None and settings.limit < 1:
+        raise GorgonError(f"--limit must be at least 1, not {settings.limit}")
+    Sampling(settings.temperature, 0, settings.top_p)  # the range check of temperature and top-p
+    if is_dataset(out) and not overwrite:
+        print(f"gorgon data: {out} is already complete; pass --overwrite to regenerate it")
         return out
+    replace = check_output(out, is_dataset, overwrite)
     if settings.prompts == "self" and not settings.limit:
         raise GorgonError("--prompts self needs --limit N: how many prompts the target should write")
     template = None
@@ -272,9 +286,9 @@ def make_dataset(settings: DataSettings, out: str | os.PathLike, target: Target 
     shutil.rmtree(tmp, ignore_errors=True)
     datasets.Dataset.from_list(rows).save_to_disk(str(tmp))
     atomic_write_text(tmp / METADATA_NAME, json.dumps(metadata, indent=1) + "\n")
-    if out.exists():
+    if replace:
         shutil.rmtree(out)
-    os.replace(tmp, out)
+    os.replace(tmp, out)  # onto a missing or empty folder
     shutil.rmtree(partial)
     secs = time.perf_counter() - start
     turns = sum(sum(m["role"] == "assistant" for m in r["messages"]) for r in rows)
@@ -294,7 +308,7 @@ def parser() -> argparse.ArgumentParser:
                    "writes the prompts itself; needs --limit)")
     p.add_argument("--out", required=True, help="output dataset folder")
     p.add_argument("--target", default=None, help="hub id or path (default: the embedded SmolLM2-135M-Instruct)")
-    p.add_argument("--limit", type=int, default=None, help="use at most N prompts")
+    p.add_argument("--limit", type=int_at_least(1), default=None, help="use at most N prompts")
     p.add_argument("--max-new-tokens", type=int, default=512, help="longest answer per turn (default 512)")
     p.add_argument("--batch-size", type=int, default=16, help="prompts generated together (default 16)")
     p.add_argument("--batch-tokens", type=int, default=32768,
@@ -309,11 +323,12 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--shard-size", type=int, default=64, help="conversations per resumable shard (default 64)")
     p.add_argument("--chat-template", default=None, help="a Jinja chat template file, for tokenizers without one")
     p.add_argument("--engine", choices=["transformers", "vllm"], default="transformers")
+    p.add_argument("--overwrite", action="store_true", help="regenerate a dataset gorgon data already wrote at --out")
     return p
 
 
 def main(argv=None) -> int:
     args = vars(parser().parse_args(argv))
-    out = args.pop("out")
-    make_dataset(DataSettings(**args), out)
+    out, overwrite = args.pop("out"), args.pop("overwrite")
+    make_dataset(DataSettings(**args), out, overwrite=overwrite)
     return 0

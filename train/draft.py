@@ -64,6 +64,7 @@ class DraftTrainConfig:
     save_every: int = 100              # checkpoint every N steps (0: never)
     keep_checkpoints: int = 2
     resume: bool = False
+    overwrite: bool = False            # replace an earlier run's output folder (checkpoints included)
     seed: int = 0
     dtype: str = "auto"                # target dtype: auto = bf16 on CUDA, fp32 on CPU (the draft trains in fp32)
     draft_tokens: int = 4              # the chain length the expected tau in metrics.json assumes
@@ -79,6 +80,8 @@ class DraftTrainConfig:
                 raise GorgonError(f"{key} must lie between 0 and 1, not {getattr(self, key)}")
         if self.batch_size < 1 or self.grad_accum < 1 or self.draft_tokens < 1:
             raise GorgonError("batch_size, grad_accum and draft_tokens must be at least 1")
+        if self.max_steps is not None and self.max_steps < 0:
+            raise GorgonError(f"max_steps must be at least 0 (0 saves the untrained draft), not {self.max_steps}")
 
 
 def truncated_copy(model: torch.nn.Module, num_layers: int) -> torch.nn.Module:
@@ -275,15 +278,15 @@ def train(cfg: DraftTrainConfig) -> Path:
     from gorgon.heads.files import atomic_write_text
     from gorgon.train.card import write_draft_card
     from gorgon.train.examples import load_examples, split
-    from gorgon.train.recipe import connect_cpu_processes, full_state_dict, resume_point, wandb_offline_without_key
+    from gorgon.train.recipe import connect_cpu_processes, full_state_dict, prepare_output, wandb_offline_without_key
 
     cfg.check()
+    connect_cpu_processes()  # before anything creates accelerate's process state
     out = Path(cfg.out)
     ckpt_dir = out / "checkpoints"
-    resume_from = resume_point(latest_checkpoint(ckpt_dir), cfg.resume, out)
+    resume_from = prepare_output(out, lambda: latest_checkpoint(ckpt_dir), cfg.resume, cfg.overwrite)
     wandb_offline_without_key(cfg.report_to)
     os.environ.setdefault("WANDB_PROJECT", cfg.project)
-    connect_cpu_processes()
     state = PartialState()
     sharded = state.distributed_type == DistributedType.FSDP or os.environ.get("ACCELERATE_DEEPSPEED_ZERO_STAGE") == "3"
     if cfg.lora and sharded:

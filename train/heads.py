@@ -45,7 +45,7 @@ class HeadsTrainConfig:
     weight_decay: float = 0.0
     warmup_steps: int = 20
     epochs: float = 1.0
-    max_steps: int | None = None       # overrides epochs
+    max_steps: int | None = None       # overrides epochs; 0 saves the untrained heads
     max_grad_norm: float = 1.0
     heads_warmup_steps: int = 0        # medusa2: train the heads alone first
     base_kl_weight: float = 1.0        # medusa2: weight of the KL that keeps the target's outputs
@@ -59,6 +59,7 @@ class HeadsTrainConfig:
     save_every: int = 100              # checkpoint every N steps (0: never)
     keep_checkpoints: int = 2
     resume: bool = False
+    overwrite: bool = False            # replace an earlier run's output folder (checkpoints included)
     seed: int = 0
     dtype: str = "auto"                # target dtype: auto = bf16 on CUDA, fp32 on CPU
     tree_topk: int = 10                # ranks measured per head for the trees
@@ -76,6 +77,8 @@ class HeadsTrainConfig:
                 raise GorgonError(f"{key} must be one of {', '.join(allowed)}, not {getattr(self, key)!r}")
         if self.num_heads < 1 or self.num_layers < 1 or self.batch_size < 1 or self.grad_accum < 1:
             raise GorgonError("num_heads, num_layers, batch_size and grad_accum must be at least 1")
+        if self.max_steps is not None and self.max_steps < 0:
+            raise GorgonError(f"max_steps must be at least 0 (0 saves the untrained heads), not {self.max_steps}")
 
 
 def schedule(warmup: int, total: int, delay: int = 0):
@@ -157,12 +160,13 @@ def train(cfg: HeadsTrainConfig) -> Path:
     from gorgon.train.card import plot_head_accuracy, write_model_card
     from gorgon.train.examples import EpochSampler, RankBatches, collate, load_examples, split
     from gorgon.train.losses import HeadsObjective
-    from gorgon.train.recipe import connect_cpu_processes, full_state_dict, resume_point, wandb_offline_without_key
+    from gorgon.train.recipe import connect_cpu_processes, full_state_dict, prepare_output, wandb_offline_without_key
 
     cfg.check()
+    connect_cpu_processes()  # before anything creates accelerate's process state
     out = Path(cfg.out)
+    resume_from = prepare_output(out, lambda: latest_checkpoint(out), cfg.resume, cfg.overwrite)
     wandb_offline_without_key(cfg.report_to)
-    connect_cpu_processes()
     # Medusa-2's heads-only warmup leaves the adapters out of the loss, which DDP must be told.
     unused = DistributedDataParallelKwargs(find_unused_parameters=cfg.mode == "medusa2" and cfg.heads_warmup_steps > 0)
     # step_scheduler_with_optimizer: the schedule counts the run's optimizer steps; accelerate would
@@ -171,7 +175,6 @@ def train(cfg: HeadsTrainConfig) -> Path:
                               log_with="wandb" if cfg.report_to == "wandb" else None,
                               step_scheduler_with_optimizer=False, kwargs_handlers=[unused])
     set_seed(cfg.seed)
-    resume_from = resume_point(latest_checkpoint(out), cfg.resume, out)
     target = load_target(cfg.target, device=str(accelerator.device), dtype=cfg.dtype)
     target.model.requires_grad_(False)
     examples = load_examples(cfg.data, target.tokenizer, cfg.max_length, target.fingerprint)
@@ -205,7 +208,7 @@ def train(cfg: HeadsTrainConfig) -> Path:
     loader = torch.utils.data.DataLoader(train_ex, batch_sampler=train_batches, collate_fn=lambda b: collate(b, pad))
     eval_loader = torch.utils.data.DataLoader(eval_ex, batch_sampler=eval_batches, collate_fn=lambda b: collate(b, pad))
     steps_per_epoch = max(1, math.ceil(len(train_batches) / (cfg.grad_accum * world)))
-    total = cfg.max_steps or max(1, math.ceil(cfg.epochs * steps_per_epoch))
+    total = cfg.max_steps if cfg.max_steps is not None else max(1, math.ceil(cfg.epochs * steps_per_epoch))
     lambdas = [schedule(cfg.warmup_steps, total)] + ([schedule(cfg.warmup_steps, total, cfg.heads_warmup_steps)]
                                                      if backbone else [])
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambdas)

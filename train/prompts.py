@@ -10,7 +10,7 @@ import json
 from pathlib import Path
 
 from gorgon.heads.errors import GorgonError
-from gorgon.heads.files import looks_like_path, read_jsonl
+from gorgon.heads.files import local_path_problem, looks_like_path, not_found_locally_or_on_hub, read_jsonl, read_text
 
 SHAPES = ('MT-Bench/Spec-Bench {"turns": [...]}', 'ShareGPT {"conversations": [{"from", "value"}]}',
           'OpenAI {"messages": [{"role", "content"}]}', '{"prompt": ...}', 'Alpaca {"instruction", "input"}')
@@ -48,7 +48,7 @@ def read_records(source: str) -> list[dict]:
     if path.is_file():
         if path.suffix == ".json":
             try:
-                data = json.loads(path.read_text(encoding="utf-8"))
+                data = json.loads(read_text(path))
             except json.JSONDecodeError as err:
                 raise GorgonError(f"{source} is not valid JSON (line {err.lineno}): fix it or use .jsonl") from err
             return data if isinstance(data, list) else [data]
@@ -62,16 +62,20 @@ def read_records(source: str) -> list[dict]:
             raise GorgonError(f"{source} is a folder but not a saved `datasets` dataset: pass a .jsonl file or a "
                               "folder written by Dataset.save_to_disk") from err
         if isinstance(data, datasets.DatasetDict):
+            if not data:
+                raise GorgonError(f"{source} is a `datasets` folder with no splits: it holds no records")
             data = data["train"] if "train" in data else next(iter(data.values()))
         return list(data)
+    problem = local_path_problem(source)
+    if problem:
+        raise GorgonError(f"prompt source {problem}: pass a .jsonl/.json file or a dataset folder")
     if looks_like_path(source) or source.endswith((".json", ".jsonl")):
         raise GorgonError(f"prompt source {source} not found: pass a .jsonl/.json file, a dataset folder, "
                           "a hub dataset name, or 'self'")
     try:
         return list(datasets.load_dataset(source, split="train"))
     except Exception as err:  # the hub raises many types; all mean "not reachable or not there"
-        raise GorgonError(f"could not load hub dataset {source!r} ({err.__class__.__name__}): check the name and your "
-                          "network, or pass a local file") from err
+        raise not_found_locally_or_on_hub("dataset", source, err) from err
 
 
 def load_conversations(source: str, limit: int | None = None) -> list[dict]:

@@ -7,9 +7,11 @@ a misspelt `learning_rate` must not silently train with the default.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import difflib
 import os
+import shutil
 import sys
 import types
 import typing
@@ -17,7 +19,7 @@ from pathlib import Path
 
 import yaml
 
-from gorgon.heads.errors import GorgonError
+from gorgon.heads.errors import GorgonError, user_error_line
 
 
 def _convert(value, annotation, key: str):
@@ -108,10 +110,43 @@ def resume_point(latest: Path | None, resume: bool, out: Path) -> Path | None:
     """The checkpoint to continue from: a run's checkpoints are never trained over without --resume,
     and --resume without one is an error rather than a silent fresh start."""
     if latest is not None and not resume:
-        raise GorgonError(f"{out} already has checkpoints: pass --resume true to continue, or choose another --out")
+        raise GorgonError(f"{out} already has checkpoints: pass --resume true to continue, --overwrite true to start "
+                          "over, or choose another --out")
     if resume and latest is None:
         raise GorgonError(f"--resume: no complete checkpoint in {out / 'checkpoints'}: run without --resume to start")
     return latest
+
+
+RUN_MARKER = ".gorgon-run"  # written into a training --out when the run starts: this folder is gorgon's
+
+
+def prepare_output(out: Path, latest_checkpoint, resume: bool, overwrite: bool) -> Path | None:
+    """Check a training script's --out before any work; returns the checkpoint to resume from.
+
+    A run's own folder (its marker or recipe.json in it) is continued with --resume, or replaced
+    whole with --overwrite, so no stale file (an old bench report) stays beside new weights; an
+    unfinished run with no complete checkpoint starts over. A file, an unwritable place or a
+    non-empty folder of other files is refused. The main process goes first and alone changes
+    the folder; the others then find it prepared."""
+    from accelerate import PartialState
+
+    from gorgon.heads.files import atomic_write_text, check_output
+
+    state = PartialState()
+    with state.main_process_first():
+        if resume or not overwrite:
+            latest = resume_point(latest_checkpoint(), resume, out)
+            if latest is not None:
+                return latest
+        if not state.is_main_process:
+            return None
+        finished = (out / "recipe.json").is_file()
+        ours = finished or (out / RUN_MARKER).is_file()
+        if check_output(out, lambda _: ours, overwrite or (ours and not finished)):
+            shutil.rmtree(out)
+            out.mkdir()
+        atomic_write_text(out / RUN_MARKER, "")
+    return None
 
 
 def wandb_offline_without_key(report_to: str) -> None:
@@ -166,14 +201,37 @@ def recipe_main(cls, train, doc: str, argv: list[str] | None = None) -> int:
         print_settings(cls)
         return 0
     overrides = parse_overrides(argv)
-    train(load_recipe(cls, overrides.pop("config", None), overrides))
+    cfg = load_recipe(cls, overrides.pop("config", None), overrides)
+    with full_disk_is_one_line(Path(cfg.out)):
+        train(cfg)
     return 0
 
 
+@contextlib.contextmanager
+def full_disk_is_one_line(out: Path, least_free: int = 16 * 2**20):
+    """A write that fails on a full disk becomes one line. torch and safetensors report a full disk in
+    their own words (a RuntimeError at a checkpoint), not as an OSError, so the free space is checked."""
+    try:
+        yield
+    except Exception as err:
+        if user_error_line(err) is not None:
+            raise
+        folder = next(p for p in [out, *out.absolute().parents] if p.exists())
+        free = shutil.disk_usage(folder).free
+        if free >= least_free:
+            raise
+        raise GorgonError(f"the disk holding {out} is full ({free // 2**20} MiB free; {err.__class__.__name__} while "
+                          "writing): free some space, then rerun (--resume true if a checkpoint was saved)") from err
+
+
 def run_script(main, name: str) -> None:
-    """`python train/NAME.py` and `accelerate launch train/NAME.py`: bad input exits 2 with one line."""
+    """`python train/NAME.py` and `accelerate launch -q train/NAME.py`: bad input, or a full or read-only
+    disk, exits 2 with one line (accelerate adds its own traceback unless launched with -q)."""
     try:
         sys.exit(main())
-    except GorgonError as err:
-        print(f"{name}: error: {err}", file=sys.stderr)
+    except Exception as err:
+        line = user_error_line(err)
+        if line is None:
+            raise
+        print(f"{name}: error: {line}", file=sys.stderr)
         sys.exit(2)

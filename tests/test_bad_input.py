@@ -1,0 +1,250 @@
+"""Bad input against every command (issue 15): nothing lost, nothing silently wrong, one line per error."""
+
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import tiny_chat_target, tiny_model
+from test_bench import QUESTIONS
+from test_train import ROOT, env, toy_data
+
+import gorgon.train.recipe as recipe
+from gorgon.decode import HeadsDrafter, Sampling
+from gorgon.decode.bench import load_questions, run_bench
+from gorgon.decode.drafters import DraftModelDrafter
+from gorgon.decode.tree import build_tree, tree_from_accuracies
+from gorgon.heads import GorgonError, MedusaHeads, load_target
+from gorgon.heads.cli import main as gorgon
+from gorgon.heads.files import atomic_write_text, check_output
+from gorgon.heads.target import resolve_device
+from gorgon.train.data import DataSettings, make_dataset
+from gorgon.train.heads import HeadsTrainConfig, train
+from gorgon.train.prompts import load_conversations, read_records
+from gorgon.train.recipe import run_script
+
+
+def snapshot(folder: Path) -> dict:
+    return {p.relative_to(folder): p.read_bytes() for p in folder.rglob("*") if p.is_file()}
+
+
+def foreign_folder(path: Path) -> Path:
+    (path / "sub").mkdir(parents=True)
+    (path / "precious.txt").write_text("mine")
+    (path / "sub" / "notes.md").write_text("also mine")
+    return path
+
+
+def saved_heads(tmp_path) -> Path:
+    folder = tmp_path / "heads"
+    MedusaHeads.for_target(tiny_model(), shared_lm_head=False).save_pretrained(folder)
+    return folder
+
+
+def test_every_command_leaves_a_foreign_out_folder_alone(tmp_path, capsys):
+    """Each command with --out, given a folder of someone else's files, refuses before any work."""
+    questions = tmp_path / "q.jsonl"
+    questions.write_text("".join(json.dumps(q) + "\n" for q in QUESTIONS))
+    heads = saved_heads(tmp_path)
+    commands = {
+        "data": ["data", "--prompts", str(questions), "--limit", "2", "--max-new-tokens", "4"],
+        "train": ["train", "--data", str(questions), "--report-to", "none"],
+        "draft": ["draft", "--data", str(questions), "--report-to", "none"],
+        "export": ["export", "--heads", str(heads), "--format", "vllm"],
+        "bench": ["bench", "--heads", str(heads), "--questions", str(questions)],
+    }
+    for name, argv in commands.items():
+        folder = foreign_folder(tmp_path / f"victim-{name}")
+        before = snapshot(folder)
+        assert gorgon(argv + ["--out", str(folder)]) == 2, name
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith(f"gorgon {name}: error: --out {folder}"), (name, err)
+        assert snapshot(folder) == before, name
+    # bench writes a file: an existing file it did not write is refused too, and kept.
+    foreign = tmp_path / "victim-bench" / "precious.txt"
+    assert gorgon(commands["bench"] + ["--out", str(foreign), "--overwrite"]) == 2
+    assert "gorgon did not write" in capsys.readouterr().err and foreign.read_text() == "mine"
+
+
+def test_data_refuses_a_foreign_folder_and_replaces_its_own_only_when_asked(tmp_path):
+    target = str(tiny_chat_target(tmp_path))
+    prompts = toy_data(tmp_path / "toy.jsonl", n=2)
+    victim = foreign_folder(tmp_path / "victim")
+    settings = DataSettings(prompts=prompts, target=target, max_new_tokens=4)
+    with pytest.raises(GorgonError, match="already holds files gorgon did not write"):
+        make_dataset(settings, victim, progress=False, overwrite=True)
+    assert (victim / "precious.txt").read_text() == "mine"
+    out = make_dataset(settings, tmp_path / "data", progress=False)
+    (out / "gorgon_data.json").write_text((out / "gorgon_data.json").read_text().replace("{", '{"mark": 1, ', 1))
+    make_dataset(settings, out, progress=False)  # already complete: left as is
+    assert "mark" in json.loads((out / "gorgon_data.json").read_text())
+    make_dataset(settings, out, progress=False, overwrite=True)  # replaced whole
+    assert "mark" not in json.loads((out / "gorgon_data.json").read_text())
+
+
+def test_outputs_are_checked_before_the_work(tmp_path, capsys):
+    heads = saved_heads(tmp_path)
+    a_file = tmp_path / "a-file"
+    a_file.write_text("x")
+    with pytest.raises(GorgonError, match="is a file: pass a folder path"):  # before any target is loaded
+        train(HeadsTrainConfig(data="nowhere", out=str(a_file), target="nowhere", report_to="none"))
+    questions = tmp_path / "q.jsonl"
+    questions.write_text(json.dumps(QUESTIONS[0]) + "\n")
+    assert gorgon(["bench", "--heads", "nowhere/x/y", "--questions", str(questions), "--out", str(tmp_path)]) == 2
+    assert "is a folder: pass a file path" in capsys.readouterr().err
+    fingerprint = (heads / "config.json").read_bytes()
+    assert gorgon(["export", "--heads", str(heads), "--format", "vllm", "--out", str(heads), "--overwrite"]) == 2
+    assert "is the heads folder itself" in capsys.readouterr().err
+    assert (heads / "config.json").read_bytes() == fingerprint
+
+
+def test_training_over_a_finished_run_needs_overwrite_and_leaves_nothing_stale(tmp_path):
+    target = str(tiny_chat_target(tmp_path))
+    data = toy_data(tmp_path / "toy.jsonl", n=8)
+    cfg = dict(data=data, out=str(tmp_path / "run"), target=target, max_steps=1, report_to="none", save_every=0)
+    out = train(HeadsTrainConfig(**cfg))
+    (out / "bench.json").write_text("{}")  # a report of the old heads
+    with pytest.raises(GorgonError, match="holds earlier gorgon output: pass --overwrite"):
+        train(HeadsTrainConfig(**cfg))
+    train(HeadsTrainConfig(**cfg, overwrite=True))
+    assert (out / "model.safetensors").is_file() and not (out / "bench.json").exists()
+
+
+def test_training_step_counts(tmp_path):
+    with pytest.raises(GorgonError, match="max_steps must be at least 0"):
+        HeadsTrainConfig(data="x", out="y", max_steps=-1).check()
+    target = str(tiny_chat_target(tmp_path))
+    out = train(HeadsTrainConfig(data=toy_data(tmp_path / "toy.jsonl", n=8), out=str(tmp_path / "run"), target=target,
+                                 max_steps=0, report_to="none"))
+    assert json.loads((out / "metrics.json").read_text())["steps"] == 0
+
+
+def test_bench_counts_only_the_questions_it_ran(tmp_path):
+    target = load_target(str(tiny_chat_target(tmp_path)), device="cpu")  # context 512, one token per character
+    drafter = HeadsDrafter(MedusaHeads.for_target(target.model), tree=[[0], [1], [0, 0]])
+    too_long = {"question_id": 99, "category": "roleplay", "turns": ["x" * 600]}
+    report = run_bench(target, drafter, [QUESTIONS[0], too_long], max_new_tokens=8, progress=False)
+    assert report["prompts"] == 1 and report["identical"] == 1 and "roleplay" not in report["per_category"]
+    assert report["speedup"] > 0 and report["speedup_median"] == report["questions"][0]["speedup"]
+    assert [q["question_id"] for q in report["skipped"]] == [99]
+    assert "exceeds the context" in report["skipped"][0]["reason"]
+    with pytest.raises(GorgonError, match="no question fits the context"):
+        run_bench(target, drafter, [too_long], max_new_tokens=8, progress=False)
+    questions = tmp_path / "q.jsonl"
+    questions.write_text(json.dumps(QUESTIONS[0]) + "\n")
+    with pytest.raises(GorgonError, match="--limit must be at least 1"):
+        load_questions(str(questions), limit=0)
+    with pytest.raises(GorgonError, match="--limit must be at least 1"):
+        make_dataset(DataSettings(prompts=str(questions), limit=0), tmp_path / "data", progress=False)
+
+
+def test_arguments_are_range_checked(tmp_path, capsys):
+    for bad, match in [(dict(temperature=-1), "temperature"), (dict(temperature=math.nan), "temperature"),
+                       (dict(temperature=1, top_k=-1), "top-k"), (dict(temperature=1, top_p=2), "top-p"),
+                       (dict(temperature=1, top_k=1.5), "top-k")]:
+        with pytest.raises(GorgonError, match=match):
+            Sampling(**bad)
+    with pytest.raises(GorgonError, match="unknown device 'tpu9'"):
+        resolve_device("tpu9")
+    if not torch.cuda.is_available():
+        with pytest.raises(GorgonError, match="device 'cuda' is not available"):
+            resolve_device("cuda")
+    with pytest.raises(GorgonError, match="whole numbers >= 0.*not 1.5"):
+        build_tree([[0], [1.5]])
+    with pytest.raises(GorgonError, match="from 2 .* to 256, not 10000"):
+        tree_from_accuracies([[0.5, 0.1]], 10000)
+    heads = MedusaHeads.for_target(tiny_model(), num_heads=2)  # a vocabulary of 64
+    with pytest.raises(GorgonError, match="asks for rank 64 but the heads draft from 64 tokens"):
+        HeadsDrafter(heads, tree=[[0], [64]])
+    with pytest.raises(GorgonError, match="1 to 64 tokens per step, not 100000"):
+        DraftModelDrafter(tiny_model(), 100000)
+    # On the command line the same checks fail at once, before any model is loaded.
+    assert gorgon(["generate", "--heads", "nowhere", "--prompt", "hi", "--temperature", "-1"]) == 2
+    assert capsys.readouterr().err.strip() == ("gorgon generate: error: temperature must be a finite number >= 0 "
+                                               "(0 is greedy), not -1.0")
+    assert gorgon(["generate", "--draft", "nowhere", "--prompt", "hi", "--tree", "8"]) == 2
+    assert "--tree applies to --heads only" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        gorgon(["bench", "--heads", "x", "--questions", "q", "--limit", "0"])
+    assert "--limit: must be at least 1, not 0" in capsys.readouterr().err
+
+
+def test_written_files_follow_the_umask(tmp_path):
+    old = os.umask(0o022)
+    try:
+        atomic_write_text(tmp_path / "a.json", "{}")
+        MedusaHeads.for_target(tiny_model()).save_pretrained(tmp_path / "heads")
+    finally:
+        os.umask(old)
+    for path in [tmp_path / "a.json", tmp_path / "heads" / "config.json", tmp_path / "heads" / "model.safetensors"]:
+        assert path.stat().st_mode & 0o777 == 0o644, path
+
+
+def test_one_line_errors_instead_of_tracebacks(tmp_path, capsys):
+    binary = tmp_path / "prompts.jsonl"
+    binary.write_bytes(b"\x89PNG\r\n\x1a\n\xff\xfe")
+    with pytest.raises(GorgonError, match="is not UTF-8 text"):
+        load_conversations(str(binary))
+    with pytest.raises(GorgonError, match="is not UTF-8 text"):
+        load_questions(str(binary))
+    heads = saved_heads(tmp_path)
+    (heads / "trees.json").write_text('{"cpu": [[0], ')
+    with pytest.raises(GorgonError, match="trees.json is not valid JSON"):
+        MedusaHeads.from_pretrained(heads)
+    (heads / "trees.json").write_text('{"cpu": 3}')
+    with pytest.raises(GorgonError, match="trees.json must map"):
+        MedusaHeads.from_pretrained(heads)
+    import datasets
+
+    datasets.DatasetDict().save_to_disk(str(tmp_path / "empty-dataset"))
+    with pytest.raises(GorgonError, match="no splits"):
+        read_records(str(tmp_path / "empty-dataset"))
+    with pytest.raises(GorgonError, match="cannot write to /proc/gorgon"):
+        check_output(Path("/proc/gorgon/out"), lambda o: False, False)
+    loop = tmp_path / "loop"
+    loop.symlink_to(loop)
+    target = str(tiny_chat_target(tmp_path))
+    capsys.readouterr()
+    for argv in (["generate", "--heads", str(loop), "--prompt", "hi"], ["generate", "--target", str(loop), "--draft",
+                 target, "--prompt", "hi"], ["generate", "--target", target, "--draft", str(loop), "--prompt", "hi"],
+                 ["train", "--data", str(loop), "--out", str(tmp_path / "o"), "--target", target,
+                  "--report-to", "none"]):
+        assert gorgon(argv) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert f"{loop} is a symlink loop" in err[-1] and not any("Traceback" in line for line in err), err
+    with pytest.raises(GorgonError, match="no dataset 'runs/missing': no local folder by that name, and the local hub "
+                                          r"cache \(HF_HUB_OFFLINE is set\)"):
+        read_records("runs/missing")
+
+
+def test_a_full_disk_is_one_line(tmp_path, capsys, monkeypatch):
+    def full():
+        raise OSError(28, "No space left on device", "out/checkpoints/step-5")
+
+    def checkpoint_on_a_full_disk(cfg):
+        raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 576 vs 534")  # torch.save's way
+
+    monkeypatch.setattr(recipe.shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(10**9, 10**9, 4096))
+    with pytest.raises(GorgonError, match="the disk holding .*run is full .*RuntimeError while writing"):
+        recipe.recipe_main(HeadsTrainConfig, checkpoint_on_a_full_disk, "", ["--data", "x", "--out",
+                                                                               str(tmp_path / "run")])
+
+    with pytest.raises(SystemExit) as exit_:
+        run_script(full, "train/heads.py")
+    assert exit_.value.code == 2
+    assert capsys.readouterr().err == ("train/heads.py: error: cannot write out/checkpoints/step-5 (No space left on "
+                                       "device): free some space\n")
+
+
+def test_accelerate_launch_quiet_prints_the_message_alone(tmp_path):
+    run = subprocess.run(
+        [sys.executable, "-m", "accelerate.commands.launch", "-q", "--config_file",
+         str(ROOT / "configs/accelerate/cpu.yaml"), str(ROOT / "train/heads.py"), "--data", "x", "--out", "y",
+         "--max-steps", "-1"], env=env(), capture_output=True, text=True, cwd=tmp_path)
+    assert run.returncode != 0
+    assert run.stderr == "train/heads.py: error: max_steps must be at least 0 (0 saves the untrained heads), not -1\n"
