@@ -129,10 +129,13 @@ def prepare_output(out: Path, latest_checkpoint, resume: bool, overwrite: bool) 
     non-empty folder of other files is refused. The main process goes first and alone changes
     the folder; the others then find it prepared."""
     from accelerate import PartialState
+    from accelerate.utils import parse_flag_from_env
 
     from gorgon.heads.files import atomic_write_text, check_output
 
-    state = PartialState()
+    # The process state is made here, before the Accelerator: it must connect CPU processes as
+    # the Accelerator would (connect_cpu_processes sets the flag; only AcceleratorState reads it).
+    state = PartialState(cpu=parse_flag_from_env("ACCELERATE_USE_CPU"))
     with state.main_process_first():
         if resume or not overwrite:
             latest = resume_point(latest_checkpoint(), resume, out)
