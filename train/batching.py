@@ -6,7 +6,9 @@ but it was about 25x slower than plain `generate` on a tiny model (5 prompts, 40
 for accelerators. This loop keeps the model's own forward and a `DynamicCache()`; the only
 thing it does to the cache is move whole rows: rows are dropped when they finish,
 and newly prefilled rows are left-padded to the batch's width and appended. Padding is masked
-and each row gets its own `position_ids`, so a row's logits are those of the prompt alone.
+and each row gets its own `position_ids`, so a row's logits are those of the prompt alone. The cache
+is built without the config, so sliding-window layers keep every token and the model's mask
+applies the window (tested on Mistral, Gemma 2 and Gemma 3).
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ def continuous_generate(model, prompts: list[list[int]], *, max_new_tokens: int,
     """Completions (EOS dropped) for token-id prompts, in the given order.
 
     At most `batch_size` rows run at once, and at most `batch_tokens` cache slots (rows x width);
-    whenever rows finish, the longest-waiting prompts (taken shortest first) are prefilled together
+    whenever rows finish, waiting prompts (shortest first) are prefilled together
     and join. Sampling uses torch's global generator: seed it before calling for reproducible output.
     `on_done(n_prompts, n_tokens)` is called after each step in which rows finished.
     """
