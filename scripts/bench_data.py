@@ -1,9 +1,12 @@
-"""Batched self-distillation throughput against single-stream generation, in one process.
+"""Continuously batched self-distillation throughput against single-stream `generate`, in one run.
 
-    OMP_NUM_THREADS=1 python scripts/bench_data.py --prompts ../shared/data/mt_bench.jsonl
+    OMP_NUM_THREADS=1 python scripts/bench_data.py --prompts ../shared/data/mt_bench.jsonl \
+        --limit 64 --batch-size 32 --max-new-tokens 256 --single-limit 4
 
-The same prompts and settings go through `gorgon data`'s engine with batch size 1 and with
---batch-size B; each prints generated tokens/s and the ratio. Greedy, so both do the same work.
+The batched side is `gorgon data`'s engine over all prompts; the single-stream side is plain
+greedy `model.generate` on the first --single-limit prompts, one at a time. The two alternate for
+--rounds rounds so a noisy neighbour slows both alike; each side's tokens/s is its total tokens
+over its total time. The single-stream answers must equal the batched ones (exact greedy).
 """
 
 import argparse
@@ -24,24 +27,45 @@ def main():
     p.add_argument("--limit", type=int, default=32)
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--max-new-tokens", type=int, default=64)
-    p.add_argument("--single-limit", type=int, default=8, help="prompts for the (slow) single-stream run")
+    p.add_argument("--max-prompt-tokens", type=int, default=None, help="leave out longer prompts")
+    p.add_argument("--single-limit", type=int, default=4, help="prompts for the (slow) single-stream side")
+    p.add_argument("--rounds", type=int, default=1)
     args = p.parse_args()
     target = load_target(args.target)
     convs = load_conversations(args.prompts, args.limit)
     prompts = [chat_ids(target.tokenizer, [{"role": "user", "content": c["turns"][0]}], None) for c in convs]
-    results = {}
-    for name, bs, subset in [("single", 1, prompts[: args.single_limit]), ("batched", args.batch_size, prompts)]:
-        engine = Engine(target, DataSettings(prompts=args.prompts, batch_size=bs, max_new_tokens=args.max_new_tokens))
-        engine.generate(subset[:1], seed=0)  # warm-up
+    prompts = [q for q in prompts if not args.max_prompt_tokens or len(q) <= args.max_prompt_tokens]
+    engine = Engine(target, DataSettings(prompts=args.prompts, batch_size=args.batch_size,
+                                         max_new_tokens=args.max_new_tokens))
+
+    def single(prompt):
+        with torch.inference_mode():
+            out = target.model.generate(torch.tensor([prompt]), max_new_tokens=args.max_new_tokens, do_sample=False,
+                                        pad_token_id=engine.pad)[0, len(prompt):].tolist()
+        return out[:next((j for j, t in enumerate(out) if t in engine.eos), len(out))]
+
+    single(prompts[0][:8])  # warm-up
+    totals = {"batched": [0, 0.0], "single": [0, 0.0]}
+    mismatches = 0
+    for _ in range(args.rounds):
         start = time.perf_counter()
-        tokens = sum(map(len, engine.generate(subset, seed=0)))
-        secs = time.perf_counter() - start
-        results[name] = {"prompts": len(subset), "batch_size": bs, "tokens": tokens, "seconds": round(secs, 2),
-                         "tokens_per_s": round(tokens / secs, 2)}
-        print(name, results[name], flush=True)
-    results["ratio"] = round(results["batched"]["tokens_per_s"] / results["single"]["tokens_per_s"], 2)
-    results["threads"] = torch.get_num_threads()
-    print(json.dumps(results))
+        batched = engine.generate(prompts, seed=0)
+        totals["batched"][0] += sum(map(len, batched))
+        totals["batched"][1] += time.perf_counter() - start
+        for prompt, answer in zip(prompts[: args.single_limit], batched):
+            start = time.perf_counter()
+            alone = single(prompt)
+            totals["single"][1] += time.perf_counter() - start
+            totals["single"][0] += len(alone)
+            mismatches += alone != answer
+        print({k: round(t / s, 2) for k, (t, s) in totals.items()}, flush=True)
+    rates = {k: t / s for k, (t, s) in totals.items()}
+    print(json.dumps({
+        "prompts": len(prompts), "single_prompts": min(args.single_limit, len(prompts)), "rounds": args.rounds,
+        "batch_size": args.batch_size, "max_new_tokens": args.max_new_tokens, "threads": torch.get_num_threads(),
+        "batched_tokens_per_s": round(rates["batched"], 2), "single_tokens_per_s": round(rates["single"], 2),
+        "ratio": round(rates["batched"] / rates["single"], 2), "batched_seconds": round(totals["batched"][1], 1),
+        "single_answers_differing_from_batched": mismatches}))
 
 
 if __name__ == "__main__":

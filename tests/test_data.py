@@ -9,9 +9,11 @@ import time
 
 import datasets
 import pytest
-from conftest import needs_embedded, tiny_chat_target
+import torch
+from conftest import ARCHS, VOCAB, needs_embedded, tiny_chat_target, tiny_model
 
 from gorgon.heads import GorgonError
+from gorgon.train.batching import continuous_generate
 from gorgon.train.data import METADATA_NAME, DataSettings, make_dataset
 from gorgon.train.prompts import load_conversations
 
@@ -107,13 +109,41 @@ def test_prompts_longer_than_the_context_are_skipped_and_counted(tmp_path):
     assert json.loads((capped / METADATA_NAME).read_text())["skipped_turns_too_long"] == 1
 
 
-def test_batches_respect_size_and_token_budget():
-    from gorgon.train.data import length_batches
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("batch_size,batch_tokens", [(3, 10**6), (16, 10**6), (8, 400)])
+def test_continuous_batching_equals_generate_alone(arch, batch_size, batch_tokens):
+    """Rows of very different prompt and answer lengths join and leave; each greedy answer is what
+    `generate` gives for its prompt alone (fp32). Tokens 5-8 end a row, so answers end early."""
+    model = tiny_model(arch)
+    eos = set(range(5, 9))
+    gen = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(30, VOCAB, (n,), generator=gen).tolist() for n in (3, 150, 1, 60, 7, 200, 20, 2, 90, 33)]
+    expected = []
+    for p in prompts:
+        tokens = model.generate(torch.tensor([p]), max_new_tokens=40, do_sample=False, eos_token_id=sorted(eos),
+                                pad_token_id=0)[0, len(p):].tolist()
+        expected.append(tokens[:next((j for j, t in enumerate(tokens) if t in eos), len(tokens))])
+    lengths = sorted({len(e) for e in expected})
+    assert len(lengths) >= 3 and lengths[-1] == 40, lengths  # the test needs short, long and cut-off rows
+    finished = []
+    with torch.inference_mode():
+        got = continuous_generate(model, prompts, max_new_tokens=40, eos=eos, pad=0, batch_size=batch_size,
+                                  batch_tokens=batch_tokens, on_done=lambda n, t: finished.append((n, t)))
+    assert got == expected
+    assert sum(n for n, _ in finished) == len(prompts) and sum(t for _, t in finished) == sum(map(len, got))
 
-    lengths = [80, 10, 40, 10, 10, 10]
-    # sorted: 1, 3, 4, 5 (10), 2 (40), 0 (80); three at most; [5, 2] pads to 2 x 50 = 100, within budget
-    assert list(length_batches(lengths, 10, batch_size=3, batch_tokens=100)) == [[1, 3, 4], [5, 2], [0]]
 
+def test_sampled_continuous_batching_is_seeded():
+    model = tiny_model()
+    prompts = [[40 + i] * (1 + 7 * i) for i in range(6)]
+
+    def run(seed):
+        torch.manual_seed(seed)
+        return continuous_generate(model, prompts, max_new_tokens=12, eos=set(), pad=0, batch_size=4,
+                                   batch_tokens=10**6, temperature=1.0, top_p=0.9)
+
+    assert run(0) == run(0) != run(1)
+    assert all(len(r) == 12 for r in run(0))
 
 
 def test_no_chat_template_is_a_clear_error(tmp_path):

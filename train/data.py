@@ -25,6 +25,7 @@ from gorgon.heads.errors import GorgonError, int_at_least
 from gorgon.heads.files import atomic_write_text, check_output, read_jsonl
 from gorgon.heads.target import Target, load_target
 
+from .batching import continuous_generate
 from .prompts import load_conversations, user_prefix
 
 METADATA_NAME = "gorgon_data.json"
@@ -50,23 +51,8 @@ class DataSettings:
     engine: str = "transformers"  # transformers | vllm
 
 
-def length_batches(lengths: list[int], max_new_tokens: int, batch_size: int, batch_tokens: int):
-    """Prompt indices sorted by length, cut into batches of at most `batch_size` prompts and at
-    most `batch_tokens` padded tokens (prompt + answer), so a few long prompts do not pad a
-    whole batch of short ones to their length."""
-    batch: list[int] = []
-    for i in sorted(range(len(lengths)), key=lambda i: lengths[i]):
-        padded = (len(batch) + 1) * (lengths[i] + max_new_tokens)  # i is the longest so far
-        if batch and (len(batch) >= batch_size or padded > batch_tokens):
-            yield batch
-            batch = []
-        batch.append(i)
-    if batch:
-        yield batch
-
-
 class Engine:
-    """Batched generation with transformers: left padding, length-sorted batches."""
+    """Generation with transformers, continuously batched (train/batching.py)."""
 
     def __init__(self, target: Target, settings: DataSettings):
         self.model, self.tok, self.s = target.model, target.tokenizer, settings
@@ -77,33 +63,22 @@ class Engine:
     def generate(self, prompts: list[list[int]], seed: int, on_batch=None, temperature: float | None = None,
                  max_new_tokens: int | None = None) -> list[list[int]]:
         """Completions (EOS dropped) for token-id prompts, in the given order."""
-        temperature = self.s.temperature if temperature is None else temperature
-        max_new_tokens = max_new_tokens or self.s.max_new_tokens
-        out: list[list[int]] = [[] for _ in prompts]
         torch.manual_seed(seed)
-        for idx in length_batches([len(p) for p in prompts], max_new_tokens, self.s.batch_size, self.s.batch_tokens):
-            width = max(len(prompts[i]) for i in idx)
-            ids = torch.full((len(idx), width), self.pad, dtype=torch.long)
-            mask = torch.zeros_like(ids)
-            for row, i in enumerate(idx):
-                ids[row, width - len(prompts[i]):] = torch.tensor(prompts[i])
-                mask[row, width - len(prompts[i]):] = 1
-            kwargs = dict(do_sample=True, temperature=temperature, top_p=self.s.top_p, top_k=None) \
-                if temperature > 0 else dict(do_sample=False)
-            with torch.inference_mode():
-                gen = self.model.generate(ids.to(self.model.device), attention_mask=mask.to(self.model.device),
-                                          max_new_tokens=max_new_tokens, pad_token_id=self.pad, **kwargs)
-            for row, i in enumerate(idx):
-                tokens = gen[row, width:].tolist()
-                cut = next((j for j, t in enumerate(tokens) if t in self.eos), len(tokens))
-                out[i] = tokens[:cut]
-            if on_batch:
-                on_batch(len(idx), sum(len(out[i]) for i in idx))
-        return out
+        with torch.inference_mode():
+            return continuous_generate(
+                self.model, prompts, max_new_tokens=max_new_tokens or self.s.max_new_tokens, eos=self.eos,
+                pad=self.pad, batch_size=self.s.batch_size, batch_tokens=self.s.batch_tokens,
+                temperature=self.s.temperature if temperature is None else temperature, top_p=self.s.top_p,
+                on_done=on_batch)
 
 
 class VllmEngine(Engine):
-    """The same contract through vLLM, when it is installed (much faster on a GPU)."""
+    """The same contract through vLLM (never run: vLLM is not installable where gorgon is built).
+
+    Prompts, settings, shards and resume are shared with `Engine`; only `generate` differs.
+    vLLM loads the weights itself, so once the fingerprint is taken the transformers copy is
+    moved to the meta device (its config stays, its memory goes): one copy of the target.
+    """
 
     def __init__(self, target: Target, settings: DataSettings):
         try:
@@ -111,7 +86,10 @@ class VllmEngine(Engine):
         except ImportError as err:
             raise GorgonError("--engine vllm needs vLLM: `pip install vllm`, or use --engine transformers") from err
         super().__init__(target, settings)
-        self.llm = vllm.LLM(model=target.model.name_or_path, seed=settings.seed)
+        target.fingerprint  # noqa: B018 -- computed from the weights before they are released
+        source = target.model.name_or_path
+        target.model.to("meta")
+        self.llm = vllm.LLM(model=source, seed=settings.seed)
         self.vllm = vllm
 
     def generate(self, prompts, seed, on_batch=None, temperature=None, max_new_tokens=None):
@@ -310,9 +288,11 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--target", default=None, help="hub id or path (default: the embedded SmolLM2-135M-Instruct)")
     p.add_argument("--limit", type=int_at_least(1), default=None, help="use at most N prompts")
     p.add_argument("--max-new-tokens", type=int, default=512, help="longest answer per turn (default 512)")
-    p.add_argument("--batch-size", type=int, default=16, help="prompts generated together (default 16)")
+    p.add_argument("--batch-size", type=int, default=16,
+                   help="rows generated together (default 16); a finished row is replaced by a waiting prompt")
     p.add_argument("--batch-tokens", type=int, default=32768,
-                   help="most padded tokens (prompt + answer) in one batch, so long prompts go in smaller batches")
+                   help="most cache slots (rows x (longest prompt + answer)) in the batch, so long prompts run "
+                        "with fewer rows")
     p.add_argument("--max-prompt-tokens", type=int, default=None,
                    help="skip prompts longer than this (and count them): match your training max_length")
     p.add_argument("--temperature", type=float, default=0.0, help="0 (default) is greedy")
@@ -322,7 +302,9 @@ def parser() -> argparse.ArgumentParser:
                    help="answer the first user turn only, or every turn with the target's own earlier answers")
     p.add_argument("--shard-size", type=int, default=64, help="conversations per resumable shard (default 64)")
     p.add_argument("--chat-template", default=None, help="a Jinja chat template file, for tokenizers without one")
-    p.add_argument("--engine", choices=["transformers", "vllm"], default="transformers")
+    p.add_argument("--engine", choices=["transformers", "vllm"], default="transformers",
+                   help="transformers (default; continuous batching) or vllm (a GPU path that has never run: vLLM "
+                        "was not installable where gorgon is built)")
     p.add_argument("--overwrite", action="store_true", help="regenerate a dataset gorgon data already wrote at --out")
     return p
 
