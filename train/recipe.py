@@ -205,9 +205,25 @@ def recipe_main(cls, train, doc: str, argv: list[str] | None = None) -> int:
         return 0
     overrides = parse_overrides(argv)
     cfg = load_recipe(cls, overrides.pop("config", None), overrides)
-    with full_disk_is_one_line(Path(cfg.out)):
+    out = Path(cfg.out)
+    with full_disk_is_one_line(out), no_empty_output_left(out):
         train(cfg)
     return 0
+
+
+@contextlib.contextmanager
+def no_empty_output_left(out: Path):
+    """A run that fails before writing anything (bad data, too many processes) removes the --out folder it
+    made, so a failed command leaves nothing behind. A folder that existed before, or holds more than the
+    run marker, is left as it is."""
+    existed = os.path.lexists(out)
+    try:
+        yield
+    except BaseException:
+        with contextlib.suppress(OSError):
+            if not existed and out.is_dir() and {p.name for p in out.iterdir()} <= {RUN_MARKER}:
+                shutil.rmtree(out)
+        raise
 
 
 @contextlib.contextmanager
