@@ -1,12 +1,11 @@
 """Speculative decoding with a tree of candidates verified in one target forward.
 
-Importing this package pulls in torch and transformers only (no trl, datasets, peft, wandb).
+Method-agnostic: it knows drafters only through the interface in `gorgon.heads.drafter`
+(the methods themselves live in gorgon.heads). Importing this package pulls in torch and
+transformers only (no trl, datasets, peft, wandb).
 """
 
 from .acceptance import Sampling
-from .drafters import Drafter, DraftModelDrafter, HeadsDrafter
 from .generate import GenerationResult, speculative_generate
-from .tree import Tree, build_tree, default_tree, tree_from_accuracies
 
-__all__ = ["DraftModelDrafter", "Drafter", "GenerationResult", "HeadsDrafter", "Sampling", "Tree", "build_tree",
-           "default_tree", "speculative_generate", "tree_from_accuracies"]
+__all__ = ["GenerationResult", "Sampling", "speculative_generate"]

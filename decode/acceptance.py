@@ -20,8 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from gorgon.heads.errors import GorgonError
-
-from .tree import Tree
+from gorgon.heads.tree import Tree
 
 
 @dataclass(frozen=True)

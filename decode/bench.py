@@ -18,13 +18,16 @@ from pathlib import Path
 
 import torch
 
+from gorgon.heads.card import refresh_model_card
 from gorgon.heads.errors import GorgonError, int_at_least
 from gorgon.heads.files import atomic_write_text, check_output, read_jsonl
+from gorgon.heads.target import load_causal_lm
 
 from .acceptance import Sampling
 from .calibrate import cpu_flags, cpu_name
 from .generate import GenerationResult, speculative_generate
 from .kernels import kernels_in_use, one_row_kernel, stock_kernels
+from .options import add_model_arguments, load_drafter, read_tree
 
 BASELINES = ("generate", "prompt-lookup")
 
@@ -286,8 +289,6 @@ def is_report(path: Path) -> bool:
 
 
 def parser() -> argparse.ArgumentParser:
-    from .cli import add_model_arguments
-
     p = argparse.ArgumentParser(
         prog="gorgon bench",
         description="Measure gorgon against plain `generate` on MT-Bench-style questions, interleaved in one "
@@ -308,8 +309,6 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
-    from .cli import load_drafter, read_tree
-
     args = parser().parse_args(argv)
     baselines = tuple(b.strip() for b in args.baselines.split(",") if b.strip())
     unknown = [b for b in baselines if b not in BASELINES]
@@ -324,9 +323,7 @@ def main(argv=None) -> int:
     target, drafter = load_drafter(args, read_tree(args.tree))
     assistant = None
     if args.assistant:
-        from transformers import AutoModelForCausalLM
-
-        assistant = AutoModelForCausalLM.from_pretrained(args.assistant, dtype=target.model.dtype)
+        assistant, _ = load_causal_lm(args.assistant, "assistant model", dtype=target.model.dtype, tokenizer="none")
         assistant.to(target.model.device)
     seed = 0 if args.seed is None else args.seed  # reproducible unless asked otherwise
     report = run_bench(target, drafter, questions, args.max_new_tokens, sampling, baselines, assistant, seed)
@@ -342,10 +339,7 @@ def main(argv=None) -> int:
         plot_report(report, out.with_suffix(".png"))
         print(f"report: {out} (plot: {out.with_suffix('.png')})")
     if args.update_card:
-        from gorgon.heads.model import resolve_heads_folder
-        from gorgon.train.card import refresh_model_card
-
-        folder = resolve_heads_folder(args.heads) if args.heads else Path(args.draft)
+        folder = Path(args.heads or args.draft)  # a local training folder: its card is rewritten in place
         refresh_model_card(folder, report)
         print(f"model card updated: {folder / 'README.md'}")
     return 0

@@ -18,11 +18,11 @@ from pathlib import Path
 import torch
 
 from gorgon.heads.files import atomic_write_text
-from gorgon.heads.target import base_model, cache_dir, lm_logits
+from gorgon.heads.target import base_model, cache_dir, crop_cache, lm_logits
+from gorgon.heads.tree import build_tree
 
 from .kernels import kernels_in_use, one_row_kernel
-from .tree import build_tree
-from .verify import crop_cache, verify
+from .verify import verify
 
 CPU_SIZES = (1, 2, 4, 8, 16)
 CUDA_SIZES = (1, 2, 4, 8, 16, 32, 64)

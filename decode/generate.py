@@ -14,11 +14,11 @@ from typing import Callable
 
 import torch
 
+from gorgon.heads.drafter import Drafter
 from gorgon.heads.errors import GorgonError
 from gorgon.heads.target import base_model, lm_logits
 
 from .acceptance import Sampling, accept_greedy, accept_sampled, accept_typical, target_probs
-from .drafters import Drafter
 from .verify import keep_path, verify
 
 ACCEPTANCE_RULES = ("exact", "typical")

@@ -27,8 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from gorgon.heads.errors import GorgonError
-
-from .verify import crop_cache
+from gorgon.heads.target import crop_cache
 
 KERNELS = ("fast", "stock")
 ONE_ROW_KERNELS = ("onednn", "stock")

@@ -13,9 +13,8 @@ from __future__ import annotations
 import torch
 
 from gorgon.heads.errors import GorgonError
-from gorgon.heads.target import base_model
-
-from .tree import Tree
+from gorgon.heads.target import base_model, crop_cache
+from gorgon.heads.tree import Tree
 
 _MASK_KINDS = {"full_attention", "sliding_attention"}
 
@@ -83,11 +82,3 @@ def keep_path(cache, past_len: int, nodes: torch.Tensor) -> None:
         for buf in (layer.keys, layer.values):
             buf[:, :, past_len: past_len + nodes.numel()] = buf[:, :, src]
     crop_cache(cache, past_len + nodes.numel())
-
-
-def crop_cache(cache, length: int) -> None:
-    """Keep the first `length` positions of every layer. This slices the tensors directly:
-    `Cache.crop` changed meaning between transformers releases (an absolute length in 5.17,
-    a count to remove later)."""
-    for layer in cache.layers:
-        layer.keys, layer.values = layer.keys[:, :, :length], layer.values[:, :, :length]

@@ -15,7 +15,7 @@ COMMANDS = {
     "train": ("gorgon.train.heads", "train Medusa heads from a YAML recipe (as `accelerate launch train/heads.py`)"),
     "draft": ("gorgon.train.draft", "distil a small draft model (as `accelerate launch train/draft.py`)"),
     "generate": ("gorgon.decode.cli", "generate with a target plus heads or a draft model, streaming accepted tokens"),
-    "export": ("gorgon.heads.formats", "write heads in vLLM's or FasterDecoding Medusa's format (TGI, TensorRT-LLM)"),
+    "export": ("gorgon.heads.export", "write heads in vLLM's or FasterDecoding Medusa's format (TGI, TensorRT-LLM)"),
     "push": ("gorgon.heads.push", "upload a heads folder (and its model card) to the Hugging Face Hub"),
     "bench": ("gorgon.decode.bench", "tau, tokens/s and speedup over plain generate, with an identical-output check"),
 }

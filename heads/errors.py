@@ -1,5 +1,6 @@
 """The one exception type users see: a single line that names the problem and the fix."""
 
+import difflib
 import errno
 
 
@@ -38,3 +39,13 @@ def int_at_least(low: int):
         return value
     parse.__name__ = f"int >= {low}"
     return parse
+
+
+def check_keys(keys, known, where: str) -> None:
+    """Refuse a key that is not a setting (in a recipe, on the command line, in a config.json),
+    naming the close matches: a misspelt `learning_rate` must not silently train with the default."""
+    for key in keys:
+        if key not in known:
+            close = difflib.get_close_matches(key, known, n=3, cutoff=0.5)
+            hint = f"did you mean {', '.join(close)}?" if close else f"known keys: {', '.join(sorted(known))}"
+            raise GorgonError(f"unknown key {key!r} {where}: {hint}")

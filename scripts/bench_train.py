@@ -15,10 +15,10 @@ import time
 import torch
 
 from gorgon.heads import MedusaHeads, load_target
+from gorgon.heads.medusa.objective import heads_loss
 from gorgon.heads.target import base_model
 from gorgon.train.examples import collate, load_examples
 from gorgon.train.heads import set_draft_vocab
-from gorgon.train.losses import heads_loss
 
 
 def peak_memory_mb(device) -> float:

@@ -7,6 +7,7 @@
 #
 # Every stage resumes if killed: rerun the same command. Outputs go to runs/.
 set -euo pipefail
+case "${1:-}" in -h|--help) sed -n '2,/^set -euo/{/^#/s/^# \{0,1\}//p}' "$0"; exit 0;; esac
 cd "$(dirname "$0")/.."
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} WANDB_MODE=${WANDB_MODE:-offline} TOKENIZERS_PARALLELISM=false
 SHAREGPT=../shared/data/sharegpt_prompts.jsonl

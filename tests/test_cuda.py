@@ -4,11 +4,10 @@ import warnings
 
 import pytest
 import torch
-from conftest import ARCHS, VOCAB, tiny_model
-from helpers import OracleDrafter
+from helpers import ARCHS, VOCAB, OracleDrafter, tiny_model
 
-from gorgon.decode import HeadsDrafter, Sampling, speculative_generate
-from gorgon.heads import MedusaHeads
+from gorgon.decode import Sampling, speculative_generate
+from gorgon.heads import HeadsDrafter, MedusaHeads
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 PATHS = [[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0]]

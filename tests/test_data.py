@@ -10,12 +10,12 @@ import time
 import datasets
 import pytest
 import torch
-from conftest import ARCHS, VOCAB, needs_embedded, tiny_chat_target, tiny_model
+from helpers import ARCHS, VOCAB, needs_embedded, tiny_chat_target, tiny_model
 
 from gorgon.heads import GorgonError
 from gorgon.train.batching import continuous_generate
 from gorgon.train.data import METADATA_NAME, DataSettings, make_dataset
-from gorgon.train.prompts import load_conversations
+from gorgon.train.records import load_conversations
 
 SHAPES = {
     "mtbench": {"question_id": 7, "category": "x", "turns": ["first q", "second q"]},
@@ -157,6 +157,7 @@ def test_no_chat_template_is_a_clear_error(tmp_path):
         make_dataset(DataSettings(prompts=src, target=str(path)), tmp_path / "o", progress=False)
 
 
+@pytest.mark.slow
 def test_resume_after_sigkill_equals_an_uninterrupted_run(tmp_path):
     target = tiny_chat_target(tmp_path)
     src = write_jsonl(tmp_path / "p.jsonl", [{"prompt": f"question number {i}"} for i in range(40)])

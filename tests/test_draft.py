@@ -6,14 +6,24 @@ import sys
 
 import pytest
 import torch
-from conftest import tiny_chat_target, tiny_model, tiny_tokenizer
-from test_train import ROOT, env, kill_after_a_checkpoint, resume_equals_a_whole_run, toy_data, weights
+from helpers import (
+    ROOT,
+    env,
+    kill_after_a_checkpoint,
+    resume_equals_a_whole_run,
+    tiny_chat_target,
+    tiny_model,
+    tiny_tokenizer,
+    toy_data,
+    weights,
+)
 from transformers import AutoModelForCausalLM
 
-from gorgon.decode import DraftModelDrafter, speculative_generate
-from gorgon.heads import GorgonError, load_target
+from gorgon.decode import speculative_generate
+from gorgon.heads import DraftModelDrafter, GorgonError, load_target
+from gorgon.heads.draft_model.model import truncated_copy
 from gorgon.heads.target import lm_logits
-from gorgon.train.draft import DraftTrainConfig, train, truncated_copy
+from gorgon.train.draft import DraftTrainConfig, train
 from gorgon.train.examples import collate, load_examples, split
 
 
@@ -92,10 +102,11 @@ def test_student_with_another_tokenizer_or_vocabulary_is_refused(tmp_path):
     tiny_model(vocab=130).save_pretrained(wider)
     tiny_tokenizer().save_pretrained(wider)
     cfg.student = str(wider)
-    with pytest.raises(GorgonError, match="the student's output layer has 130 rows but the target's has 128"):
+    with pytest.raises(GorgonError, match="the draft model: a vocabulary of 130, but the target has 128"):
         train(cfg)
 
 
+@pytest.mark.slow
 def test_kill_and_resume_continues_exactly(tmp_path):
     target = tiny_chat_target(tmp_path)
     data = toy_data(tmp_path / "toy.jsonl", n=64)
@@ -110,6 +121,7 @@ def test_kill_and_resume_continues_exactly(tmp_path):
     resume_equals_a_whole_run(common, killed, tmp_path / "whole", "resuming from")
 
 
+@pytest.mark.slow
 def test_accelerate_launch_and_bad_settings(tmp_path):
     target = tiny_chat_target(tmp_path)
     data = toy_data(tmp_path / "toy.jsonl", n=16)

@@ -7,11 +7,11 @@ import time
 
 import pytest
 import torch
-from conftest import needs_embedded
+from helpers import needs_embedded
 
-from gorgon.decode import HeadsDrafter, speculative_generate
+from gorgon.decode import speculative_generate
 from gorgon.decode.kernels import use_cpu_kernels
-from gorgon.heads import MedusaHeads, load_target
+from gorgon.heads import HeadsDrafter, MedusaHeads, load_target
 
 PROMPTS = ["Write a haiku about the sea.", "What is 17 times 23? Explain step by step.",
            "List three uses of Python decorators.", "Translate 'good morning' into French and German."]
@@ -97,7 +97,7 @@ def test_a_truncated_embedded_draft_trains_and_decodes_exactly(embedded_target, 
     a few GKD steps run, and the saved draft gives the target's own greedy output."""
     from transformers import AutoModelForCausalLM
 
-    from gorgon.decode import DraftModelDrafter
+    from gorgon.heads import DraftModelDrafter
     from gorgon.train.draft import DraftTrainConfig, train
 
     model, tok = embedded_target.model, embedded_target.tokenizer

@@ -2,9 +2,10 @@ import json
 
 import pytest
 import torch
-from conftest import VOCAB, tiny_model
+from helpers import VOCAB, tiny_model
 
-from gorgon.heads import GorgonError, HeadsConfig, MedusaHeads, Target, fingerprint, forward_with_heads
+from gorgon.heads import GorgonError, HeadsConfig, MedusaHeads, Target, fingerprint
+from gorgon.heads.medusa.objective import HeadsObjective
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
@@ -38,17 +39,20 @@ def test_untrained_heads_start_from_the_target_prediction():
     torch.testing.assert_close(own(hidden), shared(hidden))
 
 
-def test_forward_with_heads_runs_the_target_once():
+def test_the_objective_runs_the_target_once():
+    """Medusa-1 with the KL loss: the target's logits (the teacher) come from the same forward as the heads' input."""
     model = tiny_model("llama")
     heads = MedusaHeads.for_target(model, num_heads=4)
     ids = torch.randint(0, VOCAB, (2, 7))
     calls = []
     handle = model.get_decoder().register_forward_hook(lambda *a: calls.append(1))
-    logits, hidden, head_logits = forward_with_heads(model, heads, ids)
+    objective = HeadsObjective(model, heads, loss="kl")
+    loss, stats, hidden = objective(ids, torch.ones_like(ids), torch.ones_like(ids, dtype=torch.bool))
     handle.remove()
     assert len(calls) == 1
-    torch.testing.assert_close(logits, model(ids).logits)
-    assert hidden.shape == (2, 7, 32) and head_logits.shape == (4, 2, 7, VOCAB)
+    torch.testing.assert_close(model.lm_head(hidden), model(ids).logits)
+    assert hidden.shape == (2, 7, 32) and heads(hidden).shape == (4, 2, 7, VOCAB)
+    assert torch.isfinite(loss) and sorted(stats) == [0, 1, 2, 3]
 
 
 def test_fingerprint_ignores_dtype_but_not_weights():

@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import ARCHS, VOCAB, tiny_chat_target, tiny_model
+from helpers import ARCHS, VOCAB, tiny_chat_target, tiny_model
 
 import gorgon.decode.calibrate as calibrate
-from gorgon.decode import HeadsDrafter, speculative_generate
+from gorgon.decode import speculative_generate
 from gorgon.decode.bench import markdown_table, run_bench
 from gorgon.decode.cli import parser as generate_parser
 from gorgon.decode.kernels import (
@@ -24,8 +24,8 @@ from gorgon.decode.kernels import (
     stock_kernels,
     use_cpu_kernels,
 )
-from gorgon.decode.tree import best_tree_size, interpolate_cost
-from gorgon.heads import GorgonError, MedusaHeads, load_target
+from gorgon.heads import GorgonError, HeadsDrafter, MedusaHeads, load_target
+from gorgon.heads.tree import best_tree_size, interpolate_cost
 
 needs_onednn = pytest.mark.skipif(fast_kernels_unavailable(torch.float32) is not None,
                                   reason="this torch build cannot run the oneDNN fast path")
@@ -184,6 +184,7 @@ def test_measured_verify_costs_cover_the_sizes():
     assert sorted(costs) == [1, 2, 4] and all(ms > 0 for ms in costs.values())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kernels", ["fast", "stock"])
 def test_profile_step_prints_one_json_line(tmp_path, kernels):
     tiny_model("llama").config.save_pretrained(tmp_path)

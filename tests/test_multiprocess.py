@@ -7,19 +7,24 @@ main process, and a 2-process run killed mid-training resumes to the uninterrupt
 
 import json
 import subprocess
-import sys
 
 import pytest
 import torch
 from accelerate.data_loader import BatchSamplerShard
-from conftest import tiny_chat_target
-from test_train import ROOT, env, kill_after_a_checkpoint, resume_equals_a_whole_run, toy_data, weights
+from helpers import (
+    LAUNCH,
+    MULTI_CPU,
+    ROOT,
+    env,
+    kill_after_a_checkpoint,
+    resume_equals_a_whole_run,
+    tiny_chat_target,
+    toy_data,
+    weights,
+)
 
 from gorgon.heads import GorgonError
 from gorgon.train.examples import EpochSampler, RankBatches
-
-LAUNCH = [sys.executable, "-m", "accelerate.commands.launch"]
-MULTI_CPU = str(ROOT / "configs/accelerate/multi_cpu.yaml")
 
 
 @pytest.mark.parametrize("n,batch,world", [(46, 4, 2), (47, 4, 2), (41, 4, 2), (9, 4, 2), (2, 4, 2), (50, 3, 3),

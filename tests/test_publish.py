@@ -16,11 +16,11 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 import torch
-from conftest import tiny_chat_target, tiny_model
+from helpers import tiny_chat_target, tiny_model
 from safetensors.torch import load_file
 
 from gorgon.heads import GorgonError, MedusaHeads, load_target
-from gorgon.heads.formats import export_heads
+from gorgon.heads.medusa.formats import export_heads
 
 
 def trained_like(model, shared=True, layers=2):

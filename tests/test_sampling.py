@@ -9,8 +9,7 @@ import itertools
 
 import pytest
 import torch
-from conftest import tiny_model
-from helpers import TargetRolloutDrafter
+from helpers import TargetRolloutDrafter, tiny_model
 from scipy.stats import chisquare
 
 import gorgon.decode.acceptance as acceptance
@@ -72,6 +71,7 @@ def chi_square_p(exact, counts):
     return chisquare(obs, [e * scale for e in exp]).pvalue
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("s", [Sampling(temperature=1.0), Sampling(temperature=0.7, top_k=5, top_p=0.9)])
 def test_speculative_sampling_is_exact(peaky_model, s):
     prompt = torch.tensor([[1, 5, 2]])
@@ -80,8 +80,9 @@ def test_speculative_sampling_is_exact(peaky_model, s):
     assert chi_square_p(exact_distribution(peaky_model, prompt, s), counts) > 1e-3
 
 
+@pytest.mark.slow
 def test_sampling_with_a_draft_model_is_exact(peaky_model):
-    from gorgon.decode import DraftModelDrafter
+    from gorgon.heads import DraftModelDrafter
 
     draft = tiny_model("llama", vocab=V, seed=4)
     with torch.no_grad():
@@ -92,6 +93,7 @@ def test_sampling_with_a_draft_model_is_exact(peaky_model):
     assert chi_square_p(exact_distribution(peaky_model, prompt, s), counts) > 1e-3
 
 
+@pytest.mark.slow
 def test_a_broken_acceptance_rule_fails_the_test(peaky_model, monkeypatch):
     """Accepting each child with p(c) without renormalising after rejections skews the output."""
     monkeypatch.setattr(acceptance, "child_accept_chances", lambda child_p: child_p)

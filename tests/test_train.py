@@ -1,40 +1,20 @@
 """Head training: a real `accelerate launch`, learning, Medusa-2's preserved outputs, kill and resume."""
 
 import json
-import os
-import signal
 import subprocess
 import sys
-import time
-from pathlib import Path
 
 import pytest
 import torch
-from conftest import tiny_chat_target
+from helpers import ROOT, env, kill_after_a_checkpoint, resume_equals_a_whole_run, tiny_chat_target, toy_data
 from safetensors.torch import load_file
 
-from gorgon.heads import GorgonError, MedusaHeads, load_target
-from gorgon.heads.model import load_with_heads
+from gorgon.heads import GorgonError, MedusaHeads, load_target, load_with_heads
 from gorgon.train.heads import HeadsTrainConfig, train
 from gorgon.train.recipe import load_recipe, parse_overrides
 
-ROOT = Path(__file__).resolve().parents[1]
-WORDS = ["apple", "banana", "cherry", "delta", "echo", "fox", "golf", "hotel"]
 
-
-def toy_data(path: Path, n: int = 48) -> str:
-    """A learnable set: each answer is a fixed cycle of words, so later tokens follow from earlier ones."""
-    rows = [{"messages": [{"role": "user", "content": f"count from {i % 8}"},
-                          {"role": "assistant", "content": " ".join(WORDS[(i + j) % 8] for j in range(8))}]}
-            for i in range(n)]
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return str(path)
-
-
-def env():
-    return {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline", "PYTHONUNBUFFERED": "1"}
-
-
+@pytest.mark.slow
 def test_accelerate_launch_trains_a_few_steps(tmp_path):
     target = tiny_chat_target(tmp_path)
     data = toy_data(tmp_path / "toy.jsonl")
@@ -57,8 +37,8 @@ def test_accelerate_launch_trains_a_few_steps(tmp_path):
 
 def eval_loss(heads, target, data):
     """Mean CE of each head on the toy data (teacher-forced)."""
+    from gorgon.heads.medusa.objective import heads_loss
     from gorgon.train.examples import collate, load_examples
-    from gorgon.train.losses import heads_loss
 
     ex = load_examples(data, target.tokenizer, 256)
     batch = collate(ex, target.tokenizer.pad_token_id)
@@ -126,39 +106,7 @@ def test_medusa2_keeps_the_base_models_greedy_outputs(tmp_path):
     assert not all(torch.equal(a, b) for a, b in zip(greedy_answers(drifted.model, base.tokenizer), expected))
 
 
-def weights(folder):
-    return load_file(Path(folder) / "model.safetensors")
-
-
-def kill_after_a_checkpoint(cmd: list[str], folder: Path, complete: str, cwd: Path) -> None:
-    """Run a training command and SIGKILL it (all its processes) as soon as `folder` holds a file matching the glob
-    `complete`, the proof of a whole checkpoint."""
-    proc = subprocess.Popen(cmd, env=env(), stderr=subprocess.DEVNULL, stdout=subprocess.DEVNULL, cwd=cwd,
-                            start_new_session=True)
-    deadline = time.time() + 300
-    while not list(folder.glob(complete)) and time.time() < deadline and proc.poll() is None:
-        time.sleep(0.005)
-    if proc.poll() is None:  # the whole group: `accelerate launch` runs the training in children
-        os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
-
-
-def resume_equals_a_whole_run(common: list[str], killed: Path, whole: Path, says: str, refused: int = 2) -> None:
-    """A killed run is refused without --resume (exit code `refused`: accelerate's multi-process
-    launcher turns the script's 2 into 1), then resumed to the same weights as an uninterrupted run."""
-    assert not (killed / "model.safetensors").exists(), "training finished before it could be killed"
-    again = subprocess.run(common + ["--out", str(killed)], env=env(), capture_output=True, text=True)
-    assert again.returncode == refused and "already has checkpoints: pass --resume true" in again.stderr
-    resumed = subprocess.run(common + ["--out", str(killed), "--resume", "true"], env=env(), capture_output=True,
-                             text=True)
-    assert resumed.returncode == 0, resumed.stderr[-2000:]
-    assert says in resumed.stdout + resumed.stderr
-    run = subprocess.run(common + ["--out", str(whole)], env=env(), capture_output=True, text=True)
-    assert run.returncode == 0, run.stderr[-2000:]
-    a, b = weights(killed), weights(whole)
-    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-
-
+@pytest.mark.slow
 def test_kill_and_resume_continues_exactly(tmp_path):
     target = tiny_chat_target(tmp_path)
     data = toy_data(tmp_path / "toy.jsonl", n=64)
@@ -173,6 +121,7 @@ def test_kill_and_resume_continues_exactly(tmp_path):
     resume_equals_a_whole_run(common, killed, tmp_path / "whole", "resumed from")
 
 
+@pytest.mark.slow
 def test_bad_config_keys_and_values(tmp_path):
     with pytest.raises(GorgonError, match="unknown key 'learning_rat' on the command line: did you mean learning_rate"):
         load_recipe(HeadsTrainConfig, None, parse_overrides(["--data", "x", "--out", "y", "--learning-rat", "1"]))
@@ -200,12 +149,6 @@ def test_empty_dataset_is_refused(tmp_path):
     with pytest.raises(GorgonError, match="no conversations with assistant answers"):
         train(HeadsTrainConfig(data=str(tmp_path / "empty.jsonl"), out=str(tmp_path / "o"), target=str(target),
                                report_to="none"))
-
-
-@pytest.mark.parametrize("recipe", sorted((ROOT / "configs/heads").glob("*.yaml")), ids=lambda p: p.name)
-def test_shipped_recipes_load(recipe):
-    cfg = load_recipe(HeadsTrainConfig, str(recipe), {})
-    cfg.check()
 
 
 def test_resume_without_a_checkpoint_is_refused(tmp_path):

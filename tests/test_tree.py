@@ -1,8 +1,8 @@
 import pytest
 import torch
 
-from gorgon.decode.tree import build_tree, default_tree, expected_accepted, tree_from_accuracies
 from gorgon.heads import GorgonError
+from gorgon.heads.tree import build_tree, default_tree, expected_accepted, tree_from_accuracies
 
 
 def test_buffers_of_a_small_tree():
@@ -54,8 +54,7 @@ def test_tree_from_accuracies_is_best_first_and_valid():
 def test_a_node_count_builds_the_tree_from_the_heads_accuracies():
     from conftest import tiny_model
 
-    from gorgon.decode import HeadsDrafter
-    from gorgon.heads import MedusaHeads
+    from gorgon.heads import HeadsDrafter, MedusaHeads
 
     heads = MedusaHeads.for_target(tiny_model("llama"), num_heads=2)
     heads.trees = {"accuracies": [[0.9, 0.05], [0.1, 0.8]]}

@@ -26,7 +26,7 @@ from gorgon.heads.files import atomic_write_text, check_output, read_jsonl
 from gorgon.heads.target import Target, load_target
 
 from .batching import continuous_generate
-from .prompts import load_conversations, user_prefix
+from .records import load_conversations
 
 METADATA_NAME = "gorgon_data.json"
 
@@ -142,6 +142,16 @@ def answer_shard(engine: Engine, convs: list[dict], settings: DataSettings, seed
     return records, skipped
 
 
+def user_prefix(tokenizer) -> str:
+    """The chat template's text up to where a user message begins (what Magpie feeds the model)."""
+    marker = "\u2063GORGON\u2063"
+    text = tokenizer.apply_chat_template([{"role": "user", "content": marker}], tokenize=False)
+    if marker not in text:
+        raise GorgonError("the chat template does not place the user message verbatim, so `self` prompts cannot be "
+                          "drawn from it: pass --prompts with a file instead")
+    return text[: text.index(marker)]
+
+
 def self_prompts(engine: Engine, settings: DataSettings, count: int) -> list[dict]:
     """User turns written by the target itself from its template's user prefix (Magpie), deduplicated."""
     prefix = engine.tok(user_prefix(engine.tok), add_special_tokens=False)["input_ids"]
@@ -179,6 +189,22 @@ def check_settings(partial: Path, settings: DataSettings, fingerprint: str) -> N
 def is_dataset(out: Path) -> bool:
     """A dataset folder `gorgon data` wrote (recognised by its metadata file)."""
     return (out / METADATA_NAME).is_file()
+
+
+def read_metadata(folder: str | os.PathLike) -> dict | None:
+    """What `gorgon data` recorded beside a dataset (target, fingerprint, settings, counts); None for other data."""
+    path = Path(folder) / METADATA_NAME
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def describe(folder: str | os.PathLike) -> str:
+    """The data as a model card names it: the folder, and its size and prompts when `gorgon data` wrote it."""
+    meta = read_metadata(folder)
+    line = f"`{folder}`"
+    if meta is not None:
+        line += (f": {meta['conversations']} conversations answered by the target itself "
+                 f"(`gorgon data`, prompts `{meta['settings']['prompts']}`)")
+    return line
 
 
 def make_dataset(settings: DataSettings, out: str | os.PathLike, target: Target | None = None,

@@ -16,11 +16,8 @@ untrained: the baseline that distillation is measured against.
 
 from __future__ import annotations
 
-import copy
 import json
 import os
-import re
-import shutil
 import warnings
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -84,128 +81,6 @@ class DraftTrainConfig:
             raise GorgonError(f"max_steps must be at least 0 (0 saves the untrained draft), not {self.max_steps}")
 
 
-def truncated_copy(model: torch.nn.Module, num_layers: int) -> torch.nn.Module:
-    """The target cut to its first `num_layers` decoder layers, keeping its embedding, final norm
-    and LM head: a draft that starts out speaking the target's vocabulary and style."""
-    total = model.config.num_hidden_layers
-    if not 1 <= num_layers < total:
-        raise GorgonError(f"student_layers must be between 1 and {total - 1} (the target has {total} layers), "
-                          f"not {num_layers}")
-    config = copy.deepcopy(model.config)
-    config.num_hidden_layers = num_layers
-    if getattr(config, "layer_types", None):
-        config.layer_types = config.layer_types[:num_layers]
-    student = type(model)(config)
-    layer = re.compile(r"\.layers\.(\d+)\.")
-    state = {k: v for k, v in model.state_dict().items()
-             if not (m := layer.search(k)) or int(m.group(1)) < num_layers}
-    student.load_state_dict(state, strict=True)
-    student.generation_config = copy.deepcopy(model.generation_config)
-    return student
-
-
-def load_student(cfg: DraftTrainConfig, target) -> tuple[torch.nn.Module, str]:
-    """The draft to start from, in fp32 on the target's device, and a phrase saying what it is."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from gorgon.heads.target import check_same_tokenizer
-
-    if cfg.student is None:
-        student = truncated_copy(target.model, cfg.student_layers)
-        what = f"the first {cfg.student_layers} of the target's {target.model.config.num_hidden_layers} layers"
-    else:
-        try:
-            tokenizer = AutoTokenizer.from_pretrained(cfg.student)
-            student = AutoModelForCausalLM.from_pretrained(cfg.student, dtype=torch.float32)
-        except (OSError, ValueError) as err:
-            first = str(err).strip().split("\n")[0] or type(err).__name__
-            raise GorgonError(f"could not load student {cfg.student!r} ({first}): check the id or path") from err
-        check_same_tokenizer(target.tokenizer, tokenizer, f"student {cfg.student}")
-        what = f"`{cfg.student}`"
-    mine = student.config.get_text_config().vocab_size
-    theirs = target.model.config.get_text_config().vocab_size
-    if mine != theirs:
-        raise GorgonError(f"the student's output layer has {mine} rows but the target's has {theirs}: distillation "
-                          "compares whole next-token distributions, so pick a student with the target's vocab_size")
-    return student.float().to(target.model.device), what
-
-
-def collate_for_gkd(batch: list[dict], pad_id: int) -> dict[str, torch.Tensor]:
-    """What trl's GKD trainer reads: right-padded ids with labels on assistant tokens only (-100
-    elsewhere), and each conversation's opening prompt, left-padded, for on-policy answers."""
-    from gorgon.train.examples import collate
-
-    out = collate(batch, pad_id)
-    out["labels"] = out["input_ids"].masked_fill(~out.pop("loss_mask"), -100)
-    starts = [b["loss_mask"].index(True) for b in batch]
-    width = max(starts)
-    out["prompts"] = torch.full((len(batch), width), pad_id, dtype=torch.long)
-    out["prompt_attention_mask"] = torch.zeros(len(batch), width, dtype=torch.long)
-    for row, (b, n) in enumerate(zip(batch, starts)):
-        out["prompts"][row, width - n:] = torch.tensor(b["input_ids"][:n])
-        out["prompt_attention_mask"][row, width - n:] = 1
-    return out
-
-
-@torch.no_grad()
-def agreement(draft, target, examples: list[dict], pad_id: int, batch_size: int = 8) -> dict:
-    """How closely the draft follows the target on assistant tokens: the mean KL(target || draft)
-    and the share of positions where both pick the same next token (a greedy draft's acceptance
-    rate, before the cost of a rejection cutting a chain short). Each process measures its share
-    of `examples`; the sums are added over all processes."""
-    from accelerate import PartialState
-    from accelerate.utils import reduce
-
-    from gorgon.train.examples import collate
-
-    state = PartialState()
-    device = next(draft.parameters()).device
-    mine = examples[state.process_index::state.num_processes]
-    kl_sum, same, count = 0.0, 0, 0
-    for i in range(0, len(mine), batch_size):
-        batch = {k: v.to(device) for k, v in collate(mine[i:i + batch_size], pad_id).items()}
-        mask = batch.pop("loss_mask")[:, 1:]  # position t predicts token t+1
-        teacher = target(**batch).logits[:, :-1][mask].float().log_softmax(-1)
-        student = draft(**batch).logits[:, :-1][mask].float().log_softmax(-1)
-        kl_sum += float((teacher.exp() * (teacher - student)).sum())
-        same += int((teacher.argmax(-1) == student.argmax(-1)).sum())
-        count += int(mask.sum())
-    kl_sum, same, count = reduce(torch.tensor([kl_sum, same, count], dtype=torch.float64, device=state.device),
-                                 reduction="sum").tolist()
-    return {"kl": kl_sum / max(1, count), "top1": same / max(1, count), "tokens": int(count)}
-
-
-def expected_tau(top1: float, k: int) -> float:
-    """Tokens per target forward for a k-token greedy chain if each draft matched independently
-    with probability top1: 1 + a + ... + a^k (the bonus token included)."""
-    return sum(top1 ** i for i in range(k + 1))
-
-
-def latest_checkpoint(folder: Path) -> Path | None:
-    """The newest complete trainer checkpoint. The trainer writes trainer_state.json last, so a
-    checkpoint without a readable one was cut short by a kill; it is removed."""
-    ckpts = sorted(folder.glob("checkpoint-*"), key=lambda p: int(p.name.split("-")[1]), reverse=True)
-    for ckpt in ckpts:
-        try:
-            json.loads((ckpt / "trainer_state.json").read_text())
-            return ckpt
-        except (OSError, ValueError):
-            shutil.rmtree(ckpt)
-    return None
-
-
-def save_draft(student, tokenizer, out: Path, state_dict: dict | None = None) -> None:
-    """save_pretrained into a temporary folder, then each file renamed into place. `state_dict`:
-    the weights to write instead of the model's own (gathered whole from shards)."""
-    tmp = out / ".draft.tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
-    student.save_pretrained(tmp, state_dict=state_dict)
-    tokenizer.save_pretrained(tmp)
-    for path in tmp.iterdir():
-        os.replace(path, out / path.name)
-    tmp.rmdir()
-
-
 def gkd_trainer(cfg: DraftTrainConfig, student, target, train_ex: list[dict], ckpt_dir: Path, device: torch.device,
                 resume_from: Path | None = None):
     """trl's GKD trainer set up from the recipe: the draft as student, the frozen target as teacher."""
@@ -215,7 +90,8 @@ def gkd_trainer(cfg: DraftTrainConfig, student, target, train_ex: list[dict], ck
     from transformers import TrainerCallback
     from trl.experimental.gkd import GKDConfig, GKDTrainer
 
-    from gorgon.train.examples import EpochSampler, RankBatches
+    from gorgon.heads.draft_model.objective import gkd_batch
+    from gorgon.train.examples import EpochSampler, RankBatches, collate
 
     class NoCheckpointAtTheEnd(TrainerCallback):
         """The final save follows the last step at once. A checkpoint there would be resumed one step
@@ -265,7 +141,7 @@ def gkd_trainer(cfg: DraftTrainConfig, student, target, train_ex: list[dict], ck
     pad = target.tokenizer.pad_token_id
     return Trainer(model=student.train(), teacher_model=target.model, args=args,
                    train_dataset=Dataset.from_list(train_ex), processing_class=target.tokenizer,
-                   data_collator=lambda b: collate_for_gkd(b, pad), peft_config=peft_config,
+                   data_collator=lambda b: gkd_batch(collate(b, pad), pad), peft_config=peft_config,
                    callbacks=[NoCheckpointAtTheEnd()])
 
 
@@ -275,16 +151,27 @@ def train(cfg: DraftTrainConfig) -> Path:
     from transformers import AutoModelForCausalLM
 
     from gorgon.heads import load_target
+    from gorgon.heads.card import write_draft_card
+    from gorgon.heads.draft_model.model import load_student, save_draft
+    from gorgon.heads.draft_model.objective import agreement, expected_tau
     from gorgon.heads.files import atomic_write_text
-    from gorgon.train.card import write_draft_card
-    from gorgon.train.examples import load_examples, split
-    from gorgon.train.recipe import connect_cpu_processes, full_state_dict, prepare_output, wandb_offline_without_key
+    from gorgon.train.data import describe
+    from gorgon.train.examples import collate, load_examples, split
+    from gorgon.train.recipe import (
+        connect_cpu_processes,
+        full_state_dict,
+        latest_checkpoint,
+        prepare_output,
+        wandb_offline_without_key,
+    )
 
     cfg.check()
     connect_cpu_processes()  # before anything creates accelerate's process state
     out = Path(cfg.out)
     ckpt_dir = out / "checkpoints"
-    resume_from = prepare_output(out, lambda: latest_checkpoint(ckpt_dir), cfg.resume, cfg.overwrite)
+    # The trainer writes trainer_state.json last into each checkpoint.
+    resume_from = prepare_output(out, lambda: latest_checkpoint(ckpt_dir, "checkpoint", "trainer_state.json"),
+                                 cfg.resume, cfg.overwrite)
     wandb_offline_without_key(cfg.report_to)
     os.environ.setdefault("WANDB_PROJECT", cfg.project)
     state = PartialState()
@@ -304,8 +191,13 @@ def train(cfg: DraftTrainConfig) -> Path:
     if not train_ex or not eval_ex:
         raise GorgonError(f"{cfg.data} has too few conversations to train on and hold out an eval split: add data "
                           "or change eval_fraction")
-    student, what = load_student(cfg, target)
-    before = agreement(student.eval(), target.model, eval_ex, pad)
+    student, what = load_student(target, cfg.student, cfg.student_layers)
+
+    def held_out():  # this process's share of the held-out conversations, in batches of 8
+        mine = eval_ex[state.process_index::state.num_processes]
+        return (collate(mine[i:i + 8], pad) for i in range(0, len(mine), 8))
+
+    before = agreement(student.eval(), target.model, held_out())
     state.print(f"gorgon draft: {what} ({sum(p.numel() for p in student.parameters()) / 1e6:.1f}M parameters) "
                 f"before distillation: held-out KL {before['kl']:.3f}, top-1 agreement {before['top1']:.3f}")
     steps, trainer, weights = 0, None, None
@@ -325,7 +217,7 @@ def train(cfg: DraftTrainConfig) -> Path:
         save_draft(student, tokenizer, out, weights)
     state.wait_for_everyone()
     draft = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).to(state.device).eval()  # as users load it
-    after = agreement(draft, target.model, eval_ex, pad) if steps else before
+    after = agreement(draft, target.model, held_out()) if steps else before
     if not state.is_main_process:
         return out
     if trainer is not None:  # into the trainer's log and wandb run, beside the training curves
@@ -338,16 +230,18 @@ def train(cfg: DraftTrainConfig) -> Path:
         "steps": steps, "train_conversations": len(train_ex), "eval_conversations": len(eval_ex),
         "processes": state.num_processes,
         "eval_tokens": after["tokens"], "before": before, "after": after, "draft_tokens": cfg.draft_tokens,
+        "data": describe(cfg.data),
         "expected_tau": {"before": expected_tau(before["top1"], cfg.draft_tokens),
                          "after": expected_tau(after["top1"], cfg.draft_tokens)},
     }
     atomic_write_text(out / "metrics.json", json.dumps(metrics, indent=1) + "\n")
-    atomic_write_text(out / "recipe.json", json.dumps(asdict(cfg), indent=1) + "\n")
-    write_draft_card(out, cfg, metrics)
+    recipe = asdict(cfg)
+    atomic_write_text(out / "recipe.json", json.dumps(recipe, indent=1) + "\n")
+    write_draft_card(out, recipe, metrics)
     print(f"gorgon draft: saved to {out} after {steps} steps: held-out KL {before['kl']:.3f} -> {after['kl']:.3f}, "
           f"top-1 agreement {before['top1']:.3f} -> {after['top1']:.3f}")
     if cfg.push_to_hub:
-        from gorgon.heads.model import upload_folder
+        from gorgon.heads.hub import upload_folder
 
         print(f"gorgon draft: pushed to {upload_folder(out, cfg.push_to_hub)}")
     return out

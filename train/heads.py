@@ -21,7 +21,9 @@ from pathlib import Path
 import torch
 
 from gorgon.heads.errors import GorgonError
-from gorgon.heads.model import ADAPTER_DIR
+from gorgon.heads.files import atomic_write_text
+from gorgon.heads.medusa.model import ADAPTER_DIR
+from gorgon.heads.tree import DEVICE_TREE_SIZE
 
 
 @dataclass
@@ -64,8 +66,8 @@ class HeadsTrainConfig:
     dtype: str = "auto"                # target dtype: auto = bf16 on CUDA, fp32 on CPU
     tree_topk: int = 10                # ranks measured per head for the trees
     draft_vocab_size: int | None = None  # heads draft from, and train over, the N most frequent answer tokens
-    cpu_tree_size: int = 16
-    gpu_tree_size: int = 64
+    cpu_tree_size: int = DEVICE_TREE_SIZE["cpu"]
+    gpu_tree_size: int = DEVICE_TREE_SIZE["cuda"]
     report_to: str = "wandb"           # wandb (offline without an API key) | none
     project: str = "gorgon"
     push_to_hub: str | None = None
@@ -93,11 +95,6 @@ def schedule(warmup: int, total: int, delay: int = 0):
     return factor
 
 
-def latest_checkpoint(out: Path) -> Path | None:
-    ckpts = sorted((out / "checkpoints").glob("step-*"), key=lambda p: int(p.name.split("-")[1]))
-    return ckpts[-1] if ckpts else None
-
-
 def save_checkpoint(accelerator, out: Path, progress: dict, keep: int) -> None:
     """accelerate's save_state into a temporary folder, renamed into place: never half-written.
     `progress` (the step, the examples trained on) goes beside it in gorgon_state.json."""
@@ -110,29 +107,20 @@ def save_checkpoint(accelerator, out: Path, progress: dict, keep: int) -> None:
     accelerator.save_state(str(tmp))
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
-        (tmp / "gorgon_state.json").write_text(json.dumps(progress))
+        (tmp / PROGRESS_NAME).write_text(json.dumps(progress))
         os.replace(tmp, final)
         for old in sorted((out / "checkpoints").glob("step-*"), key=lambda p: int(p.name.split("-")[1]))[:-keep]:
             shutil.rmtree(old)
     accelerator.wait_for_everyone()
 
 
-def evaluate(objective, loader, accelerator, tree_topk: int) -> tuple[float, torch.Tensor, int]:
-    """Held-out loss (mean over batches), rank counts (K, tree_topk + 1) and the number of
-    conversations, summed over every process's share of the eval split."""
-    from gorgon.train.losses import rank_counts
+PROGRESS_NAME = "gorgon_state.json"  # written last into a checkpoint
 
-    model = accelerator.unwrap_model(objective)
-    counts = torch.zeros(model.heads.config.num_heads, tree_topk + 1, dtype=torch.long)
-    totals = torch.zeros(3, dtype=torch.float64)  # loss sum, batches, conversations
-    with torch.no_grad():
-        for batch in loader:
-            loss, _, hidden = model(**batch, train_backbone=False)
-            totals += torch.tensor([float(loss), 1, len(batch["input_ids"])], dtype=torch.float64)
-            counts += rank_counts(model.heads, hidden, batch["input_ids"], batch["loss_mask"], tree_topk)
-    counts = accelerator.reduce(counts.to(accelerator.device), reduction="sum").cpu()
-    loss_sum, batches, conversations = accelerator.reduce(totals.to(accelerator.device), reduction="sum").tolist()
-    return loss_sum / max(1, batches), counts, int(conversations)
+
+def latest_heads_checkpoint(out: Path) -> Path | None:
+    from gorgon.train.recipe import latest_checkpoint
+
+    return latest_checkpoint(out / "checkpoints", "step", PROGRESS_NAME)
 
 
 def set_draft_vocab(heads, examples: list[dict], size: int) -> float:
@@ -150,22 +138,61 @@ def accuracy_table(counts: torch.Tensor) -> list[list[float]]:
     return (counts[:, :-1].double() / totals[:, None]).tolist()
 
 
-def train(cfg: HeadsTrainConfig) -> Path:
+@dataclass
+class Run:
+    """What the phases of one training run share: set up once, then stepped, evaluated and saved."""
+
+    cfg: HeadsTrainConfig
+    out: Path
+    accelerator: object
+    target: object
+    objective: torch.nn.Module        # the method's loss module; its `.heads` are what gets saved
+    optimizer: torch.optim.Optimizer
+    scheduler: object
+    loader: object
+    eval_loader: object
+    sampler: object                   # the training order, set per epoch
+    train_conversations: int
+    eval_conversations: int
+    total: int                        # optimizer steps of the whole run
+    step: int = 0                     # steps done (after a resume: from the checkpoint)
+    trained: int = 0                  # conversations this process trained on (the main one: with the resumed)
+    draft_vocab_coverage: float | None = None
+
+
+def medusa_objective(cfg: HeadsTrainConfig, target, train_ex: list[dict]):
+    """Medusa heads for the target and their loss (Medusa-2: with LoRA adapters on the target);
+    returns the objective and the answer-token share of the draft vocabulary (None without one)."""
+    from gorgon.heads import MedusaHeads
+    from gorgon.heads.medusa.objective import HeadsObjective
+
+    heads = MedusaHeads.for_target(target.model, cfg.num_heads, cfg.num_layers, cfg.shared_lm_head,
+                                   target.name, target.fingerprint).float()
+    coverage = set_draft_vocab(heads, train_ex, cfg.draft_vocab_size) if cfg.draft_vocab_size else None
+    model = target.model
+    if cfg.mode == "medusa2":
+        from peft import LoraConfig, get_peft_model
+
+        model = get_peft_model(model, LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
+                                                 target_modules=cfg.lora_target_modules, task_type="CAUSAL_LM"))
+        heads.attach(model)
+    return HeadsObjective(model, heads, cfg.mode, cfg.loss, cfg.head_decay, cfg.base_kl_weight), coverage
+
+
+def setup(cfg: HeadsTrainConfig) -> Run:
+    """Check the output, start accelerate, load target and data, build the objective, optimizer and
+    schedule, and restore a checkpoint when resuming."""
     from accelerate import Accelerator
     from accelerate.utils import DistributedDataParallelKwargs, set_seed
-    from tqdm.auto import tqdm
 
-    from gorgon.decode.tree import expected_accepted, tree_from_accuracies
-    from gorgon.heads import MedusaHeads, load_target
-    from gorgon.train.card import plot_head_accuracy, write_model_card
+    from gorgon.heads import load_target
     from gorgon.train.examples import EpochSampler, RankBatches, collate, load_examples, split
-    from gorgon.train.losses import HeadsObjective
-    from gorgon.train.recipe import connect_cpu_processes, full_state_dict, prepare_output, wandb_offline_without_key
+    from gorgon.train.recipe import connect_cpu_processes, prepare_output, wandb_offline_without_key
 
     cfg.check()
     connect_cpu_processes()  # before anything creates accelerate's process state
     out = Path(cfg.out)
-    resume_from = prepare_output(out, lambda: latest_checkpoint(out), cfg.resume, cfg.overwrite)
+    resume_from = prepare_output(out, lambda: latest_heads_checkpoint(out), cfg.resume, cfg.overwrite)
     wandb_offline_without_key(cfg.report_to)
     # Medusa-2's heads-only warmup leaves the adapters out of the loss, which DDP must be told.
     unused = DistributedDataParallelKwargs(find_unused_parameters=cfg.mode == "medusa2" and cfg.heads_warmup_steps > 0)
@@ -187,20 +214,9 @@ def train(cfg: HeadsTrainConfig) -> Path:
     train_batches = RankBatches(sampler, cfg.batch_size, world, "training conversations")
     eval_batches = RankBatches(EpochSampler(len(eval_ex), None), cfg.batch_size, world,
                                "held-out conversations (raise eval_fraction)")
-    heads = MedusaHeads.for_target(target.model, cfg.num_heads, cfg.num_layers, cfg.shared_lm_head,
-                                   target.name, target.fingerprint).float()
-    heads.attach(target.model)
-    coverage = set_draft_vocab(heads, train_ex, cfg.draft_vocab_size) if cfg.draft_vocab_size else None
-    model = target.model
-    if cfg.mode == "medusa2":
-        from peft import LoraConfig, get_peft_model
-
-        model = get_peft_model(model, LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
-                                                 target_modules=cfg.lora_target_modules, task_type="CAUSAL_LM"))
-        heads.attach(model)
-    objective = HeadsObjective(model, heads, cfg.mode, cfg.loss, cfg.head_decay, cfg.base_kl_weight)
-    groups = [{"params": [p for p in heads.parameters() if p.requires_grad], "lr": cfg.learning_rate}]
-    backbone = [p for p in model.parameters() if p.requires_grad]
+    objective, coverage = medusa_objective(cfg, target, train_ex)
+    groups = [{"params": [p for p in objective.heads.parameters() if p.requires_grad], "lr": cfg.learning_rate}]
+    backbone = [p for p in objective.target.parameters() if p.requires_grad]
     if backbone:
         groups.append({"params": backbone, "lr": cfg.backbone_learning_rate})
     optimizer = torch.optim.AdamW(groups, weight_decay=cfg.weight_decay)
@@ -214,103 +230,151 @@ def train(cfg: HeadsTrainConfig) -> Path:
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambdas)
     objective, optimizer, loader, eval_loader, scheduler = accelerator.prepare(
         objective, optimizer, loader, eval_loader, scheduler)
-    step, trained = 0, 0  # trained: conversations this process has trained on (the main one: with the resumed)
+    run = Run(cfg, out, accelerator, target, objective, optimizer, scheduler, loader, eval_loader, sampler,
+              len(train_ex), len(eval_ex), total, draft_vocab_coverage=coverage)
     if resume_from is not None:
         accelerator.load_state(str(resume_from))
-        progress = json.loads((resume_from / "gorgon_state.json").read_text())
-        step = progress["step"]
+        progress = json.loads((resume_from / PROGRESS_NAME).read_text())
+        run.step = progress["step"]
         # checkpoints from before the count was kept: every step so far took one global batch
-        resumed = progress.get("examples", step * cfg.batch_size * cfg.grad_accum * world)
-        trained = resumed if accelerator.is_main_process else 0
-        accelerator.print(f"gorgon train: resumed from {resume_from} at step {step}")
+        resumed = progress.get("examples", run.step * cfg.batch_size * cfg.grad_accum * world)
+        run.trained = resumed if accelerator.is_main_process else 0
+        accelerator.print(f"gorgon train: resumed from {resume_from} at step {run.step}")
     accelerator.init_trackers(cfg.project, config=asdict(cfg))
     accelerator.print(f"gorgon train: {cfg.mode} on {target.name}, {len(train_ex)} train / {len(eval_ex)} eval "
                       f"conversations, {total} steps on {world} x {accelerator.device}")
-    bar = tqdm(total=total, initial=step, desc="gorgon train", disable=not accelerator.is_main_process,
+    return run
+
+
+def train_steps(run: Run) -> list:
+    """Step until the run's total: accumulate, clip, step the optimizer and schedule, log, checkpoint.
+    Returns the loss curve ([step, per-head loss] at every log, over all processes)."""
+    from tqdm.auto import tqdm
+
+    cfg, accelerator, objective = run.cfg, run.accelerator, run.objective
+    bar = tqdm(total=run.total, initial=run.step, desc="gorgon train", disable=not accelerator.is_main_process,
                dynamic_ncols=True)
     window = new_window(cfg.num_heads)
-    started = time.perf_counter()
-    loss_curve = []  # [step, per-head loss] at every log, over all processes
-    batches_per_epoch = len(loader)  # this process's share
-    while step < total:
-        epoch, done_in_epoch = divmod(step * cfg.grad_accum, batches_per_epoch)
-        batches = accelerator.skip_first_batches(loader, done_in_epoch) if done_in_epoch else loader
+    loss_curve = []
+    batches_per_epoch = len(run.loader)  # this process's share
+    while run.step < run.total:
+        epoch, done_in_epoch = divmod(run.step * cfg.grad_accum, batches_per_epoch)
+        batches = accelerator.skip_first_batches(run.loader, done_in_epoch) if done_in_epoch else run.loader
         # accelerate's loader passes its own epoch count to the sampler, which starts at 0 in a
         # resumed process: set it from the step, so a resumed run sees the same order. (The
         # loader's own set_epoch does not reach the sampler through accelerate's sharding.)
         batches.set_epoch(epoch)
-        sampler.set_epoch(epoch)
+        run.sampler.set_epoch(epoch)
         for batch in batches:
             with accelerator.accumulate(objective):
-                loss, stats, _ = objective(**batch, train_backbone=step >= cfg.heads_warmup_steps)
+                loss, stats, _ = objective(**batch, train_backbone=run.step >= cfg.heads_warmup_steps)
                 accelerator.backward(loss)
                 if accelerator.sync_gradients:
                     accelerator.clip_grad_norm_(objective.parameters(), cfg.max_grad_norm)
-                optimizer.step()  # accelerate skips it between accumulated batches; the schedule too:
+                run.optimizer.step()  # accelerate skips it between accumulated batches; the schedule too:
                 if accelerator.sync_gradients:
-                    scheduler.step()
-                optimizer.zero_grad()
-            trained += len(batch["input_ids"])
+                    run.scheduler.step()
+                run.optimizer.zero_grad()
+            run.trained += len(batch["input_ids"])
             add_to_window(window, stats, int(batch["attention_mask"].sum()))
             if not accelerator.sync_gradients:
                 continue
-            step += 1
+            run.step += 1
             bar.update(1)
-            if step % cfg.log_every == 0 or step == total:
-                loss_curve.append([step, log_window(accelerator, window, step, scheduler, bar)])
+            if run.step % cfg.log_every == 0 or run.step == run.total:
+                loss_curve.append([run.step, log_window(accelerator, window, run.step, run.scheduler, bar)])
                 window = new_window(cfg.num_heads)
-            if cfg.eval_every and step % cfg.eval_every == 0:
-                eval_loss, _, _ = evaluate(objective, eval_loader, accelerator, cfg.tree_topk)
-                accelerator.log({"eval/loss": eval_loss}, step=step)
-            if cfg.save_every and step % cfg.save_every == 0 and step < total:
-                progress = {"step": step, "examples": count_all(accelerator, trained)}
-                save_checkpoint(accelerator, out, progress, cfg.keep_checkpoints)
-            if step >= total:
+            if cfg.eval_every and run.step % cfg.eval_every == 0:
+                eval_loss, _, _ = evaluate(run)
+                accelerator.log({"eval/loss": eval_loss}, step=run.step)
+            if cfg.save_every and run.step % cfg.save_every == 0 and run.step < run.total:
+                progress = {"step": run.step, "examples": count_all(accelerator, run.trained)}
+                save_checkpoint(accelerator, run.out, progress, cfg.keep_checkpoints)
+            if run.step >= run.total:
                 break
     bar.close()
-    train_seconds = time.perf_counter() - started  # this run's loop (after a resume: since the resume)
-    trained = count_all(accelerator, trained)
-    eval_loss, counts, evaluated = evaluate(objective, eval_loader, accelerator, cfg.tree_topk)
+    return loss_curve
+
+
+def evaluate(run: Run) -> tuple[float, torch.Tensor, int]:
+    """Held-out loss (mean over batches), rank counts (K, tree_topk + 1) and the number of
+    conversations, summed over every process's share of the eval split."""
+    accelerator = run.accelerator
+    model = accelerator.unwrap_model(run.objective)
+    counts = torch.zeros(model.heads.config.num_heads, run.cfg.tree_topk + 1, dtype=torch.long)
+    totals = torch.zeros(3, dtype=torch.float64)  # loss sum, batches, conversations
+    with torch.no_grad():
+        for batch in run.eval_loader:
+            loss, _, hidden = model(**batch, train_backbone=False)
+            totals += torch.tensor([float(loss), 1, len(batch["input_ids"])], dtype=torch.float64)
+            counts += model.rank_counts(hidden, batch, run.cfg.tree_topk)
+    counts = accelerator.reduce(counts.to(accelerator.device), reduction="sum").cpu()
+    loss_sum, batches, conversations = accelerator.reduce(totals.to(accelerator.device), reduction="sum").tolist()
+    return loss_sum / max(1, batches), counts, int(conversations)
+
+
+def save(run: Run, loss_curve: list, train_seconds: float) -> dict:
+    """Measure the heads on held-out data, choose their trees, and write the heads folder (weights, trees,
+    Medusa-2's adapter, metrics, recipe, plot, card) from the main process; returns the metrics."""
+    from gorgon.heads.card import plot_head_accuracy, write_model_card
+    from gorgon.heads.tree import expected_accepted
+    from gorgon.train.data import describe
+    from gorgon.train.recipe import full_state_dict
+
+    cfg, accelerator, out = run.cfg, run.accelerator, run.out
+    trained = count_all(accelerator, run.trained)
+    eval_loss, counts, evaluated = evaluate(run)
     accuracies = accuracy_table(counts)
-    trees = {"cpu": tree_from_accuracies(accuracies, cfg.cpu_tree_size),
-             "cuda": tree_from_accuracies(accuracies, cfg.gpu_tree_size)}
+    unwrapped = accelerator.unwrap_model(run.objective)
+    heads = unwrapped.heads
+    heads.set_trees(accuracies, {"cpu": cfg.cpu_tree_size, "cuda": cfg.gpu_tree_size})
     metrics = {
         "eval_loss": eval_loss, "eval_tokens_per_head": counts[:, -1].tolist(),
         "top1": [row[0] for row in accuracies], "top5": [sum(row[:5]) for row in accuracies],
         "rank_accuracy": accuracies,
-        "expected_tau": {k: expected_accepted(accuracies, v) for k, v in trees.items()},
-        "steps": total, "train_conversations": len(train_ex), "eval_conversations": len(eval_ex),
-        "processes": world, "conversations_trained": trained, "conversations_evaluated": evaluated,
-        "loss_curve": loss_curve, "train_seconds": train_seconds,
-        "target_name": target.name, "draft_vocab_size": cfg.draft_vocab_size, "draft_vocab_coverage": coverage,
+        "expected_tau": {device: expected_accepted(accuracies, heads.saved_tree(device)) for device in ("cpu", "cuda")},
+        "steps": run.total, "train_conversations": run.train_conversations,
+        "eval_conversations": run.eval_conversations, "processes": accelerator.num_processes,
+        "conversations_trained": trained, "conversations_evaluated": evaluated,
+        "loss_curve": loss_curve, "train_seconds": train_seconds, "target_name": run.target.name,
+        "data": describe(cfg.data), "draft_vocab_size": cfg.draft_vocab_size,
+        "draft_vocab_coverage": run.draft_vocab_coverage,
     }
-    accelerator.log({f"eval/top1_head{k}": a for k, a in enumerate(metrics["top1"])}, step=total)
-    trained_weights = full_state_dict(accelerator, objective)  # every process: it gathers shards
+    accelerator.log({f"eval/top1_head{k}": a for k, a in enumerate(metrics["top1"])}, step=run.total)
+    trained_weights = full_state_dict(accelerator, run.objective)  # every process: it gathers shards
     if accelerator.is_main_process:
-        unwrapped = accelerator.unwrap_model(objective)
-        final_heads = unwrapped.heads
-        final_heads.trees = {**trees, "accuracies": accuracies}  # accuracies: for trees of other sizes
         out.mkdir(parents=True, exist_ok=True)
         # The heads' own buffers (the draft vocabulary) with the gathered trained weights.
-        final_heads.save_pretrained(out, {**final_heads.state_dict(), **strip_prefix(trained_weights, "heads.")})
+        heads.save_pretrained(out, {**heads.state_dict(), **strip_prefix(trained_weights, "heads.")})
         if cfg.mode == "medusa2":
             unwrapped.target.save_pretrained(str(out / ADAPTER_DIR),
                                              state_dict=strip_prefix(trained_weights, "target."))
-        (out / "metrics.json").write_text(json.dumps(metrics, indent=1) + "\n")
-        (out / "recipe.json").write_text(json.dumps(asdict(cfg), indent=1) + "\n")
+        recipe = asdict(cfg)
+        atomic_write_text(out / "metrics.json", json.dumps(metrics, indent=1) + "\n")
+        atomic_write_text(out / "recipe.json", json.dumps(recipe, indent=1) + "\n")
         plot_head_accuracy(metrics, out / "head_accuracy.png")
-        write_model_card(out, cfg, metrics, target.name)
+        write_model_card(out, recipe, metrics)
+    return metrics
+
+
+def train(cfg: HeadsTrainConfig) -> Path:
+    """The whole run: setup, the steps, then evaluation and the saved heads folder (pushed when asked)."""
+    run = setup(cfg)
+    started = time.perf_counter()
+    loss_curve = train_steps(run)
+    seconds = time.perf_counter() - started  # this run's loop (after a resume: since the resume)
+    metrics = save(run, loss_curve, seconds)
+    if run.accelerator.is_main_process:
         summary = ", ".join(f"head {k}: top-1 {a:.3f} top-5 {b:.3f}"
                             for k, (a, b) in enumerate(zip(metrics["top1"], metrics["top5"])))
-        print(f"gorgon train: saved heads to {out} ({summary}; expected tau cpu "
+        print(f"gorgon train: saved heads to {run.out} ({summary}; expected tau cpu "
               f"{metrics['expected_tau']['cpu']:.2f}, gpu {metrics['expected_tau']['cuda']:.2f})")
         if cfg.push_to_hub:
-            from gorgon.heads.model import upload_folder
+            from gorgon.heads.hub import upload_folder
 
-            url = upload_folder(out, cfg.push_to_hub)
-            print(f"gorgon train: pushed to {url}")
-    accelerator.end_training()
-    return out
+            print(f"gorgon train: pushed to {upload_folder(run.out, cfg.push_to_hub)}")
+    run.accelerator.end_training()
+    return run.out
 
 
 def count_all(accelerator, n: int) -> int:

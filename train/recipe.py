@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import difflib
+import json
 import os
 import shutil
 import sys
@@ -19,7 +19,7 @@ from pathlib import Path
 
 import yaml
 
-from gorgon.heads.errors import GorgonError, user_error_line
+from gorgon.heads.errors import GorgonError, check_keys, user_error_line
 
 
 def _convert(value, annotation, key: str):
@@ -48,12 +48,6 @@ def _convert(value, annotation, key: str):
         return annotation(value)
     except (TypeError, ValueError) as err:
         raise GorgonError(f"{key} must be {getattr(annotation, '__name__', annotation)}, got {value!r}") from err
-
-
-def _unknown(key: str, known: set[str], where: str) -> GorgonError:
-    close = difflib.get_close_matches(key, known, n=3, cutoff=0.5)
-    hint = f"did you mean {', '.join(close)}?" if close else f"known keys: {', '.join(sorted(known))}"
-    return GorgonError(f"unknown key {key!r} {where}: {hint}")
 
 
 def parse_overrides(argv: list[str]) -> dict[str, str]:
@@ -91,19 +85,28 @@ def load_recipe(cls, config_path: str | None, overrides: dict[str, str]):
                               "fix its syntax") from err
         if not isinstance(data, dict):
             raise GorgonError(f"config {config_path} must be a mapping of key: value")
-        for key, value in data.items():
-            if key not in fields:
-                raise _unknown(key, set(fields), f"in {config_path}")
-            values[key] = _convert(value, types_[key], key)
-    for key, value in overrides.items():
-        if key not in fields:
-            raise _unknown(key, set(fields), "on the command line")
-        values[key] = _convert(value, types_[key], key)
+        check_keys(data, set(fields), f"in {config_path}")
+        values.update({key: _convert(value, types_[key], key) for key, value in data.items()})
+    check_keys(overrides, set(fields), "on the command line")
+    values.update({key: _convert(value, types_[key], key) for key, value in overrides.items()})
     missing = [n for n, f in fields.items() if f.default is dataclasses.MISSING
                and f.default_factory is dataclasses.MISSING and n not in values]
     if missing:
         raise GorgonError(f"missing setting {', '.join(missing)}: add it to the YAML or pass --{missing[0]} VALUE")
     return cls(**values)
+
+
+def latest_checkpoint(folder: Path, prefix: str, written_last: str) -> Path | None:
+    """The newest complete checkpoint `folder/PREFIX-STEP`: one whose `written_last` file reads as JSON.
+    One without was cut short by a kill; it is removed, so the run resumes from the one before."""
+    ckpts = sorted(folder.glob(f"{prefix}-*"), key=lambda p: int(p.name.split("-")[1]), reverse=True)
+    for ckpt in ckpts:
+        try:
+            json.loads((ckpt / written_last).read_text())
+            return ckpt
+        except (OSError, ValueError):
+            shutil.rmtree(ckpt)
+    return None
 
 
 def resume_point(latest: Path | None, resume: bool, out: Path) -> Path | None:

@@ -1,7 +1,8 @@
-"""Prompt sources for self-distillation: files, datasets on disk, hub datasets, or the target itself.
+"""Conversation records: read from a file, a `datasets` folder or a hub dataset, in any of five shapes.
 
-Every source becomes a list of conversations, each {"id", "system", "turns"}: the user turns in
-order (assistant turns are dropped, since the target regenerates them).
+`messages_of` is the one parser of the shapes, for both uses: training examples keep every
+message; prompts for self-distillation (`load_conversations`) keep the user turns only
+({"id", "system", "turns"}), since the target regenerates the assistant's.
 """
 
 from __future__ import annotations
@@ -14,30 +15,38 @@ from gorgon.heads.files import local_path_problem, looks_like_path, not_found_lo
 
 SHAPES = ('MT-Bench/Spec-Bench {"turns": [...]}', 'ShareGPT {"conversations": [{"from", "value"}]}',
           'OpenAI {"messages": [{"role", "content"}]}', '{"prompt": ...}', 'Alpaca {"instruction", "input"}')
-_USER_ROLES = {"human", "user"}
+ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
+
+
+def messages_of(record: dict) -> list[dict] | None:
+    """A record in any accepted shape as role/content messages (roles normalised, assistant turns kept);
+    None when the shape is unknown."""
+    if isinstance(record.get("messages"), list):
+        pairs = [(m.get("role"), m.get("content", "")) for m in record["messages"] if isinstance(m, dict)]
+    elif isinstance(record.get("conversations"), list):
+        pairs = [(m.get("from"), m.get("value", "")) for m in record["conversations"] if isinstance(m, dict)]
+    elif isinstance(record.get("turns"), list):
+        pairs = [("user", t) for t in record["turns"]]
+    elif isinstance(record.get("prompt"), str):
+        pairs = [("user", record["prompt"])]
+    elif isinstance(record.get("instruction"), str):
+        extra = record.get("input") or ""
+        pairs = [("user", record["instruction"] + (f"\n\n{extra}" if extra else ""))]
+        if isinstance(record.get("output"), str):
+            pairs.append(("assistant", record["output"]))
+    else:
+        return None
+    return [{"role": ROLES.get(role, role), "content": content} for role, content in pairs]
 
 
 def conversation(record: dict, index: int) -> dict | None:
-    """One record in any accepted shape as a conversation; None when the shape is unknown."""
-    system = None
-    if isinstance(record.get("turns"), list):
-        turns = [t for t in record["turns"] if isinstance(t, str)]
-    elif isinstance(record.get("conversations"), list):
-        msgs = record["conversations"]
-        turns = [m.get("value", "") for m in msgs if m.get("from") in _USER_ROLES]
-        system = next((m.get("value") for m in msgs if m.get("from") == "system"), None)
-    elif isinstance(record.get("messages"), list):
-        msgs = record["messages"]
-        turns = [m.get("content", "") for m in msgs if m.get("role") in _USER_ROLES]
-        system = next((m.get("content") for m in msgs if m.get("role") == "system"), None)
-    elif isinstance(record.get("prompt"), str):
-        turns = [record["prompt"]]
-    elif isinstance(record.get("instruction"), str):
-        extra = record.get("input") or ""
-        turns = [record["instruction"] + (f"\n\n{extra}" if extra else "")]
-    else:
+    """A record's prompts: {"id", "system", "turns"} with the non-empty user turns; None when the shape is unknown."""
+    messages = messages_of(record)
+    if messages is None:
         return None
-    turns = [t for t in turns if isinstance(t, str) and t.strip()]
+    turns = [m["content"] for m in messages if m["role"] == "user" and isinstance(m["content"], str)
+             and m["content"].strip()]
+    system = next((m["content"] for m in messages if m["role"] == "system"), None)
     ident = record.get("question_id", record.get("id", index))
     return {"id": str(ident), "system": system, "turns": turns}
 
@@ -95,13 +104,3 @@ def load_conversations(source: str, limit: int | None = None) -> list[dict]:
     if not out:
         raise GorgonError(f"{source} holds no prompts: it needs at least one non-empty user turn")
     return out
-
-
-def user_prefix(tokenizer) -> str:
-    """The chat template's text up to where a user message begins (what Magpie feeds the model)."""
-    marker = "\u2063GORGON\u2063"
-    text = tokenizer.apply_chat_template([{"role": "user", "content": marker}], tokenize=False)
-    if marker not in text:
-        raise GorgonError("the chat template does not place the user message verbatim, so `self` prompts cannot be "
-                          "drawn from it: pass --prompts with a file instead")
-    return text[: text.index(marker)]

@@ -5,6 +5,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from .errors import GorgonError
+from .files import atomic_write_text
+from .target import EMBEDDED_HUB_ID, EMBEDDED_NAME
+
 
 def plot_head_accuracy(metrics: dict, path: Path) -> None:
     """Bars of held-out top-1 and top-5 accuracy per head."""
@@ -32,34 +36,19 @@ def plot_head_accuracy(metrics: dict, path: Path) -> None:
 
 def refresh_model_card(folder: Path, bench: dict) -> None:
     """Rewrite a trained heads or draft folder's card with benchmark figures (`gorgon bench --update-card`)."""
-    from gorgon.heads.errors import GorgonError
-
     try:
         recipe = json.loads((folder / "recipe.json").read_text())
         metrics = json.loads((folder / "metrics.json").read_text())
     except FileNotFoundError as err:
         raise GorgonError(f"{folder} has no recipe.json/metrics.json, so its card cannot be rebuilt: "
                           "--update-card works on folders written by gorgon's training") from err
-    if metrics.get("kind") == "draft":
-        from gorgon.train.draft import DraftTrainConfig
-
-        write_draft_card(folder, DraftTrainConfig(**recipe), metrics, bench)
-        return
-    from gorgon.train.heads import HeadsTrainConfig
-
-    cfg = HeadsTrainConfig(**recipe)
-    write_model_card(folder, cfg, metrics, metrics.get("target_name") or cfg.target or "SmolLM2-135M-Instruct", bench)
+    write = write_draft_card if metrics.get("kind") == "draft" else write_model_card
+    write(folder, recipe, metrics, bench)
 
 
-def data_line(data: str) -> str:
-    """The training data, with its size and prompts when `gorgon data` wrote it."""
-    meta_path = Path(data) / "gorgon_data.json"
-    line = f"`{data}`"
-    if meta_path.is_file():
-        meta = json.loads(meta_path.read_text())
-        line += (f": {meta['conversations']} conversations answered by the target itself "
-                 f"(`gorgon data`, prompts `{meta['settings']['prompts']}`)")
-    return line
+def data_line(recipe: dict, metrics: dict) -> str:
+    """The training data as training described it (size and prompts when `gorgon data` wrote it)."""
+    return metrics.get("data") or f"`{recipe['data']}`"
 
 
 def speed_section(bench: dict | None, flag: str) -> str:
@@ -85,14 +74,15 @@ def speed_section(bench: dict | None, flag: str) -> str:
 
 def hub_id(target_name: str) -> str:
     """The card's base_model: the name as given, or the Hub id of the embedded target."""
-    return target_name if "/" in target_name else f"HuggingFaceTB/{target_name}"
+    return EMBEDDED_HUB_ID if target_name == EMBEDDED_NAME else target_name
 
 
-def write_model_card(out: Path, cfg, metrics: dict, target_name: str, bench: dict | None = None) -> None:
+def write_model_card(out: Path, recipe: dict, metrics: dict, bench: dict | None = None) -> None:
     """README.md with Hub metadata, how the heads were trained, their measured accuracy, and usage."""
+    target_name = metrics.get("target_name") or recipe.get("target") or EMBEDDED_NAME
     rows = "\n".join(f"| {k + 1} | t+{k + 2} | {a:.3f} | {b:.3f} |"
                      for k, (a, b) in enumerate(zip(metrics["top1"], metrics["top5"])))
-    lm_head = "the target's shared" if cfg.shared_lm_head else "their own"
+    lm_head = "the target's shared" if recipe["shared_lm_head"] else "their own"
     tau = metrics["expected_tau"]
     base = hub_id(target_name)
     text = f"""---
@@ -105,8 +95,8 @@ tags:
 
 # Medusa heads for {target_name}
 
-{cfg.num_heads} draft heads ({cfg.num_layers} residual block(s) each, {lm_head} LM head), trained with gorgon
-({cfg.mode}, {cfg.loss} loss, {metrics['steps']} steps) on {data_line(cfg.data)}.
+{recipe['num_heads']} draft heads ({recipe['num_layers']} residual block(s) each, {lm_head} LM head), trained
+with gorgon ({recipe['mode']}, {recipe['loss']} loss, {metrics['steps']} steps) on {data_line(recipe, metrics)}.
 Greedy decoding with these heads gives exactly the target's own output, only faster.
 
 ## Held-out accuracy
@@ -116,7 +106,7 @@ Greedy decoding with these heads gives exactly the target's own output, only fas
 {rows}
 
 Expected tokens per target forward from these accuracies: {tau['cpu']:.2f} with the CPU tree
-({cfg.cpu_tree_size} nodes), {tau['cuda']:.2f} with the GPU tree ({cfg.gpu_tree_size} nodes).
+({recipe['cpu_tree_size']} nodes), {tau['cuda']:.2f} with the GPU tree ({recipe['gpu_tree_size']} nodes).
 
 ## Speed
 
@@ -129,10 +119,10 @@ gorgon generate --heads THIS_FOLDER --prompt "Hello"
 ```
 
 ```python
-from gorgon.heads import load_target, MedusaHeads
-from gorgon.decode import HeadsDrafter, speculative_generate
+from gorgon.heads import load_target, MedusaHeads, HeadsDrafter
+from gorgon.decode import speculative_generate
 
-target = load_target({('"' + cfg.target + '"') if cfg.target else ''})
+target = load_target({('"' + recipe['target'] + '"') if recipe.get('target') else ''})
 heads = MedusaHeads.from_pretrained("THIS_FOLDER", target=target)
 ids = target.tokenizer.apply_chat_template([{{"role": "user", "content": "Hello"}}], add_generation_prompt=True,
                                            return_tensors="pt", return_dict=True)["input_ids"]
@@ -148,7 +138,7 @@ gorgon export --heads THIS_FOLDER --format vllm --out medusa-vllm
 ```python
 from vllm import LLM
 llm = LLM(model="{base}", speculative_config={{"method": "medusa", "model": "medusa-vllm",
-                                                "num_speculative_tokens": {cfg.num_heads}}})
+                                                "num_speculative_tokens": {recipe['num_heads']}}})
 ```
 
 ### In TGI or TensorRT-LLM (FasterDecoding Medusa format)
@@ -159,18 +149,19 @@ gorgon export --heads THIS_FOLDER --format medusa --out medusa-heads
 TGI: point `--model-id` at `medusa-heads` (its config names the base model in `base_model_name_or_path`).
 TensorRT-LLM: pass `--medusa_model_dir medusa-heads` to its Medusa checkpoint converter.
 """
-    (out / "README.md").write_text(text)
+    atomic_write_text(out / "README.md", text)
 
 
-def write_draft_card(out: Path, cfg, metrics: dict, bench: dict | None = None) -> None:
+def write_draft_card(out: Path, recipe: dict, metrics: dict, bench: dict | None = None) -> None:
     """README.md for a distilled draft model: what it started from, how close it follows the target, usage."""
     target_name = metrics["target_name"]
     base = hub_id(target_name)
     before, after, tau = metrics["before"], metrics["after"], metrics["expected_tau"]
-    divergence = {0.0: "forward KL", 1.0: "reverse KL"}.get(cfg.beta, f"generalised JSD (beta {cfg.beta})")
-    policy = f", {cfg.lmbda:.0%} of batches answered by the draft itself" if cfg.lmbda else ""
-    how = (f"It was distilled with gorgon (trl GKD, {divergence}{policy}{', LoRA merged' if cfg.lora else ''},\n"
-           f"{metrics['steps']} steps) on {data_line(cfg.data)}." if metrics["steps"] else
+    beta, lmbda = recipe["beta"], recipe["lmbda"]
+    divergence = {0.0: "forward KL", 1.0: "reverse KL"}.get(beta, f"generalised JSD (beta {beta})")
+    policy = f", {lmbda:.0%} of batches answered by the draft itself" if lmbda else ""
+    how = (f"It was distilled with gorgon (trl GKD, {divergence}{policy}{', LoRA merged' if recipe['lora'] else ''},\n"
+           f"{metrics['steps']} steps) on {data_line(recipe, metrics)}." if metrics["steps"] else
            "It is not distilled: saved with `--max_steps 0`, as the baseline that distillation is measured against.")
     text = f"""---
 base_model: {base}
@@ -228,4 +219,4 @@ llm = LLM(model="{base}", speculative_config={{"model": "THIS_FOLDER",
                                                 "num_speculative_tokens": {metrics['draft_tokens']}}})
 ```
 """
-    (out / "README.md").write_text(text)
+    atomic_write_text(out / "README.md", text)

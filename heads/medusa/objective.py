@@ -1,4 +1,4 @@
-"""Head losses and accuracies. Head k read at position t predicts the token at t+k+2.
+"""Medusa's training objective: head losses and accuracies. Head k read at position t predicts the token at t+k+2.
 
 Only positions whose label is an assistant token count. The vocabulary projection runs on
 those positions alone, head by head: all heads over a whole batch at once would hold
@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+from ..target import base_model, lm_logits
 
 
 def head_targets(loss_mask: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -112,8 +114,6 @@ class HeadsObjective(torch.nn.Module):
         return type(result)(missing, result.unexpected_keys)
 
     def forward(self, input_ids, attention_mask, loss_mask, train_backbone: bool = True):
-        from gorgon.heads.target import base_model, lm_logits
-
         def run(grad: bool):
             with torch.set_grad_enabled(grad):
                 hidden = base_model(self.target)(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
@@ -140,3 +140,7 @@ class HeadsObjective(torch.nn.Module):
             total = total + self.base_kl_weight * base_kl
             stats["base_kl"] = base_kl.detach().item()
         return total, stats, hidden  # hidden: evaluation reuses it rather than run the target again
+
+    def rank_counts(self, hidden: torch.Tensor, batch: dict, max_rank: int) -> torch.Tensor:
+        """Held-out rank counts of the heads on a batch whose hidden states `forward` returned."""
+        return rank_counts(self.heads, hidden, batch["input_ids"], batch["loss_mask"], max_rank)

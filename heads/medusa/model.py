@@ -8,24 +8,27 @@ default is the target's own (shared, not saved: SmolLM2's is 28M weights, Qwen2.
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import json
 import os
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from torch import nn
 
-from .errors import GorgonError
-from .files import atomic_write, atomic_write_text, local_path_problem, looks_like_path, not_found_locally_or_on_hub
-from .target import Target, base_model, lm_logits
+from ..errors import GorgonError, check_keys
+from ..files import atomic_write, atomic_write_text
+from ..hub import CONFIG_NAME, PushToHubMixin, resolve_folder
+from ..target import Target, check_vocab, lm_logits
+from ..tree import tree_from_accuracies
+from .formats import foreign_format, import_heads
 
-CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
 TREES_NAME = "trees.json"
 ADAPTER_DIR = "adapter"  # Medusa-2: the target's LoRA adapter, saved beside the heads
+# trees.json: the tree for each device type, and the measured accuracies that build trees of any size
+TREE_DEVICES = ("cpu", "cuda")
+ACCURACIES = "accuracies"
 
 
 @dataclass
@@ -43,12 +46,7 @@ class HeadsConfig:
 
     @classmethod
     def from_dict(cls, data: dict, source: str = "config") -> "HeadsConfig":
-        known = {f.name for f in dataclasses.fields(cls)}
-        for key in data:
-            if key not in known:
-                close = difflib.get_close_matches(key, known, n=3)
-                hint = f" (did you mean {', '.join(close)}?)" if close else f"; known keys: {', '.join(sorted(known))}"
-                raise GorgonError(f"unknown key {key!r} in {source}{hint}")
+        check_keys(data, {f.name for f in dataclasses.fields(cls)}, f"in {source}")
         missing = [f.name for f in dataclasses.fields(cls)
                    if f.default is dataclasses.MISSING and f.name not in data]
         if missing:
@@ -71,7 +69,7 @@ class ResBlock(nn.Module):
         return x + nn.functional.silu(self.linear(x))
 
 
-class MedusaHeads(nn.Module):
+class MedusaHeads(PushToHubMixin, nn.Module):
     """The K draft heads. Call `attach(target_model)` before use when the lm_head is shared."""
 
     def __init__(self, config: HeadsConfig):
@@ -124,9 +122,8 @@ class MedusaHeads(nn.Module):
         if cfg.hidden_size != self.config.hidden_size:
             raise GorgonError(f"these heads were trained for hidden size {self.config.hidden_size} but the target has "
                               f"{cfg.hidden_size}: use heads trained for {self.config.target_name or 'this target'}")
-        if cfg.vocab_size != self.config.vocab_size:
-            raise GorgonError(f"these heads were trained for a vocabulary of {self.config.vocab_size} but the target "
-                              f"has {cfg.vocab_size}: use heads trained for {self.config.target_name or 'this target'}")
+        trained_for = self.config.target_name or "another target"
+        check_vocab(self.config.vocab_size, cfg.vocab_size, f"heads trained for {trained_for}")
         if fingerprint and self.config.target_fingerprint and fingerprint != self.config.target_fingerprint:
             raise GorgonError(f"these heads were trained for target {self.config.target_name!r} (fingerprint "
                               f"{self.config.target_fingerprint}) but this target's fingerprint is {fingerprint}: "
@@ -134,6 +131,27 @@ class MedusaHeads(nn.Module):
         object.__setattr__(self, "_target", target_model)
         object.__setattr__(self, "_draft_weights", None)
         return self
+
+    # -- trees.json: decoding trees built from the heads' measured accuracies ----------------
+    def set_trees(self, accuracies: list[list[float]], sizes: dict[str, int]) -> None:
+        """Keep the measured per-head rank accuracies and the best tree of each device's size (`sizes`:
+        device type -> nodes); the accuracies also build trees of other sizes later."""
+        self.trees = {device: tree_from_accuracies(accuracies, size) for device, size in sizes.items()}
+        self.trees[ACCURACIES] = accuracies
+
+    @property
+    def accuracies(self) -> list[list[float]] | None:
+        """Per head, the measured chance that each rank is the right token (None when never measured)."""
+        return self.trees.get(ACCURACIES)
+
+    def saved_tree(self, device_type: str) -> list[list[int]] | None:
+        """The tree saved for this device type (else the CPU one), or None."""
+        return self.trees.get(device_type) or self.trees.get("cpu")
+
+    @property
+    def target(self) -> nn.Module | None:
+        """The target model these heads are attached to (its lm_head is theirs when shared)."""
+        return self._target
 
     # -- compute ------------------------------------------------------------------------------
     def head(self, k: int, hidden: torch.Tensor) -> torch.Tensor:
@@ -201,11 +219,9 @@ class MedusaHeads(nn.Module):
                         dtype: torch.dtype | None = None) -> "MedusaHeads":
         """Load heads from a folder or hub id; with `target` check and attach it (a `Target` is also
         checked by fingerprint; a bare model by shape only). Folders in vLLM's or FasterDecoding
-        Medusa's format are read too (see `gorgon.heads.formats`)."""
+        Medusa's format are read too (see `gorgon.heads.medusa.formats`)."""
         from safetensors import SafetensorError
         from safetensors.torch import load_file
-
-        from .formats import foreign_format, import_heads
 
         folder = resolve_heads_folder(name_or_path)
         config_path = folder / CONFIG_NAME
@@ -240,18 +256,11 @@ class MedusaHeads(nn.Module):
         heads.to(device=device, dtype=dtype)
         return heads.eval()
 
-    def push_to_hub(self, repo_id: str, private: bool = False, revision: str | None = None,
-                    commit_message: str = "Upload gorgon heads") -> str:
-        """Save to a temporary folder and upload it to the Hub in one commit; returns the commit URL."""
-        with tempfile.TemporaryDirectory() as tmp:
-            self.save_pretrained(tmp)
-            return upload_folder(tmp, repo_id, private=private, revision=revision, commit_message=commit_message)
-
 
 def load_with_heads(heads: str | os.PathLike, target: str | None = None, device: str = "auto",
                     dtype: str | torch.dtype = "auto") -> tuple[Target, "MedusaHeads"]:
     """The target and its heads as one: a Medusa-2 heads folder's LoRA adapter is merged into the target."""
-    from .target import load_target
+    from ..target import load_target
 
     folder = resolve_heads_folder(heads)  # fail before the slower target load
     adapter = folder / ADAPTER_DIR if (folder / ADAPTER_DIR).is_dir() else None
@@ -267,58 +276,15 @@ def read_trees(path: Path) -> dict:
     except (UnicodeDecodeError, json.JSONDecodeError) as err:
         raise GorgonError(f"{path} is not valid JSON ({err.__class__.__name__}): delete it to use the default tree, "
                           "or re-save the heads") from err
-    shaped = isinstance(trees, dict) and all(
+    shaped = isinstance(trees, dict) and set(trees) <= {*TREE_DEVICES, ACCURACIES} and all(
         isinstance(v, list) and all(isinstance(x, list) and all(isinstance(r, (int, float)) for r in x) for x in v)
         for v in trees.values())
     if not shaped:
-        raise GorgonError(f"{path} must map 'cpu', 'cuda' and 'accuracies' to lists of number lists: delete it to use "
-                          "the default tree, or re-save the heads")
+        raise GorgonError(f"{path} must map {', '.join(map(repr, (*TREE_DEVICES, ACCURACIES)))} to lists of number "
+                          "lists: delete it to use the default tree, or re-save the heads")
     return trees
 
 
 def resolve_heads_folder(name_or_path: str | os.PathLike) -> Path:
-    """A local folder as is; anything else is treated as a hub repo id and fetched to the hub cache."""
-    path = Path(name_or_path)
-    if path.is_dir():
-        if not (path / CONFIG_NAME).is_file():
-            raise GorgonError(f"{path} has no {CONFIG_NAME}: it is not a heads folder (train heads with "
-                              "`gorgon train` or pass the folder that `save_pretrained` wrote)")
-        return path
-    text = str(name_or_path)
-    problem = local_path_problem(text)
-    if problem:
-        raise GorgonError(f"heads {problem}: pass a folder written by save_pretrained or a hub id like user/repo")
-    if looks_like_path(text) or text.count("/") != 1:
-        raise GorgonError(f"no heads at {text}: pass a folder written by save_pretrained or a hub id like user/repo")
-    from huggingface_hub import snapshot_download
-
-    try:
-        return Path(snapshot_download(text, allow_patterns=[CONFIG_NAME, WEIGHTS_NAME, TREES_NAME, "*.md",
-                                                            f"{ADAPTER_DIR}/*"]))
-    except Exception as err:  # the hub client raises many types; all mean "not reachable or not there"
-        raise not_found_locally_or_on_hub("heads", text, err) from err
-
-
-def upload_folder(folder: str | os.PathLike, repo_id: str, private: bool = False, revision: str | None = None,
-                  commit_message: str = "Upload gorgon heads") -> str:
-    """Create the repo if needed and upload a folder in one commit (training checkpoints left out)."""
-    from huggingface_hub import HfApi
-
-    api = HfApi()
-    try:
-        api.create_repo(repo_id, private=private, exist_ok=True)
-        if revision:
-            api.create_branch(repo_id, branch=revision, exist_ok=True)
-        info = api.upload_folder(folder_path=str(folder), repo_id=repo_id, revision=revision,
-                                 commit_message=commit_message, ignore_patterns=["checkpoints/*", ".*"])
-    except Exception as err:
-        reason = str(err).strip().split("\n")[0] or err.__class__.__name__
-        raise GorgonError(f"upload to {repo_id} failed ({reason}); the local folder {folder} is unchanged: "
-                          "log in with `hf auth login` (or set HF_TOKEN) and retry") from err
-    return str(getattr(info, "commit_url", info))
-
-
-def forward_with_heads(target_model: nn.Module, heads: MedusaHeads, input_ids: torch.Tensor, **kwargs):
-    """One target forward: returns (logits, last hidden state, head logits (K, B, T, V))."""
-    hidden = base_model(target_model)(input_ids=input_ids, **kwargs).last_hidden_state
-    return lm_logits(target_model, hidden), hidden, heads(hidden)
+    """A local heads folder, or a hub repo id fetched to the hub cache."""
+    return resolve_folder(name_or_path, "heads", [CONFIG_NAME, WEIGHTS_NAME, TREES_NAME, "*.md", f"{ADAPTER_DIR}/*"])

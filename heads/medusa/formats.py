@@ -18,13 +18,12 @@ round trip gives identical logits.
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import torch
 
-from .errors import GorgonError
-from .files import atomic_write, atomic_write_text, check_output
+from ..errors import GorgonError
+from ..files import atomic_write, atomic_write_text
 
 FORMATS = ("vllm", "medusa")
 MEDUSA_WEIGHTS = "medusa_lm_head.safetensors"
@@ -38,7 +37,7 @@ def export_heads(heads, fmt: str, out: str | Path, base_model: str | None = None
     if fmt not in FORMATS:
         raise GorgonError(f"unknown format {fmt!r}: use one of {', '.join(FORMATS)}")
     cfg = heads.config
-    if cfg.shared_lm_head and heads._target is None:
+    if cfg.shared_lm_head and heads.target is None:
         raise GorgonError("these heads share the target's lm_head, which the export must include: pass --target "
                           "(or load the heads with target=...)")
     out = Path(out)
@@ -73,14 +72,6 @@ def export_heads(heads, fmt: str, out: str | Path, base_model: str | None = None
     atomic_write(out / weights_name, lambda tmp: save_file(state, tmp, metadata={"format": "pt"}))
     atomic_write_text(out / "config.json", json.dumps(config, indent=2) + "\n")
     return out
-
-
-def is_export(folder: Path) -> bool:
-    """A folder `gorgon export` wrote: a config.json in one of the foreign formats."""
-    try:
-        return foreign_format(folder, json.loads((folder / "config.json").read_text(encoding="utf-8"))) is not None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError, AttributeError):
-        return False
 
 
 def foreign_format(folder: Path, config: dict) -> str | None:
@@ -158,31 +149,3 @@ def import_heads(folder: Path, config: dict, fmt: str):
     fields = dict(num_heads=heads, num_layers=layers, hidden_size=hidden, vocab_size=vocab, shared_lm_head=False,
                   target_name=config.get("base_model_name_or_path"))
     return fields, state
-
-
-def main(argv=None) -> int:
-    """`gorgon export`: write heads in a serving engine's format."""
-    import argparse
-
-    from .model import load_with_heads
-
-    p = argparse.ArgumentParser(prog="gorgon export", description="Export heads for a serving engine: 'vllm' (vLLM's "
-                                "Medusa model) or 'medusa' (FasterDecoding Medusa, which TGI and TensorRT-LLM read).")
-    p.add_argument("--heads", required=True, help="heads folder or hub id")
-    p.add_argument("--format", required=True, choices=FORMATS)
-    p.add_argument("--out", required=True, help="output folder")
-    p.add_argument("--target", default=None, help="the target (default: the embedded SmolLM2); its lm_head is "
-                   "written out when the heads share it")
-    p.add_argument("--base-model", default=None, help="base_model_name_or_path to record (default: the target name)")
-    p.add_argument("--overwrite", action="store_true", help="replace an earlier export at --out")
-    args = p.parse_args(argv)
-    out = Path(args.out)
-    if Path(args.heads).is_dir() and out.exists() and out.resolve() == Path(args.heads).resolve():
-        raise GorgonError(f"--out {out} is the heads folder itself: choose another folder for the export")
-    replace = check_output(out, is_export, args.overwrite)
-    target, heads = load_with_heads(args.heads, args.target, device="cpu", dtype="float32")
-    if replace:
-        shutil.rmtree(out)  # an earlier export, perhaps in the other format: none of its files may linger
-    out = export_heads(heads, args.format, out, args.base_model or target.name)
-    print(f"gorgon export: wrote {args.format} heads to {out}")
-    return 0

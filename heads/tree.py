@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from gorgon.heads.errors import GorgonError
+from .errors import GorgonError
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,90 @@
+"""What `gorgon generate`, `gorgon bench` and the profiling script share: the target, the drafter
+the options name, the tree, sampling, device and CPU kernels."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from gorgon.heads import DraftModelDrafter, GorgonError, HeadsDrafter, load_target, load_with_heads
+from gorgon.heads.errors import int_at_least
+from gorgon.heads.files import read_text
+from gorgon.heads.target import check_same_tokenizer, load_causal_lm
+from gorgon.heads.tree import best_tree_size
+
+from .calibrate import verify_costs
+from .kernels import KERNELS, use_cpu_kernels
+
+
+def add_model_arguments(p: argparse.ArgumentParser, drafter_required: bool = True) -> None:
+    """What `gorgon generate` and `gorgon bench` share: the target, the drafter, the tree, sampling, device.
+
+    --heads (Medusa heads) or --draft (a small model with the target's tokenizer): one is required.
+    """
+    p.add_argument("--target", default=None, help="hub id or local path of the target (default: the embedded "
+                   "SmolLM2-135M-Instruct)")
+    group = p.add_mutually_exclusive_group(required=drafter_required)
+    group.add_argument("--heads", help="heads folder or hub id (from train/heads.py or save_pretrained)")
+    group.add_argument("--draft", help="a small draft model (hub id or path) sharing the target's tokenizer")
+    p.add_argument("--draft-tokens", type=int_at_least(1), default=4,
+                   help="tokens a --draft model proposes per step (default 4)")
+    p.add_argument("--tree", default="auto", help="'auto' (the tree saved with the heads for this device, else a "
+                   "default), a node count N (the best N-node tree from the heads' measured accuracies), or a JSON "
+                   "file with a list of rank paths, e.g. [[0],[1],[0,0]]")
+    p.add_argument("--max-new-tokens", type=int_at_least(1), default=256)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 (default) is greedy")
+    p.add_argument("--top-k", type=int, default=0, help="0 (default) is off")
+    p.add_argument("--top-p", type=float, default=1.0, help="1 (default) is off")
+    p.add_argument("--seed", type=int, default=None, help="seed for sampling")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--dtype", default="auto", help="auto (bf16 on CUDA, fp32 on CPU), float32, bfloat16, float16")
+    p.add_argument("--cpu-kernels", choices=KERNELS, default="fast",
+                   help="on the CPU: fast (default: linear layers on weights prepacked for oneDNN, so verifying a "
+                        "few tokens costs about one step) or stock (torch's default kernels); ignored on CUDA")
+
+
+def load_drafter(args, tree):
+    """The target and the drafter the arguments name, on the chosen CPU kernels.
+
+    With heads and `--tree auto`, the tree's size is chosen for this machine: from the heads'
+    measured accuracies and the verify costs measured here (a few seconds, cached).
+    """
+    if args.draft and args.tree != "auto":
+        raise GorgonError("--tree applies to --heads only: a --draft model proposes a chain of --draft-tokens")
+    if args.heads:
+        target, heads = load_with_heads(args.heads, args.target, device=args.device, dtype=args.dtype)
+        use_cpu_kernels(target.model, args.cpu_kernels)
+        if tree == "auto" and heads.accuracies:
+            tree = best_tree_size(heads.accuracies[: heads.config.num_heads], verify_costs(target.model))
+            print(f"gorgon: a {tree}-node tree fits this machine best (--tree N to choose another)", file=sys.stderr)
+        return target, HeadsDrafter(heads, tree)
+    target = load_target(args.target, device=args.device, dtype=args.dtype)
+    # A folder of weights only has no tokenizer: the vocabulary size check is all there is to go on.
+    draft, draft_tokenizer = load_causal_lm(args.draft, "draft model", dtype=target.model.dtype, tokenizer="optional")
+    if draft_tokenizer is not None:
+        check_same_tokenizer(target.tokenizer, draft_tokenizer, f"draft {args.draft}")
+    use_cpu_kernels(target.model, args.cpu_kernels)
+    draft = draft.to(target.model.device).eval()
+    use_cpu_kernels(draft, args.cpu_kernels)
+    return target, DraftModelDrafter(draft, args.draft_tokens).check_vocab(target.model)
+
+
+def read_tree(value: str):
+    """'auto', a node count, or a JSON file of rank paths."""
+    if value == "auto":
+        return "auto"
+    if value.isdigit():
+        return int(value)
+    path = Path(value)
+    if not path.is_file():
+        raise GorgonError(f"tree file {value} not found: pass 'auto' or a JSON file with a list of rank paths")
+    try:
+        paths = json.loads(read_text(path))
+    except json.JSONDecodeError as err:
+        raise GorgonError(f"tree file {value} is not valid JSON ({err.msg}): "
+                          "write a list like [[0],[1],[0,0]]") from err
+    if not isinstance(paths, list) or not all(isinstance(x, list) for x in paths):
+        raise GorgonError(f"tree file {value} must hold a list of rank paths like [[0],[1],[0,0]]")
+    return paths

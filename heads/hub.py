@@ -1,0 +1,65 @@
+"""The Hugging Face Hub: drafter folders fetched by repo id, and folders uploaded in one commit."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+from .errors import GorgonError
+from .files import local_path_problem, looks_like_path, not_found_locally_or_on_hub
+
+CONFIG_NAME = "config.json"
+
+
+def resolve_folder(name_or_path: str | os.PathLike, what: str, patterns: list[str]) -> Path:
+    """A local folder with a config.json as is; anything else is a hub repo id, fetched to the hub cache
+    (only the files matching `patterns`). `what` names the thing in errors ("heads")."""
+    path = Path(name_or_path)
+    if path.is_dir():
+        if not (path / CONFIG_NAME).is_file():
+            raise GorgonError(f"{path} has no {CONFIG_NAME}: it is not a {what} folder (train {what} with "
+                              "train/heads.py or pass the folder that `save_pretrained` wrote)")
+        return path
+    text = str(name_or_path)
+    problem = local_path_problem(text)
+    if problem:
+        raise GorgonError(f"{what} {problem}: pass a folder written by save_pretrained or a hub id like user/repo")
+    if looks_like_path(text) or text.count("/") != 1:
+        raise GorgonError(f"no {what} at {text}: pass a folder written by save_pretrained or a hub id like user/repo")
+    from huggingface_hub import snapshot_download
+
+    try:
+        return Path(snapshot_download(text, allow_patterns=patterns))
+    except Exception as err:  # the hub client raises many types; all mean "not reachable or not there"
+        raise not_found_locally_or_on_hub(what, text, err) from err
+
+
+def upload_folder(folder: str | os.PathLike, repo_id: str, private: bool = False, revision: str | None = None,
+                  commit_message: str = "Upload gorgon heads") -> str:
+    """Create the repo if needed and upload a folder in one commit (training checkpoints left out)."""
+    from huggingface_hub import HfApi
+
+    api = HfApi()
+    try:
+        api.create_repo(repo_id, private=private, exist_ok=True)
+        if revision:
+            api.create_branch(repo_id, branch=revision, exist_ok=True)
+        info = api.upload_folder(folder_path=str(folder), repo_id=repo_id, revision=revision,
+                                 commit_message=commit_message, ignore_patterns=["checkpoints/*", ".*"])
+    except Exception as err:
+        reason = str(err).strip().split("\n")[0] or err.__class__.__name__
+        raise GorgonError(f"upload to {repo_id} failed ({reason}); the local folder {folder} is unchanged: "
+                          "log in with `hf auth login` (or set HF_TOKEN) and retry") from err
+    return str(getattr(info, "commit_url", info))
+
+
+class PushToHubMixin:
+    """`push_to_hub` for anything with `save_pretrained(folder)`: save to a temporary folder, upload it."""
+
+    def push_to_hub(self, repo_id: str, private: bool = False, revision: str | None = None,
+                    commit_message: str = "Upload gorgon heads") -> str:
+        """Upload to the Hub in one commit; returns the commit URL."""
+        with tempfile.TemporaryDirectory() as tmp:
+            self.save_pretrained(tmp)
+            return upload_folder(tmp, repo_id, private=private, revision=revision, commit_message=commit_message)

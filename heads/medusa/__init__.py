@@ -1,0 +1,11 @@
+"""Medusa heads (Medusa-1 and Medusa-2): K residual MLPs on the target's last hidden state.
+
+model.py: the heads, their config and checkpoint folder; drafter.py: the heads as a drafter
+(a fixed tree of top-k ranks); objective.py: the training loss; formats.py: vLLM's and
+FasterDecoding Medusa's checkpoint layouts.
+"""
+
+from .drafter import HeadsDrafter
+from .model import HeadsConfig, MedusaHeads, load_with_heads
+
+__all__ = ["HeadsConfig", "HeadsDrafter", "MedusaHeads", "load_with_heads"]

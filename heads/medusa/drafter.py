@@ -1,0 +1,42 @@
+"""Medusa heads as a drafter: one pass of the heads over the last accepted hidden state gives
+each head's top-k, and the tree's node tokens are read off by (depth, rank)."""
+
+from __future__ import annotations
+
+import torch
+
+from ..errors import GorgonError
+from ..tree import REFERENCE_ACCURACIES, build_tree, default_tree, tree_from_accuracies
+from .model import MedusaHeads
+
+
+class HeadsDrafter:
+    """Proposes a fixed tree of rank paths from the heads' top-k. The heads never run on the other tree nodes."""
+
+    def __init__(self, heads: MedusaHeads, tree=None):
+        device = next(heads.parameters()).device
+        self.heads = heads
+        self.tree = build_tree(pick_tree(heads, tree, device.type)).to(device)
+        if self.tree.max_depth > heads.config.num_heads:
+            raise GorgonError(f"the tree is {self.tree.max_depth} deep but there are only {heads.config.num_heads} "
+                              f"heads: use a tree at most {heads.config.num_heads} deep")
+        choices = heads.config.draft_vocab_size or heads.config.vocab_size
+        if self.tree.max_rank > choices:
+            raise GorgonError(f"the tree asks for rank {self.tree.max_rank - 1} but the heads draft from {choices} "
+                              f"tokens: use ranks below {choices}")
+
+    def propose(self, root: torch.Tensor, hidden: torch.Tensor, context: torch.Tensor) -> torch.Tensor:
+        return self.tree.tokens(root, self.heads.draft_topk(hidden, self.tree.max_rank))
+
+
+def pick_tree(heads: MedusaHeads, tree, device_type: str) -> list[list[int]]:
+    """An explicit list of paths wins; a number N is the best N-node tree from the heads' measured
+    accuracies (or the reference ones); then the tree saved with the heads for this device; then a default."""
+    if isinstance(tree, list):
+        return tree
+    if isinstance(tree, int):
+        accuracies = heads.accuracies or REFERENCE_ACCURACIES
+        return tree_from_accuracies(accuracies[: heads.config.num_heads], tree)
+    if tree not in (None, "auto"):
+        raise GorgonError(f"unknown tree {tree!r}: pass a list of rank paths, a node count, a JSON file, or 'auto'")
+    return heads.saved_tree(device_type) or default_tree(heads.config.num_heads, device_type)
