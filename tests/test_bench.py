@@ -114,7 +114,7 @@ def test_update_card_writes_the_measured_figures(tmp_path):
 
 @pytest.mark.slow
 def test_bench_with_a_draft_model(tmp_path):
-    from test_train import toy_data
+    from helpers import toy_data
 
     from gorgon.train.draft import DraftTrainConfig, train
 

@@ -147,7 +147,7 @@ def test_sampled_continuous_batching_is_seeded():
 
 
 def test_no_chat_template_is_a_clear_error(tmp_path):
-    from conftest import tiny_model, tiny_tokenizer
+    from helpers import tiny_model, tiny_tokenizer
 
     path = tmp_path / "plain"
     tiny_model(vocab=128).save_pretrained(path)

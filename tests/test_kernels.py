@@ -201,7 +201,7 @@ def test_profile_step_prints_one_json_line(tmp_path, kernels):
 
 
 def test_auto_tree_is_sized_from_accuracies_and_measured_costs(tmp_path, monkeypatch, capsys):
-    import gorgon.decode.cli as cli
+    import gorgon.decode.options as options
 
     target_path = tiny_chat_target(tmp_path)
     target = load_target(str(target_path), device="cpu")
@@ -211,9 +211,9 @@ def test_auto_tree_is_sized_from_accuracies_and_measured_costs(tmp_path, monkeyp
     args = generate_parser().parse_args(["--heads", str(tmp_path / "heads"), "--target", str(target_path),
                                          "--prompt", "x", "--cpu-kernels", "stock"])
     for costs, size in [({1: 10.0, 2: 10.0, 4: 10.0, 8: 10.0, 16: 10.0}, 16), ({1: 10.0, 2: 10.0, 4: 40.0}, 2)]:
-        monkeypatch.setattr(cli, "verify_costs", lambda model, costs=costs: costs)
-        _, drafter = cli.load_drafter(args, "auto")
+        monkeypatch.setattr(options, "verify_costs", lambda model, costs=costs: costs)
+        _, drafter = options.load_drafter(args, "auto")
         assert drafter.tree.size == size
         assert f"a {size}-node tree fits this machine best" in capsys.readouterr().err
-    _, drafter = cli.load_drafter(args, 3)  # an explicit size is kept
+    _, drafter = options.load_drafter(args, 3)  # an explicit size is kept
     assert drafter.tree.size == 3

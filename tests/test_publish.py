@@ -209,3 +209,19 @@ def test_failed_upload_leaves_the_folder_and_says_why(tmp_path, hub):
     last = run.stderr.strip().splitlines()[-1]
     assert last.startswith("gorgon push: error: upload to someone/tiny-heads failed") and "unchanged" in last
     assert {p.name: p.read_bytes() for p in folder.iterdir() if p.is_file()} == before
+
+
+def test_heads_push_to_hub_uploads_what_save_pretrained_writes(tmp_path, hub):
+    """The Python API: `MedusaHeads.push_to_hub` saves to a temporary folder and uploads it in one commit."""
+    folder = heads_folder(tmp_path)
+    code = ("import sys; from gorgon.heads import MedusaHeads; "
+            "print(MedusaHeads.from_pretrained(sys.argv[1]).push_to_hub('someone/tiny-heads'))")
+    env = {**os.environ, "HF_ENDPOINT": hub, "HF_TOKEN": "hf_test", "HF_HUB_OFFLINE": "0",
+           "HF_HUB_DISABLE_TELEMETRY": "1"}
+    run = subprocess.run([sys.executable, "-c", code, str(folder)], env=env, capture_output=True, text=True,
+                         timeout=120)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.strip().endswith(f"someone/tiny-heads/commit/{'1' * 40}")
+    assert sum("/commit/" in p for m, p in FakeHub.calls if m == "POST") == 1
+    assert set(FakeHub.files) == {"config.json", "model.safetensors"}
+    assert json.loads(FakeHub.files["config.json"]) == json.loads((folder / "config.json").read_text())

@@ -52,7 +52,7 @@ def test_tree_from_accuracies_is_best_first_and_valid():
 
 
 def test_a_node_count_builds_the_tree_from_the_heads_accuracies():
-    from conftest import tiny_model
+    from helpers import tiny_model
 
     from gorgon.heads import HeadsDrafter, MedusaHeads
 
