@@ -206,7 +206,7 @@ def run_bench(target, drafter, questions: list[dict], max_new_tokens: int = 256,
     return report
 
 
-def environment(model, tree, sampling: Sampling, max_new_tokens: int) -> dict:
+def environment(model, drafter, sampling: Sampling, max_new_tokens: int) -> dict:
     import platform
 
     import transformers
@@ -216,10 +216,16 @@ def environment(model, tree, sampling: Sampling, max_new_tokens: int) -> dict:
     return {"device": f"{device.type} ({name})", "dtype": str(model.dtype).replace("torch.", ""),
             "kernels": kernels_in_use(model) if device.type == "cpu" else "cuda",
             "one_row_kernel": one_row_kernel(model), "cpu_flags": cpu_flags(),
-            "threads": torch.get_num_threads(), "tree": [list(p) for p in tree.paths], "tree_size": tree.size,
+            "threads": torch.get_num_threads(), "tree": tree_description(drafter), "tree_size": drafter.max_nodes,
             "max_new_tokens": max_new_tokens, "temperature": sampling.temperature, "top_k": sampling.top_k,
             "top_p": sampling.top_p, "versions": {"torch": torch.__version__, "transformers": transformers.__version__,
                                                   "python": platform.python_version()}}
+
+
+def tree_description(drafter):
+    """A static drafter's tree as rank paths; a drafter that builds a tree per step has none to show."""
+    tree = getattr(drafter, "tree", None)
+    return [list(p) for p in tree.paths] if tree is not None else "built per step"
 
 
 def markdown_table(report: dict) -> str:
@@ -327,7 +333,7 @@ def main(argv=None) -> int:
         assistant.to(target.model.device)
     seed = 0 if args.seed is None else args.seed  # reproducible unless asked otherwise
     report = run_bench(target, drafter, questions, args.max_new_tokens, sampling, baselines, assistant, seed)
-    report.update(environment(target.model, drafter.tree, sampling, args.max_new_tokens))
+    report.update(environment(target.model, drafter, sampling, args.max_new_tokens))
     report.update({"target": target.name, "drafter": args.heads or args.draft, "questions_file": args.questions,
                    "command": "gorgon bench " + " ".join(sys.argv[2:] if argv is None else argv)})
     print(markdown_table(report))

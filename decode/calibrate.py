@@ -89,7 +89,7 @@ def measure_verify_costs(model, sizes=None, context: int = 256, repeat: int = 5)
             chain = build_tree([[0] * d for d in range(1, n)]).to(device)
 
             def step(tree=chain, tokens=tokens):
-                lm_logits(model, verify(model, cache, tokens, tree))
+                lm_logits(model, verify(model, cache, tokens, tree).last_hidden_state)
         costs[n] = median_ms(step, repeat, lambda: crop_cache(cache, context), device)
     return costs
 

@@ -1,9 +1,10 @@
 """The speculative generation loop: propose a tree, verify it in one forward, accept, compact the cache.
 
 State between steps: the KV cache holds every accepted token except the newest one (`root`),
-whose value the target already chose; `hidden` is the target's last hidden state at the
-token before it, which is what the heads read. One step then emits the accepted candidates
-plus one bonus token from the target itself, so each target forward yields at least one token.
+whose value the target already chose; `fresh` are the target's features (hidden states) at the
+tokens accepted by the last step, which the drafter reads. One step then emits the accepted
+candidates plus one bonus token from the target itself, so each target forward yields at least
+one token.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from gorgon.heads.errors import GorgonError
 from gorgon.heads.target import base_model, lm_logits
 
 from .acceptance import Sampling, accept_greedy, accept_sampled, accept_typical, target_probs
-from .verify import keep_path, verify
+from .verify import features, keep_path, verify
 
 ACCEPTANCE_RULES = ("exact", "typical")
 
@@ -106,7 +107,7 @@ def speculative_generate(model, drafter: Drafter, input_ids: torch.Tensor, max_n
     if eos_token_id == "default":
         eos_token_id = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
     stop = StopRule(max_new_tokens, eos_token_id, stop_strings, tokenizer)
-    tree = drafter.tree
+    layers = drafter.feature_layers
     start = time.perf_counter()
 
     def next_token(logits):
@@ -115,8 +116,10 @@ def speculative_generate(model, drafter: Drafter, input_ids: torch.Tensor, max_n
         return torch.multinomial(target_probs(logits, sampling), 1, generator=generator)[0]
 
     cache = DynamicCache()
-    hidden = base_model(model)(input_ids=input_ids, past_key_values=cache, use_cache=True).last_hidden_state[0, -1]
-    root = next_token(lm_logits(model, hidden))
+    out = base_model(model)(input_ids=input_ids, past_key_values=cache, use_cache=True,
+                            output_hidden_states=layers is not None)
+    fresh = features(out, layers)
+    root = next_token(lm_logits(model, out.last_hidden_state[0, -1]))
     context = input_ids[0]                  # tokens in the cache; root follows them
     new = [int(root)]
     result = GenerationResult(tokens=new, target_forwards=1, accepted=[1])
@@ -124,10 +127,10 @@ def speculative_generate(model, drafter: Drafter, input_ids: torch.Tensor, max_n
     if streamer:
         streamer(new[:keep])
     while keep is None:
-        tokens = drafter.propose(root, hidden, torch.cat([context, root.reshape(1)]))
+        tokens, tree = drafter.propose(root, fresh, context)
         past_len = cache.get_seq_length()
-        node_hidden = verify(model, cache, tokens, tree)
-        logits = lm_logits(model, node_hidden)
+        out = verify(model, cache, tokens, tree, hidden_states=layers is not None)
+        logits = lm_logits(model, out.last_hidden_state[0])
         if acceptance == "typical":
             path, emitted = accept_typical(tree, tokens, target_probs(logits, sampling), generator)
         elif sampling.greedy:
@@ -144,7 +147,7 @@ def speculative_generate(model, drafter: Drafter, input_ids: torch.Tensor, max_n
         result.accepted.append(len(emitted))
         if streamer:
             streamer(new[before:keep])
-        hidden = node_hidden[path[-1]]
+        fresh = features(out, layers)[nodes]
         root = torch.tensor(emitted[-1], device=tokens.device)
     del new[keep:]
     result.seconds = time.perf_counter() - start

@@ -58,17 +58,26 @@ def verify_mask(config, tree: Tree, past_len: int, dtype: torch.dtype):
     return {kind: make() for kind, make in masks.items()}
 
 
-def verify(model, cache, tokens: torch.Tensor, tree: Tree) -> torch.Tensor:
-    """Run the target over all tree nodes at once; returns their last hidden states (T, H)."""
+def verify(model, cache, tokens: torch.Tensor, tree: Tree, hidden_states: bool = False):
+    """Run the target over all tree nodes at once; returns the decoder's output for them (batch of one),
+    every layer's hidden states included when asked for (a drafter reading several layers needs them)."""
     past_len = cache.get_seq_length()
-    hidden = base_model(model)(
+    return base_model(model)(
         input_ids=tokens[None],
         attention_mask=verify_mask(model.config, tree, past_len, model.dtype),
         position_ids=(past_len + tree.depth)[None],
         past_key_values=cache,
         use_cache=True,
-    ).last_hidden_state
-    return hidden[0]
+        output_hidden_states=hidden_states,
+    )
+
+
+def features(output, layers: tuple[int, ...] | None) -> torch.Tensor:
+    """A drafter's features from a decoder output (batch of one): the last hidden state, or the
+    `hidden_states` of the given layers concatenated (see `gorgon.heads.drafter`)."""
+    if layers is None:
+        return output.last_hidden_state[0]
+    return torch.cat([output.hidden_states[i][0] for i in layers], dim=-1)
 
 
 def keep_path(cache, past_len: int, nodes: torch.Tensor) -> None:

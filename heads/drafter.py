@@ -1,9 +1,16 @@
 """The drafter interface: what every drafting method gives the decoder.
 
-A drafter has a `tree` (the shape of what it proposes) and `propose(root, hidden, context)`,
-which returns one token per tree node, the root first. Verification and acceptance are
-written once, in `gorgon.decode`, for every drafter; each method (gorgon.heads.medusa,
-gorgon.heads.draft_model) implements this and nothing of the decoder.
+Each step the decoder calls `propose(root, features, context)` and gets back the candidate
+tree for that step and one token per tree node, the root first. A static drafter (Medusa's
+heads, a draft model's chain) returns the same tree every step; a dynamic one (EAGLE-2's
+confidence-ranked tree) builds a new one. Verification and acceptance are written once, in
+`gorgon.decode`, for every drafter; each method implements this and nothing of the decoder.
+
+`features` are the target's hidden states at the tokens accepted since the last call (the whole
+prompt at the first call): row i belongs to context[-len(features) + i]. They tell a drafter
+what was accepted, so one with its own cache can follow. Which hidden states they are is the
+drafter's `feature_layers`: None for the last (normed) one, else indices into the model's
+`hidden_states` (0 the embeddings, i the output of layer i), concatenated.
 """
 
 from __future__ import annotations
@@ -16,8 +23,11 @@ from .tree import Tree
 
 
 class Drafter(Protocol):
-    tree: Tree
+    feature_layers: tuple[int, ...] | None
+    max_nodes: int  # the most tree nodes a step proposes, root included
 
-    def propose(self, root: torch.Tensor, hidden: torch.Tensor, context: torch.Tensor) -> torch.Tensor:
-        """Tokens for every tree node. root: the next token (scalar); hidden: the target's
-        last hidden state at the last accepted token (H,); context: all tokens so far (n,)."""
+    def propose(self, root: torch.Tensor, features: torch.Tensor,
+                context: torch.Tensor) -> tuple[torch.Tensor, Tree]:
+        """The step's tree and a token per node. root: the next token (scalar), not yet in the target's
+        cache; features: (m, F) target hidden states of the last m tokens of `context`; context: every
+        token in the target's cache (n,)."""

@@ -22,19 +22,21 @@ from gorgon.decode.acceptance import accept_greedy
 from gorgon.decode.calibrate import cpu_flags, cpu_name, measure_verify_costs, median_ms
 from gorgon.decode.kernels import kernels_in_use, one_row_kernel, use_cpu_kernels
 from gorgon.decode.options import add_model_arguments, load_drafter, read_tree
-from gorgon.decode.verify import keep_path, verify
+from gorgon.decode.verify import features, keep_path, verify
 from gorgon.heads import HeadsDrafter, MedusaHeads
 from gorgon.heads.target import base_model, crop_cache, lm_logits, resolve_device, resolve_dtype
 
 
 def profile(model, drafter, context: int, repeat: int) -> dict[str, float]:
     """Milliseconds of each part of one speculative step, and of a plain step, on a cache of `context`."""
-    tree, device = drafter.tree, model.device
+    device, layers = model.device, drafter.feature_layers
     prompt = torch.randint(0, model.config.get_text_config().vocab_size, (1, context), device=device)
     parts = {}
     cache = DynamicCache()
-    hidden = base_model(model)(input_ids=prompt, past_key_values=cache, use_cache=True).last_hidden_state[0, -1]
-    root = lm_logits(model, hidden).argmax()
+    out = base_model(model)(input_ids=prompt, past_key_values=cache, use_cache=True,
+                            output_hidden_states=layers is not None)
+    fresh = features(out, layers)
+    root = lm_logits(model, out.last_hidden_state[0, -1]).argmax()
 
     def reset():
         crop_cache(cache, context)
@@ -45,10 +47,11 @@ def profile(model, drafter, context: int, repeat: int) -> dict[str, float]:
     parts["plain step (1 token + lm_head)"] = timed(
         lambda: lm_logits(model, base_model(model)(input_ids=root.view(1, 1), past_key_values=cache,
                                                    use_cache=True).last_hidden_state))
-    tokens = drafter.propose(root, hidden, prompt[0])
-    parts["drafter propose"] = timed(lambda: drafter.propose(root, hidden, prompt[0]))
-    parts[f"verify forward ({tree.size} nodes)"] = timed(lambda: verify(model, cache, tokens, tree))
-    node_hidden = verify(model, cache, tokens, tree)
+    tokens, tree = drafter.propose(root, fresh, prompt[0])  # a drafter with a cache takes in the prompt here
+    parts["drafter propose"] = timed(lambda: drafter.propose(root, fresh[-1:], prompt[0]), lambda: None)
+    hidden_states = layers is not None
+    parts[f"verify forward ({tree.size} nodes)"] = timed(lambda: verify(model, cache, tokens, tree, hidden_states))
+    node_hidden = verify(model, cache, tokens, tree).last_hidden_state[0]
     reset()
     parts["target lm_head over the tree"] = timed(lambda: lm_logits(model, node_hidden))
     logits = lm_logits(model, node_hidden)
@@ -106,7 +109,7 @@ def main():
         print(json.dumps({
             "plain_ms": round(plain, 3),
             "verify_ratio": {str(n): round(ms / costs[1], 3) for n, ms in costs.items()},
-            "step_ratio": round(spec / plain, 3), "tree_size": drafter.tree.size, "kernels": kernels,
+            "step_ratio": round(spec / plain, 3), "tree_size": drafter.max_nodes, "kernels": kernels,
             "one_row_kernel": one_row_kernel(model),
             "cpu_flags": cpu_flags(), "dtype": str(model.dtype).replace("torch.", ""),
             "threads": torch.get_num_threads(), "context": args.context,
@@ -116,7 +119,7 @@ def main():
         return
     print(f"{model.dtype}, {torch.get_num_threads()} thread(s), {kernels} kernels (one row: {one_row_kernel(model)}), "
           f"cache of {args.context} tokens, "
-          f"tree of {drafter.tree.size}; CPU flags: {' '.join(cpu_flags()) or '-'}")
+          f"tree of {drafter.max_nodes}; CPU flags: {' '.join(cpu_flags()) or '-'}")
     for name, ms in parts.items():
         print(f"  {name:<36} {ms:7.1f} ms  {ms / plain:5.2f}x plain")
     print(f"  {'speculative step, total':<36} {spec:7.1f} ms  {spec / plain:5.2f}x plain"

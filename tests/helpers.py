@@ -175,13 +175,15 @@ class OracleDrafter:
     selection and cache compaction far more than random heads (which accept almost nothing).
     """
 
+    feature_layers = None
+
     def __init__(self, reference: list[int], prompt_len: int, vocab: int, paths, seed: int = 0):
         self.reference, self.prompt_len, self.vocab = reference, prompt_len, vocab
         self.tree = build_tree(paths)
         self.gen = torch.Generator().manual_seed(seed)
 
-    def propose(self, root, hidden, context):
-        i = context.numel() - self.prompt_len - 1           # index of root in the continuation
+    def propose(self, root, features, context):
+        i = context.numel() - self.prompt_len               # index of root in the continuation
         depth, width = self.tree.max_depth, self.tree.max_rank
         topk = torch.empty(depth, width, dtype=torch.long)
         for d in range(depth):
@@ -193,24 +195,26 @@ class OracleDrafter:
                 at = int(torch.randint(0, width, (1,), generator=self.gen))
                 row = torch.cat([row[:at], torch.tensor([truth]), row[at:]])[:width]
             topk[d] = row
-        return self.tree.tokens(root, topk)
+        return self.tree.tokens(root, topk), self.tree
 
 
 class TargetRolloutDrafter:
     """Proposes the target's own top-k along its greedy rollout: likely tokens, so rejection
     sampling accepts often and deep, which is what the exactness test needs to exercise."""
 
+    feature_layers = None
+
     def __init__(self, model, paths):
         self.model = model
         self.tree = build_tree(paths)
 
     @torch.no_grad()
-    def propose(self, root, hidden, context):
-        seq = context.clone()
+    def propose(self, root, features, context):
+        seq = torch.cat([context, root.reshape(1)])
         rows = []
         for _ in range(self.tree.max_depth):
             logits = self.model(seq[None]).logits[0, -1]
             top = logits.topk(self.tree.max_rank).indices
             rows.append(top)
             seq = torch.cat([seq, top[:1]])
-        return self.tree.tokens(root, torch.stack(rows))
+        return self.tree.tokens(root, torch.stack(rows)), self.tree

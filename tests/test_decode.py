@@ -68,7 +68,7 @@ def test_cache_after_acceptance_equals_plain_forward(arch):
         for last in (0, 3, 7, 10, tree.size - 1):
             cache = DynamicCache()
             model.get_decoder()(input_ids=prefix, past_key_values=cache, use_cache=True)
-            hidden = verify(model, cache, tokens, tree)
+            hidden = verify(model, cache, tokens, tree).last_hidden_state[0]
             nodes = torch.tensor(tree.path_to[last])
             keep_path(cache, prefix.shape[1], nodes)
             plain = DynamicCache()

@@ -22,6 +22,8 @@ class DraftModelDrafter:
     accepted tokens, and only the new tokens are fed: usually the accepted drafts and the bonus.
     """
 
+    feature_layers = None  # unused: the draft reads tokens only
+
     def __init__(self, draft_model, k: int = 4):
         if not 1 <= k <= MAX_DRAFT_TOKENS:
             raise GorgonError(f"a draft model proposes 1 to {MAX_DRAFT_TOKENS} tokens per step, not {k}")
@@ -35,10 +37,15 @@ class DraftModelDrafter:
         check_draft_vocab(self.model, target_model)
         return self
 
+    @property
+    def max_nodes(self) -> int:
+        return self.tree.size
+
     @torch.no_grad()
-    def propose(self, root: torch.Tensor, hidden: torch.Tensor, context: torch.Tensor) -> torch.Tensor:
+    def propose(self, root: torch.Tensor, features: torch.Tensor, context: torch.Tensor):
         from transformers import DynamicCache
 
+        context = torch.cat([context, root.reshape(1)])
         n = min(self.seen.numel(), context.numel() - 1)  # always feed at least the newest token
         same = int((self.seen[:n] == context[:n]).cumprod(0).sum()) if n else 0
         if self.cache is None or same == 0:
@@ -52,4 +59,4 @@ class DraftModelDrafter:
             fed = logits.argmax(-1, keepdim=True)
             drafts.append(fed)
         self.seen = torch.cat([context] + drafts[:-1])  # the last draft was never fed
-        return self.tree.tokens(root, torch.stack(drafts))
+        return self.tree.tokens(root, torch.stack(drafts)), self.tree

@@ -13,6 +13,8 @@ from .model import MedusaHeads
 class HeadsDrafter:
     """Proposes a fixed tree of rank paths from the heads' top-k. The heads never run on the other tree nodes."""
 
+    feature_layers = None  # the target's last hidden state
+
     def __init__(self, heads: MedusaHeads, tree=None):
         device = next(heads.parameters()).device
         self.heads = heads
@@ -25,8 +27,13 @@ class HeadsDrafter:
             raise GorgonError(f"the tree asks for rank {self.tree.max_rank - 1} but the heads draft from {choices} "
                               f"tokens: use ranks below {choices}")
 
-    def propose(self, root: torch.Tensor, hidden: torch.Tensor, context: torch.Tensor) -> torch.Tensor:
-        return self.tree.tokens(root, self.heads.draft_topk(hidden, self.tree.max_rank))
+    @property
+    def max_nodes(self) -> int:
+        return self.tree.size
+
+    def propose(self, root: torch.Tensor, features: torch.Tensor, context: torch.Tensor):
+        """The heads read the hidden state at the last accepted token only."""
+        return self.tree.tokens(root, self.heads.draft_topk(features[-1], self.tree.max_rank)), self.tree
 
 
 def pick_tree(heads: MedusaHeads, tree, device_type: str) -> list[list[int]]:
