@@ -8,9 +8,10 @@ import json
 import sys
 from pathlib import Path
 
-from gorgon.heads import DraftModelDrafter, GorgonError, HeadsDrafter, load_target, load_with_heads
+from gorgon.heads import DraftModelDrafter, GorgonError, MedusaHeads, load_target
 from gorgon.heads.errors import int_at_least
 from gorgon.heads.files import read_text
+from gorgon.heads.loading import drafter_for, load_heads
 from gorgon.heads.target import check_same_tokenizer, load_causal_lm
 from gorgon.heads.tree import best_tree_size
 
@@ -54,12 +55,12 @@ def load_drafter(args, tree):
     if args.draft and args.tree != "auto":
         raise GorgonError("--tree applies to --heads only: a --draft model proposes a chain of --draft-tokens")
     if args.heads:
-        target, heads = load_with_heads(args.heads, args.target, device=args.device, dtype=args.dtype)
+        target, heads = load_heads(args.heads, args.target, device=args.device, dtype=args.dtype)
         use_cpu_kernels(target.model, args.cpu_kernels)
-        if tree == "auto" and heads.accuracies:
+        if tree == "auto" and isinstance(heads, MedusaHeads) and heads.accuracies:
             tree = best_tree_size(heads.accuracies[: heads.config.num_heads], verify_costs(target.model))
             print(f"gorgon: a {tree}-node tree fits this machine best (--tree N to choose another)", file=sys.stderr)
-        return target, HeadsDrafter(heads, tree)
+        return target, drafter_for(heads, tree)
     target = load_target(args.target, device=args.device, dtype=args.dtype)
     # A folder of weights only has no tokenizer: the vocabulary size check is all there is to go on.
     draft, draft_tokenizer = load_causal_lm(args.draft, "draft model", dtype=target.model.dtype, tokenizer="optional")

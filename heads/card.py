@@ -24,10 +24,13 @@ def plot_head_accuracy(metrics: dict, path: Path) -> None:
     ax.bar([h + width / 2 for h in heads], metrics["top1"], width, label="top-1", color="#3182bd")
     for h, a in zip(heads, metrics["top1"]):
         ax.text(h + width / 2, a + 0.01, f"{a:.2f}", ha="center", fontsize=8)
-    ax.set_xticks(heads, [f"head {h}\n(t+{h + 1})" for h in heads])
+    if metrics.get("arch") == "eagle":  # rows are the unrolled steps: step j drafts j tokens ahead of the root
+        ax.set_xticks(heads, [f"step {h}\n(t+{h + 1})" for h in heads])
+    else:
+        ax.set_xticks(heads, [f"head {h}\n(t+{h + 1})" for h in heads])
     ax.set_ylim(0, 1)
     ax.set_ylabel("held-out accuracy")
-    ax.set_title("Medusa head accuracy")
+    ax.set_title("feature-level head accuracy" if metrics.get("arch") == "eagle" else "Medusa head accuracy")
     ax.legend(loc="upper right", fontsize=8)
     fig.tight_layout()
     fig.savefig(path)
@@ -79,6 +82,8 @@ def hub_id(target_name: str) -> str:
 
 def write_model_card(out: Path, recipe: dict, metrics: dict, bench: dict | None = None) -> None:
     """README.md with Hub metadata, how the heads were trained, their measured accuracy, and usage."""
+    if recipe.get("arch") == "eagle":
+        return write_eagle_card(out, recipe, metrics, bench)
     target_name = metrics.get("target_name") or recipe.get("target") or EMBEDDED_NAME
     rows = "\n".join(f"| {k + 1} | t+{k + 2} | {a:.3f} | {b:.3f} |"
                      for k, (a, b) in enumerate(zip(metrics["top1"], metrics["top5"])))
@@ -218,5 +223,61 @@ from vllm import LLM
 llm = LLM(model="{base}", speculative_config={{"model": "THIS_FOLDER",
                                                 "num_speculative_tokens": {metrics['draft_tokens']}}})
 ```
+"""
+    atomic_write_text(out / "README.md", text)
+
+
+def write_eagle_card(out: Path, recipe: dict, metrics: dict, bench: dict | None = None) -> None:
+    """README.md for a feature-level head: what it reads, how it was trained, its accuracy, and usage."""
+    target_name = metrics.get("target_name") or recipe.get("target") or EMBEDDED_NAME
+    base = hub_id(target_name)
+    pairs = zip(metrics["top1"], metrics["top5"])
+    rows = "\n".join(f"| {k + 1} | {a:.3f} | {b:.3f} |" for k, (a, b) in enumerate(pairs))
+    layers = recipe.get("feature_layers") or "EAGLE-3's low, middle and high"
+    text = f"""---
+base_model: {base}
+library_name: gorgon
+tags:
+- eagle
+- speculative-decoding
+---
+
+# A feature-level draft head for {target_name}
+
+An EAGLE-3-style head: the target's hidden states at layers {layers} and the next token's embedding go
+through one decoder layer of the target's architecture, and it drafts a tree ranked by its confidence
+each step (EAGLE-2). Trained with gorgon ({metrics['steps']} steps, {recipe['ttt_steps']} unrolled step(s))
+on {data_line(recipe, metrics)}. Greedy decoding with it gives exactly the target's own output.
+
+## Held-out accuracy (teacher-forced)
+
+| step | top-1 | top-5 |
+|---|---|---|
+{rows}
+
+A greedy chain with this top-1 would give {metrics['expected_tau']['cpu']:.2f} tokens per target forward with
+the CPU tree ({recipe['cpu_tree_size']} nodes); the ranked tree does better, as the bench below measures.
+
+## Speed
+
+{speed_section(bench, '--heads')}
+
+## Use
+
+```bash
+gorgon generate --heads THIS_FOLDER --prompt "Hello"
+```
+
+### In vLLM or SGLang (EAGLE-3)
+
+```bash
+gorgon export --heads THIS_FOLDER --format eagle3 --out eagle3-head
+```
+```python
+from vllm import LLM
+llm = LLM(model="{base}", speculative_config={{"method": "eagle3", "model": "eagle3-head",
+                                                "num_speculative_tokens": {recipe['draft_depth']}}})
+```
+`gorgon export --format speculators` writes the speculators format, which vLLM also reads.
 """
     atomic_write_text(out / "README.md", text)

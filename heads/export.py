@@ -7,25 +7,30 @@ import json
 import shutil
 from pathlib import Path
 
+from .eagle import EagleHead
+from .eagle import formats as eagle_formats
 from .errors import GorgonError
 from .files import check_output
-from .medusa.formats import FORMATS, export_heads, foreign_format
-from .medusa.model import load_with_heads
+from .loading import load_heads
+from .medusa import formats as medusa_formats
 
 
 def is_export(folder: Path) -> bool:
     """A folder `gorgon export` wrote: a config.json in one of the foreign formats."""
     try:
-        return foreign_format(folder, json.loads((folder / "config.json").read_text(encoding="utf-8"))) is not None
+        config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+        return (medusa_formats.foreign_format(folder, config) or eagle_formats.foreign_format(config)) is not None
     except (OSError, UnicodeDecodeError, json.JSONDecodeError, AttributeError):
         return False
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="gorgon export", description="Export heads for a serving engine: 'vllm' (vLLM's "
-                                "Medusa model) or 'medusa' (FasterDecoding Medusa, which TGI and TensorRT-LLM read).")
+    p = argparse.ArgumentParser(prog="gorgon export", description="Export heads for a serving engine. Medusa heads: "
+                                "'vllm' (vLLM's Medusa model) or 'medusa' (FasterDecoding Medusa, which TGI and "
+                                "TensorRT-LLM read). A feature-level head: 'eagle3' (vLLM's and SGLang's EAGLE-3) or "
+                                "'speculators' (the speculators library's format, which vLLM reads).")
     p.add_argument("--heads", required=True, help="heads folder or hub id")
-    p.add_argument("--format", required=True, choices=FORMATS)
+    p.add_argument("--format", required=True, choices=medusa_formats.FORMATS + eagle_formats.FORMATS)
     p.add_argument("--out", required=True, help="output folder")
     p.add_argument("--target", default=None, help="the target (default: the embedded SmolLM2); its lm_head is "
                    "written out when the heads share it")
@@ -36,9 +41,15 @@ def main(argv=None) -> int:
     if Path(args.heads).is_dir() and out.exists() and out.resolve() == Path(args.heads).resolve():
         raise GorgonError(f"--out {out} is the heads folder itself: choose another folder for the export")
     replace = check_output(out, is_export, args.overwrite)
-    target, heads = load_with_heads(args.heads, args.target, device="cpu", dtype="float32")
+    target, heads = load_heads(args.heads, args.target, device="cpu", dtype="float32")
+    eagle = isinstance(heads, EagleHead)
+    if (args.format in eagle_formats.FORMATS) != eagle:
+        kind, formats = ("a feature-level head", eagle_formats.FORMATS) if eagle else \
+            ("Medusa heads", medusa_formats.FORMATS)
+        raise GorgonError(f"{args.heads} holds {kind}, which export as {' or '.join(formats)}, not {args.format}")
     if replace:
         shutil.rmtree(out)  # an earlier export, perhaps in the other format: none of its files may linger
-    out = export_heads(heads, args.format, out, args.base_model or target.name)
+    write = eagle_formats.export_head if eagle else medusa_formats.export_heads
+    out = write(heads, args.format, out, args.base_model or target.name)
     print(f"gorgon export: wrote {args.format} heads to {out}")
     return 0

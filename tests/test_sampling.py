@@ -116,3 +116,17 @@ def test_target_probs_match_transformers_warpers(temperature, top_k, top_p):
     theirs = processors(torch.zeros(4, 1, dtype=torch.long), logits.clone()).softmax(-1)
     mine = target_probs(logits, Sampling(temperature, top_k, top_p))
     torch.testing.assert_close(mine, theirs)
+
+
+@pytest.mark.slow
+def test_sampling_with_a_feature_level_head_is_exact(peaky_model):
+    """EAGLE-2's dynamic trees: the tree differs step to step, each candidate still a point-mass proposal."""
+    from gorgon.heads import EagleDrafter, EagleHead
+
+    torch.manual_seed(0)
+    head = EagleHead.for_target(peaky_model)
+    s = Sampling(temperature=1.0)
+    prompt = torch.tensor([[1, 5, 2]])
+    counts, accepted = sample_counts(peaky_model, prompt, s, EagleDrafter(head, nodes=7, depth=2, topk=3))
+    assert max(accepted) >= 2  # drafted candidates were accepted, not only bonus tokens
+    assert chi_square_p(exact_distribution(peaky_model, prompt, s), counts) > 1e-3

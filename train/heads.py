@@ -33,7 +33,8 @@ class HeadsTrainConfig:
     data: str                          # `gorgon data` output folder or a conversation file
     out: str                           # output folder
     target: str | None = None          # hub id or path; None = the embedded SmolLM2-135M-Instruct
-    mode: str = "medusa1"              # medusa1 (frozen target) | medusa2 (joint, LoRA)
+    arch: str = "medusa"               # medusa (Medusa heads) | eagle (a feature-level head, EAGLE-3's layout)
+    mode: str = "medusa1"              # medusa: medusa1 (frozen target) | medusa2 (joint, LoRA)
     num_heads: int = 4
     num_layers: int = 1
     shared_lm_head: bool = True
@@ -64,16 +65,29 @@ class HeadsTrainConfig:
     overwrite: bool = False            # replace an earlier run's output folder (checkpoints included)
     seed: int = 0
     dtype: str = "auto"                # target dtype: auto = bf16 on CUDA, fp32 on CPU
-    tree_topk: int = 10                # ranks measured per head for the trees
+    tree_topk: int = 10                # ranks measured per head (eagle: per step) for the trees
+    feature_layers: list[int] | None = None  # eagle: target hidden_states read (None: EAGLE-3's low, middle, high)
+    ttt_steps: int = 1                 # eagle: unrolled steps that feed the head its own outputs (1: off)
+    hidden_weight: float = 0.0         # eagle: weight of EAGLE-1's feature regression
+    draft_depth: int = 5               # eagle: tree levels drafted per step
+    draft_topk: int = 8                # eagle: tokens kept and expanded per level
     draft_vocab_size: int | None = None  # heads draft from, and train over, the N most frequent answer tokens
-    cpu_tree_size: int = DEVICE_TREE_SIZE["cpu"]
-    gpu_tree_size: int = DEVICE_TREE_SIZE["cuda"]
+    cpu_tree_size: int = DEVICE_TREE_SIZE["cpu"]   # tree nodes for decoding on a CPU (eagle: per step)
+    gpu_tree_size: int = DEVICE_TREE_SIZE["cuda"]  # and on a GPU
     report_to: str = "wandb"           # wandb (offline without an API key) | none
     project: str = "gorgon"
     push_to_hub: str | None = None
 
+    @property
+    def rows(self) -> int:
+        """What the logs and accuracies count per row: Medusa's heads, or the eagle head's unrolled steps."""
+        return self.ttt_steps if self.arch == "eagle" else self.num_heads
+
     def check(self) -> None:
-        choices = {"mode": ("medusa1", "medusa2"), "loss": ("ce", "kl"), "report_to": ("wandb", "none")}
+        from gorgon.heads.eagle.model import check_search
+
+        choices = {"arch": ("medusa", "eagle"), "mode": ("medusa1", "medusa2"), "loss": ("ce", "kl"),
+                   "report_to": ("wandb", "none")}
         for key, allowed in choices.items():
             if getattr(self, key) not in allowed:
                 raise GorgonError(f"{key} must be one of {', '.join(allowed)}, not {getattr(self, key)!r}")
@@ -81,6 +95,14 @@ class HeadsTrainConfig:
             raise GorgonError("num_heads, num_layers, batch_size and grad_accum must be at least 1")
         if self.max_steps is not None and self.max_steps < 0:
             raise GorgonError(f"max_steps must be at least 0 (0 saves the untrained heads), not {self.max_steps}")
+        if self.arch == "eagle":
+            if self.mode != "medusa1":
+                raise GorgonError("mode medusa2 trains LoRA on the target beside Medusa heads: use arch: medusa, or "
+                                  "mode: medusa1 with arch: eagle (the target stays frozen)")
+            if self.ttt_steps < 1:
+                raise GorgonError(f"ttt_steps must be at least 1 (1 is plain teacher forcing), not {self.ttt_steps}")
+            for nodes in (self.cpu_tree_size, self.gpu_tree_size):
+                check_search(self.draft_depth, self.draft_topk, nodes)
 
 
 def schedule(warmup: int, total: int, delay: int = 0):
@@ -123,13 +145,19 @@ def latest_heads_checkpoint(out: Path) -> Path | None:
     return latest_checkpoint(out / "checkpoints", "step", PROGRESS_NAME)
 
 
+def frequent_tokens(examples: list[dict], size: int, vocab_size: int) -> tuple[torch.Tensor, float]:
+    """The `size` most frequent answer tokens (a draft vocabulary) and their share of all answer tokens."""
+    answer = [t for ex in examples for t, m in zip(ex["input_ids"], ex["loss_mask"]) if m]
+    counts = torch.bincount(torch.tensor(answer), minlength=vocab_size)
+    top = counts.topk(min(size, vocab_size))
+    return top.indices, float(top.values.sum() / counts.sum())
+
+
 def set_draft_vocab(heads, examples: list[dict], size: int) -> float:
     """Let the heads draft from the `size` most frequent answer tokens; returns their share of answer tokens."""
-    answer = [t for ex in examples for t, m in zip(ex["input_ids"], ex["loss_mask"]) if m]
-    counts = torch.bincount(torch.tensor(answer), minlength=heads.config.vocab_size)
-    top = counts.topk(min(size, heads.config.vocab_size))
-    heads.set_draft_vocab(top.indices)
-    return float(top.values.sum() / counts.sum())
+    tokens, coverage = frequent_tokens(examples, size, heads.config.vocab_size)
+    heads.set_draft_vocab(tokens)
+    return coverage
 
 
 def accuracy_table(counts: torch.Tensor) -> list[list[float]]:
@@ -179,6 +207,22 @@ def medusa_objective(cfg: HeadsTrainConfig, target, train_ex: list[dict]):
     return HeadsObjective(model, heads, cfg.mode, cfg.loss, cfg.head_decay, cfg.base_kl_weight), coverage
 
 
+def eagle_objective(cfg: HeadsTrainConfig, target, train_ex: list[dict]):
+    """A feature-level head for the target and its loss; returns the objective and the answer-token share
+    of the draft vocabulary (None without one)."""
+    from gorgon.heads.eagle.model import EagleHead
+    from gorgon.heads.eagle.objective import EagleObjective
+
+    vocab = target.model.config.get_text_config().vocab_size
+    tokens, coverage = frequent_tokens(train_ex, cfg.draft_vocab_size, vocab) if cfg.draft_vocab_size else (None, None)
+    head = EagleHead.for_target(target.model, cfg.feature_layers, tokens, target.name, target.fingerprint,
+                                depth=cfg.draft_depth, topk=cfg.draft_topk).float()
+    return EagleObjective(target.model, head, cfg.ttt_steps, cfg.head_decay, cfg.hidden_weight), coverage
+
+
+OBJECTIVES = {"medusa": medusa_objective, "eagle": eagle_objective}
+
+
 def setup(cfg: HeadsTrainConfig) -> Run:
     """Check the output, start accelerate, load target and data, build the objective, optimizer and
     schedule, and restore a checkpoint when resuming."""
@@ -214,7 +258,7 @@ def setup(cfg: HeadsTrainConfig) -> Run:
     train_batches = RankBatches(sampler, cfg.batch_size, world, "training conversations")
     eval_batches = RankBatches(EpochSampler(len(eval_ex), None), cfg.batch_size, world,
                                "held-out conversations (raise eval_fraction)")
-    objective, coverage = medusa_objective(cfg, target, train_ex)
+    objective, coverage = OBJECTIVES[cfg.arch](cfg, target, train_ex)
     groups = [{"params": [p for p in objective.heads.parameters() if p.requires_grad], "lr": cfg.learning_rate}]
     backbone = [p for p in objective.target.parameters() if p.requires_grad]
     if backbone:
@@ -241,7 +285,8 @@ def setup(cfg: HeadsTrainConfig) -> Run:
         run.trained = resumed if accelerator.is_main_process else 0
         accelerator.print(f"gorgon train: resumed from {resume_from} at step {run.step}")
     accelerator.init_trackers(cfg.project, config=asdict(cfg))
-    accelerator.print(f"gorgon train: {cfg.mode} on {target.name}, {len(train_ex)} train / {len(eval_ex)} eval "
+    method = cfg.mode if cfg.arch == "medusa" else "eagle"
+    accelerator.print(f"gorgon train: {method} on {target.name}, {len(train_ex)} train / {len(eval_ex)} eval "
                       f"conversations, {total} steps on {world} x {accelerator.device}")
     return run
 
@@ -254,7 +299,7 @@ def train_steps(run: Run) -> list:
     cfg, accelerator, objective = run.cfg, run.accelerator, run.objective
     bar = tqdm(total=run.total, initial=run.step, desc="gorgon train", disable=not accelerator.is_main_process,
                dynamic_ncols=True)
-    window = new_window(cfg.num_heads)
+    window = new_window(cfg.rows)
     loss_curve = []
     batches_per_epoch = len(run.loader)  # this process's share
     while run.step < run.total:
@@ -283,7 +328,7 @@ def train_steps(run: Run) -> list:
             bar.update(1)
             if run.step % cfg.log_every == 0 or run.step == run.total:
                 loss_curve.append([run.step, log_window(accelerator, window, run.step, run.scheduler, bar)])
-                window = new_window(cfg.num_heads)
+                window = new_window(cfg.rows)
             if cfg.eval_every and run.step % cfg.eval_every == 0:
                 eval_loss, _, _ = evaluate(run)
                 accelerator.log({"eval/loss": eval_loss}, step=run.step)
@@ -301,7 +346,7 @@ def evaluate(run: Run) -> tuple[float, torch.Tensor, int]:
     conversations, summed over every process's share of the eval split."""
     accelerator = run.accelerator
     model = accelerator.unwrap_model(run.objective)
-    counts = torch.zeros(model.heads.config.num_heads, run.cfg.tree_topk + 1, dtype=torch.long)
+    counts = torch.zeros(run.cfg.rows, run.cfg.tree_topk + 1, dtype=torch.long)
     totals = torch.zeros(3, dtype=torch.float64)  # loss sum, batches, conversations
     with torch.no_grad():
         for batch in run.eval_loader:
@@ -317,7 +362,6 @@ def save(run: Run, loss_curve: list, train_seconds: float) -> dict:
     """Measure the heads on held-out data, choose their trees, and write the heads folder (weights, trees,
     Medusa-2's adapter, metrics, recipe, plot, card) from the main process; returns the metrics."""
     from gorgon.heads.card import plot_head_accuracy, write_model_card
-    from gorgon.heads.tree import expected_accepted
     from gorgon.train.data import describe
     from gorgon.train.recipe import full_state_dict
 
@@ -332,7 +376,7 @@ def save(run: Run, loss_curve: list, train_seconds: float) -> dict:
         "eval_loss": eval_loss, "eval_tokens_per_head": counts[:, -1].tolist(),
         "top1": [row[0] for row in accuracies], "top5": [sum(row[:5]) for row in accuracies],
         "rank_accuracy": accuracies,
-        "expected_tau": {device: expected_accepted(accuracies, heads.saved_tree(device)) for device in ("cpu", "cuda")},
+        "expected_tau": {device: heads.expected_tau(device) for device in ("cpu", "cuda")}, "arch": cfg.arch,
         "steps": run.total, "train_conversations": run.train_conversations,
         "eval_conversations": run.eval_conversations, "processes": accelerator.num_processes,
         "conversations_trained": trained, "conversations_evaluated": evaluated,
@@ -365,7 +409,8 @@ def train(cfg: HeadsTrainConfig) -> Path:
     seconds = time.perf_counter() - started  # this run's loop (after a resume: since the resume)
     metrics = save(run, loss_curve, seconds)
     if run.accelerator.is_main_process:
-        summary = ", ".join(f"head {k}: top-1 {a:.3f} top-5 {b:.3f}"
+        row = "step" if cfg.arch == "eagle" else "head"
+        summary = ", ".join(f"{row} {k}: top-1 {a:.3f} top-5 {b:.3f}"
                             for k, (a, b) in enumerate(zip(metrics["top1"], metrics["top5"])))
         print(f"gorgon train: saved heads to {run.out} ({summary}; expected tau cpu "
               f"{metrics['expected_tau']['cpu']:.2f}, gpu {metrics['expected_tau']['cuda']:.2f})")

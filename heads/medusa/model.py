@@ -20,7 +20,7 @@ from ..errors import GorgonError, check_keys
 from ..files import atomic_write, atomic_write_text
 from ..hub import CONFIG_NAME, PushToHubMixin, resolve_folder
 from ..target import Target, check_vocab, lm_logits
-from ..tree import tree_from_accuracies
+from ..tree import expected_accepted, tree_from_accuracies
 from .formats import foreign_format, import_heads
 
 WEIGHTS_NAME = "model.safetensors"
@@ -147,6 +147,10 @@ class MedusaHeads(PushToHubMixin, nn.Module):
     def saved_tree(self, device_type: str) -> list[list[int]] | None:
         """The tree saved for this device type (else the CPU one), or None."""
         return self.trees.get(device_type) or self.trees.get("cpu")
+
+    def expected_tau(self, device_type: str) -> float:
+        """Tokens per step the saved tree should give, from the measured accuracies (heads right independently)."""
+        return expected_accepted(self.accuracies or [], self.saved_tree(device_type) or [])
 
     @property
     def target(self) -> nn.Module | None:

@@ -1,0 +1,147 @@
+"""The layouts serving engines load a feature-level head from: export to them, import from them.
+
+- eagle3: what vLLM (model_executor/models/llama_eagle3.py) and SGLang (srt/models/llama_eagle3.py)
+  load: config.json of a one-layer Llama with `architectures: ["LlamaForCausalLMEagle3"]`,
+  `draft_vocab_size`, `target_hidden_size`, `norm_before_residual: false` (vLLM's speculators path
+  assumes true when it is missing); weights `fc`, `midlayer.*` (q/k/v take twice the hidden
+  size; `hidden_norm`), `norm`, `lm_head` over the draft vocabulary, `d2t` (int64: target id =
+  draft id + d2t[draft id]) and `t2d` (bool over the target vocabulary). The embedding is the
+  target's in both engines, so it is not written.
+- speculators: the `speculators` library's Eagle3 layout, which vLLM also reads: the same weights
+  with `layers.0.` for `midlayer.` and the embedding included, and a config.json with
+  `speculators_model_type: "eagle3"`, `transformer_layer_config`, and `speculators_config`
+  (`proposal_methods`, `default_proposal_method`, `verifier`).
+
+Which target layers feed `fc`: vLLM reads explicit ids from the top level and uses them as the
+input of layer k (our hidden_states index k); SGLang reads `eagle_config` ids and adds one. Both
+are written, one apart, so the two engines read the same layers (inferred from their code, not run).
+The head's computation is the engines' (model.py), so an exported head drafts as it does here;
+only Llama-shaped layers export (the format is a Llama layer); a family whose attention has
+q/k/v biases (Qwen2) exports with `attention_bias`, which vLLM reads and SGLang ignores.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from ..errors import GorgonError
+from ..files import atomic_write, atomic_write_text
+
+FORMATS = ("eagle3", "speculators")
+EAGLE3_ARCHITECTURES = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM")
+# The Llama config fields a one-layer EAGLE-3 draft needs from the target's text config.
+LAYER_FIELDS = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
+                "hidden_act", "rms_norm_eps", "max_position_embeddings", "rope_theta", "rope_scaling",
+                "rope_parameters", "attention_bias", "mlp_bias")
+
+
+def llama_layer_config(head) -> dict:
+    """The head's decoder layer as a one-layer Llama config (what both engines build the midlayer from)."""
+    src = head.config.layer_config
+    attn = head.midlayer.self_attn
+    config = {k: src[k] for k in LAYER_FIELDS if src.get(k) is not None}
+    config.update(model_type="llama", num_hidden_layers=1, vocab_size=head.config.vocab_size,
+                  attention_bias=attn.q_proj.bias is not None, tie_word_embeddings=False,
+                  mlp_bias=getattr(head.midlayer.mlp.gate_proj, "bias", None) is not None)
+    return config
+
+
+def export_head(head, fmt: str, out: str | Path, base_model: str | None = None) -> Path:
+    """Write `head` in a serving engine's layout to the folder `out`."""
+    from safetensors.torch import save_file
+
+    if fmt not in FORMATS:
+        raise GorgonError(f"unknown format {fmt!r} for a feature-level head: use one of {', '.join(FORMATS)}")
+    if len(head.config.feature_layers) != 3:
+        raise GorgonError(f"the EAGLE-3 layout mixes exactly 3 target layers, and this head reads "
+                          f"{len(head.config.feature_layers)} ({head.config.feature_layers}): train with 3 "
+                          "feature_layers (the default) to export")
+    attn = head.midlayer.self_attn
+    state = {k: v for k, v in head.state_dict().items() if k != "token_map"}
+    if attn.q_proj.bias is not None and attn.o_proj.bias is None:  # Llama's attention_bias covers o_proj too
+        state["midlayer.self_attn.o_proj.bias"] = torch.zeros(attn.o_proj.out_features)
+    vocab, draft = head.config.vocab_size, head.config.draft_vocab_size or head.config.vocab_size
+    token_map = head.token_map if head.token_map is not None else torch.arange(vocab)
+    state["d2t"] = (token_map.cpu() - torch.arange(draft)).long()
+    state["t2d"] = torch.zeros(vocab, dtype=torch.bool).index_fill_(0, token_map.cpu(), True)
+    layers = list(head.config.feature_layers)
+    base = base_model or head.config.target_name
+    layer = llama_layer_config(head)
+    common = {"draft_vocab_size": draft, "target_hidden_size": head.config.hidden_size,
+              "norm_before_residual": False, "eagle_aux_hidden_state_layer_ids": layers}
+    if fmt == "eagle3":
+        config = {**layer, "architectures": ["LlamaForCausalLMEagle3"], **common,
+                  "eagle_config": {"use_aux_hidden_state": True,
+                                   "eagle_aux_hidden_state_layer_ids": [i - 1 for i in layers]},
+                  "base_model_name_or_path": base}
+    else:
+        state = {k.replace("midlayer.", "layers.0.", 1): v for k, v in state.items()}
+        if head.target is None:
+            raise GorgonError("the speculators layout includes the target's embedding: pass --target (or load the "
+                              "head with target=...)")
+        state["embed_tokens.weight"] = head.target.get_input_embeddings().weight
+        verifier_arch = getattr(head.target.config, "architectures", None) or []
+        config = {"speculators_model_type": "eagle3", "architectures": ["Eagle3Speculator"],
+                  "transformer_layer_config": layer, **common, "speculators_version": "0.3.0",
+                  "speculators_config": {
+                      "algorithm": "eagle3",
+                      "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": head.config.depth,
+                                            "verifier_accept_k": 1, "accept_tolerance": 0.0}],
+                      "default_proposal_method": "greedy",
+                      "verifier": {"name_or_path": base, "architectures": list(verifier_arch)}}}
+    state = {k: v.detach().to("cpu").clone().contiguous() for k, v in state.items()}
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    atomic_write(out / "model.safetensors", lambda tmp: save_file(state, tmp, metadata={"format": "pt"}))
+    atomic_write_text(out / "config.json", json.dumps(config, indent=2) + "\n")
+    return out
+
+
+def foreign_format(config: dict) -> str | None:
+    """Which engine layout a heads config.json holds, if any."""
+    if config.get("speculators_model_type") == "eagle3":
+        return "speculators"
+    if set(config.get("architectures") or ()) & set(EAGLE3_ARCHITECTURES):
+        return "eagle3"
+    return None
+
+
+def import_head(folder: Path, config: dict, fmt: str):
+    """Our (EagleConfig, state dict) from an EAGLE-3 or speculators folder."""
+    from safetensors.torch import load_file
+
+    from .model import EagleConfig
+
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise GorgonError(f"{folder} has an {fmt} config.json but no .safetensors weights")
+    raw = {}
+    for f in files:
+        raw.update(load_file(f))
+    layer = dict(config["transformer_layer_config"] if fmt == "speculators" else config)
+    layers = config.get("eagle_aux_hidden_state_layer_ids")
+    if layers is None and config.get("eagle_config", {}).get("eagle_aux_hidden_state_layer_ids") is not None:
+        layers = [i + 1 for i in config["eagle_config"]["eagle_aux_hidden_state_layer_ids"]]  # SGLang's count
+    if layers is None:
+        raise GorgonError(f"{folder} does not name the target layers it reads (eagle_aux_hidden_state_layer_ids): "
+                          "add them to its config.json")
+    state = {}
+    for key, value in raw.items():
+        key = key.replace("layers.0.", "midlayer.", 1).removeprefix("model.")
+        if key in ("t2d", "embed_tokens.weight"):
+            continue  # t2d follows from d2t; the embedding is the target's
+        state[key] = value
+    d2t = state.pop("d2t", None)
+    vocab, draft = layer["vocab_size"], config.get("draft_vocab_size") or layer["vocab_size"]
+    if d2t is not None and draft < vocab:
+        state["token_map"] = (d2t.long() + torch.arange(draft)).long()
+    fields = {k: layer[k] for k in LAYER_FIELDS + ("model_type", "vocab_size") if layer.get(k) is not None}
+    fields["num_hidden_layers"] = 1
+    eagle = EagleConfig(hidden_size=layer["hidden_size"], vocab_size=vocab, layer_config=fields,
+                        feature_layers=list(layers), draft_vocab_size=draft if draft < vocab else None,
+                        target_name=config.get("base_model_name_or_path")
+                        or config.get("speculators_config", {}).get("verifier", {}).get("name_or_path"))
+    return eagle, state

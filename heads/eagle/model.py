@@ -1,0 +1,287 @@
+"""Feature-level draft heads (the EAGLE family): a draft that knows the tokens before it.
+
+Medusa's head k guesses token t+k+2 from the hidden state at t alone. This head drafts one token
+at a time, each from the target's features at the previous position and the embedding of the
+token there, through one decoder layer of the target's own architecture with a small KV cache
+of its own, so every draft knows the drafts before it (EAGLE, Li et al. 2024).
+
+The computation is EAGLE-3's, so that its checkpoints load in vLLM and SGLang unchanged
+(heads/eagle/formats.py):
+- features: the target's hidden states at `feature_layers` (by default a low, a middle and a
+  high one, (2, L // 2, L - 3) as both engines take them), concatenated and mixed by `fc`;
+- `midlayer`: the target's decoder layer class, built from its config, whose attention reads
+  cat(input_layernorm(embedding), hidden_norm(features)) (its q/k/v take twice the width); the
+  residual is the features, as vLLM's `norm_before_residual: false` and SGLang compute;
+- `norm` then `lm_head` over the draft vocabulary (EAGLE-3's d2t/t2d: `token_map` holds the
+  target id of each draft id). The layer's output before `norm` is the feature for the next step.
+The embedding is the target's own (shared, never saved), as in both engines.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from ..errors import GorgonError, check_keys
+from ..files import atomic_write, atomic_write_text
+from ..hub import CONFIG_NAME, PushToHubMixin, resolve_folder
+from ..target import Target, check_vocab
+
+WEIGHTS_NAME = "model.safetensors"
+ARCH = "eagle"  # config.json's "arch": how a heads folder says it holds feature-level heads
+
+
+@dataclass
+class EagleConfig:
+    """Everything needed to rebuild the head and to check it fits a target."""
+
+    hidden_size: int
+    vocab_size: int
+    layer_config: dict                   # the target's text config: its decoder layer is rebuilt from it
+    feature_layers: list[int]            # indices into the target's hidden_states (0: embeddings, i: after layer i)
+    draft_vocab_size: int | None = None  # drafts come from this many frequent tokens (None: all)
+    depth: int = 5                       # tree levels drafted per step (EAGLE-2)
+    topk: int = 8                        # tokens kept per level, each expanded once
+    nodes: dict = field(default_factory=lambda: {"cpu": 8, "cuda": 48})  # tree nodes per step, by device type
+    accuracies: list[list[float]] | None = None  # held-out rank accuracies per unrolled step
+    target_name: str | None = None
+    target_fingerprint: str | None = None
+    arch: str = ARCH
+
+    @classmethod
+    def from_dict(cls, data: dict, source: str = "config") -> "EagleConfig":
+        check_keys(data, {f.name for f in dataclasses.fields(cls)}, f"in {source}")
+        return cls(**data)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def default_feature_layers(num_layers: int) -> list[int]:
+    """EAGLE-3's low, middle and high layers, as vLLM and SGLang choose them by default."""
+    return sorted({min(2, num_layers - 1), num_layers // 2, max(1, num_layers - 3)})
+
+
+def check_search(depth: int, topk: int, nodes: int) -> None:
+    """The dynamic tree's settings, checked where they are set (config, command line, Python)."""
+    if not (isinstance(depth, int) and depth >= 1):
+        raise GorgonError(f"the draft depth must be a whole number >= 1 (levels drafted per step), not {depth!r}")
+    if not (isinstance(topk, int) and topk >= 1):
+        raise GorgonError(f"the draft top-k must be a whole number >= 1, not {topk!r}")
+    if not (isinstance(nodes, int) and 2 <= nodes <= 256):
+        raise GorgonError(f"a tree needs 2 (the root and one candidate) to 256 nodes, not {nodes!r}")
+
+
+def _decoder_layer(layer_config: dict, attn_implementation: str):
+    """One decoder layer of the target's architecture, built from its config, with attention that reads
+    twice the width (the token's embedding beside the features), and the rotary embedding for it."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model(**copy.deepcopy(layer_config))
+    config.num_hidden_layers = 1
+    for key in ("layer_types", "sliding_window"):  # the draft attends to its whole context
+        if getattr(config, key, None) is not None:
+            setattr(config, key, ["full_attention"] if key == "layer_types" else None)
+    config._attn_implementation = attn_implementation
+    with torch.device("meta"):
+        shell = AutoModelForCausalLM.from_config(config)  # only to find the family's classes
+    layer_cls, rotary_cls = type(shell.get_decoder().layers[0]), type(shell.get_decoder().rotary_emb)
+    layer = layer_cls(config, layer_idx=0)
+    needed = ("input_layernorm", "self_attn", "post_attention_layernorm", "mlp")
+    attn = getattr(layer, "self_attn", None)
+    if not all(hasattr(layer, n) for n in needed) or hasattr(layer, "pre_feedforward_layernorm") \
+            or not all(isinstance(getattr(attn, p, None), nn.Linear) for p in ("q_proj", "k_proj", "v_proj")):
+        raise GorgonError(f"feature-level heads need a target whose decoder layers are Llama-shaped (input and "
+                          f"post-attention norms, q/k/v projections, one MLP), which {config.model_type} is not: "
+                          "use Medusa heads (arch: medusa) for this target")
+    for name in ("q_proj", "k_proj", "v_proj"):
+        old = getattr(attn, name)
+        setattr(attn, name, nn.Linear(2 * old.in_features, old.out_features, bias=old.bias is not None))
+    layer.hidden_norm = type(layer.input_layernorm)(config.hidden_size, eps=config.rms_norm_eps)
+    return layer, rotary_cls(config=config)
+
+
+class EagleHead(PushToHubMixin, nn.Module):
+    """The draft head. Call `attach(target_model)` before use: the embedding is the target's."""
+
+    def __init__(self, config: EagleConfig, attn_implementation: str = "sdpa"):
+        super().__init__()
+        self.config = config
+        feature_width = len(config.feature_layers) * config.hidden_size
+        self.fc = nn.Linear(feature_width, config.hidden_size, bias=False)
+        self.midlayer, rotary = _decoder_layer(config.layer_config, attn_implementation)
+        self.norm = type(self.midlayer.input_layernorm)(config.hidden_size, eps=config.layer_config["rms_norm_eps"])
+        self.lm_head = nn.Linear(config.hidden_size, config.draft_vocab_size or config.vocab_size, bias=False)
+        size = config.draft_vocab_size
+        self.register_buffer("token_map", torch.zeros(size, dtype=torch.long) if size else None)
+        self.rotary = rotary                           # buffers only, none saved
+        object.__setattr__(self, "_target", None)      # the target's embedding is used, never saved
+
+    # -- the target ---------------------------------------------------------------------------
+    @classmethod
+    def for_target(cls, target_model: nn.Module, feature_layers: list[int] | None = None,
+                   draft_tokens: torch.Tensor | None = None, target_name: str | None = None,
+                   target_fingerprint: str | None = None, **search) -> "EagleHead":
+        """A fresh head shaped for a target: its decoder layer starts as a copy of the target's last
+        (the doubled q/k/v inputs: zeros for the embedding half), its norm and LM head as the target's.
+        `draft_tokens`: the target ids to draft from (None: the whole vocabulary)."""
+        cfg = target_model.config.get_text_config()
+        layers = feature_layers or default_feature_layers(cfg.num_hidden_layers)
+        if not all(isinstance(i, int) and 0 < i <= cfg.num_hidden_layers for i in layers):
+            raise GorgonError(f"feature_layers must lie between 1 and {cfg.num_hidden_layers} (the target's layers), "
+                              f"not {layers}")
+        draft_size = None if draft_tokens is None else int(draft_tokens.numel())
+        if draft_size is not None and not 1 <= draft_size <= cfg.vocab_size:
+            raise GorgonError(f"a draft vocabulary of {draft_size} tokens does not fit the target's {cfg.vocab_size}: "
+                              f"use 1 to {cfg.vocab_size}")
+        config = EagleConfig(hidden_size=cfg.hidden_size, vocab_size=cfg.vocab_size, layer_config=cfg.to_dict(),
+                             feature_layers=list(layers), draft_vocab_size=draft_size, target_name=target_name,
+                             target_fingerprint=target_fingerprint, **search)
+        head = cls(config, getattr(target_model.config, "_attn_implementation", None) or "sdpa")
+        if draft_tokens is not None:
+            head.token_map = torch.as_tensor(draft_tokens, dtype=torch.long).sort().values
+        lm_weight = target_model.get_output_embeddings().weight.detach()
+        source = target_model.get_decoder().layers[-1]
+        with torch.no_grad():
+            head.lm_head.weight.copy_(lm_weight if head.token_map is None else lm_weight[head.token_map])
+            head.norm.load_state_dict(target_model.get_decoder().norm.state_dict())
+            # fc starts by passing the highest feature layer through, so the layer sees familiar features
+            head.fc.weight.zero_()
+            head.fc.weight[:, -cfg.hidden_size:].copy_(torch.eye(cfg.hidden_size))
+            for name, module in source.named_modules():
+                mine = head.midlayer.get_submodule(name) if name else head.midlayer
+                for pname, param in module.named_parameters(recurse=False):
+                    ours = getattr(mine, pname)
+                    if ours.shape == param.shape:
+                        ours.copy_(param)
+                    else:  # a doubled q/k/v input: the features half starts as the target's projection
+                        ours.zero_()
+                        ours[:, param.shape[1]:].copy_(param)
+        head.to(device=lm_weight.device, dtype=lm_weight.dtype)
+        return head.attach(target_model, target_fingerprint)
+
+    def attach(self, target_model: nn.Module, fingerprint: str | None = None) -> "EagleHead":
+        """Check this head fits `target_model` and bind its embedding. Refuses another target."""
+        cfg = target_model.config.get_text_config()
+        trained_for = self.config.target_name or "another target"
+        if cfg.hidden_size != self.config.hidden_size:
+            raise GorgonError(f"this head was trained for hidden size {self.config.hidden_size} but the target has "
+                              f"{cfg.hidden_size}: use heads trained for {trained_for}")
+        check_vocab(self.config.vocab_size, cfg.vocab_size, f"heads trained for {trained_for}")
+        if fingerprint and self.config.target_fingerprint and fingerprint != self.config.target_fingerprint:
+            raise GorgonError(f"this head was trained for target {self.config.target_name!r} (fingerprint "
+                              f"{self.config.target_fingerprint}) but this target's fingerprint is {fingerprint}: "
+                              "train heads for this target, or load the target they were trained for")
+        object.__setattr__(self, "_target", target_model)
+        return self
+
+    @property
+    def target(self) -> nn.Module | None:
+        return self._target
+
+    @property
+    def feature_layers(self) -> tuple[int, ...]:
+        return tuple(self.config.feature_layers)
+
+    # -- compute ------------------------------------------------------------------------------
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        if self._target is None:
+            raise GorgonError("the head uses the target's embedding: call head.attach(target_model) first")
+        return self._target.get_input_embeddings()(tokens)
+
+    def layer(self, features: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor,
+              cache=None) -> torch.Tensor:
+        """The decoder layer over (batch, length) pairs of a feature (H wide, after `fc` or a previous
+        output) and the token that follows it; `mask` is additive, (batch, 1, length, keys). Returns the
+        output features, before `norm` (the next step's input)."""
+        layer = self.midlayer
+        x = torch.cat([layer.input_layernorm(self.embed(tokens)), layer.hidden_norm(features)], dim=-1)
+        position_embeddings = self.rotary(x, positions)
+        attn = layer.self_attn(hidden_states=x, position_embeddings=position_embeddings, attention_mask=mask,
+                               past_key_values=cache)[0]
+        h = features + attn
+        return h + layer.mlp(layer.post_attention_layernorm(h))
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits over the draft vocabulary (draft ids; `token_map` turns them into target ids)."""
+        return self.lm_head(self.norm(hidden))
+
+    def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        return draft_ids if self.token_map is None else self.token_map[draft_ids]
+
+    # -- trees and measured accuracy, saved in config.json ------------------------------------
+    def set_trees(self, accuracies: list[list[float]], sizes: dict[str, int]) -> None:
+        """Keep the held-out rank accuracies of each unrolled step and the tree size for each device type."""
+        self.config.accuracies = accuracies
+        self.config.nodes = dict(sizes)
+
+    @property
+    def accuracies(self) -> list[list[float]] | None:
+        return self.config.accuracies
+
+    def saved_tree(self, device_type: str) -> int:
+        """The number of tree nodes per step saved for this device type (else the CPU one)."""
+        return self.config.nodes.get(device_type) or self.config.nodes["cpu"]
+
+    def expected_tau(self, device_type: str) -> float:
+        """A floor on tokens per step from the first step's top-1 accuracy: a greedy chain as deep as the
+        tree allows, each draft right independently. The ranked tree does better; the bench measures it."""
+        if not self.config.accuracies:
+            return 1.0
+        top1, depth = self.config.accuracies[0][0], min(self.config.depth, self.saved_tree(device_type) - 1)
+        return sum(top1 ** d for d in range(depth + 1))
+
+    # -- save / load ----------------------------------------------------------------------------
+    def save_pretrained(self, path: str | os.PathLike, state_dict: dict | None = None) -> None:
+        """Write config.json and model.safetensors (each atomically). `state_dict`: the weights to write
+        instead of the module's own (training gathers them whole from shards)."""
+        from safetensors.torch import save_file
+
+        path = Path(path)
+        path.mkdir(parents=True, exist_ok=True)
+        state = {k: v.detach().contiguous().cpu() for k, v in (state_dict or self.state_dict()).items()}
+        atomic_write(path / WEIGHTS_NAME, lambda tmp: save_file(state, tmp, metadata={"format": "pt"}))
+        atomic_write_text(path / CONFIG_NAME, json.dumps(self.config.to_dict(), indent=2) + "\n")
+
+    @classmethod
+    def from_pretrained(cls, name_or_path: str | os.PathLike, target=None, device=None,
+                        dtype: torch.dtype | None = None) -> "EagleHead":
+        """Load a head from a folder or hub id; with `target` check and attach it (a `Target` is also checked
+        by fingerprint; a bare model by shape only). EAGLE-3 and speculators folders are read too."""
+        from safetensors import SafetensorError
+        from safetensors.torch import load_file
+
+        from .formats import foreign_format, import_head
+
+        folder = resolve_folder(name_or_path, "heads", [CONFIG_NAME, "*.safetensors", "*.md"])
+        data = json.loads((folder / CONFIG_NAME).read_text())
+        model = target.model if isinstance(target, Target) else target
+        try:
+            fmt = foreign_format(data)
+            if fmt:
+                config, state = import_head(folder, data, fmt)
+            else:
+                config, state = EagleConfig.from_dict(data, str(folder / CONFIG_NAME)), load_file(folder / WEIGHTS_NAME)
+            attn = getattr(model.config, "_attn_implementation", None) if model is not None else None
+            head = cls(config, attn or "sdpa")
+            head.load_state_dict(state)
+        except FileNotFoundError as err:
+            raise GorgonError(f"{folder} has no {WEIGHTS_NAME}: re-save or re-download the heads") from err
+        except (SafetensorError, OSError) as err:
+            raise GorgonError(f"the weights in {folder} are corrupt ({err}): re-save or re-download the heads") from err
+        except (RuntimeError, KeyError) as err:
+            raise GorgonError(f"the weights in {folder} do not match its config.json ({err.__class__.__name__}: "
+                              f"{str(err)[:80]}): re-save the heads") from err
+        if model is not None:
+            device = device or model.get_output_embeddings().weight.device
+            dtype = dtype or model.get_output_embeddings().weight.dtype
+            head.attach(model, target.fingerprint if isinstance(target, Target) else None)
+        head.to(device=device, dtype=dtype)
+        return head.eval()

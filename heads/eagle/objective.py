@@ -1,0 +1,113 @@
+"""The feature-level head's training objective, on the frozen target's own answers.
+
+At every position p of an answer the head reads the target's features at p and the token at
+p + 1, and drafts token p + 2. Its loss is the soft cross-entropy to the target's own next-token
+distribution there (renormalised over the draft vocabulary), counted on assistant tokens only.
+Accuracy counts agreement with the target's own choice (its argmax), which is what acceptance
+asks of a draft; on self-distilled data that is nearly always the data's token.
+`hidden_weight` adds EAGLE-1's regression: the head's output feature at p is pulled toward the
+target's (mixed) features at p + 1, which is what it stands in for when drafting deeper.
+
+`steps` > 1 is EAGLE-3's training-time test, simplified: step j feeds the head its own output
+features of step j - 1 (shifted by one position) instead of the target's, as deeper drafts see
+them, and predicts one token further ahead each step; each step attends causally to its own
+inputs only (EAGLE-3 also attends to the keys of earlier steps). Step j's loss weighs decay^j.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ..target import base_model, lm_logits
+
+
+class EagleObjective(torch.nn.Module):
+    """The whole loss as one module, so accelerate can wrap it (DDP, FSDP) as a unit."""
+
+    def __init__(self, target, heads, steps: int = 1, decay: float = 0.8, hidden_weight: float = 0.0):
+        super().__init__()
+        self.target, self.heads = target, heads
+        self.steps, self.decay, self.hidden_weight = steps, decay, hidden_weight
+
+    def state_dict(self, *args, **kwargs):
+        """Only the head: checkpoints need not repeat the frozen target."""
+        return {f"heads.{k}": v for k, v in self.heads.state_dict(*args, **kwargs).items()}
+
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        return self.heads.load_state_dict({k.removeprefix("heads."): v for k, v in state_dict.items()},
+                                          strict=strict, assign=assign)
+
+    def draft_labels(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Each token's id in the draft vocabulary, -1 outside it."""
+        token_map = self.heads.token_map
+        if token_map is None:
+            return input_ids
+        index = torch.full((self.heads.config.vocab_size,), -1, dtype=torch.long, device=input_ids.device)
+        index[token_map] = torch.arange(token_map.numel(), device=input_ids.device)
+        return index[input_ids]
+
+    def forward(self, input_ids, attention_mask, loss_mask, train_backbone: bool = False):
+        head = self.heads
+        with torch.no_grad():
+            out = base_model(self.target)(input_ids=input_ids, attention_mask=attention_mask,
+                                          output_hidden_states=True)
+            features = torch.cat([out.hidden_states[i] for i in head.feature_layers], dim=-1)
+            teacher = lm_logits(self.target, out.last_hidden_state)
+            # What acceptance asks of a draft: the target's own choice (-1 when outside the draft vocabulary).
+            labels = self.draft_labels(teacher.argmax(-1))
+            if head.token_map is not None:
+                teacher = teacher[..., head.token_map]
+        total = features.new_zeros((), dtype=torch.float32)
+        stats, ranks = {}, []
+        mixed = head.fc(features[:, :-1])                      # position p's features, p = 0 .. L-2
+        tokens, keys = input_ids[:, 1:], attention_mask[:, 1:]
+        fed = mixed
+        for j in range(self.steps):
+            # Step j drafts token p + 2 + j at position p + j from the token at p + 1 + j: shift by j.
+            n = tokens.shape[1] - j
+            if n <= 0:
+                break
+            positions, mask = causal(keys[:, j:], fed.dtype)
+            out_j = head.layer(fed[:, :n], tokens[:, j:], positions + j, mask)
+            valid = loss_mask[:, 2 + j:2 + j + n].bool()
+            target_ids = labels[:, 1 + j:1 + j + n]  # the target's choice at p + 1 + j, for token p + 2 + j
+            b, t = valid.nonzero(as_tuple=True)
+            count = int(b.numel())
+            logits = head.logits(out_j[b, t]).float()
+            soft = teacher[b, t + 1 + j].float().log_softmax(-1)
+            loss = -(soft.exp() * logits.log_softmax(-1)).sum(-1).mean() if count else logits.sum() * 0
+            inside = t + 1 < mixed.shape[1]  # the last position has no next features to match
+            if self.hidden_weight and j == 0 and bool(inside.any()):
+                loss = loss + self.hidden_weight * F.smooth_l1_loss(out_j[b[inside], t[inside]],
+                                                                    mixed[b[inside], t[inside] + 1].detach())
+            total = total + self.decay ** j * loss
+            with torch.no_grad():
+                top = logits.topk(min(5, logits.shape[-1]), dim=-1).indices
+                right = target_ids[b, t]
+                stats[j] = {"loss": loss.detach().item(), "top1": int((top[:, 0] == right).sum()),
+                            "top5": int((top == right[:, None]).any(-1).sum()), "count": count}
+                ranks.append((logits.detach(), right))
+            # The next step reads this step's outputs as the features of the following position.
+            fed = out_j
+        return total, stats, ranks  # ranks: evaluation counts from them rather than run the target again
+
+    def rank_counts(self, ranks, batch: dict, max_rank: int) -> torch.Tensor:
+        """(steps, max_rank + 1) counts: how often the right token was the head's rank r at each unrolled
+        step, plus the total. A token outside the draft vocabulary counts as missed."""
+        counts = torch.zeros(self.steps, max_rank + 1, dtype=torch.long)
+        for j, (logits, right) in enumerate(ranks):
+            top = logits.topk(min(max_rank, logits.shape[-1]), dim=-1).indices
+            hits = top == right[:, None]
+            counts[j, :top.shape[1]] += hits.sum(0).cpu()
+            counts[j, max_rank] += right.numel()
+        return counts
+
+
+def causal(keys: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Position ids and the additive causal mask (padding keys masked) for a (batch, length) key mask."""
+    b, n = keys.shape
+    allowed = torch.ones(n, n, dtype=torch.bool, device=keys.device).tril()[None] & keys[:, None, :].bool()
+    mask = torch.zeros(b, 1, n, n, dtype=dtype, device=keys.device)
+    mask.masked_fill_(~allowed[:, None], torch.finfo(dtype).min)
+    return torch.arange(n, device=keys.device)[None].expand(b, n), mask

@@ -1,0 +1,52 @@
+"""A heads folder, whichever drafting method wrote it: loaded with its target, and as a drafter.
+
+config.json says which: `"arch": "eagle"` (or an EAGLE-3 or speculators layout) is a feature-level
+head; anything else is Medusa heads (gorgon's own, vLLM's or FasterDecoding's layout).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+
+from .eagle import EagleDrafter, EagleHead
+from .eagle.formats import foreign_format
+from .eagle.model import ARCH
+from .hub import CONFIG_NAME
+from .medusa import HeadsDrafter, load_with_heads
+from .medusa.model import resolve_heads_folder
+from .target import Target, load_target
+
+
+def is_eagle(folder) -> bool:
+    """Whether a heads folder holds a feature-level head."""
+    try:
+        config = json.loads((folder / CONFIG_NAME).read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(config, dict) and (config.get("arch") == ARCH or foreign_format(config) is not None)
+
+
+def load_heads(heads: str | os.PathLike, target: str | None = None, device: str = "auto",
+               dtype: str | torch.dtype = "auto") -> tuple[Target, object]:
+    """The target and the heads in a folder or hub repo (a Medusa-2 folder's LoRA adapter merged in)."""
+    folder = resolve_heads_folder(heads)  # fail before the slower target load
+    if not is_eagle(folder):
+        return load_with_heads(folder, target, device=device, dtype=dtype)
+    loaded = load_target(target, device=device, dtype=dtype)
+    return loaded, EagleHead.from_pretrained(folder, target=loaded)
+
+
+def drafter_for(heads, tree=None):
+    """The drafter for loaded heads. tree: Medusa's rank paths, node count or 'auto'; for a feature-level
+    head a node count per step or 'auto' (the count saved for this device)."""
+    if isinstance(heads, EagleHead):
+        if isinstance(tree, list):
+            from .errors import GorgonError
+
+            raise GorgonError("a feature-level head builds its tree each step: pass --tree N (nodes per step) "
+                              "or auto, not a list of rank paths")
+        return EagleDrafter(heads, nodes=tree if isinstance(tree, int) else None)
+    return HeadsDrafter(heads, tree)

@@ -1,0 +1,183 @@
+"""Feature-level heads (EAGLE-3's layout, EAGLE-2's dynamic trees): exact decoding, the drafter's own
+cache, save/load, the engines' layouts, training under accelerate, bad input."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from helpers import ROOT, VOCAB, env, tiny_chat_target, tiny_model
+from safetensors.torch import load_file
+
+from gorgon.decode import speculative_generate
+from gorgon.heads import EagleDrafter, EagleHead, GorgonError, Target, fingerprint, load_target
+from gorgon.heads.eagle.formats import export_head
+from gorgon.train.data import DataSettings, make_dataset
+
+FAMILIES = ["llama", "qwen2"]
+
+
+def reference(model, ids, n):
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False)
+    return out[0, ids.shape[1]:].tolist()
+
+
+def head_for(model, vocab=VOCAB, draft=None, seed=0):
+    torch.manual_seed(seed)
+    head = EagleHead.for_target(model, draft_tokens=draft)
+    with torch.no_grad():  # not the starting point: every weight matters in the checks below
+        for p in head.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    return head
+
+
+@pytest.mark.parametrize("arch", FAMILIES)
+def test_greedy_equals_generate_with_dynamic_trees(arch):
+    model = tiny_model(arch, vocab=8, layers=4)  # a small vocabulary: drafts are often right, so paths go deep
+    with torch.no_grad():
+        model.lm_head.weight.mul_(10)
+    head = head_for(model)
+    accepted = []
+    for nodes, depth, topk in [(8, 3, 2), (16, 5, 4), (40, 3, 8), (2, 1, 1)]:
+        drafter = EagleDrafter(head, nodes=nodes, depth=depth, topk=topk)
+        for seed in range(3):
+            ids = torch.randint(0, 8, (1, 5 + seed), generator=torch.Generator().manual_seed(seed))
+            result = speculative_generate(model, drafter, ids, max_new_tokens=30)
+            assert result.tokens == reference(model, ids, 30)
+            accepted += result.accepted
+    assert max(accepted) >= 3  # drafted paths two deep were accepted, not only bonus tokens
+
+
+def test_the_drafters_cache_follows_the_accepted_tokens():
+    """Proposing after a few steps gives what a fresh drafter gives from the whole context at once."""
+    model = tiny_model("llama", layers=4)
+    head = head_for(model)
+    ids = torch.randint(0, VOCAB, (1, 12))
+    with torch.no_grad():
+        out = model.get_decoder()(input_ids=ids, output_hidden_states=True)
+    features = torch.cat([out.hidden_states[i][0] for i in head.feature_layers], -1)
+    stepwise = EagleDrafter(head, nodes=10, depth=3, topk=3)
+    root = torch.tensor(7)
+    for cut in (6, 9, 12):  # the prompt, then two steps that accepted 3 tokens each
+        tokens, tree = stepwise.propose(ids[0, cut] if cut < 12 else root, features[:cut][-(3 if cut > 6 else 6):],
+                                        ids[0, :cut])
+    assert stepwise.cache.get_seq_length() == 12
+    fresh_tokens, fresh_tree = EagleDrafter(head, nodes=10, depth=3, topk=3).propose(root, features, ids[0])
+    assert torch.equal(tokens, fresh_tokens) and tree.paths == fresh_tree.paths
+
+
+@pytest.mark.parametrize("arch", FAMILIES)
+def test_save_load_round_trip_drafts_the_same(tmp_path, arch):
+    model = tiny_model(arch, layers=4)
+    head = head_for(model, draft=torch.arange(0, VOCAB, 2))
+    head.set_trees([[0.5, 0.1]], {"cpu": 6, "cuda": 12})
+    head.save_pretrained(tmp_path)
+    loaded = EagleHead.from_pretrained(tmp_path, target=model)
+    assert loaded.saved_tree("cpu") == 6 and loaded.accuracies == [[0.5, 0.1]]
+    ids = torch.randint(0, VOCAB, (1, 10))
+    result = [speculative_generate(model, EagleDrafter(h), ids, max_new_tokens=12) for h in (head, loaded)]
+    assert result[0].tokens == result[1].tokens and result[0].accepted == result[1].accepted
+
+
+@pytest.mark.parametrize("arch", FAMILIES)
+@pytest.mark.parametrize("fmt", ["eagle3", "speculators"])
+def test_export_key_names_shapes_and_import_with_identical_drafts(tmp_path, arch, fmt):
+    model = tiny_model(arch, layers=6)
+    head = head_for(model, draft=torch.arange(0, VOCAB, 2))
+    assert head.feature_layers == (2, 3)  # (2, 6 // 2, 6 - 3) deduplicated: default_feature_layers(6)
+    head = EagleHead.for_target(model, feature_layers=[1, 3, 5], draft_tokens=torch.arange(0, VOCAB, 2))
+    with torch.no_grad():
+        for p in head.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    out = export_head(head, fmt, tmp_path / fmt, "tiny/target")
+    state, config = load_file(out / "model.safetensors"), json.loads((out / "config.json").read_text())
+    H, kv = 32, 2 * 8  # hidden 32; 2 key-value heads of 8
+    layer = "midlayer" if fmt == "eagle3" else "layers.0"
+    expected = {"fc.weight": (H, 3 * H), f"{layer}.input_layernorm.weight": (H,),
+                f"{layer}.hidden_norm.weight": (H,), f"{layer}.post_attention_layernorm.weight": (H,),
+                f"{layer}.self_attn.q_proj.weight": (H, 2 * H), f"{layer}.self_attn.k_proj.weight": (kv, 2 * H),
+                f"{layer}.self_attn.v_proj.weight": (kv, 2 * H), f"{layer}.self_attn.o_proj.weight": (H, H),
+                f"{layer}.mlp.gate_proj.weight": (64, H), f"{layer}.mlp.up_proj.weight": (64, H),
+                f"{layer}.mlp.down_proj.weight": (H, 64), "norm.weight": (H,), "lm_head.weight": (VOCAB // 2, H),
+                "d2t": (VOCAB // 2,), "t2d": (VOCAB,)}
+    if arch == "qwen2":  # q/k/v biases: exported as Llama's attention_bias, which covers o_proj too
+        expected.update({f"{layer}.self_attn.{p}_proj.bias": (n,) for p, n in
+                         [("q", H), ("k", kv), ("v", kv), ("o", H)]})
+    if fmt == "speculators":
+        expected["embed_tokens.weight"] = (VOCAB, H)
+    assert {k: tuple(v.shape) for k, v in state.items()} == expected
+    assert state["d2t"].dtype == torch.int64 and state["t2d"].dtype == torch.bool and int(state["t2d"].sum()) == 32
+    assert torch.equal(torch.arange(32) + state["d2t"], torch.arange(0, VOCAB, 2))  # target = draft + d2t
+    assert config["draft_vocab_size"] == 32 and config["norm_before_residual"] is False
+    assert config["eagle_aux_hidden_state_layer_ids"] == [1, 3, 5]
+    if fmt == "eagle3":
+        assert config["architectures"] == ["LlamaForCausalLMEagle3"] and config["target_hidden_size"] == H
+        assert config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [0, 2, 4]  # SGLang adds one
+        assert config["num_hidden_layers"] == 1 and config["vocab_size"] == VOCAB
+    else:
+        assert config["speculators_model_type"] == "eagle3"
+        assert config["transformer_layer_config"]["hidden_size"] == H
+        spec = config["speculators_config"]
+        assert spec["default_proposal_method"] == spec["proposal_methods"][0]["proposal_type"] == "greedy"
+        assert spec["verifier"]["name_or_path"] == "tiny/target"
+    back = EagleHead.from_pretrained(out, target=model)
+    features, tokens = torch.randn(1, 5, 3 * H), torch.randint(0, VOCAB, (1, 5))
+    positions = torch.arange(5)[None]
+    mask = torch.zeros(1, 1, 5, 5).masked_fill_(~torch.ones(5, 5, dtype=torch.bool).tril(), float("-inf"))
+    with torch.no_grad():
+        mine = head.logits(head.layer(head.fc(features), tokens, positions, mask))
+        theirs = back.logits(back.layer(back.fc(features), tokens, positions, mask))
+    torch.testing.assert_close(mine, theirs)
+    assert torch.equal(back.token_map, head.token_map)
+
+
+def test_bad_input_is_one_line(tmp_path):
+    model = tiny_model("llama", layers=4)
+    head = EagleHead.for_target(model, target_name="a", target_fingerprint=fingerprint(model))
+    head.save_pretrained(tmp_path / "h")
+    other = tiny_model("llama", layers=4, seed=1)
+    with pytest.raises(GorgonError, match="fingerprint"):
+        EagleHead.from_pretrained(tmp_path / "h", target=Target(other, tokenizer=None, name="other"))
+    with pytest.raises(GorgonError, match="a draft vocabulary of 65 tokens does not fit the target's 64"):
+        EagleHead.for_target(model, draft_tokens=torch.arange(65))
+    with pytest.raises(GorgonError, match="the draft depth must be a whole number >= 1"):
+        EagleDrafter(head, depth=0)
+    with pytest.raises(GorgonError, match="a tree needs 2 .* to 256 nodes, not 1"):
+        EagleDrafter(head, nodes=1)
+    with pytest.raises(GorgonError, match="feature_layers must lie between 1 and 4"):
+        EagleHead.for_target(model, feature_layers=[0, 9])
+    with pytest.raises(GorgonError, match="mixes exactly 3 target layers"):
+        export_head(EagleHead.for_target(model, feature_layers=[4]), "eagle3", tmp_path / "x")
+    with pytest.raises(GorgonError, match="Llama-shaped"):
+        EagleHead.for_target(tiny_model("gemma2", layers=4))
+
+
+@pytest.mark.slow
+def test_accelerate_launch_trains_an_eagle_head_that_decodes_exactly(tmp_path):
+    """Self-distillation as users run it: the target answers prompts, the head learns from its answers."""
+    target_path = tiny_chat_target(tmp_path)
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": f"count from {i}"}) + "\n" for i in range(48)))
+    data = str(make_dataset(DataSettings(prompts=str(prompts), target=str(target_path), max_new_tokens=24,
+                                         batch_size=16), tmp_path / "data", progress=False))
+    out = tmp_path / "eagle"
+    run = subprocess.run(
+        [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(ROOT / "configs/accelerate/cpu.yaml"),
+         str(ROOT / "train/heads.py"), "--arch", "eagle", "--data", data, "--target", str(target_path),
+         "--out", str(out), "--max-steps", "120", "--batch-size", "8", "--learning-rate", "0.01", "--log-every", "20",
+         "--save-every", "40", "--ttt-steps", "2", "--hidden-weight", "0.1", "--draft-vocab-size", "100",
+         "--report-to", "none"], env=env(), capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert run.returncode == 0, run.stderr[-3000:]
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert metrics["arch"] == "eagle" and len(metrics["top1"]) == 2 and metrics["top1"][0] > 0.3
+    assert (out / "README.md").read_text().startswith("---\nbase_model:")
+    target = load_target(str(target_path), device="cpu")
+    head = EagleHead.from_pretrained(out, target=target)
+    assert head.config.draft_vocab_size == 100 and head.accuracies == metrics["rank_accuracy"]
+    ids = target.tokenizer.apply_chat_template([{"role": "user", "content": "count from 3"}],
+                                               add_generation_prompt=True, return_tensors="pt",
+                                               return_dict=True)["input_ids"]
+    result = speculative_generate(target.model, EagleDrafter(head), ids, max_new_tokens=40)
+    assert result.tokens == reference(target.model, ids, 40)
+    assert result.tau > 1.5  # the head learned the target's own answers: it drafts them
