@@ -167,6 +167,7 @@ def test_accelerate_launch_trains_an_eagle_head_that_decodes_exactly(tmp_path):
          str(ROOT / "train/heads.py"), "--arch", "eagle", "--data", data, "--target", str(target_path),
          "--out", str(out), "--max-steps", "120", "--batch-size", "8", "--learning-rate", "0.01", "--log-every", "20",
          "--save-every", "40", "--ttt-steps", "2", "--hidden-weight", "0.1", "--draft-vocab-size", "100",
+         "--feature-layers", "1,2,2",
          "--report-to", "none"], env=env(), capture_output=True, text=True, timeout=600, cwd=tmp_path)
     assert run.returncode == 0, run.stderr[-3000:]
     metrics = json.loads((out / "metrics.json").read_text())
@@ -181,3 +182,18 @@ def test_accelerate_launch_trains_an_eagle_head_that_decodes_exactly(tmp_path):
     result = speculative_generate(target.model, EagleDrafter(head), ids, max_new_tokens=40)
     assert result.tokens == reference(target.model, ids, 40)
     assert result.tau > 1.5  # the head learned the target's own answers: it drafts them
+    gorgon = [sys.executable, "-m", "gorgon.heads.cli"]
+    gen = subprocess.run(gorgon + ["generate", "--heads", str(out), "--target", str(target_path), "--raw",
+                                   "--prompt", "count from 3", "--max-new-tokens", "12", "--stats"],
+                         env=env(), capture_output=True, text=True, timeout=300)
+    assert gen.returncode == 0 and "tau" in gen.stderr, gen.stderr[-2000:]
+    exported = subprocess.run(gorgon + ["export", "--heads", str(out), "--target", str(target_path), "--format",
+                                        "eagle3", "--out", str(tmp_path / "e3")], env=env(), capture_output=True,
+                              text=True, timeout=300)
+    assert exported.returncode == 0, exported.stderr[-2000:]
+    assert json.loads((tmp_path / "e3" / "config.json").read_text())["architectures"] == ["LlamaForCausalLMEagle3"]
+    wrong = subprocess.run(gorgon + ["export", "--heads", str(out), "--target", str(target_path), "--format", "vllm",
+                                     "--out", str(tmp_path / "v")], env=env(), capture_output=True, text=True,
+                           timeout=300)
+    assert wrong.returncode == 2 and wrong.stderr.strip().splitlines()[-1].endswith(
+        "holds a feature-level head, which export as eagle3 or speculators, not vllm")

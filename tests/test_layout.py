@@ -99,3 +99,12 @@ def test_every_script_answers_help(script):
                          text=True, timeout=120)
     assert run.returncode == 0, run.stderr[-2000:]
     assert len(run.stdout.strip().splitlines()) >= 2
+
+
+def test_decoding_imports_no_training_stack():
+    """`import gorgon.decode` (and the heads, and the options generate and bench share) pulls in torch and
+    transformers only: serving does not need trl, datasets, peft, wandb or accelerate."""
+    code = ("import sys, gorgon.heads, gorgon.decode, gorgon.decode.options, gorgon.decode.bench; "
+            "print(sorted(m for m in ('trl', 'datasets', 'peft', 'wandb', 'accelerate') if m in sys.modules))")
+    run = subprocess.run([sys.executable, "-c", code], env=env(), capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0 and run.stdout.strip() == "[]", run.stderr[-2000:]

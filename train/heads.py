@@ -57,6 +57,7 @@ class HeadsTrainConfig:
     lora_dropout: float = 0.0
     lora_target_modules: list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
     eval_fraction: float = 0.05
+    train_conversations: int | None = None  # train on the first N after the held-out split (a learning curve)
     eval_every: int = 0                # 0: only at the end
     log_every: int = 10
     save_every: int = 100              # checkpoint every N steps (0: never)
@@ -93,6 +94,9 @@ class HeadsTrainConfig:
                 raise GorgonError(f"{key} must be one of {', '.join(allowed)}, not {getattr(self, key)!r}")
         if self.num_heads < 1 or self.num_layers < 1 or self.batch_size < 1 or self.grad_accum < 1:
             raise GorgonError("num_heads, num_layers, batch_size and grad_accum must be at least 1")
+        if self.train_conversations is not None and self.train_conversations < 1:
+            raise GorgonError(f"train_conversations must be at least 1 (or unset for all), not "
+                              f"{self.train_conversations}")
         if self.max_steps is not None and self.max_steps < 0:
             raise GorgonError(f"max_steps must be at least 0 (0 saves the untrained heads), not {self.max_steps}")
         if self.arch == "eagle":
@@ -250,6 +254,7 @@ def setup(cfg: HeadsTrainConfig) -> Run:
     target.model.requires_grad_(False)
     examples = load_examples(cfg.data, target.tokenizer, cfg.max_length, target.fingerprint)
     train_ex, eval_ex = split(examples, cfg.eval_fraction, cfg.seed)
+    train_ex = train_ex[:cfg.train_conversations]  # the held-out split stays the same whatever the share
     if not train_ex:
         raise GorgonError(f"{cfg.data} has too few examples to train on after holding out the eval split: add data "
                           "or lower eval_fraction")
