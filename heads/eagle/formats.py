@@ -110,10 +110,8 @@ def foreign_format(config: dict) -> str | None:
 
 
 def import_head(folder: Path, config: dict, fmt: str):
-    """Our (EagleConfig, state dict) from an EAGLE-3 or speculators folder."""
+    """Our (EagleConfig fields, state dict) from an EAGLE-3 or speculators folder."""
     from safetensors.torch import load_file
-
-    from .model import EagleConfig
 
     files = sorted(folder.glob("*.safetensors"))
     if not files:
@@ -140,8 +138,8 @@ def import_head(folder: Path, config: dict, fmt: str):
         state["token_map"] = (d2t.long() + torch.arange(draft)).long()
     fields = {k: layer[k] for k in LAYER_FIELDS + ("model_type", "vocab_size") if layer.get(k) is not None}
     fields["num_hidden_layers"] = 1
-    eagle = EagleConfig(hidden_size=layer["hidden_size"], vocab_size=vocab, layer_config=fields,
-                        feature_layers=list(layers), draft_vocab_size=draft if draft < vocab else None,
-                        target_name=config.get("base_model_name_or_path")
-                        or config.get("speculators_config", {}).get("verifier", {}).get("name_or_path"))
+    eagle = dict(hidden_size=layer["hidden_size"], vocab_size=vocab, layer_config=fields, feature_layers=list(layers),
+                 draft_vocab_size=draft if draft < vocab else None,
+                 target_name=config.get("base_model_name_or_path")
+                 or config.get("speculators_config", {}).get("verifier", {}).get("name_or_path"))
     return eagle, state

@@ -33,6 +33,7 @@ from ..errors import GorgonError, check_keys
 from ..files import atomic_write, atomic_write_text
 from ..hub import CONFIG_NAME, PushToHubMixin, resolve_folder
 from ..target import Target, check_vocab
+from .formats import foreign_format, import_head
 
 WEIGHTS_NAME = "model.safetensors"
 ARCH = "eagle"  # config.json's "arch": how a heads folder says it holds feature-level heads
@@ -258,15 +259,14 @@ class EagleHead(PushToHubMixin, nn.Module):
         from safetensors import SafetensorError
         from safetensors.torch import load_file
 
-        from .formats import foreign_format, import_head
-
         folder = resolve_folder(name_or_path, "heads", [CONFIG_NAME, "*.safetensors", "*.md"])
         data = json.loads((folder / CONFIG_NAME).read_text())
         model = target.model if isinstance(target, Target) else target
         try:
             fmt = foreign_format(data)
             if fmt:
-                config, state = import_head(folder, data, fmt)
+                fields, state = import_head(folder, data, fmt)
+                config = EagleConfig(**fields)
             else:
                 config, state = EagleConfig.from_dict(data, str(folder / CONFIG_NAME)), load_file(folder / WEIGHTS_NAME)
             attn = getattr(model.config, "_attn_implementation", None) if model is not None else None
