@@ -65,6 +65,10 @@ def test_the_drafters_cache_follows_the_accepted_tokens():
     assert stepwise.cache.get_seq_length() == 12
     fresh_tokens, fresh_tree = EagleDrafter(head, nodes=10, depth=3, topk=3).propose(root, features, ids[0])
     assert torch.equal(tokens, fresh_tokens) and tree.paths == fresh_tree.paths
+    again, again_tree = stepwise.propose(root, features[-3:], ids[0])  # the same step proposed twice (profiling)
+    assert torch.equal(again, tokens) and again_tree.paths == tree.paths and stepwise.cache.get_seq_length() == 12
+    with pytest.raises(GorgonError, match="holds 12 tokens of context but was given features for the last 1 of 14"):
+        stepwise.propose(root, features[-1:], torch.cat([ids[0], ids[0, :2]]))
 
 
 @pytest.mark.parametrize("arch", FAMILIES)

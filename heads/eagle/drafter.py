@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import torch
 
+from ..errors import GorgonError
 from ..target import crop_cache
 from ..tree import build_tree
 from .model import EagleHead, check_search
@@ -47,11 +48,14 @@ class EagleDrafter:
 
         head, device = self.head, root.device
         n, m = context.numel(), features.shape[0]
-        if self.cache is None or m == n or self.committed != n - m:  # a new prompt
-            self.cache, self.committed = DynamicCache(), 0
-            features, start = features[-n:], 0
-        else:
-            start = n - m
+        start = n - m  # the cache must hold the context before the new features
+        if self.cache is None or start == 0 or self.committed < start:
+            if start != 0:
+                raise GorgonError(f"the drafter holds {self.committed} tokens of context but was given features for "
+                                  f"the last {m} of {n}: pass the features of every token accepted since its last "
+                                  "call (the whole prompt at the first)")
+            self.cache = DynamicCache()  # a new prompt
+        crop_cache(self.cache, start)  # proposing again on the same context recommits its last tokens
         # 1. Take in the accepted tokens: the feature at p with the token at p + 1 (the root after the last).
         tokens = torch.cat([context[start + 1:], root.reshape(1)])
         positions = torch.arange(start, n, device=device)
