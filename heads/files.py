@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
@@ -116,3 +117,33 @@ def check_writable(folder: Path) -> None:
     except OSError as err:
         raise GorgonError(f"cannot write to {folder} ({err.strerror or err.__class__.__name__}): choose a writable "
                           "--out") from err
+
+
+@contextlib.contextmanager
+def reading_weights(folder: Path, weights_name: str):
+    """Loading a drafter's weights: a missing, corrupt or mismatched file is one line naming the fix."""
+    from safetensors import SafetensorError
+
+    try:
+        yield
+    except FileNotFoundError as err:
+        raise GorgonError(f"{folder} has no {weights_name}: re-save or re-download the heads") from err
+    except (SafetensorError, OSError) as err:
+        raise GorgonError(f"the weights in {folder} are corrupt ({err}): re-save or re-download the heads") from err
+    except (RuntimeError, KeyError) as err:
+        raise GorgonError(f"the weights in {folder} do not match its config.json ({err.__class__.__name__}: "
+                          f"{str(err)[:80]}): re-save the heads") from err
+
+
+def read_safetensors_folder(folder: Path, what: str) -> dict:
+    """Every tensor in a folder's .safetensors files (an engine's checkpoint may be sharded); `what` names
+    the layout in the error when there are none."""
+    from safetensors.torch import load_file
+
+    files = sorted(Path(folder).glob("*.safetensors"))
+    if not files:
+        raise GorgonError(f"{folder} has a {what} config.json but no .safetensors weights")
+    tensors = {}
+    for f in files:
+        tensors.update(load_file(f))
+    return tensors

@@ -191,6 +191,21 @@ def check_vocab(mine: int, theirs: int, what: str) -> None:
                           "target (the same tokenizer)")
 
 
+def check_fits(config, target_model: torch.nn.Module, fingerprint: str | None = None) -> None:
+    """Refuse a target that a drafter's `config` (hidden_size, vocab_size, target_name, target_fingerprint)
+    was not trained for: its shapes, and its fingerprint when both sides have one."""
+    cfg = target_model.config.get_text_config()
+    trained_for = config.target_name or "another target"
+    if cfg.hidden_size != config.hidden_size:
+        raise GorgonError(f"these heads were trained for hidden size {config.hidden_size} but the target has "
+                          f"{cfg.hidden_size}: use heads trained for {trained_for}")
+    check_vocab(config.vocab_size, cfg.vocab_size, f"heads trained for {trained_for}")
+    if fingerprint and config.target_fingerprint and fingerprint != config.target_fingerprint:
+        raise GorgonError(f"these heads were trained for target {config.target_name!r} (fingerprint "
+                          f"{config.target_fingerprint}) but this target's fingerprint is {fingerprint}: "
+                          "train heads for this target, or load the target they were trained for")
+
+
 def fingerprint(model: torch.nn.Module) -> str:
     """A short hash identifying a model independent of its device and dtype.
 
@@ -246,3 +261,14 @@ def crop_cache(cache, length: int) -> None:
     a count to remove later)."""
     for layer in cache.layers:
         layer.keys, layer.values = layer.keys[:, :, :length], layer.values[:, :, :length]
+
+
+def attach_to_target(module: torch.nn.Module, target, device=None, dtype=None) -> torch.nn.Module:
+    """Check a loaded drafter fits `target` and bind it (a `Target` is checked by fingerprint, a bare model by
+    shape only), then place it on the target's device and dtype unless others are given; in eval mode."""
+    if target is not None:
+        model, fp = (target.model, target.fingerprint) if isinstance(target, Target) else (target, None)
+        device = device or model.get_output_embeddings().weight.device
+        dtype = dtype or model.get_output_embeddings().weight.dtype
+        module.attach(model, fp)
+    return module.to(device=device, dtype=dtype).eval()

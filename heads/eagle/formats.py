@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 from ..errors import GorgonError
-from ..files import atomic_write, atomic_write_text
+from ..files import atomic_write, atomic_write_text, read_safetensors_folder
 
 FORMATS = ("eagle3", "speculators")
 EAGLE3_ARCHITECTURES = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM")
@@ -111,14 +111,7 @@ def foreign_format(config: dict) -> str | None:
 
 def import_head(folder: Path, config: dict, fmt: str):
     """Our (EagleConfig fields, state dict) from an EAGLE-3 or speculators folder."""
-    from safetensors.torch import load_file
-
-    files = sorted(folder.glob("*.safetensors"))
-    if not files:
-        raise GorgonError(f"{folder} has an {fmt} config.json but no .safetensors weights")
-    raw = {}
-    for f in files:
-        raw.update(load_file(f))
+    raw = read_safetensors_folder(folder, fmt)
     layer = dict(config["transformer_layer_config"] if fmt == "speculators" else config)
     layers = config.get("eagle_aux_hidden_state_layer_ids")
     if layers is None and config.get("eagle_config", {}).get("eagle_aux_hidden_state_layer_ids") is not None:

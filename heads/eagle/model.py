@@ -30,9 +30,9 @@ import torch
 from torch import nn
 
 from ..errors import GorgonError, check_keys
-from ..files import atomic_write, atomic_write_text
+from ..files import atomic_write, atomic_write_text, reading_weights
 from ..hub import CONFIG_NAME, PushToHubMixin, resolve_folder
-from ..target import Target, check_vocab
+from ..target import Target, attach_to_target, check_fits
 from .formats import foreign_format, import_head
 
 WEIGHTS_NAME = "model.safetensors"
@@ -170,16 +170,7 @@ class EagleHead(PushToHubMixin, nn.Module):
 
     def attach(self, target_model: nn.Module, fingerprint: str | None = None) -> "EagleHead":
         """Check this head fits `target_model` and bind its embedding. Refuses another target."""
-        cfg = target_model.config.get_text_config()
-        trained_for = self.config.target_name or "another target"
-        if cfg.hidden_size != self.config.hidden_size:
-            raise GorgonError(f"this head was trained for hidden size {self.config.hidden_size} but the target has "
-                              f"{cfg.hidden_size}: use heads trained for {trained_for}")
-        check_vocab(self.config.vocab_size, cfg.vocab_size, f"heads trained for {trained_for}")
-        if fingerprint and self.config.target_fingerprint and fingerprint != self.config.target_fingerprint:
-            raise GorgonError(f"this head was trained for target {self.config.target_name!r} (fingerprint "
-                              f"{self.config.target_fingerprint}) but this target's fingerprint is {fingerprint}: "
-                              "train heads for this target, or load the target they were trained for")
+        check_fits(self.config, target_model, fingerprint)
         object.__setattr__(self, "_target", target_model)
         return self
 
@@ -256,13 +247,12 @@ class EagleHead(PushToHubMixin, nn.Module):
                         dtype: torch.dtype | None = None) -> "EagleHead":
         """Load a head from a folder or hub id; with `target` check and attach it (a `Target` is also checked
         by fingerprint; a bare model by shape only). EAGLE-3 and speculators folders are read too."""
-        from safetensors import SafetensorError
         from safetensors.torch import load_file
 
         folder = resolve_folder(name_or_path, "heads", [CONFIG_NAME, "*.safetensors", "*.md"])
         data = json.loads((folder / CONFIG_NAME).read_text())
         model = target.model if isinstance(target, Target) else target
-        try:
+        with reading_weights(folder, WEIGHTS_NAME):
             fmt = foreign_format(data)
             if fmt:
                 fields, state = import_head(folder, data, fmt)
@@ -272,16 +262,4 @@ class EagleHead(PushToHubMixin, nn.Module):
             attn = getattr(model.config, "_attn_implementation", None) if model is not None else None
             head = cls(config, attn or "sdpa")
             head.load_state_dict(state)
-        except FileNotFoundError as err:
-            raise GorgonError(f"{folder} has no {WEIGHTS_NAME}: re-save or re-download the heads") from err
-        except (SafetensorError, OSError) as err:
-            raise GorgonError(f"the weights in {folder} are corrupt ({err}): re-save or re-download the heads") from err
-        except (RuntimeError, KeyError) as err:
-            raise GorgonError(f"the weights in {folder} do not match its config.json ({err.__class__.__name__}: "
-                              f"{str(err)[:80]}): re-save the heads") from err
-        if model is not None:
-            device = device or model.get_output_embeddings().weight.device
-            dtype = dtype or model.get_output_embeddings().weight.dtype
-            head.attach(model, target.fingerprint if isinstance(target, Target) else None)
-        head.to(device=device, dtype=dtype)
-        return head.eval()
+        return attach_to_target(head, target, device, dtype)

@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from ..errors import GorgonError
-from ..files import atomic_write, atomic_write_text
+from ..files import atomic_write, atomic_write_text, read_safetensors_folder
 
 FORMATS = ("vllm", "medusa")
 MEDUSA_WEIGHTS = "medusa_lm_head.safetensors"
@@ -104,15 +104,8 @@ def _load_medusa_state(folder: Path) -> dict[str, torch.Tensor]:
 
 def import_heads(folder: Path, config: dict, fmt: str):
     """Our (HeadsConfig fields, state dict) from a vLLM or FasterDecoding Medusa folder."""
-    from safetensors.torch import load_file
-
     if fmt == "vllm":
-        files = sorted(folder.glob("*.safetensors"))
-        if not files:
-            raise GorgonError(f"{folder} has a vLLM Medusa config.json but no .safetensors weights")
-        raw = {}
-        for f in files:
-            raw.update(load_file(f))
+        raw = read_safetensors_folder(folder, "vLLM Medusa")
         raw = {k.replace("medusa_heads.", ""): v for k, v in raw.items()}
         heads, layers = config["num_heads"], config["num_hidden_layers"]
         shared = bool(config.get("original_lm_head", False))

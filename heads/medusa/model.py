@@ -17,9 +17,9 @@ import torch
 from torch import nn
 
 from ..errors import GorgonError, check_keys
-from ..files import atomic_write, atomic_write_text
+from ..files import atomic_write, atomic_write_text, reading_weights
 from ..hub import CONFIG_NAME, PushToHubMixin, resolve_folder
-from ..target import Target, check_vocab, lm_logits
+from ..target import Target, attach_to_target, check_fits, lm_logits
 from ..tree import expected_accepted, tree_from_accuracies
 from .formats import foreign_format, import_heads
 
@@ -118,16 +118,7 @@ class MedusaHeads(PushToHubMixin, nn.Module):
 
     def attach(self, target_model: nn.Module, fingerprint: str | None = None) -> "MedusaHeads":
         """Check these heads fit `target_model` and bind its lm_head. Refuses another target."""
-        cfg = target_model.config.get_text_config()
-        if cfg.hidden_size != self.config.hidden_size:
-            raise GorgonError(f"these heads were trained for hidden size {self.config.hidden_size} but the target has "
-                              f"{cfg.hidden_size}: use heads trained for {self.config.target_name or 'this target'}")
-        trained_for = self.config.target_name or "another target"
-        check_vocab(self.config.vocab_size, cfg.vocab_size, f"heads trained for {trained_for}")
-        if fingerprint and self.config.target_fingerprint and fingerprint != self.config.target_fingerprint:
-            raise GorgonError(f"these heads were trained for target {self.config.target_name!r} (fingerprint "
-                              f"{self.config.target_fingerprint}) but this target's fingerprint is {fingerprint}: "
-                              "train heads for this target, or load the target they were trained for")
+        check_fits(self.config, target_model, fingerprint)
         object.__setattr__(self, "_target", target_model)
         object.__setattr__(self, "_draft_weights", None)
         return self
@@ -224,7 +215,6 @@ class MedusaHeads(PushToHubMixin, nn.Module):
         """Load heads from a folder or hub id; with `target` check and attach it (a `Target` is also
         checked by fingerprint; a bare model by shape only). Folders in vLLM's or FasterDecoding
         Medusa's format are read too (see `gorgon.heads.medusa.formats`)."""
-        from safetensors import SafetensorError
         from safetensors.torch import load_file
 
         folder = resolve_heads_folder(name_or_path)
@@ -235,7 +225,7 @@ class MedusaHeads(PushToHubMixin, nn.Module):
             raise GorgonError(f"cannot read {config_path} ({err.__class__.__name__}): "
                               "re-save or re-download the heads") from err
         fmt = foreign_format(folder, data)
-        try:
+        with reading_weights(folder, WEIGHTS_NAME):
             if fmt:
                 fields, state = import_heads(folder, data, fmt)
                 heads = cls(HeadsConfig(**fields))
@@ -243,22 +233,9 @@ class MedusaHeads(PushToHubMixin, nn.Module):
                 heads = cls(HeadsConfig.from_dict(data, source=str(config_path)))
                 state = load_file(folder / WEIGHTS_NAME)
             heads.load_state_dict(state)
-        except FileNotFoundError as err:
-            raise GorgonError(f"{folder} has no {WEIGHTS_NAME}: re-save or re-download the heads") from err
-        except (SafetensorError, OSError) as err:
-            raise GorgonError(f"the weights in {folder} are corrupt ({err}): re-save or re-download the heads") from err
-        except (RuntimeError, KeyError) as err:
-            raise GorgonError(f"the weights in {folder} do not match its config.json ({err.__class__.__name__}: "
-                              f"{str(err)[:80]}): re-save the heads") from err
         if (folder / TREES_NAME).is_file():
             heads.trees = read_trees(folder / TREES_NAME)
-        if target is not None:
-            model, fp = (target.model, target.fingerprint) if isinstance(target, Target) else (target, None)
-            device = device or model.get_output_embeddings().weight.device
-            dtype = dtype or model.get_output_embeddings().weight.dtype
-            heads.attach(model, fp)
-        heads.to(device=device, dtype=dtype)
-        return heads.eval()
+        return attach_to_target(heads, target, device, dtype)
 
 
 def load_with_heads(heads: str | os.PathLike, target: str | None = None, device: str = "auto",
