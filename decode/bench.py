@@ -320,6 +320,8 @@ def main(argv=None) -> int:
     unknown = [b for b in baselines if b not in BASELINES]
     if unknown:
         raise GorgonError(f"unknown baseline {unknown[0]!r}: use {', '.join(BASELINES)}")
+    if args.update_card and not (args.heads or args.draft):
+        raise GorgonError("--update-card writes into a --heads or --draft folder's card: pass one")
     questions = load_questions(args.questions, args.limit)
     sampling = Sampling(args.temperature, args.top_k, args.top_p)
     if args.out:
@@ -334,7 +336,9 @@ def main(argv=None) -> int:
     seed = 0 if args.seed is None else args.seed  # reproducible unless asked otherwise
     report = run_bench(target, drafter, questions, args.max_new_tokens, sampling, baselines, assistant, seed)
     report.update(environment(target.model, drafter, sampling, args.max_new_tokens))
-    report.update({"target": target.name, "drafter": args.heads or args.draft, "questions_file": args.questions,
+    drafters = [args.heads or args.draft, "context" if args.context_draft else None]
+    report.update({"target": target.name, "drafter": " + ".join(d for d in drafters if d),
+                   "questions_file": args.questions,
                    "command": "gorgon bench " + " ".join(sys.argv[2:] if argv is None else argv)})
     print(markdown_table(report))
     print(f"\n{report['device']}, {report['dtype']}, {report['threads']} thread(s), "

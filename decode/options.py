@@ -8,7 +8,7 @@ import json
 import sys
 from pathlib import Path
 
-from gorgon.heads import DraftModelDrafter, GorgonError, MedusaHeads, load_target
+from gorgon.heads import ContextDrafter, DraftModelDrafter, GorgonError, MedusaHeads, MergedDrafter, load_target
 from gorgon.heads.errors import int_at_least
 from gorgon.heads.files import read_text
 from gorgon.heads.loading import drafter_for, load_heads
@@ -19,18 +19,30 @@ from .calibrate import verify_costs
 from .kernels import KERNELS, use_cpu_kernels
 
 
-def add_model_arguments(p: argparse.ArgumentParser, drafter_required: bool = True) -> None:
+def add_model_arguments(p: argparse.ArgumentParser) -> None:
     """What `gorgon generate` and `gorgon bench` share: the target, the drafter, the tree, sampling, device.
 
-    --heads (Medusa heads) or --draft (a small model with the target's tokenizer): one is required.
+    The drafter: --heads (Medusa or feature-level heads) or --draft (a small model with the target's
+    tokenizer), and/or --context-draft (prompt lookup, merged into the other's tree when both are given).
     """
     p.add_argument("--target", default=None, help="hub id or local path of the target (default: the embedded "
                    "SmolLM2-135M-Instruct)")
-    group = p.add_mutually_exclusive_group(required=drafter_required)
+    group = p.add_mutually_exclusive_group()
     group.add_argument("--heads", help="heads folder or hub id (from train/heads.py or save_pretrained)")
     group.add_argument("--draft", help="a small draft model (hub id or path) sharing the target's tokenizer")
     p.add_argument("--draft-tokens", type=int_at_least(1), default=4,
                    help="tokens a --draft model proposes per step (default 4)")
+    p.add_argument("--context-draft", action="store_true",
+                   help="also draft from the context (prompt lookup: the tokens that followed the latest earlier "
+                        "occurrence of the text's last n-gram), in the same tree as --heads or --draft, or alone")
+    p.add_argument("--context-ngram", type=int_at_least(1), default=3, help="longest n-gram looked up (default 3)")
+    p.add_argument("--context-tokens", type=int_at_least(1), default=5,
+                   help="tokens per context continuation (default 5)")
+    p.add_argument("--context-branches", type=int_at_least(1), default=2,
+                   help="distinct earlier continuations proposed as branches (default 2)")
+    p.add_argument("--tree-budget", type=int_at_least(2), default=None,
+                   help="with --context-draft and another drafter: nodes of the merged tree (default: the other's "
+                        "tree plus one context continuation)")
     p.add_argument("--tree", default="auto", help="'auto' (the tree saved with the heads for this device, else a "
                    "default), a node count N (the best N-node tree from the heads' measured accuracies), or a JSON "
                    "file with a list of rank paths, e.g. [[0],[1],[0,0]]")
@@ -47,6 +59,25 @@ def add_model_arguments(p: argparse.ArgumentParser, drafter_required: bool = Tru
 
 
 def load_drafter(args, tree):
+    """The target and the drafter the arguments name, on the chosen CPU kernels; --context-draft merges
+    prompt lookup into the other drafter's tree, or drafts alone."""
+    if not (args.heads or args.draft or args.context_draft):
+        raise GorgonError("no drafter: pass --heads FOLDER, --draft MODEL or --context-draft (or several)")
+    if args.tree_budget is not None and not (args.context_draft and (args.heads or args.draft)):
+        raise GorgonError("--tree-budget sizes a merged tree: it needs --context-draft with --heads or --draft")
+    context = (ContextDrafter(args.context_ngram, args.context_tokens, args.context_branches)
+               if args.context_draft else None)
+    if not (args.heads or args.draft):
+        if tree != "auto":
+            raise GorgonError("--tree applies to --heads: --context-draft alone proposes what the context repeats")
+        target = load_target(args.target, device=args.device, dtype=args.dtype)
+        use_cpu_kernels(target.model, args.cpu_kernels)
+        return target, context
+    target, drafter = load_model_drafter(args, tree)
+    return target, drafter if context is None else MergedDrafter(drafter, context, args.tree_budget)
+
+
+def load_model_drafter(args, tree):
     """The target and the drafter the arguments name, on the chosen CPU kernels.
 
     With heads and `--tree auto`, the tree's size is chosen for this machine: from the heads'

@@ -5,9 +5,10 @@ The core every stage uses: loading a target and its fingerprint (target.py), one
 interface (drafter.py), model cards (card.py) and loading any heads folder (loading.py). Each
 drafting method keeps its model, drafter and training objective in its own subpackage: medusa/
 (Medusa heads), eagle/ (a feature-level head, EAGLE-3's layout), draft_model/ (a small distilled
-causal LM).
+causal LM), context/ (prompt lookup, which needs no model, and merging it into another tree).
 """
 
+from .context import ContextDrafter, MergedDrafter
 from .draft_model import DraftModelDrafter
 from .drafter import Drafter
 from .eagle import EagleConfig, EagleDrafter, EagleHead
@@ -17,7 +18,7 @@ from .medusa import HeadsConfig, HeadsDrafter, MedusaHeads, load_with_heads
 from .target import Target, fingerprint, load_target
 from .tree import Tree, build_tree, default_tree, tree_from_accuracies
 
-__all__ = ["DraftModelDrafter", "Drafter", "EagleConfig", "EagleDrafter", "EagleHead", "GorgonError", "drafter_for",
-           "load_heads", "HeadsConfig", "HeadsDrafter", "MedusaHeads", "Target",
-           "Tree", "build_tree", "default_tree", "fingerprint", "load_target", "load_with_heads",
+__all__ = ["ContextDrafter", "DraftModelDrafter", "Drafter", "EagleConfig", "EagleDrafter", "EagleHead", "GorgonError",
+           "HeadsConfig", "HeadsDrafter", "MedusaHeads", "MergedDrafter", "Target", "Tree", "build_tree",
+           "default_tree", "drafter_for", "fingerprint", "load_heads", "load_target", "load_with_heads",
            "tree_from_accuracies"]

@@ -91,6 +91,13 @@ def build_tree(paths) -> Tree:
     return Tree(tuple(unique), depth, parent, rank, ancestors, children, tuple(path_to))
 
 
+def root_only_tree(device=None) -> Tree:
+    """The tree of the root alone: a step that verifies no candidate (a drafter with nothing to propose)."""
+    one = torch.zeros(1, dtype=torch.long, device=device)
+    return Tree((), one, one, one, torch.ones(1, 1, dtype=torch.bool, device=device),
+                torch.full((1, 1), -1, device=device), ((0,),))
+
+
 def tree_from_accuracies(accuracies, size: int) -> list[list[int]]:
     """The tree of `size` nodes (root included) that maximises the expected accepted length.
 

@@ -84,7 +84,7 @@ def random_target(args):
 
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_model_arguments(p, drafter_required=False)
+    add_model_arguments(p)
     p.add_argument("--random-target", metavar="CONFIG",
                    help="instead of --heads/--draft: build the target from this config.json with random weights, "
                         "with 4 random Medusa heads (costs need no real weights, e.g. an 8B-shaped Llama)")
@@ -94,11 +94,11 @@ def main():
     args = p.parse_args()
     if args.random_target:
         model, drafter = random_target(args)
-    elif args.heads or args.draft:
+    elif args.heads or args.draft or args.context_draft:
         target, drafter = load_drafter(args, read_tree(args.tree))
         model = target.model
     else:
-        p.error("one of --heads, --draft or --random-target is required")
+        p.error("one of --heads, --draft, --context-draft or --random-target is required")
     with torch.inference_mode():
         parts = profile(model, drafter, args.context, args.repeat)
     costs = measure_verify_costs(model, context=args.context, repeat=args.repeat)

@@ -177,6 +177,10 @@ class OracleDrafter:
 
     feature_layers = None
 
+    @property
+    def max_nodes(self):
+        return self.tree.size
+
     def __init__(self, reference: list[int], prompt_len: int, vocab: int, paths, seed: int = 0):
         self.reference, self.prompt_len, self.vocab = reference, prompt_len, vocab
         self.tree = build_tree(paths)
@@ -203,6 +207,10 @@ class TargetRolloutDrafter:
     sampling accepts often and deep, which is what the exactness test needs to exercise."""
 
     feature_layers = None
+
+    @property
+    def max_nodes(self):
+        return self.tree.size
 
     def __init__(self, model, paths):
         self.model = model

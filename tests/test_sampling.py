@@ -130,3 +130,16 @@ def test_sampling_with_a_feature_level_head_is_exact(peaky_model):
     counts, accepted = sample_counts(peaky_model, prompt, s, EagleDrafter(head, nodes=7, depth=2, topk=3))
     assert max(accepted) >= 2  # drafted candidates were accepted, not only bonus tokens
     assert chi_square_p(exact_distribution(peaky_model, prompt, s), counts) > 1e-3
+
+
+@pytest.mark.slow
+def test_sampling_with_merged_heads_and_context_is_exact(peaky_model):
+    """Candidates from lookup and from a drafter, merged in one tree, are point-mass proposals like a head's."""
+    from gorgon.heads import ContextDrafter, MergedDrafter
+
+    s = Sampling(temperature=1.0)
+    prompt = torch.tensor([[1, 5, 2, 1, 5, 2, 1, 5]])  # repeats: lookup proposes 2, 1, 5, ...
+    drafter = MergedDrafter(TargetRolloutDrafter(peaky_model, [[0], [1], [0, 0]]), ContextDrafter(2, 3, 2), budget=6)
+    counts, accepted = sample_counts(peaky_model, prompt, s, drafter)
+    assert max(accepted) >= 3
+    assert chi_square_p(exact_distribution(peaky_model, prompt, s), counts) > 1e-3

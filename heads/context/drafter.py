@@ -1,0 +1,120 @@
+"""Drafts from the context itself (prompt lookup): no model, no training.
+
+The longest recent n-gram that ends the text so far (prompt and output) is looked up earlier in
+the text; the tokens that followed it there are proposed. Where earlier matches continue
+differently, each continuation is a branch. Text that repeats its input (translation, edits,
+summaries, code) drafts well this way; heads know the target's style instead, and `MergedDrafter`
+puts both in one verified tree.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..errors import GorgonError
+from ..tree import Tree, build_tree, root_only_tree
+
+
+def lookup(tokens: list[int], max_ngram: int = 3, length: int = 5, branches: int = 2) -> list[list[int]]:
+    """Continuations of the longest n-gram (max_ngram down to 1) that ends `tokens` and occurred before,
+    most recent match first: at most `branches` of them, distinct in their first token, each at most
+    `length` tokens. Empty when nothing matches."""
+    for n in range(min(max_ngram, len(tokens) - 1), 0, -1):
+        suffix = tokens[-n:]
+        found, firsts = [], set()
+        for start in range(len(tokens) - n - 1, -1, -1):  # latest first; the suffix itself is excluded
+            if tokens[start:start + n] == suffix:
+                follow = tokens[start + n:start + n + length]
+                if follow[0] not in firsts:
+                    firsts.add(follow[0])
+                    found.append(follow)
+                    if len(found) == branches:
+                        break
+        if found:
+            return found
+    return []
+
+
+def check_context_settings(max_ngram: int, length: int, branches: int) -> None:
+    for name, value in (("n-gram size", max_ngram), ("context draft length", length), ("branches", branches)):
+        if not (isinstance(value, int) and value >= 1):
+            raise GorgonError(f"the {name} must be a whole number >= 1, not {value!r}")
+
+
+def tree_of_chains(root: torch.Tensor, chains: list[list[int]]) -> tuple[torch.Tensor, Tree]:
+    """A tree whose paths are the token chains, shared prefixes merged; tokens per node, the root first."""
+    rank_path, token_path = {}, {}
+    for chain in chains:
+        ranks = ()
+        for depth, token in enumerate(chain, 1):
+            prefix = tuple(chain[:depth])
+            if prefix not in rank_path:
+                siblings = sum(1 for p in rank_path if len(p) == depth and p[:-1] == prefix[:-1])
+                rank_path[prefix] = ranks + (siblings,)
+                token_path[ranks + (siblings,)] = token
+            ranks = rank_path[prefix]
+    if not token_path:
+        return root.reshape(1), root_only_tree(root.device)
+    tree = build_tree([list(p) for p in token_path]).to(root.device)
+    tokens = [int(root)] + [token_path[p] for p in tree.paths]
+    return torch.tensor(tokens, device=root.device), tree
+
+
+class ContextDrafter:
+    """Proposes the continuations `lookup` finds, as a tree (one chain per distinct continuation)."""
+
+    feature_layers = None  # reads tokens only
+
+    def __init__(self, max_ngram: int = 3, length: int = 5, branches: int = 2):
+        check_context_settings(max_ngram, length, branches)
+        self.max_ngram, self.length, self.branches = max_ngram, length, branches
+
+    @property
+    def max_nodes(self) -> int:
+        return 1 + self.length * self.branches
+
+    def chains(self, root: torch.Tensor, context: torch.Tensor) -> list[list[int]]:
+        return lookup(context.tolist() + [int(root)], self.max_ngram, self.length, self.branches)
+
+    def propose(self, root: torch.Tensor, features: torch.Tensor, context: torch.Tensor):
+        return tree_of_chains(root, self.chains(root, context))
+
+
+def token_paths(tokens: torch.Tensor, tree: Tree) -> list[tuple[int, ...]]:
+    """Each non-root node of a proposed tree as the token path from the root to it, in node order."""
+    host = tokens.tolist()
+    return [tuple(host[j] for j in path[1:]) for path in tree.path_to[1:]]
+
+
+class MergedDrafter:
+    """Two drafters' trees under one root, identical paths once, within a node budget.
+
+    The rule: the context drafter's chains first (when the text at hand repeats, lookup is right
+    far more often than a head), then the other drafter's nodes in its own order (parents before
+    children, best ranks first), while the budget lasts. Both see the same step; verification and
+    acceptance are unchanged, and a deterministic candidate is a point-mass proposal as a head's is.
+    """
+
+    def __init__(self, drafter, context: ContextDrafter, budget: int | None = None):
+        self.drafter, self.context = drafter, context
+        self.budget = budget if budget is not None else drafter.max_nodes + context.length
+        if not (isinstance(self.budget, int) and 2 <= self.budget <= 256):
+            raise GorgonError(f"a merged tree needs a budget of 2 (the root and one candidate) to 256 nodes, "
+                              f"not {self.budget!r}")
+        self.feature_layers = drafter.feature_layers
+
+    @property
+    def max_nodes(self) -> int:
+        return self.budget
+
+    def propose(self, root: torch.Tensor, features: torch.Tensor, context: torch.Tensor):
+        tokens, tree = self.drafter.propose(root, features, context)
+        chosen: dict[tuple[int, ...], None] = {}  # ordered set of token paths
+        candidates = [tuple(chain[:d]) for chain in self.context.chains(root, context)
+                      for d in range(1, len(chain) + 1)] + token_paths(tokens, tree)
+        for path in candidates:
+            if len(chosen) >= self.budget - 1:
+                break
+            if path not in chosen and (len(path) == 1 or path[:-1] in chosen):
+                chosen[path] = None
+        return tree_of_chains(root, [list(p) for p in chosen])

@@ -1,0 +1,92 @@
+"""Drafting from the context: lookup on hand-made sequences, merged trees, exact decoding, bad input."""
+
+import pytest
+import torch
+from helpers import VOCAB, tiny_model
+
+from gorgon.decode import speculative_generate
+from gorgon.heads import ContextDrafter, GorgonError, HeadsDrafter, MedusaHeads, MergedDrafter
+from gorgon.heads.context.drafter import lookup, token_paths, tree_of_chains
+
+
+def test_lookup_finds_the_latest_longest_match():
+    assert lookup([1, 2, 3, 9, 1, 2, 3, 7, 5, 1, 2, 3], max_ngram=3, length=4, branches=2) == \
+        [[7, 5, 1, 2], [9, 1, 2, 3]]                       # latest first; two continuations, distinct first tokens
+    assert lookup([1, 2, 3, 9, 1, 2, 3, 9, 8, 1, 2, 3], 3, 3, 2) == [[9, 8, 1]]  # the same first token: one branch
+    assert lookup([4, 5, 6, 7], 3, 4, 2) == []           # nothing repeats
+    assert lookup([5, 1, 2, 8, 2], 3, 2, 1) == [[8, 2]]  # falls back to the longest n-gram that occurred: [2]
+    assert lookup([1, 1, 1, 1], 3, 5, 2) == [[1]]         # overlapping matches: the continuation ends at the text
+    assert lookup([7], 3, 2, 2) == []                     # too short to repeat
+
+
+def test_merged_trees_share_prefixes_and_keep_the_budget():
+    tokens, tree = tree_of_chains(torch.tensor(5), [[3, 7, 5], [3, 9, 1], [8], [3, 7]])
+    assert sorted(token_paths(tokens, tree)) == [(3,), (3, 7), (3, 7, 5), (3, 9), (3, 9, 1), (8,)]  # (3, 7) once
+    root_only, single = tree_of_chains(torch.tensor(5), [])
+    assert single.size == 1 and root_only.tolist() == [5]
+
+    class Fixed:  # a drafter with a known tree: tokens 10 and 11 under the root, 12 under 10
+        feature_layers, max_nodes = None, 4
+
+        def propose(self, root, features, context):
+            return tree_of_chains(root, [[10, 12], [11]])
+
+    context = torch.tensor([1, 2, 3, 10, 12, 6, 1, 2])
+    for budget, expected in [(2, [(10,)]), (4, [(10,), (10, 12), (10, 12, 6)]),
+                             (6, [(10,), (10, 12), (10, 12, 6), (10, 12, 6, 1), (11,)])]:
+        merged = MergedDrafter(Fixed(), ContextDrafter(max_ngram=3, length=4, branches=1), budget)
+        tokens, tree = merged.propose(torch.tensor(3), torch.zeros(0, 1), context)
+        assert tree.size <= budget and sorted(token_paths(tokens, tree)) == sorted(expected)
+        assert tokens[0] == 3
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_greedy_equals_generate_with_context_and_merged_drafters(arch):
+    model = tiny_model(arch)
+    # A prompt that repeats itself, so lookup has something to copy, and heads beside it.
+    torch.manual_seed(0)
+    ids = torch.randint(0, VOCAB, (1, 6)).repeat(1, 3)
+    reference = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=30, do_sample=False)
+    reference = reference[0, ids.shape[1]:].tolist()
+    heads = HeadsDrafter(MedusaHeads.for_target(model, num_heads=2), tree=[[0], [1], [0, 0]])
+    for drafter in (ContextDrafter(), ContextDrafter(1, 8, 3), MergedDrafter(heads, ContextDrafter()),
+                    MergedDrafter(heads, ContextDrafter(2, 3, 2), budget=3)):
+        result = speculative_generate(model, drafter, ids, max_new_tokens=30)
+        assert result.tokens == reference
+        assert max(result.accepted) >= 2  # copied candidates were accepted, not only bonus tokens
+
+
+def test_bad_settings_are_one_line():
+    with pytest.raises(GorgonError, match="the n-gram size must be a whole number >= 1, not 0"):
+        ContextDrafter(max_ngram=0)
+    with pytest.raises(GorgonError, match="context draft length must be a whole number >= 1"):
+        ContextDrafter(length=0)
+    with pytest.raises(GorgonError, match="a merged tree needs a budget of 2 .* to 256 nodes, not 0"):
+        MergedDrafter(ContextDrafter(), ContextDrafter(), budget=0)
+
+
+def test_cli_takes_context_drafts_alone_and_merged(tmp_path, capsys):
+    import json
+
+    from helpers import QUESTIONS, tiny_chat_target
+
+    from gorgon.heads import load_target
+    from gorgon.heads.cli import main as gorgon
+
+    target_path = tiny_chat_target(tmp_path)
+    target = load_target(str(target_path), device="cpu")
+    MedusaHeads.for_target(target.model, target_fingerprint=target.fingerprint).save_pretrained(tmp_path / "heads")
+    common = ["--target", str(target_path), "--max-new-tokens", "8"]
+    assert gorgon(["generate", "--context-draft", "--prompt", "count count count", "--stats"] + common) == 0
+    questions = tmp_path / "q.jsonl"
+    questions.write_text("".join(json.dumps(q) + "\n" for q in QUESTIONS[:2]))
+    out = tmp_path / "bench.json"
+    assert gorgon(["bench", "--heads", str(tmp_path / "heads"), "--context-draft", "--tree", "3", "--questions",
+                   str(questions), "--baselines", "generate,prompt-lookup", "--out", str(out)] + common) == 0
+    report = json.loads(out.read_text())
+    assert report["drafter"].endswith(" + context") and report["identical"] == 2 and report["tree"] == "built per step"
+    assert "prompt-lookup_speedup" in report
+    capsys.readouterr()
+    assert gorgon(["generate", "--prompt", "x"] + common) == 2
+    assert capsys.readouterr().err.strip().endswith("no drafter: pass --heads FOLDER, --draft MODEL or "
+                                                    "--context-draft (or several)")
