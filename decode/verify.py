@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from gorgon.heads.errors import GorgonError
-from gorgon.heads.target import base_model, crop_cache
+from gorgon.heads.target import additive_mask, base_model, crop_cache
 from gorgon.heads.tree import Tree
 
 _MASK_KINDS = {"full_attention", "sliding_attention"}
@@ -41,10 +41,7 @@ def tree_mask(tree: Tree, past_len: int, dtype: torch.dtype, window: int | None 
         q = torch.arange(past_len, device=pos.device)
         allowed_past = (pos[:, None] - q[None, :]) < window
         allowed_tree = allowed_tree & ((tree.depth[:, None] - tree.depth[None, :]) < window)
-    allowed = torch.cat([allowed_past, allowed_tree], dim=1)
-    mask = torch.zeros(allowed.shape, dtype=dtype, device=pos.device)
-    mask.masked_fill_(~allowed, torch.finfo(dtype).min)
-    return mask[None, None]
+    return additive_mask(torch.cat([allowed_past, allowed_tree], dim=1), dtype)[None, None]
 
 
 def verify_mask(config, tree: Tree, past_len: int, dtype: torch.dtype):

@@ -14,6 +14,7 @@ import torch
 from .eagle import EagleDrafter, EagleHead
 from .eagle.formats import foreign_format
 from .eagle.model import ARCH
+from .errors import GorgonError
 from .hub import CONFIG_NAME
 from .medusa import HeadsDrafter, load_with_heads
 from .medusa.model import resolve_heads_folder
@@ -44,8 +45,6 @@ def drafter_for(heads, tree=None):
     head a node count per step or 'auto' (the count saved for this device)."""
     if isinstance(heads, EagleHead):
         if isinstance(tree, list):
-            from .errors import GorgonError
-
             raise GorgonError("a feature-level head builds its tree each step: pass --tree N (nodes per step) "
                               "or auto, not a list of rank paths")
         return EagleDrafter(heads, nodes=tree if isinstance(tree, int) else None)

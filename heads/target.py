@@ -255,6 +255,13 @@ def base_model(model: torch.nn.Module) -> torch.nn.Module:
     return model.get_decoder()
 
 
+def additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """An attention mask as the model's forward takes it, from a bool (..., queries, keys) of what may be seen:
+    0 where a query may attend, the dtype's lowest value elsewhere."""
+    mask = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
+    return mask.masked_fill_(~allowed, torch.finfo(dtype).min)
+
+
 def crop_cache(cache, length: int) -> None:
     """Keep the first `length` positions of every layer of a `DynamicCache`. This slices the tensors
     directly: `Cache.crop` changed meaning between transformers releases (an absolute length in 5.17,

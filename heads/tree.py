@@ -98,6 +98,26 @@ def root_only_tree(device=None) -> Tree:
                 torch.full((1, 1), -1, device=device), ((0,),))
 
 
+def tree_from_token_paths(root: torch.Tensor, chains: list[list[int]]) -> tuple[torch.Tensor, Tree]:
+    """A tree whose paths are the given token chains under `root`, shared prefixes merged, siblings ranked in
+    the order they first appear; returns a token per node (the root first) and the tree. No chains: the root alone."""
+    rank_path, token_path = {}, {}
+    for chain in chains:
+        ranks = ()
+        for depth, token in enumerate(chain, 1):
+            prefix = tuple(chain[:depth])
+            if prefix not in rank_path:
+                siblings = sum(1 for p in rank_path if len(p) == depth and p[:-1] == prefix[:-1])
+                rank_path[prefix] = ranks + (siblings,)
+                token_path[ranks + (siblings,)] = token
+            ranks = rank_path[prefix]
+    if not token_path:
+        return root.reshape(1), root_only_tree(root.device)
+    tree = build_tree([list(p) for p in token_path]).to(root.device)
+    tokens = [int(root)] + [token_path[p] for p in tree.paths]
+    return torch.tensor(tokens, device=root.device), tree
+
+
 def tree_from_accuracies(accuracies, size: int) -> list[list[int]]:
     """The tree of `size` nodes (root included) that maximises the expected accepted length.
 

@@ -6,7 +6,8 @@ from helpers import VOCAB, tiny_model
 
 from gorgon.decode import speculative_generate
 from gorgon.heads import ContextDrafter, GorgonError, HeadsDrafter, MedusaHeads, MergedDrafter
-from gorgon.heads.context.drafter import lookup, token_paths, tree_of_chains
+from gorgon.heads.context.drafter import lookup, token_paths
+from gorgon.heads.tree import tree_from_token_paths
 
 
 def test_lookup_finds_the_latest_longest_match():
@@ -20,16 +21,16 @@ def test_lookup_finds_the_latest_longest_match():
 
 
 def test_merged_trees_share_prefixes_and_keep_the_budget():
-    tokens, tree = tree_of_chains(torch.tensor(5), [[3, 7, 5], [3, 9, 1], [8], [3, 7]])
+    tokens, tree = tree_from_token_paths(torch.tensor(5), [[3, 7, 5], [3, 9, 1], [8], [3, 7]])
     assert sorted(token_paths(tokens, tree)) == [(3,), (3, 7), (3, 7, 5), (3, 9), (3, 9, 1), (8,)]  # (3, 7) once
-    root_only, single = tree_of_chains(torch.tensor(5), [])
+    root_only, single = tree_from_token_paths(torch.tensor(5), [])
     assert single.size == 1 and root_only.tolist() == [5]
 
     class Fixed:  # a drafter with a known tree: tokens 10 and 11 under the root, 12 under 10
         feature_layers, max_nodes = None, 4
 
         def propose(self, root, features, context):
-            return tree_of_chains(root, [[10, 12], [11]])
+            return tree_from_token_paths(root, [[10, 12], [11]])
 
     context = torch.tensor([1, 2, 3, 10, 12, 6, 1, 2])
     for budget, expected in [(2, [(10,)]), (4, [(10,), (10, 12), (10, 12, 6)]),

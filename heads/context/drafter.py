@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from ..errors import GorgonError
-from ..tree import Tree, build_tree, root_only_tree
+from ..tree import Tree, tree_from_token_paths
 
 
 def lookup(tokens: list[int], max_ngram: int = 3, length: int = 5, branches: int = 2) -> list[list[int]]:
@@ -41,25 +41,6 @@ def check_context_settings(max_ngram: int, length: int, branches: int) -> None:
             raise GorgonError(f"the {name} must be a whole number >= 1, not {value!r}")
 
 
-def tree_of_chains(root: torch.Tensor, chains: list[list[int]]) -> tuple[torch.Tensor, Tree]:
-    """A tree whose paths are the token chains, shared prefixes merged; tokens per node, the root first."""
-    rank_path, token_path = {}, {}
-    for chain in chains:
-        ranks = ()
-        for depth, token in enumerate(chain, 1):
-            prefix = tuple(chain[:depth])
-            if prefix not in rank_path:
-                siblings = sum(1 for p in rank_path if len(p) == depth and p[:-1] == prefix[:-1])
-                rank_path[prefix] = ranks + (siblings,)
-                token_path[ranks + (siblings,)] = token
-            ranks = rank_path[prefix]
-    if not token_path:
-        return root.reshape(1), root_only_tree(root.device)
-    tree = build_tree([list(p) for p in token_path]).to(root.device)
-    tokens = [int(root)] + [token_path[p] for p in tree.paths]
-    return torch.tensor(tokens, device=root.device), tree
-
-
 class ContextDrafter:
     """Proposes the continuations `lookup` finds, as a tree (one chain per distinct continuation)."""
 
@@ -77,7 +58,7 @@ class ContextDrafter:
         return lookup(context.tolist() + [int(root)], self.max_ngram, self.length, self.branches)
 
     def propose(self, root: torch.Tensor, features: torch.Tensor, context: torch.Tensor):
-        return tree_of_chains(root, self.chains(root, context))
+        return tree_from_token_paths(root, self.chains(root, context))
 
 
 def token_paths(tokens: torch.Tensor, tree: Tree) -> list[tuple[int, ...]]:
@@ -117,4 +98,4 @@ class MergedDrafter:
                 break
             if path not in chosen and (len(path) == 1 or path[:-1] in chosen):
                 chosen[path] = None
-        return tree_of_chains(root, [list(p) for p in chosen])
+        return tree_from_token_paths(root, [list(p) for p in chosen])

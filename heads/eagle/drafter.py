@@ -17,8 +17,8 @@ from __future__ import annotations
 import torch
 
 from ..errors import GorgonError
-from ..target import crop_cache
-from ..tree import build_tree
+from ..target import additive_mask, crop_cache
+from ..tree import tree_from_token_paths
 from .model import EagleHead, check_search
 
 
@@ -36,11 +36,6 @@ class EagleDrafter:
     @property
     def max_nodes(self) -> int:
         return self.nodes
-
-    def _mask(self, allowed: torch.Tensor) -> torch.Tensor:
-        dtype = self.head.fc.weight.dtype
-        mask = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
-        return mask.masked_fill_(~allowed, torch.finfo(dtype).min)[None, None]
 
     @torch.no_grad()
     def propose(self, root: torch.Tensor, features: torch.Tensor, context: torch.Tensor):
@@ -62,7 +57,7 @@ class EagleDrafter:
         allowed = torch.ones(n - start, n, dtype=torch.bool, device=device)
         allowed[:, start:] = torch.ones(n - start, n - start, dtype=torch.bool, device=device).tril()
         out = head.layer(head.fc(features.to(head.fc.weight.dtype))[None], tokens[None], positions[None],
-                         self._mask(allowed), self.cache)[0]
+                         additive_mask(allowed, head.fc.weight.dtype)[None, None], self.cache)[0]
         self.committed = n
         # 2. Expand level by level from the last output. Node lists: parent node (-1: the root), draft token,
         #    log-probability of the path, and the output feature its children are drafted from.
@@ -72,23 +67,23 @@ class EagleDrafter:
         parents = [-1] * score.numel()
         frontier = torch.arange(score.numel(), device=device)           # node ids to expand next
         frontier_feature = out[-1:].expand(score.numel(), -1)           # the feature each frontier node reads
-        fed = []                                                         # cache slot of each expanded node
+        slot: dict[int, int] = {}                                        # cache position of each expanded node
         node_tokens, node_scores = token, score
         for level in range(1, self.depth):
             k = frontier.numel()
             # A fed node sees the committed context, its expanded ancestors, and itself.
-            seen = torch.zeros(k, n + len(fed) + k, dtype=torch.bool, device=device)
+            seen = torch.zeros(k, n + len(slot) + k, dtype=torch.bool, device=device)
             seen[:, :n] = True
             for i, node in enumerate(frontier.tolist()):
                 a = parents[node]
                 while a >= 0:
-                    seen[i, fed.index(a) + n] = True
+                    seen[i, slot[a]] = True
                     a = parents[a]
-                seen[i, n + len(fed) + i] = True
-            fed += frontier.tolist()
+                slot[node] = n + len(slot)
+                seen[i, slot[node]] = True
             positions = torch.full((k,), n + level - 1, device=device)
             out = head.layer(frontier_feature[None], node_tokens[frontier][None], positions[None],
-                             self._mask(seen), self.cache)[0]
+                             additive_mask(seen, head.fc.weight.dtype)[None, None], self.cache)[0]
             child = head.logits(out).float().log_softmax(-1)                              # (k, V_draft)
             best, ids = child.topk(min(self.topk, child.shape[-1]), dim=-1)
             total = (node_scores[frontier][:, None] + best).flatten()
@@ -99,26 +94,20 @@ class EagleDrafter:
             node_scores = torch.cat([node_scores, total[keep]])
             frontier, frontier_feature = new, out[keep // best.shape[1]]
         crop_cache(self.cache, self.committed)
-        # 3. The best nodes, parents before children (ties go to the shallower node), as a tree.
+        # 3. The best nodes, parents before children (ties go to the shallower node), as a tree whose
+        #    siblings are ranked by score.
+        scores, tokens_host = node_scores.tolist(), node_tokens.tolist()
         depth_of = [0] * len(parents)
         for i, p in enumerate(parents):
             depth_of[i] = 1 if p < 0 else depth_of[p] + 1
-        order = sorted(range(len(parents)), key=lambda i: (-float(node_scores[i]), depth_of[i]))
-        chosen, paths = set(), {}
-        for i in order:
+        chosen: dict[int, None] = {}  # ordered, best first
+        for i in sorted(range(len(parents)), key=lambda i: (-scores[i], depth_of[i])):
             if len(chosen) >= self.nodes - 1:
                 break
             if parents[i] < 0 or parents[i] in chosen:
-                chosen.add(i)
-        kids: dict[int, list[int]] = {}
-        for i in sorted(chosen, key=lambda i: (-float(node_scores[i]), i)):
-            kids.setdefault(parents[i], []).append(i)
-        stack = [(-1, ())]
-        while stack:
-            node, path = stack.pop()
-            for rank, kid in enumerate(kids.get(node, [])):
-                paths[kid] = path + (rank,)
-                stack.append((kid, paths[kid]))
-        tree = build_tree([list(p) for p in paths.values()]).to(device)
-        by_path = {p: node_tokens[i] for i, p in paths.items()}
-        return torch.stack([root.reshape(())] + [by_path[p] for p in tree.paths]), tree
+                chosen[i] = None
+
+        def token_path(i: int) -> list[int]:
+            return token_path(parents[i]) + [tokens_host[i]] if i >= 0 else []
+
+        return tree_from_token_paths(root, [token_path(i) for i in chosen])

@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..target import base_model, lm_logits
+from ..target import additive_mask, base_model, lm_logits
 
 
 class EagleObjective(torch.nn.Module):
@@ -108,6 +108,4 @@ def causal(keys: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.
     """Position ids and the additive causal mask (padding keys masked) for a (batch, length) key mask."""
     b, n = keys.shape
     allowed = torch.ones(n, n, dtype=torch.bool, device=keys.device).tril()[None] & keys[:, None, :].bool()
-    mask = torch.zeros(b, 1, n, n, dtype=dtype, device=keys.device)
-    mask.masked_fill_(~allowed[:, None], torch.finfo(dtype).min)
-    return torch.arange(n, device=keys.device)[None].expand(b, n), mask
+    return torch.arange(n, device=keys.device)[None].expand(b, n), additive_mask(allowed[:, None], dtype)
