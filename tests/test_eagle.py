@@ -201,3 +201,15 @@ def test_accelerate_launch_trains_an_eagle_head_that_decodes_exactly(tmp_path):
                            timeout=300)
     assert wrong.returncode == 2 and wrong.stderr.strip().splitlines()[-1].endswith(
         "holds a feature-level head, which export as eagle3 or speculators, not vllm")
+
+
+def test_bad_training_settings_are_one_line():
+    from gorgon.train.heads import HeadsTrainConfig
+
+    for settings, message in [({"arch": "eagel"}, "arch must be one of medusa, eagle, not 'eagel'"),
+                              ({"arch": "eagle", "ttt_steps": 0}, "ttt_steps must be at least 1"),
+                              ({"arch": "eagle", "mode": "medusa2"}, "mode medusa2 trains LoRA on the target"),
+                              ({"arch": "eagle", "draft_depth": 0}, "the draft depth must be a whole number >= 1"),
+                              ({"train_conversations": 0}, "train_conversations must be at least 1")]:
+        with pytest.raises(GorgonError, match=message):
+            HeadsTrainConfig(data="x", out="y", **settings).check()
