@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from gorgon.heads import MergedDrafter
 from gorgon.heads.card import refresh_model_card
 from gorgon.heads.errors import GorgonError, int_at_least
 from gorgon.heads.files import atomic_write_text, check_output, read_jsonl
@@ -29,7 +30,7 @@ from .generate import GenerationResult, speculative_generate
 from .kernels import kernels_in_use, one_row_kernel, stock_kernels
 from .options import add_model_arguments, load_drafter, read_tree
 
-BASELINES = ("generate", "prompt-lookup")
+BASELINES = ("generate", "stock", "prompt-lookup", "no-context")
 
 
 def load_questions(path: str, limit: int | None = None) -> list[dict]:
@@ -85,7 +86,8 @@ def summarize(rows: list[dict], greedy: bool, extra: tuple[str, ...], stock: boo
 
     With `stock`, plain `generate` was also timed on torch's stock kernels: `speedup_vs_stock`
     is gorgon against that (what a user gains end to end), `speedup` against `generate` on the
-    same fast kernels (what speculation alone gives).
+    same fast kernels (what speculation alone gives). Each name in `extra` is another method timed
+    in the same rotation; a speculative one (`no-context`) also has its tau and identical count.
     """
     tokens = sum(r["tokens"] for r in rows)
     seconds = sum(r["seconds"] for r in rows)
@@ -111,80 +113,106 @@ def summarize(rows: list[dict], greedy: bool, extra: tuple[str, ...], stock: boo
         s = sum(r[f"{name}_seconds"] for r in rows)
         out[f"{name}_tokens_per_s"] = t / max(s, 1e-9)
         out[f"{name}_speedup"] = (t / max(s, 1e-9)) / base_tps
+        if f"{name}_target_forwards" in rows[0]:
+            out[f"{name}_tau"] = t / max(1, sum(r[f"{name}_target_forwards"] for r in rows))
+            out[f"{name}_identical"] = sum(r[f"{name}_identical"] for r in rows) if greedy else None
     return out
 
 
-def run_bench(target, drafter, questions: list[dict], max_new_tokens: int = 256, sampling: Sampling = Sampling(),
-              baselines: tuple[str, ...] = ("generate",), assistant=None, seed: int = 0, progress: bool = True) -> dict:
-    """Run every question through the baseline and gorgon, interleaved; returns the report.
+def timed_methods(model, drafter, baselines: tuple[str, ...], assistant, sampling: Sampling, generator) -> dict:
+    """What is timed on each turn, by name: a function of (prompt ids, max new tokens) returning a
+    GenerationResult. `baseline` is plain `generate`, `gorgon` the drafter under test; the rest are
+    the baselines asked for (`stock` only where the CPU fast kernels are on, else it equals `baseline`)."""
 
-    When the target runs on the CPU fast kernels, plain `generate` is timed twice per turn: on
-    those kernels (the `speedup` baseline) and on torch's stock ones (`speedup_vs_stock`).
-    """
+    def plain(**extra):
+        def run(ids, max_new_tokens):
+            tokens, seconds = timed_generate(model, ids, max_new_tokens, sampling, **extra)
+            return GenerationResult(tokens, target_forwards=0, seconds=seconds)
+        return run
+
+    def speculative(chosen):
+        return lambda ids, max_new_tokens: timed_speculative(model, chosen, ids, max_new_tokens, sampling, generator)
+
+    def on_stock_kernels(ids, max_new_tokens):
+        with stock_kernels(model):
+            return plain()(ids, max_new_tokens)
+
+    methods = {"baseline": plain(), "gorgon": speculative(drafter)}
+    if "stock" in baselines and kernels_in_use(model) == "fast":
+        methods["stock"] = on_stock_kernels
+    if "prompt-lookup" in baselines:
+        methods["prompt-lookup"] = plain(prompt_lookup_num_tokens=10)
+    if "no-context" in baselines:
+        if not isinstance(drafter, MergedDrafter):
+            raise GorgonError("--baselines no-context times the --heads or --draft drafter without the context "
+                              "draft: it needs --context-draft together with --heads or --draft")
+        methods["no-context"] = speculative(drafter.drafter)
+    if assistant is not None:
+        methods["assistant"] = plain(assistant_model=assistant)
+    return methods
+
+
+def run_bench(target, drafter, questions: list[dict], max_new_tokens: int = 256, sampling: Sampling = Sampling(),
+              baselines: tuple[str, ...] = ("generate", "stock"), assistant=None, seed: int = 0,
+              progress: bool = True) -> dict:
+    """Run every question through plain `generate`, gorgon and the baselines asked for, interleaved (which
+    goes first rotates from question to question, so drift hits all alike); returns the report."""
     from tqdm.auto import tqdm
 
     model, tok = target.model, target.tokenizer
-    stock = kernels_in_use(model) == "fast"
-    extra = tuple(b for b in baselines if b != "generate") + (("assistant",) if assistant is not None else ())
-    extra_kwargs = {"prompt-lookup": dict(prompt_lookup_num_tokens=10), "assistant": dict(assistant_model=assistant)}
     generator = torch.Generator(device=model.device).manual_seed(seed)
+    methods = timed_methods(model, drafter, baselines, assistant, sampling, generator)
+    stock = "stock" in methods
+    extra = tuple(name for name in methods if name not in ("baseline", "gorgon", "stock"))
 
     def encode(messages):
         return tok.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt",
                                        return_dict=True)["input_ids"].to(model.device)
 
     warm = encode([{"role": "user", "content": "Hello"}])  # load kernels and caches outside the timings
-    timed_generate(model, warm, 8, sampling)
-    timed_speculative(model, drafter, warm, 8, sampling, generator)
-    if stock:
-        with stock_kernels(model):
-            timed_generate(model, warm, 8, sampling)
-    for name in extra:
-        timed_generate(model, warm, 8, sampling, **extra_kwargs[name])
+    for method in methods.values():
+        method(warm, 8)
 
     context = getattr(model.config.get_text_config(), "max_position_embeddings", None) or 10**9
     rows, skipped, histogram = [], [], {}
+    names = list(methods)
     for qi, q in enumerate(tqdm(questions, desc="gorgon bench", disable=not progress, dynamic_ncols=True)):
         row = {"question_id": q["question_id"], "category": q["category"], "tokens": 0, "seconds": 0.0,
                "target_forwards": 0, "baseline_tokens": 0, "baseline_seconds": 0.0, "identical": True}
-        row.update({f"{n}_{k}": 0 for n in extra for k in ("tokens", "seconds")})
         if stock:
             row.update({"stock_tokens": 0, "stock_seconds": 0.0, "identical_vs_stock": True})
+        for name in extra:
+            row.update({f"{name}_tokens": 0, f"{name}_seconds": 0.0})
+            if name == "no-context":
+                row.update({f"{name}_target_forwards": 0, f"{name}_identical": True})
         messages = []
         for turn in q["turns"]:
             messages.append({"role": "user", "content": turn})
             ids = encode(messages)
             if ids.shape[1] + max_new_tokens > context:
                 break  # a turn that no longer fits the context ends the question
-            runs = {}
-            methods = ["baseline", "gorgon", "stock"] if stock else ["baseline", "gorgon"]
-            for name in methods[qi % len(methods):] + methods[:qi % len(methods)]:  # each goes first in turn
-                if name == "baseline":
-                    runs[name] = timed_generate(model, ids, max_new_tokens, sampling)
-                elif name == "stock":
-                    with stock_kernels(model):
-                        runs[name] = timed_generate(model, ids, max_new_tokens, sampling)
-                else:
-                    runs[name] = timed_speculative(model, drafter, ids, max_new_tokens, sampling, generator)
-            base_tokens, base_secs = runs["baseline"]
-            spec = runs["gorgon"]
-            row["baseline_tokens"] += len(base_tokens)
-            row["baseline_seconds"] += base_secs
+            order = names[qi % len(names):] + names[:qi % len(names)]  # each goes first in turn
+            runs = {name: methods[name](ids, max_new_tokens) for name in order}
+            base, spec = runs["baseline"], runs["gorgon"]
+            row["baseline_tokens"] += len(base.tokens)
+            row["baseline_seconds"] += base.seconds
             row["tokens"] += len(spec.tokens)
             row["seconds"] += spec.seconds
             row["target_forwards"] += spec.target_forwards
-            row["identical"] &= spec.tokens == base_tokens
+            row["identical"] &= spec.tokens == base.tokens
             if stock:
-                row["stock_tokens"] += len(runs["stock"][0])
-                row["stock_seconds"] += runs["stock"][1]
-                row["identical_vs_stock"] &= spec.tokens == runs["stock"][0]
+                row["stock_tokens"] += len(runs["stock"].tokens)
+                row["stock_seconds"] += runs["stock"].seconds
+                row["identical_vs_stock"] &= spec.tokens == runs["stock"].tokens
             for n in spec.accepted[1:]:  # the prefill's single token is not a verify step
                 histogram[n] = histogram.get(n, 0) + 1
             for name in extra:
-                t, s = timed_generate(model, ids, max_new_tokens, sampling, **extra_kwargs[name])
-                row[f"{name}_tokens"] += len(t)
-                row[f"{name}_seconds"] += s
-            messages.append({"role": "assistant", "content": tok.decode(base_tokens, skip_special_tokens=True)})
+                row[f"{name}_tokens"] += len(runs[name].tokens)
+                row[f"{name}_seconds"] += runs[name].seconds
+                if name == "no-context":
+                    row[f"{name}_target_forwards"] += runs[name].target_forwards
+                    row[f"{name}_identical"] &= runs[name].tokens == base.tokens
+            messages.append({"role": "assistant", "content": tok.decode(base.tokens, skip_special_tokens=True)})
         if not row["target_forwards"]:  # not even the first turn fit: nothing was run, nothing is counted
             skipped.append({"question_id": q["question_id"], "category": q["category"],
                             "reason": f"the first turn ({ids.shape[1]} tokens) plus --max-new-tokens {max_new_tokens} "
@@ -228,11 +256,18 @@ def tree_description(drafter):
     return [list(p) for p in tree.paths] if tree is not None else "built per step"
 
 
+def extra_names(report: dict) -> list[str]:
+    """The baselines besides plain `generate` (and stock kernels) that a report timed."""
+    return [key[: -len("_speedup")] for key in report if key.endswith("_speedup")]
+
+
 def markdown_table(report: dict) -> str:
     stock = "speedup_vs_stock" in report
+    extra = extra_names(report)
     head = "| category | prompts | tau | tokens/s | baseline tokens/s | speedup | median speedup | identical |"
     if stock:
         head += " stock tokens/s | speedup vs stock | identical vs stock |"
+    head += "".join(f" {name} speedup |" + (f" {name} tau |" if f"{name}_tau" in report else "") for name in extra)
     lines = [head, "|---" * head.count(" | ") + "|---|"]
     rows = list(report["per_category"].items()) + [("**all**", report)]
     for name, r in rows:
@@ -242,17 +277,16 @@ def markdown_table(report: dict) -> str:
         if stock:
             ident = "-" if r["identical_vs_stock"] is None else f"{r['identical_vs_stock']}/{r['prompts']}"
             line += f" {r['stock_tokens_per_s']:.1f} | {r['speedup_vs_stock']:.2f}x | {ident} |"
+        for other in extra:
+            line += f" {r[f'{other}_speedup']:.2f}x |" + (f" {r[f'{other}_tau']:.2f} |" if f"{other}_tau" in r else "")
         lines.append(line)
     for q in report["skipped"]:
         lines.append(f"\nskipped question {q['question_id']} ({q['category']}): {q['reason']}")
-    for key in report:
-        if key.endswith("_speedup") and key != "speedup_median":
-            lines.append(f"\n{key.replace('_speedup', '')}: {report[key]:.2f}x of plain generate")
     return "\n".join(lines)
 
 
 def plot_report(report: dict, path: Path) -> None:
-    """Accepted tokens per verify step (histogram) and speedup per category."""
+    """Accepted tokens per verify step (histogram) and speedup per category, gorgon beside each baseline."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -266,20 +300,22 @@ def plot_report(report: dict, path: Path) -> None:
     left.set_ylabel("verify steps")
     left.set_title(f"accepted length (tau {report['tau']:.2f})")
     cats = list(report["per_category"])
-    y = range(len(cats))
-    stock = "speedup_vs_stock" in report
-    height = 0.4 if stock else 0.8
-    right.barh([i + (height / 2 if stock else 0) for i in y], [report["per_category"][c]["speedup"] for c in cats],
-               height=height, color="#9ecae1")
-    title = f"speedup ({report['speedup']:.2f}x overall"
-    if stock:
-        right.barh([i - height / 2 for i in y], [report["per_category"][c]["speedup_vs_stock"] for c in cats],
-                   height=height, color="#3182bd")
-        title += f", {report['speedup_vs_stock']:.2f}x vs stock"
-    right.set_yticks(list(y), cats)
+    bars = [("gorgon", "speedup", "#08519c")]
+    if "speedup_vs_stock" in report:
+        bars.append(("gorgon vs stock kernels", "speedup_vs_stock", "#6baed6"))
+    bars += [(name, f"{name}_speedup", color) for name, color in zip(extra_names(report), ("#fd8d3c", "#74c476",
+                                                                                           "#9e9ac8"))]
+    height = 0.8 / len(bars)
+    for i, (label, key, color) in enumerate(bars):
+        offset = (len(bars) - 1) / 2 * height - i * height  # the first bar on top
+        right.barh([c + offset for c in range(len(cats))], [report["per_category"][c][key] for c in cats],
+                   height=height, color=color, label=label)
+    right.set_yticks(list(range(len(cats))), cats)
     right.axvline(1.0, color="black", lw=0.8)
-    right.set_xlabel("speedup over plain generate" + ("\n(light: same kernels, dark: stock kernels)" if stock else ""))
-    right.set_title(title + ")")
+    right.set_xlabel("speedup over plain generate (same kernels unless marked)")
+    right.set_title(f"speedup ({report['speedup']:.2f}x overall)")
+    if len(bars) > 1:
+        right.legend(fontsize=7, loc="lower right")
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
@@ -303,8 +339,11 @@ def parser() -> argparse.ArgumentParser:
     add_model_arguments(p)
     p.add_argument("--questions", required=True, help="MT-Bench/Spec-Bench .jsonl, e.g. scripts/data/mt_bench.jsonl")
     p.add_argument("--limit", type=int_at_least(1), default=None, help="first N questions only")
-    p.add_argument("--baselines", default="generate",
-                   help=f"comma-separated, from {', '.join(BASELINES)} (generate is always run)")
+    p.add_argument("--baselines", default="generate,stock",
+                   help="comma-separated, timed in the same rotation as gorgon: generate (plain `generate`, always "
+                        "run), stock (plain `generate` on torch's stock CPU kernels, when gorgon runs on the fast "
+                        "ones), prompt-lookup (transformers' prompt lookup), no-context (with --context-draft: the "
+                        "--heads or --draft drafter alone). Default: generate,stock")
     p.add_argument("--assistant", default=None,
                    help="also time transformers' assisted generation with this draft model")
     p.add_argument("--out", default=None, help="write the JSON report here (and a PNG beside it)")

@@ -41,8 +41,8 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--context-branches", type=int_at_least(1), default=2,
                    help="distinct earlier continuations proposed as branches (default 2)")
     p.add_argument("--tree-budget", type=int_at_least(2), default=None,
-                   help="with --context-draft and another drafter: nodes of the merged tree (default: the other's "
-                        "tree plus one context continuation)")
+                   help="with --context-draft and another drafter: nodes of the merged tree (default: the other "
+                        "drafter's own tree size, so a step costs what it did without the context)")
     p.add_argument("--tree", default="auto", help="'auto' (the tree saved with the heads for this device, else a "
                    "default), a node count N (the best N-node tree from the heads' measured accuracies), or a JSON "
                    "file with a list of rank paths, e.g. [[0],[1],[0,0]]")

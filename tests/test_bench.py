@@ -141,3 +141,20 @@ def test_bench_with_a_draft_model(tmp_path):
     bad = subprocess.run([sys.executable, "-m", "gorgon.heads.cli", "bench", "--target", str(target_path), "--draft",
                           str(draft_path), "--questions", str(q)], capture_output=True, text=True)
     assert bad.returncode == 2 and "tokenizer differs from the target's (1 tokens" in bad.stderr
+
+
+def test_tau_without_timing_counts_every_step(setup):
+    from gorgon.decode.generate import speculative_generate
+    from gorgon.decode.tau import measure_tau, per_category_sample
+
+    target, drafter = setup
+    assert [q["question_id"] for q in per_category_sample(QUESTIONS, 1)] == [0, 1, 3]  # one writing, math, coding
+    report = measure_tau(target, drafter, QUESTIONS, max_new_tokens=10)
+    assert set(report["per_category"]) == {"writing", "math", "coding"} and report["tokens"] > 8 * 4
+    assert report["nodes_per_step"] == 4.0  # the fixed 4-node tree, every step
+    one = [{"question_id": 0, "category": "a", "turns": ["count from 1"]}]
+    ids = target.tokenizer.apply_chat_template([{"role": "user", "content": "count from 1"}],
+                                               add_generation_prompt=True, return_tensors="pt",
+                                               return_dict=True)["input_ids"]
+    alone = speculative_generate(target.model, drafter, ids, 10)
+    assert measure_tau(target, drafter, one, max_new_tokens=10)["tau"] == alone.tau

@@ -83,10 +83,17 @@ def test_cli_takes_context_drafts_alone_and_merged(tmp_path, capsys):
     questions.write_text("".join(json.dumps(q) + "\n" for q in QUESTIONS[:2]))
     out = tmp_path / "bench.json"
     assert gorgon(["bench", "--heads", str(tmp_path / "heads"), "--context-draft", "--tree", "3", "--questions",
-                   str(questions), "--baselines", "generate,prompt-lookup", "--out", str(out)] + common) == 0
+                   str(questions), "--baselines", "generate,prompt-lookup,no-context", "--out", str(out)] + common) == 0
     report = json.loads(out.read_text())
     assert report["drafter"].endswith(" + context") and report["identical"] == 2 and report["tree"] == "built per step"
-    assert "prompt-lookup_speedup" in report
+    assert "prompt-lookup_speedup" in report and report["no-context_identical"] == 2
+    heads_alone = [q["no-context_tokens"] / q["no-context_target_forwards"] for q in report["questions"]]
+    assert report["no-context_tau"] >= 1.0 and all(t >= 1.0 for t in heads_alone)
+    assert "no-context tau" in capsys.readouterr().out
+    assert gorgon(["bench", "--context-draft", "--questions", str(questions), "--baselines", "no-context"] + common) == 2
+    assert capsys.readouterr().err.strip().endswith("--baselines no-context times the --heads or --draft drafter "
+                                                    "without the context draft: it needs --context-draft together "
+                                                    "with --heads or --draft")
     capsys.readouterr()
     assert gorgon(["generate", "--prompt", "x"] + common) == 2
     assert capsys.readouterr().err.strip().endswith("no drafter: pass --heads FOLDER, --draft MODEL or "

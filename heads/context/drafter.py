@@ -72,13 +72,17 @@ class MergedDrafter:
 
     The rule: the context drafter's chains first (when the text at hand repeats, lookup is right
     far more often than a head), then the other drafter's nodes in its own order (parents before
-    children, best ranks first), while the budget lasts. Both see the same step; verification and
-    acceptance are unchanged, and a deterministic candidate is a point-mass proposal as a head's is.
+    children, best ranks first), while the budget lasts. The budget defaults to the other drafter's
+    own tree size, so a step costs what it cost without the context: on the embedded target, merging
+    into Medusa heads' 8 nodes raised tau from 1.29 to 1.76 on Spec-Bench questions, and 5 more
+    nodes added only 0.08 (README, "Drafting from the context"). Both see the same step;
+    verification and acceptance are unchanged, and a deterministic candidate is a point-mass
+    proposal as a head's is.
     """
 
     def __init__(self, drafter, context: ContextDrafter, budget: int | None = None):
         self.drafter, self.context = drafter, context
-        self.budget = budget if budget is not None else drafter.max_nodes + context.length
+        self.budget = budget if budget is not None else max(2, drafter.max_nodes)
         if not (isinstance(self.budget, int) and 2 <= self.budget <= 256):
             raise GorgonError(f"a merged tree needs a budget of 2 (the root and one candidate) to 256 nodes, "
                               f"not {self.budget!r}")

@@ -1,0 +1,66 @@
+"""Tokens per target forward (tau) of a drafter on a question set, with nothing timed.
+
+tau depends on the drafter and the text, not on the machine's speed, so it can be measured beside
+other work where `gorgon bench` cannot: drafters trained on more or less data (a learning curve),
+tree-merging rules. The mean number of tree nodes verified per step comes with it: that is what a
+step costs. Greedy; a second turn is asked after gorgon's own first answer (which is `generate`'s).
+"""
+
+from __future__ import annotations
+
+from .generate import speculative_generate
+
+
+class CountingDrafter:
+    """Passes every call through to a drafter, counting the nodes of each tree it proposes."""
+
+    def __init__(self, drafter):
+        self.drafter, self.nodes = drafter, []
+        self.feature_layers, self.max_nodes = drafter.feature_layers, drafter.max_nodes
+
+    def propose(self, root, features, context):
+        tokens, tree = self.drafter.propose(root, features, context)
+        self.nodes.append(len(tokens))
+        return tokens, tree
+
+
+def per_category_sample(questions: list[dict], count: int | None) -> list[dict]:
+    """The first `count` questions of each category, in file order (all of them without a count)."""
+    if count is None:
+        return questions
+    seen: dict[str, int] = {}
+    picked = []
+    for q in questions:
+        seen[q["category"]] = seen.get(q["category"], 0) + 1
+        if seen[q["category"]] <= count:
+            picked.append(q)
+    return picked
+
+
+def measure_tau(target, drafter, questions: list[dict], max_new_tokens: int) -> dict:
+    """{"tau", "nodes_per_step", "tokens", "per_category": {category: the same}} over the questions."""
+    counting = CountingDrafter(drafter)
+    totals: dict[str, list[int]] = {}  # category -> [tokens, target forwards, verify steps, nodes]
+    for q in questions:
+        messages = []
+        for turn in q["turns"]:
+            messages.append({"role": "user", "content": turn})
+            ids = target.tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt",
+                                                       return_dict=True)["input_ids"].to(target.model.device)
+            before = len(counting.nodes)
+            result = speculative_generate(target.model, counting, ids, max_new_tokens)
+            row = totals.setdefault(q["category"], [0, 0, 0, 0])
+            row[0] += len(result.tokens)
+            row[1] += result.target_forwards
+            row[2] += len(counting.nodes) - before
+            row[3] += sum(counting.nodes[before:])
+            messages.append({"role": "assistant",
+                             "content": target.tokenizer.decode(result.tokens, skip_special_tokens=True)})
+
+    def figures(rows):
+        tokens, forwards, steps, nodes = (sum(r[i] for r in rows) for i in range(4))
+        return {"tau": tokens / max(1, forwards), "nodes_per_step": nodes / max(1, steps), "tokens": tokens}
+
+    report = figures(list(totals.values()))
+    report["per_category"] = {c: figures([totals[c]]) for c in sorted(totals)}
+    return report

@@ -1,0 +1,80 @@
+"""Held-out tau against training data: heads trained on shares of one recipe's data, on the same questions.
+
+    accelerate launch --config_file configs/accelerate/cpu.yaml train/heads.py \\
+        --config configs/heads/smollm2-135m.yaml --out runs/heads/lc/medusa-148 --train_conversations 148
+    ... (each share, each method)
+    OMP_NUM_THREADS=1 python scripts/learning_curve.py --heads runs/heads/lc/medusa-* runs/heads/smollm2-135m \\
+        runs/heads/lc/eagle-* runs/heads/smollm2-135m-eagle --questions scripts/data/mt_bench.jsonl \\
+        --per-category 3 --max-new-tokens 64 --out runs/lc/curve.json
+
+Each folder's metrics.json gives its method, its training conversations and its held-out top-1 (first
+draft); tau is measured with nothing timed (`gorgon.decode.tau`), every drafter on a tree of the same
+--nodes, so the steps cost alike. Prints a table and writes the JSON and a PNG beside it (tau and
+top-1 against conversations, one line per method): a curve still rising says data limits tau.
+"""
+
+import argparse
+import json
+from pathlib import Path
+
+from gorgon.decode.bench import load_questions
+from gorgon.decode.tau import measure_tau, per_category_sample
+from gorgon.heads.files import atomic_write_text
+from gorgon.heads.loading import drafter_for, load_heads
+
+
+def plot(points: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(9, 3.4), dpi=120)
+    for arch in sorted({p["arch"] for p in points}):
+        line = sorted((p for p in points if p["arch"] == arch), key=lambda p: p["train_conversations"])
+        x = [p["train_conversations"] for p in line]
+        left.plot(x, [p["tau"] for p in line], marker="o", label=arch)
+        right.plot(x, [p["top1"] for p in line], marker="o", label=arch)
+    left.set_title("tau on held-out questions")
+    right.set_title("held-out top-1 of the first draft")
+    for ax in (left, right):
+        ax.set_xlabel("training conversations")
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--heads", nargs="+", required=True, help="heads folders from train/heads.py")
+    p.add_argument("--questions", required=True, help="held-out MT-Bench/Spec-Bench .jsonl")
+    p.add_argument("--per-category", type=int, default=None, help="the first N questions of each category only")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--nodes", type=int, default=8, help="tree nodes per step for every drafter (default 8)")
+    p.add_argument("--out", required=True, help="the JSON to write (a PNG goes beside it)")
+    args = p.parse_args()
+    questions = per_category_sample(load_questions(args.questions), args.per_category)
+    points = []
+    for folder in args.heads:
+        metrics = json.loads((Path(folder) / "metrics.json").read_text())
+        target, heads = load_heads(folder, device="cpu", dtype="float32")
+        report = measure_tau(target, drafter_for(heads, args.nodes), questions, args.max_new_tokens)
+        points.append({"heads": folder, "arch": metrics.get("arch", "medusa"),
+                       "train_conversations": metrics["train_conversations"], "top1": metrics["top1"][0],
+                       "tau": report["tau"], "per_category": report["per_category"]})
+        print(f"{folder}: {metrics['train_conversations']} conversations, top-1 {metrics['top1'][0]:.3f}, "
+              f"tau {report['tau']:.3f}", flush=True)
+    out = Path(args.out)
+    atomic_write_text(out, json.dumps({"questions_file": args.questions, "questions": len(questions),
+                                       "max_new_tokens": args.max_new_tokens, "nodes": args.nodes,
+                                       "points": points}, indent=1) + "\n")
+    plot(points, out.with_suffix(".png"))
+    print("| method | training conversations | held-out top-1 | tau |\n|---|---|---|---|")
+    for q in sorted(points, key=lambda q: (q["arch"], q["train_conversations"])):
+        print(f"| {q['arch']} | {q['train_conversations']} | {q['top1']:.3f} | {q['tau']:.2f} |")
+    print(f"{out} (plot: {out.with_suffix('.png')})")
+
+
+if __name__ == "__main__":
+    main()

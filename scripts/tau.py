@@ -1,0 +1,48 @@
+"""Tokens per target forward (tau) of a drafter on a question set, with nothing timed.
+
+    python scripts/tau.py --heads runs/heads/smollm2-135m --questions scripts/data/mt_bench.jsonl --max-new-tokens 64
+    python scripts/tau.py --heads runs/heads/smollm2-135m --context-draft --tree-budget 8 \\
+        --questions ../shared/data/spec_bench_dev.jsonl --per-category 8 --json
+
+Nothing is timed (`gorgon.decode.tau`), so this can run beside training where `gorgon bench` cannot,
+to compare drafters or tree-merging rules. The mean tree nodes per step is what a step costs (see
+scripts/profile_step.py for the cost of a forward over N tokens).
+`--json` prints one JSON line: {"drafter", "tau", "nodes_per_step", "per_category", "train_conversations", ...}.
+"""
+
+import argparse
+import json
+from pathlib import Path
+
+from gorgon.decode.bench import load_questions
+from gorgon.decode.options import add_model_arguments, load_drafter, read_tree
+from gorgon.decode.tau import measure_tau, per_category_sample
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_model_arguments(p)
+    p.add_argument("--questions", required=True, help="MT-Bench/Spec-Bench .jsonl")
+    p.add_argument("--per-category", type=int, default=None, help="the first N questions of each category only")
+    p.add_argument("--json", action="store_true", help="print one JSON line instead of the table")
+    args = p.parse_args()
+    questions = per_category_sample(load_questions(args.questions), args.per_category)
+    target, drafter = load_drafter(args, read_tree(args.tree))
+    report = measure_tau(target, drafter, questions, args.max_new_tokens)
+    metrics = Path(args.heads) / "metrics.json" if args.heads else None
+    report.update({"drafter": " + ".join(d for d in (args.heads or args.draft, "context" if args.context_draft
+                                                     else None) if d),
+                   "tree_budget": drafter.max_nodes, "questions": len(questions), "max_new_tokens": args.max_new_tokens,
+                   "train_conversations": json.loads(metrics.read_text()).get("train_conversations")
+                   if metrics is not None and metrics.is_file() else None})
+    if args.json:
+        print(json.dumps(report))
+        return
+    print(f"{report['drafter']} on {len(questions)} questions, up to {args.max_new_tokens} new tokens:")
+    print("| category | tau | nodes per step |\n|---|---|---|")
+    for name, r in list(report["per_category"].items()) + [("**all**", report)]:
+        print(f"| {name} | {r['tau']:.2f} | {r['nodes_per_step']:.1f} |")
+
+
+if __name__ == "__main__":
+    main()
