@@ -37,7 +37,11 @@ def plot(points: list[dict], path: Path) -> None:
         right.plot(x, [p["top1"] for p in line], marker="o", label=arch)
     left.set_title("tau on held-out questions")
     right.set_title("held-out top-1 of the first draft")
+    shares = sorted({p["train_conversations"] for p in points})
     for ax in (left, right):
+        ax.set_xscale("log", base=2)  # each share doubles the last
+        ax.set_xticks(shares, [str(x) for x in shares])
+        ax.minorticks_off()
         ax.set_xlabel("training conversations")
         ax.legend()
     fig.tight_layout()

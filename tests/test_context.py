@@ -90,7 +90,8 @@ def test_cli_takes_context_drafts_alone_and_merged(tmp_path, capsys):
     heads_alone = [q["no-context_tokens"] / q["no-context_target_forwards"] for q in report["questions"]]
     assert report["no-context_tau"] >= 1.0 and all(t >= 1.0 for t in heads_alone)
     assert "no-context tau" in capsys.readouterr().out
-    assert gorgon(["bench", "--context-draft", "--questions", str(questions), "--baselines", "no-context"] + common) == 2
+    no_merge = ["bench", "--context-draft", "--questions", str(questions), "--baselines", "no-context"]
+    assert gorgon(no_merge + common) == 2
     assert capsys.readouterr().err.strip().endswith("--baselines no-context times the --heads or --draft drafter "
                                                     "without the context draft: it needs --context-draft together "
                                                     "with --heads or --draft")
