@@ -28,9 +28,10 @@ from .acceptance import Sampling
 from .calibrate import cpu_flags, cpu_name
 from .generate import GenerationResult, speculative_generate
 from .kernels import kernels_in_use, one_row_kernel, stock_kernels
-from .options import add_model_arguments, load_drafter, read_tree
+from .options import add_model_arguments, drafter_name, load_drafter, read_tree
 
 BASELINES = ("generate", "stock", "prompt-lookup", "no-context")
+SPECULATIVE = ("no-context",)  # baselines that decode with a drafter: they also report tau and an identical count
 
 
 def load_questions(path: str, limit: int | None = None) -> list[dict]:
@@ -87,7 +88,7 @@ def summarize(rows: list[dict], greedy: bool, extra: tuple[str, ...], stock: boo
     With `stock`, plain `generate` was also timed on torch's stock kernels: `speedup_vs_stock`
     is gorgon against that (what a user gains end to end), `speedup` against `generate` on the
     same fast kernels (what speculation alone gives). Each name in `extra` is another method timed
-    in the same rotation; a speculative one (`no-context`) also has its tau and identical count.
+    in the same rotation; a speculative one (`SPECULATIVE`) also has its tau and identical count.
     """
     tokens = sum(r["tokens"] for r in rows)
     seconds = sum(r["seconds"] for r in rows)
@@ -113,7 +114,7 @@ def summarize(rows: list[dict], greedy: bool, extra: tuple[str, ...], stock: boo
         s = sum(r[f"{name}_seconds"] for r in rows)
         out[f"{name}_tokens_per_s"] = t / max(s, 1e-9)
         out[f"{name}_speedup"] = (t / max(s, 1e-9)) / base_tps
-        if f"{name}_target_forwards" in rows[0]:
+        if name in SPECULATIVE:
             out[f"{name}_tau"] = t / max(1, sum(r[f"{name}_target_forwards"] for r in rows))
             out[f"{name}_identical"] = sum(r[f"{name}_identical"] for r in rows) if greedy else None
     return out
@@ -165,11 +166,7 @@ def run_bench(target, drafter, questions: list[dict], max_new_tokens: int = 256,
     stock = "stock" in methods
     extra = tuple(name for name in methods if name not in ("baseline", "gorgon", "stock"))
 
-    def encode(messages):
-        return tok.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt",
-                                       return_dict=True)["input_ids"].to(model.device)
-
-    warm = encode([{"role": "user", "content": "Hello"}])  # load kernels and caches outside the timings
+    warm = target.chat_ids([{"role": "user", "content": "Hello"}])  # load kernels and caches outside the timings
     for method in methods.values():
         method(warm, 8)
 
@@ -183,12 +180,12 @@ def run_bench(target, drafter, questions: list[dict], max_new_tokens: int = 256,
             row.update({"stock_tokens": 0, "stock_seconds": 0.0, "identical_vs_stock": True})
         for name in extra:
             row.update({f"{name}_tokens": 0, f"{name}_seconds": 0.0})
-            if name == "no-context":
+            if name in SPECULATIVE:
                 row.update({f"{name}_target_forwards": 0, f"{name}_identical": True})
         messages = []
         for turn in q["turns"]:
             messages.append({"role": "user", "content": turn})
-            ids = encode(messages)
+            ids = target.chat_ids(messages)
             if ids.shape[1] + max_new_tokens > context:
                 break  # a turn that no longer fits the context ends the question
             order = names[qi % len(names):] + names[:qi % len(names)]  # each goes first in turn
@@ -209,7 +206,7 @@ def run_bench(target, drafter, questions: list[dict], max_new_tokens: int = 256,
             for name in extra:
                 row[f"{name}_tokens"] += len(runs[name].tokens)
                 row[f"{name}_seconds"] += runs[name].seconds
-                if name == "no-context":
+                if name in SPECULATIVE:
                     row[f"{name}_target_forwards"] += runs[name].target_forwards
                     row[f"{name}_identical"] &= runs[name].tokens == base.tokens
             messages.append({"role": "assistant", "content": tok.decode(base.tokens, skip_special_tokens=True)})
@@ -292,7 +289,13 @@ def plot_report(report: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (left, right) = plt.subplots(1, 2, figsize=(9, 3.4), dpi=120)
+    bars = [("gorgon", "speedup", "#08519c")]
+    if "speedup_vs_stock" in report:
+        bars.append(("gorgon vs stock kernels", "speedup_vs_stock", "#6baed6"))
+    bars += [(name, f"{name}_speedup", color) for name, color in zip(extra_names(report), ("#fd8d3c", "#74c476",
+                                                                                           "#9e9ac8"))]
+    legend = len(bars) > 1  # below the axes, where it hides no bar: the figure grows to hold it
+    fig, (left, right) = plt.subplots(1, 2, figsize=(9, 3.9 if legend else 3.4), dpi=120)
     hist = report["accepted_histogram"]
     left.bar([int(k) for k in hist], list(hist.values()), color="#3182bd")
     left.set_xticks([int(k) for k in hist])
@@ -300,11 +303,6 @@ def plot_report(report: dict, path: Path) -> None:
     left.set_ylabel("verify steps")
     left.set_title(f"accepted length (tau {report['tau']:.2f})")
     cats = list(report["per_category"])
-    bars = [("gorgon", "speedup", "#08519c")]
-    if "speedup_vs_stock" in report:
-        bars.append(("gorgon vs stock kernels", "speedup_vs_stock", "#6baed6"))
-    bars += [(name, f"{name}_speedup", color) for name, color in zip(extra_names(report), ("#fd8d3c", "#74c476",
-                                                                                           "#9e9ac8"))]
     height = 0.8 / len(bars)
     for i, (label, key, color) in enumerate(bars):
         offset = (len(bars) - 1) / 2 * height - i * height  # the first bar on top
@@ -314,12 +312,9 @@ def plot_report(report: dict, path: Path) -> None:
     right.axvline(1.0, color="black", lw=0.8)
     right.set_xlabel("speedup over plain generate")
     right.set_title(f"speedup ({report['speedup']:.2f}x overall)")
-    height = 3.4
-    if len(bars) > 1:  # below the axes, where it hides no bar
+    if legend:
         right.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.22), ncol=min(3, len(bars)),
                      frameon=False)
-        height += 0.5
-    fig.set_size_inches(9, height)
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
@@ -379,9 +374,7 @@ def main(argv=None) -> int:
     seed = 0 if args.seed is None else args.seed  # reproducible unless asked otherwise
     report = run_bench(target, drafter, questions, args.max_new_tokens, sampling, baselines, assistant, seed)
     report.update(environment(target.model, drafter, sampling, args.max_new_tokens))
-    drafters = [args.heads or args.draft, "context" if args.context_draft else None]
-    report.update({"target": target.name, "drafter": " + ".join(d for d in drafters if d),
-                   "questions_file": args.questions,
+    report.update({"target": target.name, "drafter": drafter_name(args), "questions_file": args.questions,
                    "command": "gorgon bench " + " ".join(sys.argv[2:] if argv is None else argv)})
     print(markdown_table(report))
     print(f"\n{report['device']}, {report['dtype']}, {report['threads']} thread(s), "

@@ -61,8 +61,7 @@ def main(argv=None) -> int:
             ids = tok(user_text, return_tensors="pt").input_ids
         else:
             messages.append({"role": "user", "content": user_text})
-            ids = tok.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)
-            ids = ids["input_ids"]
+            ids = target.chat_ids(messages)
         stream = TextStream(tok)
         result = speculative_generate(target.model, drafter, ids.to(target.model.device), args.max_new_tokens,
                                       sampling=sampling, acceptance=args.acceptance, stop_strings=args.stop,

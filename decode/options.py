@@ -77,6 +77,11 @@ def load_drafter(args, tree):
     return target, drafter if context is None else MergedDrafter(drafter, context, args.tree_budget)
 
 
+def drafter_name(args) -> str:
+    """The drafter the arguments name, for reports: the heads or draft model, "+ context" when merged."""
+    return " + ".join(name for name in (args.heads or args.draft, "context" if args.context_draft else None) if name)
+
+
 def load_model_drafter(args, tree):
     """The target and the drafter the arguments name, on the chosen CPU kernels.
 

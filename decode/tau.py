@@ -45,8 +45,7 @@ def measure_tau(target, drafter, questions: list[dict], max_new_tokens: int) -> 
         messages = []
         for turn in q["turns"]:
             messages.append({"role": "user", "content": turn})
-            ids = target.tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt",
-                                                       return_dict=True)["input_ids"].to(target.model.device)
+            ids = target.chat_ids(messages)
             before = len(counting.nodes)
             result = speculative_generate(target.model, counting, ids, max_new_tokens)
             row = totals.setdefault(q["category"], [0, 0, 0, 0])

@@ -44,6 +44,12 @@ class Target:
             self._fingerprint = fingerprint(self.model)
         return self._fingerprint
 
+    def chat_ids(self, messages: list[dict]) -> torch.Tensor:
+        """The (1, n) prompt ids of chat messages under the tokenizer's template, ready for the next
+        assistant turn, on the model's device."""
+        return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt",
+                                                  return_dict=True)["input_ids"].to(self.model.device)
+
 
 def cache_dir() -> Path:
     """Where gorgon keeps converted targets: $GORGON_CACHE, else the user cache dir."""

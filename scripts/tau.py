@@ -15,7 +15,7 @@ import json
 from pathlib import Path
 
 from gorgon.decode.bench import load_questions
-from gorgon.decode.options import add_model_arguments, load_drafter, read_tree
+from gorgon.decode.options import add_model_arguments, drafter_name, load_drafter, read_tree
 from gorgon.decode.tau import measure_tau, per_category_sample
 
 
@@ -30,9 +30,8 @@ def main() -> None:
     target, drafter = load_drafter(args, read_tree(args.tree))
     report = measure_tau(target, drafter, questions, args.max_new_tokens)
     metrics = Path(args.heads) / "metrics.json" if args.heads else None
-    report.update({"drafter": " + ".join(d for d in (args.heads or args.draft, "context" if args.context_draft
-                                                     else None) if d),
-                   "tree_budget": drafter.max_nodes, "questions": len(questions), "max_new_tokens": args.max_new_tokens,
+    report.update({"drafter": drafter_name(args), "tree_budget": drafter.max_nodes, "questions": len(questions),
+                   "max_new_tokens": args.max_new_tokens,
                    "train_conversations": json.loads(metrics.read_text()).get("train_conversations")
                    if metrics is not None and metrics.is_file() else None})
     if args.json:
