@@ -34,8 +34,9 @@ def parser() -> argparse.ArgumentParser:
 class TextStream:
     """Prints the decoded text as tokens arrive, re-decoding so multi-token characters come out whole."""
 
-    def __init__(self, tokenizer, out=sys.stdout):
-        self.tokenizer, self.out, self.tokens, self.shown = tokenizer, out, [], ""
+    def __init__(self, tokenizer, out=None):
+        # sys.stdout is read now, not when the module was imported: it may have been replaced since
+        self.tokenizer, self.out, self.tokens, self.shown = tokenizer, out or sys.stdout, [], ""
 
     def __call__(self, tokens: list[int]) -> None:
         self.tokens.extend(tokens)

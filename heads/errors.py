@@ -2,6 +2,7 @@
 
 import difflib
 import errno
+import sys
 
 
 class GorgonError(Exception):
@@ -49,3 +50,17 @@ def check_keys(keys, known, where: str) -> None:
             close = difflib.get_close_matches(key, known, n=3, cutoff=0.5)
             hint = f"did you mean {', '.join(close)}?" if close else f"known keys: {', '.join(sorted(known))}"
             raise GorgonError(f"unknown key {key!r} {where}: {hint}")
+
+
+def run_script(main, name: str) -> None:
+    """A script's entry point (`python train/NAME.py`, `accelerate launch -q train/NAME.py`, `python
+    scripts/NAME.py`): bad input, or a full or read-only disk, exits 2 with one line (accelerate adds
+    its own traceback unless launched with -q)."""
+    try:
+        sys.exit(main())
+    except Exception as err:
+        line = user_error_line(err)
+        if line is None:
+            raise
+        print(f"{name}: error: {line}", file=sys.stderr)
+        sys.exit(2)

@@ -19,8 +19,18 @@ from pathlib import Path
 
 from gorgon.decode.bench import load_questions
 from gorgon.decode.tau import measure_tau, per_category_sample
-from gorgon.heads.files import atomic_write_text
+from gorgon.heads.errors import run_script
+from gorgon.heads.files import atomic_write_text, check_output
 from gorgon.heads.loading import drafter_for, load_heads
+
+
+def is_curve(path: Path) -> bool:
+    """A JSON this script wrote (the only file --out may replace, with --overwrite)."""
+    try:
+        curve = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return False
+    return isinstance(curve, dict) and isinstance(curve.get("points"), list) and "nodes" in curve
 
 
 def plot(points: list[dict], path: Path) -> None:
@@ -57,7 +67,11 @@ def main() -> None:
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--nodes", type=int, default=8, help="tree nodes per step for every drafter (default 8)")
     p.add_argument("--out", required=True, help="the JSON to write (a PNG goes beside it)")
+    p.add_argument("--overwrite", action="store_true", help="replace an earlier curve at --out")
     args = p.parse_args()
+    out = Path(args.out)
+    check_output(out, is_curve, args.overwrite, kind="file")  # before the measuring, not after
+    check_output(out.with_suffix(".png"), lambda png: is_curve(out), args.overwrite, kind="file")
     questions = per_category_sample(load_questions(args.questions), args.per_category)
     points = []
     for folder in args.heads:
@@ -69,7 +83,6 @@ def main() -> None:
                        "tau": report["tau"], "per_category": report["per_category"]})
         print(f"{folder}: {metrics['train_conversations']} conversations, top-1 {metrics['top1'][0]:.3f}, "
               f"tau {report['tau']:.3f}", flush=True)
-    out = Path(args.out)
     atomic_write_text(out, json.dumps({"questions_file": args.questions, "questions": len(questions),
                                        "max_new_tokens": args.max_new_tokens, "nodes": args.nodes,
                                        "points": points}, indent=1) + "\n")
@@ -81,4 +94,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_script(main, "scripts/learning_curve.py")

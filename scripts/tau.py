@@ -17,6 +17,7 @@ from pathlib import Path
 from gorgon.decode.bench import load_questions
 from gorgon.decode.options import add_model_arguments, drafter_name, load_drafter, read_tree
 from gorgon.decode.tau import measure_tau, per_category_sample
+from gorgon.heads.errors import run_script
 
 
 def main() -> None:
@@ -44,4 +45,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_script(main, "scripts/tau.py")

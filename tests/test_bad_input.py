@@ -17,12 +17,12 @@ from gorgon.decode import Sampling
 from gorgon.decode.bench import load_questions, run_bench
 from gorgon.heads import DraftModelDrafter, GorgonError, HeadsDrafter, MedusaHeads, load_target
 from gorgon.heads.cli import main as gorgon
+from gorgon.heads.errors import run_script
 from gorgon.heads.files import atomic_write_text, check_output
 from gorgon.heads.target import resolve_device
 from gorgon.heads.tree import build_tree, tree_from_accuracies
 from gorgon.train.data import DataSettings, make_dataset
 from gorgon.train.heads import HeadsTrainConfig, train
-from gorgon.train.recipe import run_script
 from gorgon.train.records import load_conversations, read_records
 
 

@@ -5,7 +5,7 @@ import subprocess
 import sys
 
 import pytest
-from helpers import QUESTIONS, tiny_chat_target
+from helpers import QUESTIONS, ROOT, tiny_chat_target
 
 import gorgon.decode.acceptance as acceptance
 import gorgon.decode.generate as generate_module
@@ -158,3 +158,26 @@ def test_tau_without_timing_counts_every_step(setup):
                                                return_dict=True)["input_ids"]
     alone = speculative_generate(target.model, drafter, ids, 10)
     assert measure_tau(target, drafter, one, max_new_tokens=10)["tau"] == alone.tau
+
+
+def test_tau_scripts_refuse_bad_input_in_one_line(tmp_path):
+    """scripts/tau.py and scripts/learning_curve.py: a missing question file, and a --out they did not write,
+    each end in one line and exit 2 before any model is loaded; an earlier curve needs --overwrite."""
+    def script(name, *args):
+        run = subprocess.run([sys.executable, str(ROOT / "scripts" / name), *args], capture_output=True, text=True,
+                             timeout=120)
+        return run.returncode, run.stderr.strip()
+
+    code, err = script("tau.py", "--context-draft", "--questions", str(tmp_path / "none.jsonl"))
+    assert code == 2 and err.startswith("scripts/tau.py: error: questions file") and "\n" not in err
+    foreign = tmp_path / "notes.json"
+    foreign.write_text('{"mine": true}')
+    code, err = script("learning_curve.py", "--heads", "h", "--questions", "q.jsonl", "--out", str(foreign))
+    assert (code, err) == (2, f"scripts/learning_curve.py: error: --out {foreign} already holds files gorgon did not "
+                              "write: choose a new file")
+    assert foreign.read_text() == '{"mine": true}'
+    earlier = tmp_path / "curve.json"
+    earlier.write_text(json.dumps({"points": [], "nodes": 8}))
+    code, err = script("learning_curve.py", "--heads", "h", "--questions", "q.jsonl", "--out", str(earlier))
+    assert code == 2 and err.endswith("holds earlier gorgon output: pass --overwrite to replace it, or choose another "
+                                      "--out")

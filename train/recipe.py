@@ -244,16 +244,3 @@ def full_disk_is_one_line(out: Path, least_free: int = 16 * 2**20):
             raise
         raise GorgonError(f"the disk holding {out} is full ({free // 2**20} MiB free; {err.__class__.__name__} while "
                           "writing): free some space, then rerun (--resume true if a checkpoint was saved)") from err
-
-
-def run_script(main, name: str) -> None:
-    """`python train/NAME.py` and `accelerate launch -q train/NAME.py`: bad input, or a full or read-only
-    disk, exits 2 with one line (accelerate adds its own traceback unless launched with -q)."""
-    try:
-        sys.exit(main())
-    except Exception as err:
-        line = user_error_line(err)
-        if line is None:
-            raise
-        print(f"{name}: error: {line}", file=sys.stderr)
-        sys.exit(2)
