@@ -15,6 +15,7 @@ import time
 
 import torch
 
+from gorgon.decode.kernels import KERNELS
 from gorgon.heads import load_target
 from gorgon.train.data import DataSettings, Engine, chat_ids
 from gorgon.train.records import load_conversations
@@ -30,13 +31,14 @@ def main():
     p.add_argument("--max-prompt-tokens", type=int, default=None, help="leave out longer prompts")
     p.add_argument("--single-limit", type=int, default=4, help="prompts for the (slow) single-stream side")
     p.add_argument("--rounds", type=int, default=1)
+    p.add_argument("--cpu-kernels", choices=KERNELS, default="fast", help="for both sides (default fast)")
     args = p.parse_args()
     target = load_target(args.target)
     convs = load_conversations(args.prompts, args.limit)
     prompts = [chat_ids(target.tokenizer, [{"role": "user", "content": c["turns"][0]}], None) for c in convs]
     prompts = [q for q in prompts if not args.max_prompt_tokens or len(q) <= args.max_prompt_tokens]
     engine = Engine(target, DataSettings(prompts=args.prompts, batch_size=args.batch_size,
-                                         max_new_tokens=args.max_new_tokens))
+                                         max_new_tokens=args.max_new_tokens), args.cpu_kernels)
 
     def single(prompt):
         with torch.inference_mode():
@@ -49,7 +51,7 @@ def main():
     mismatches = 0
     for _ in range(args.rounds):
         start = time.perf_counter()
-        batched = engine.generate(prompts, seed=0)
+        batched = engine.generate(prompts, seeds=list(range(len(prompts))))
         totals["batched"][0] += sum(map(len, batched))
         totals["batched"][1] += time.perf_counter() - start
         for prompt, answer in zip(prompts[: args.single_limit], batched):
@@ -63,6 +65,7 @@ def main():
     print(json.dumps({
         "prompts": len(prompts), "single_prompts": min(args.single_limit, len(prompts)), "rounds": args.rounds,
         "batch_size": args.batch_size, "max_new_tokens": args.max_new_tokens, "threads": torch.get_num_threads(),
+        "cpu_kernels": args.cpu_kernels,
         "batched_tokens_per_s": round(rates["batched"], 2), "single_tokens_per_s": round(rates["single"], 2),
         "ratio": round(rates["batched"] / rates["single"], 2), "batched_seconds": round(totals["batched"][1], 1),
         "single_answers_differing_from_batched": mismatches}))

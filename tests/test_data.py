@@ -12,6 +12,7 @@ import pytest
 import torch
 from helpers import ARCHS, VOCAB, needs_embedded, tiny_chat_target, tiny_model
 
+from gorgon.decode.kernels import fast_kernels_unavailable, use_cpu_kernels
 from gorgon.heads import GorgonError
 from gorgon.train.batching import continuous_generate
 from gorgon.train.data import METADATA_NAME, DataSettings, make_dataset
@@ -109,6 +110,21 @@ def test_prompts_longer_than_the_context_are_skipped_and_counted(tmp_path):
     assert json.loads((capped / METADATA_NAME).read_text())["skipped_turns_too_long"] == 1
 
 
+def _alone(model, prompts, eos, max_new_tokens):
+    """What plain greedy `generate` answers for each prompt alone, EOS and after dropped."""
+    answers = []
+    for p in prompts:
+        tokens = model.generate(torch.tensor([p]), max_new_tokens=max_new_tokens, do_sample=False,
+                                eos_token_id=sorted(eos), pad_token_id=0)[0, len(p):].tolist()
+        answers.append(tokens[:next((j for j, t in enumerate(tokens) if t in eos), len(tokens))])
+    return answers
+
+
+def _ragged_prompts(n=(3, 150, 1, 60, 7, 200, 20, 2, 90, 33)):
+    gen = torch.Generator().manual_seed(1)
+    return [torch.randint(30, VOCAB, (k,), generator=gen).tolist() for k in n]
+
+
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("batch_size,batch_tokens", [(3, 10**6), (16, 10**6), (8, 400)])
 def test_continuous_batching_equals_generate_alone(arch, batch_size, batch_tokens):
@@ -116,13 +132,8 @@ def test_continuous_batching_equals_generate_alone(arch, batch_size, batch_token
     `generate` gives for its prompt alone (fp32). Tokens 5-8 end a row, so answers end early."""
     model = tiny_model(arch)
     eos = set(range(5, 9))
-    gen = torch.Generator().manual_seed(1)
-    prompts = [torch.randint(30, VOCAB, (n,), generator=gen).tolist() for n in (3, 150, 1, 60, 7, 200, 20, 2, 90, 33)]
-    expected = []
-    for p in prompts:
-        tokens = model.generate(torch.tensor([p]), max_new_tokens=40, do_sample=False, eos_token_id=sorted(eos),
-                                pad_token_id=0)[0, len(p):].tolist()
-        expected.append(tokens[:next((j for j, t in enumerate(tokens) if t in eos), len(tokens))])
+    prompts = _ragged_prompts()
+    expected = _alone(model, prompts, eos, 40)
     lengths = sorted({len(e) for e in expected})
     assert len(lengths) >= 3 and lengths[-1] == 40, lengths  # the test needs short, long and cut-off rows
     finished = []
@@ -133,17 +144,40 @@ def test_continuous_batching_equals_generate_alone(arch, batch_size, batch_token
     assert sum(n for n, _ in finished) == len(prompts) and sum(t for _, t in finished) == sum(map(len, got))
 
 
-def test_sampled_continuous_batching_is_seeded():
+@pytest.mark.skipif(fast_kernels_unavailable(torch.float32) is not None, reason="no oneDNN fast path here")
+def test_continuous_batching_on_fast_kernels_equals_generate_alone_on_them():
+    """`gorgon data` runs on the prepacked oneDNN kernels by default; 1-row and many-row products
+    there must still give each prompt the answer `generate` gives it alone on the same kernels."""
+    model = tiny_model()
+    use_cpu_kernels(model, "fast")
+    eos = set(range(5, 9))
+    prompts = _ragged_prompts()
+    expected = _alone(model, prompts, eos, 40)
+    with torch.inference_mode():
+        for batch_size in (3, 16):
+            assert continuous_generate(model, prompts, max_new_tokens=40, eos=eos, pad=0, batch_size=batch_size,
+                                       batch_tokens=10**6) == expected
+
+
+def test_sampled_answers_depend_on_their_seed_not_their_batch():
+    """Each prompt samples from its own seed, so `gorgon data` may batch shards together (and a
+    resumed run may batch them differently) without changing any answer."""
     model = tiny_model()
     prompts = [[40 + i] * (1 + 7 * i) for i in range(6)]
 
-    def run(seed):
-        torch.manual_seed(seed)
-        return continuous_generate(model, prompts, max_new_tokens=12, eos=set(), pad=0, batch_size=4,
-                                   batch_tokens=10**6, temperature=1.0, top_p=0.9)
+    def run(prompts, seeds, batch_size=4):
+        with torch.inference_mode():
+            return continuous_generate(model, prompts, max_new_tokens=12, eos=set(), pad=0, batch_size=batch_size,
+                                       batch_tokens=10**6, temperature=1.0, top_p=0.9, seeds=seeds)
 
-    assert run(0) == run(0) != run(1)
-    assert all(len(r) == 12 for r in run(0))
+    together = run(prompts, list(range(6)))
+    assert all(len(r) == 12 for r in together)
+    assert together == run(prompts, list(range(6)))
+    assert run(prompts[3:], [3, 4, 5], batch_size=1) == together[3:]
+    assert run(prompts[::-1], list(range(6))[::-1], batch_size=2) == together[::-1]
+    assert run(prompts, list(range(10, 16))) != together
+    with pytest.raises(ValueError, match="one seed per prompt"):
+        run(prompts, None)
 
 
 def test_no_chat_template_is_a_clear_error(tmp_path):
