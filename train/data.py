@@ -288,6 +288,8 @@ def make_dataset(settings: DataSettings, out: str | os.PathLike, target: Target 
     def on_batch(n_prompts: int, n_tokens: int) -> None:
         nonlocal tokens
         tokens += n_tokens
+        if settings.turns == "first":  # a finished answer is a finished conversation
+            bar.update(n_prompts)
         bar.set_postfix(tok_per_s=f"{tokens / (time.perf_counter() - start):.1f}")
 
     per_call = max(1, BATCHES_PER_CALL * settings.batch_size // settings.shard_size)
@@ -300,7 +302,8 @@ def make_dataset(settings: DataSettings, out: str | os.PathLike, target: Target 
             atomic_write_text(partial / f"shard-{i:05d}.jsonl",
                               json.dumps({"skipped": sum(n for _, n in shard)}) + "\n"
                               + "".join(json.dumps(r) + "\n" for r, _ in shard if r is not None))
-            bar.update(len(shard))
+        bar.n = len(convs) - sum(len(shard_positions(i)) for i in todo if i > shards[-1])  # counts skipped ones too
+        bar.refresh()
     bar.close()
     rows, skipped = [], 0
     for i in range(n_shards):
