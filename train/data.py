@@ -282,8 +282,9 @@ def make_dataset(settings: DataSettings, out: str | os.PathLike, target: Target 
     done = {p.name for p in partial.glob("shard-*.jsonl")}
     todo = [i for i in range(n_shards) if f"shard-{i:05d}.jsonl" not in done]
     start, tokens = time.perf_counter(), 0
+    left = sum(len(shard_positions(i)) for i in todo)  # prompts not yet in a shard
     bar = tqdm(total=len(convs), unit="prompt", desc="gorgon data", disable=not progress, dynamic_ncols=True,
-               initial=len(convs) - sum(len(shard_positions(i)) for i in todo))
+               initial=len(convs) - left)
 
     def on_batch(n_prompts: int, n_tokens: int) -> None:
         nonlocal tokens
@@ -302,7 +303,8 @@ def make_dataset(settings: DataSettings, out: str | os.PathLike, target: Target 
             atomic_write_text(partial / f"shard-{i:05d}.jsonl",
                               json.dumps({"skipped": sum(n for _, n in shard)}) + "\n"
                               + "".join(json.dumps(r) + "\n" for r, _ in shard if r is not None))
-        bar.n = len(convs) - sum(len(shard_positions(i)) for i in todo if i > shards[-1])  # counts skipped ones too
+        left -= len(positions)
+        bar.n = len(convs) - left  # counts the skipped prompts too
         bar.refresh()
     bar.close()
     rows, skipped = [], 0
