@@ -242,9 +242,17 @@ def environment(model, drafter, sampling: Sampling, max_new_tokens: int) -> dict
             "kernels": kernels_in_use(model) if device.type == "cpu" else "cuda",
             "one_row_kernel": one_row_kernel(model), "cpu_flags": cpu_flags(),
             "threads": torch.get_num_threads(), "tree": tree_description(drafter), "tree_size": drafter.max_nodes,
+            "draft_dtype": drafter_dtype(drafter),
             "max_new_tokens": max_new_tokens, "temperature": sampling.temperature, "top_k": sampling.top_k,
             "top_p": sampling.top_p, "versions": {"torch": torch.__version__, "transformers": transformers.__version__,
                                                   "python": platform.python_version()}}
+
+
+def drafter_dtype(drafter) -> str | None:
+    """The dtype of the drafter's own weights (--draft-dtype); None for prompt lookup, which has none."""
+    drafter = getattr(drafter, "drafter", drafter)  # a merged drafter: the one with weights
+    module = next((getattr(drafter, name) for name in ("head", "heads", "model") if hasattr(drafter, name)), None)
+    return None if module is None else str(next(module.parameters()).dtype).replace("torch.", "")
 
 
 def tree_description(drafter):
@@ -377,8 +385,8 @@ def main(argv=None) -> int:
     report.update({"target": target.name, "drafter": drafter_name(args), "questions_file": args.questions,
                    "command": "gorgon bench " + " ".join(sys.argv[2:] if argv is None else argv)})
     print(markdown_table(report))
-    print(f"\n{report['device']}, {report['dtype']}, {report['threads']} thread(s), "
-          f"tree of {report['tree_size']} nodes")
+    print(f"\n{report['device']}, {report['dtype']} (drafts in {report['draft_dtype'] or 'no weights'}), "
+          f"{report['threads']} thread(s), tree of {report['tree_size']} nodes")
     if args.out:
         out = Path(args.out)
         atomic_write_text(out, json.dumps(report, indent=1) + "\n")

@@ -8,7 +8,10 @@ import json
 import sys
 from pathlib import Path
 
-from gorgon.heads import ContextDrafter, DraftModelDrafter, GorgonError, MedusaHeads, MergedDrafter, load_target
+import torch
+
+from gorgon.heads import (ContextDrafter, DraftModelDrafter, EagleHead, GorgonError, MedusaHeads, MergedDrafter,
+                          load_target)
 from gorgon.heads.errors import int_at_least
 from gorgon.heads.files import read_text
 from gorgon.heads.loading import drafter_for, load_heads
@@ -16,7 +19,7 @@ from gorgon.heads.target import check_same_tokenizer, load_causal_lm
 from gorgon.heads.tree import best_tree_size
 
 from .calibrate import verify_costs
-from .kernels import KERNELS, use_cpu_kernels
+from .kernels import KERNELS, draft_dtype, one_row_kernel, use_cpu_kernels
 
 
 def add_model_arguments(p: argparse.ArgumentParser) -> None:
@@ -56,6 +59,10 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cpu-kernels", choices=KERNELS, default="fast",
                    help="on the CPU: fast (default: linear layers on weights prepacked for oneDNN, so verifying a "
                         "few tokens costs about one step) or stock (torch's default kernels); ignored on CUDA")
+    p.add_argument("--draft-dtype", choices=("auto", "float32", "bfloat16"), default="auto",
+                   help="dtype of a feature-level head or --draft model (drafts only propose, so output is "
+                        "unchanged): auto (default) is bfloat16 for a float32 target on the CPU fast kernels "
+                        "where this CPU runs bfloat16, else the target's dtype")
 
 
 def load_drafter(args, tree):
@@ -93,6 +100,9 @@ def load_model_drafter(args, tree):
     if args.heads:
         target, heads = load_heads(args.heads, args.target, device=args.device, dtype=args.dtype)
         use_cpu_kernels(target.model, args.cpu_kernels)
+        if isinstance(heads, EagleHead):  # Medusa heads share the target's lm_head, so keep its dtype
+            heads.to(draft_dtype(target.model, args.cpu_kernels, args.draft_dtype))
+        use_drafter_kernels(heads, target.model, args.cpu_kernels)
         if tree == "auto" and isinstance(heads, MedusaHeads) and heads.accuracies:
             tree = best_tree_size(heads.accuracies[: heads.config.num_heads], verify_costs(target.model))
             print(f"gorgon: a {tree}-node tree fits this machine best (--tree N to choose another)", file=sys.stderr)
@@ -103,9 +113,16 @@ def load_model_drafter(args, tree):
     if draft_tokenizer is not None:
         check_same_tokenizer(target.tokenizer, draft_tokenizer, f"draft {args.draft}")
     use_cpu_kernels(target.model, args.cpu_kernels)
-    draft = draft.to(target.model.device).eval()
-    use_cpu_kernels(draft, args.cpu_kernels)
+    draft = draft.to(target.model.device, draft_dtype(target.model, args.cpu_kernels, args.draft_dtype)).eval()
+    use_drafter_kernels(draft, target.model, args.cpu_kernels)
     return target, DraftModelDrafter(draft, args.draft_tokens).check_vocab(target.model)
+
+
+def use_drafter_kernels(drafter: torch.nn.Module, target_model: torch.nn.Module, kernels: str) -> None:
+    """The drafter's linear layers on the target's CPU kernels, one-row products included (the target's
+    choice was measured on this machine); a no-op off the CPU."""
+    if next(drafter.parameters()).device.type == "cpu":
+        use_cpu_kernels(drafter, kernels, one_row=one_row_kernel(target_model) or "onednn")
 
 
 def read_tree(value: str):

@@ -11,6 +11,7 @@ from helpers import ROOT, VOCAB, env, tiny_chat_target, tiny_model
 from safetensors.torch import load_file
 
 from gorgon.decode import speculative_generate
+from gorgon.decode.kernels import draft_dtype, fast_kernels_unavailable, use_cpu_kernels
 from gorgon.heads import EagleDrafter, EagleHead, GorgonError, Target, fingerprint, load_target
 from gorgon.heads.eagle.formats import export_head
 from gorgon.train.data import DataSettings, make_dataset
@@ -47,6 +48,34 @@ def test_greedy_equals_generate_with_dynamic_trees(arch):
             assert result.tokens == reference(model, ids, 30)
             accepted += result.accepted
     assert max(accepted) >= 3  # drafted paths two deep were accepted, not only bonus tokens
+
+
+def test_a_bfloat16_head_on_a_float32_target_keeps_greedy_output_exact():
+    """The head may draft in bfloat16 (cheaper on a CPU); the target's verification keeps the output exact."""
+    model = tiny_model("llama", vocab=8, layers=4)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(10)
+    head = head_for(model).to(torch.bfloat16)
+    use_cpu_kernels(head, "fast")  # oneDNN where this CPU runs bfloat16, else a warning and stock kernels
+    drafter = EagleDrafter(head, nodes=8, depth=3, topk=2)
+    accepted = []
+    for seed in range(3):
+        ids = torch.randint(0, 8, (1, 6), generator=torch.Generator().manual_seed(seed))
+        result = speculative_generate(model, drafter, ids, max_new_tokens=30)
+        assert result.tokens == reference(model, ids, 30)
+        accepted += result.accepted
+    assert max(accepted) >= 2  # some drafts were accepted, not only bonus tokens
+
+
+def test_draft_dtype_follows_the_target_unless_the_cpu_runs_bfloat16():
+    model = tiny_model("llama")
+    fast_bf16 = fast_kernels_unavailable(torch.bfloat16) is None
+    assert draft_dtype(model, "fast") == (torch.bfloat16 if fast_bf16 else torch.float32)
+    assert draft_dtype(model, "stock") == torch.float32
+    assert draft_dtype(model, "fast", "float32") == torch.float32
+    assert draft_dtype(model.to(torch.bfloat16), "stock", "auto") == torch.bfloat16
+    with pytest.raises(GorgonError, match="--draft-dtype"):
+        draft_dtype(model, "fast", "float16")
 
 
 def test_the_drafters_cache_follows_the_accepted_tokens():

@@ -39,6 +39,8 @@ class HeadsTrainConfig:
     num_layers: int = 1
     shared_lm_head: bool = True
     loss: str = "ce"                   # ce (data tokens) | kl (the target's own distribution)
+    loss_tokens: str = "answers"       # answers | all: every position, prompts too (soft targets only:
+                                       # arch eagle or loss kl); held-out figures always count answers
     head_decay: float = 0.8            # head k's loss weight is head_decay ** k
     max_length: int = 1024
     batch_size: int = 4                # per device
@@ -88,10 +90,13 @@ class HeadsTrainConfig:
         from gorgon.heads.eagle.model import check_search
 
         choices = {"arch": ("medusa", "eagle"), "mode": ("medusa1", "medusa2"), "loss": ("ce", "kl"),
-                   "report_to": ("wandb", "none")}
+                   "loss_tokens": ("answers", "all"), "report_to": ("wandb", "none")}
         for key, allowed in choices.items():
             if getattr(self, key) not in allowed:
                 raise GorgonError(f"{key} must be one of {', '.join(allowed)}, not {getattr(self, key)!r}")
+        if self.loss_tokens == "all" and self.arch == "medusa" and self.loss == "ce":
+            raise GorgonError("loss_tokens: all trains on the prompts' positions against the target's own "
+                              "distribution there: use loss: kl (or arch: eagle), or loss_tokens: answers")
         if self.num_heads < 1 or self.num_layers < 1 or self.batch_size < 1 or self.grad_accum < 1:
             raise GorgonError("num_heads, num_layers, batch_size and grad_accum must be at least 1")
         if self.train_conversations is not None and self.train_conversations < 1:
@@ -316,6 +321,8 @@ def train_steps(run: Run) -> list:
         batches.set_epoch(epoch)
         run.sampler.set_epoch(epoch)
         for batch in batches:
+            if cfg.loss_tokens == "all":
+                batch = {**batch, "loss_mask": batch["attention_mask"].bool()}
             with accelerator.accumulate(objective):
                 loss, stats, _ = objective(**batch, train_backbone=run.step >= cfg.heads_warmup_steps)
                 accelerator.backward(loss)

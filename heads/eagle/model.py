@@ -194,7 +194,8 @@ class EagleHead(PushToHubMixin, nn.Module):
         output) and the token that follows it; `mask` is additive, (batch, 1, length, keys). Returns the
         output features, before `norm` (the next step's input)."""
         layer = self.midlayer
-        x = torch.cat([layer.input_layernorm(self.embed(tokens)), layer.hidden_norm(features)], dim=-1)
+        embedded = self.embed(tokens).to(features.dtype)  # the head may run in another dtype than the target
+        x = torch.cat([layer.input_layernorm(embedded), layer.hidden_norm(features)], dim=-1)
         position_embeddings = self.rotary(x, positions)
         attn = layer.self_attn(hidden_states=x, position_embeddings=position_embeddings, attention_mask=mask,
                                past_key_values=cache)[0]
