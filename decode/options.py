@@ -10,8 +10,15 @@ from pathlib import Path
 
 import torch
 
-from gorgon.heads import (ContextDrafter, DraftModelDrafter, EagleHead, GorgonError, MedusaHeads, MergedDrafter,
-                          load_target)
+from gorgon.heads import (
+    ContextDrafter,
+    DraftModelDrafter,
+    EagleHead,
+    GorgonError,
+    MedusaHeads,
+    MergedDrafter,
+    load_target,
+)
 from gorgon.heads.errors import int_at_least
 from gorgon.heads.files import read_text
 from gorgon.heads.loading import drafter_for, load_heads
