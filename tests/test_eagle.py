@@ -7,7 +7,7 @@ import sys
 
 import pytest
 import torch
-from helpers import ROOT, VOCAB, env, tiny_chat_target, tiny_model
+from helpers import ROOT, VOCAB, env, tiny_chat_target, tiny_model, toy_data
 from safetensors.torch import load_file
 
 from gorgon.decode import speculative_generate
@@ -65,6 +65,39 @@ def test_a_bfloat16_head_on_a_float32_target_keeps_greedy_output_exact():
         assert result.tokens == reference(model, ids, 30)
         accepted += result.accepted
     assert max(accepted) >= 2  # some drafts were accepted, not only bonus tokens
+
+
+def test_stopping_the_expansion_early_leaves_the_tree_unchanged(monkeypatch):
+    """Levels are skipped once no deeper node could enter the tree; the trees must be those of the full search."""
+    import gorgon.heads.eagle.drafter as module
+
+    model = tiny_model("llama", vocab=8, layers=4)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(10)
+    head = head_for(model)
+    levels = {"pruned": 0, "full": 0}
+    layer = head.layer
+
+    def counted(*args, **kwargs):
+        levels[mode] += 1
+        return layer(*args, **kwargs)
+
+    monkeypatch.setattr(head, "layer", counted)
+    trees = {}
+    for mode, grow in [("pruned", module.can_grow), ("full", lambda *args: True)]:
+        monkeypatch.setattr(module, "can_grow", grow)
+        trees[mode] = []
+        for nodes, depth, topk in [(4, 6, 2), (8, 5, 3), (6, 4, 4)]:
+            for seed in range(6):
+                ids = torch.randint(0, 8, (1, 6), generator=torch.Generator().manual_seed(seed))
+                with torch.no_grad():
+                    out = model.get_decoder()(input_ids=ids, output_hidden_states=True)
+                features = torch.cat([out.hidden_states[i][0] for i in head.feature_layers], -1)
+                tokens, tree = EagleDrafter(head, nodes=nodes, depth=depth, topk=topk).propose(
+                    ids[0, -1], features[:-1], ids[0, :-1])
+                trees[mode].append((tokens.tolist(), tree.paths))
+    assert trees["pruned"] == trees["full"]
+    assert levels["pruned"] < levels["full"]  # and some levels were skipped
 
 
 def test_draft_dtype_follows_the_target_unless_the_cpu_runs_bfloat16():
@@ -239,6 +272,28 @@ def test_bad_training_settings_are_one_line():
                               ({"arch": "eagle", "ttt_steps": 0}, "ttt_steps must be at least 1"),
                               ({"arch": "eagle", "mode": "medusa2"}, "mode medusa2 trains LoRA on the target"),
                               ({"arch": "eagle", "draft_depth": 0}, "the draft depth must be a whole number >= 1"),
-                              ({"train_conversations": 0}, "train_conversations must be at least 1")]:
+                              ({"train_conversations": 0}, "train_conversations must be at least 1"),
+                              ({"loss_tokens": "prompts"}, "loss_tokens must be one of answers, all"),
+                              ({"loss_tokens": "all"}, "loss_tokens: all trains on the prompts' positions")]:
         with pytest.raises(GorgonError, match=message):
             HeadsTrainConfig(data="x", out="y", **settings).check()
+
+
+def test_loss_tokens_all_trains_on_every_position_and_evaluates_on_answers(tmp_path, monkeypatch):
+    from gorgon.heads.eagle.objective import EagleObjective
+    from gorgon.train.heads import HeadsTrainConfig, train
+
+    seen = {"train": [], "eval": []}
+    forward = EagleObjective.forward
+
+    def recording(self, input_ids, attention_mask, loss_mask, train_backbone=False):
+        seen["train" if torch.is_grad_enabled() else "eval"].append((int(loss_mask.sum()), int(attention_mask.sum())))
+        return forward(self, input_ids, attention_mask, loss_mask, train_backbone)
+
+    monkeypatch.setattr(EagleObjective, "forward", recording)
+    target_path = tiny_chat_target(tmp_path)
+    data = toy_data(tmp_path / "toy.jsonl")
+    train(HeadsTrainConfig(data=data, out=str(tmp_path / "h"), target=str(target_path), arch="eagle",
+                           loss_tokens="all", max_steps=2, batch_size=4, report_to="none", save_every=0))
+    assert seen["train"] and all(masked == tokens for masked, tokens in seen["train"])
+    assert seen["eval"] and all(0 < masked < tokens for masked, tokens in seen["eval"])

@@ -5,8 +5,9 @@ tokens, each paired with the token after it, go into the head's own KV cache (ca
 target's). From the last of them it drafts the first level: its `topk` most likely tokens. Each
 further level expands the `topk` best nodes so far (by the product of draft probabilities along
 their path) with their own `topk` children, for `depth` levels; the best `nodes - 1` nodes overall
-become the tree (a child is never likelier than its parent, so they form one). Drafted levels are
-cached only for the step and cut off after it: the cache holds the target's real features alone.
+become the tree (a child is never likelier than its parent, so they form one); the expansion stops
+early once no deeper node could enter it. Drafted levels are cached only for the step and cut off
+after it: the cache holds the target's real features alone.
 
 The tree's tokens are deterministic given the context, so the decoder's acceptance stays exact
 under sampling (each candidate is a point-mass proposal).
@@ -70,6 +71,8 @@ class EagleDrafter:
         slot: dict[int, int] = {}                                        # cache position of each expanded node
         node_tokens, node_scores = token, score
         for level in range(1, self.depth):
+            if not can_grow(node_scores[frontier], node_scores, self.nodes - 1):
+                break
             k = frontier.numel()
             # A fed node sees the committed context, its expanded ancestors, and itself.
             seen = torch.zeros(k, n + len(slot) + k, dtype=torch.bool, device=device)
@@ -111,3 +114,13 @@ class EagleDrafter:
             return token_path(parents[i]) + [tokens_host[i]] if i >= 0 else []
 
         return tree_from_token_paths(root, [token_path(i) for i in chosen])
+
+
+def can_grow(frontier_scores: torch.Tensor, scores: torch.Tensor, size: int) -> bool:
+    """Whether another level could change the tree: a child's score is never above its parent's, and a
+    tie goes to the shallower node, so once the best frontier node scores no higher than the `size`-th
+    best node so far, no child can enter the best `size`. Stopping there saves the draft layer's later
+    levels on the many steps where the head is unsure, and leaves the tree exactly as it was."""
+    if scores.numel() < size:
+        return True
+    return bool(frontier_scores.max() > scores.topk(size).values[-1])
