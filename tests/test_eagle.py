@@ -56,6 +56,8 @@ def test_a_bfloat16_head_on_a_float32_target_keeps_greedy_output_exact():
     with torch.no_grad():
         model.lm_head.weight.mul_(10)
     head = head_for(model).to(torch.bfloat16)
+    assert head.fc.weight.dtype == torch.bfloat16 and head.rotary.inv_freq.dtype == torch.float32
+    assert torch.equal(head.rotary.inv_freq, head_for(model).rotary.inv_freq)  # frequencies never rounded
     use_cpu_kernels(head, "fast")  # oneDNN where this CPU runs bfloat16, else a warning and stock kernels
     drafter = EagleDrafter(head, nodes=8, depth=3, topk=2)
     accepted = []

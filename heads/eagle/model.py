@@ -125,6 +125,15 @@ class EagleHead(PushToHubMixin, nn.Module):
         self.rotary = rotary                           # buffers only, none saved
         object.__setattr__(self, "_target", None)      # the target's embedding is used, never saved
 
+    def _apply(self, fn, recurse=True):
+        """Moves and casts as any module, except that the rotary frequencies stay float32: rounded to
+        bfloat16 (a head drafting in bfloat16) they would turn distant positions by wrong angles."""
+        exact = dict(self.rotary.named_buffers())
+        super()._apply(fn, recurse)
+        for name, moved in list(self.rotary.named_buffers()):
+            setattr(self.rotary, name, exact[name].to(moved.device))
+        return self
+
     # -- the target ---------------------------------------------------------------------------
     @classmethod
     def for_target(cls, target_model: nn.Module, feature_layers: list[int] | None = None,
