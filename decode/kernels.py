@@ -93,8 +93,9 @@ def use_cpu_kernels(model: torch.nn.Module, kernels: str = "fast", one_row: str 
 def draft_dtype(target_model: torch.nn.Module, kernels: str, choice: str = "auto") -> torch.dtype:
     """The dtype a drafter with weights of its own runs in. A draft only proposes (the target's
     verification decides every token), so it need not match the target: on a CPU a draft layer is
-    bound by reading its weights, and bfloat16 halves the bytes. "auto": bfloat16 for a float32 target on the CPU fast path where
-    oneDNN runs bfloat16 on this CPU (detected, never assumed), else the target's own dtype."""
+    bound by reading its weights, and bfloat16 halves the bytes. "auto": bfloat16 for a float32
+    target on the CPU fast path where oneDNN runs bfloat16 on this CPU (detected, never assumed),
+    else the target's own dtype."""
     dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16}
     if choice != "auto" and choice not in dtypes:
         raise GorgonError(f"unknown --draft-dtype {choice!r}: use auto, float32 or bfloat16")
