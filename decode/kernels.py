@@ -27,9 +27,10 @@ import torch
 import torch.nn.functional as F
 
 from gorgon.heads.errors import GorgonError
-from gorgon.heads.target import crop_cache
+from gorgon.heads.target import crop_cache, resolve_dtype
 
 KERNELS = ("fast", "stock")
+DRAFT_DTYPES = ("auto", "float32", "bfloat16")
 ONE_ROW_KERNELS = ("onednn", "stock")
 # oneDNN picks its weight layout for an expected row count; 4 measured best for 1-16 rows
 # (a hint of 1 made two rows cost 1.4x one row).
@@ -96,11 +97,10 @@ def draft_dtype(target_model: torch.nn.Module, kernels: str, choice: str = "auto
     bound by reading its weights, and bfloat16 halves the bytes. "auto": bfloat16 for a float32
     target on the CPU fast path where oneDNN runs bfloat16 on this CPU (detected, never assumed),
     else the target's own dtype."""
-    dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-    if choice != "auto" and choice not in dtypes:
+    if choice not in DRAFT_DTYPES:
         raise GorgonError(f"unknown --draft-dtype {choice!r}: use auto, float32 or bfloat16")
     if choice != "auto":
-        return dtypes[choice]
+        return resolve_dtype(choice)
     weight = next(target_model.parameters())
     if (weight.device.type == "cpu" and weight.dtype == torch.float32 and kernels == "fast"
             and fast_kernels_unavailable(torch.bfloat16) is None):

@@ -26,7 +26,7 @@ from gorgon.heads.target import check_same_tokenizer, load_causal_lm
 from gorgon.heads.tree import best_tree_size
 
 from .calibrate import verify_costs
-from .kernels import KERNELS, draft_dtype, one_row_kernel, use_cpu_kernels
+from .kernels import DRAFT_DTYPES, KERNELS, draft_dtype, one_row_kernel, use_cpu_kernels
 
 
 def add_model_arguments(p: argparse.ArgumentParser) -> None:
@@ -66,7 +66,7 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cpu-kernels", choices=KERNELS, default="fast",
                    help="on the CPU: fast (default: linear layers on weights prepacked for oneDNN, so verifying a "
                         "few tokens costs about one step) or stock (torch's default kernels); ignored on CUDA")
-    p.add_argument("--draft-dtype", choices=("auto", "float32", "bfloat16"), default="auto",
+    p.add_argument("--draft-dtype", choices=DRAFT_DTYPES, default="auto",
                    help="dtype of a feature-level head or --draft model (drafts only propose, so output is "
                         "unchanged): auto (default) is bfloat16 for a float32 target on the CPU fast kernels "
                         "where this CPU runs bfloat16, else the target's dtype")
