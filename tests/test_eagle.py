@@ -276,6 +276,7 @@ def test_bad_training_settings_are_one_line():
                               ({"arch": "eagle", "draft_depth": 0}, "the draft depth must be a whole number >= 1"),
                               ({"train_conversations": 0}, "train_conversations must be at least 1"),
                               ({"loss_tokens": "prompts"}, "loss_tokens must be one of answers, all"),
+                              ({"cache_features": True}, "cache_features keeps the frozen target's features"),
                               ({"loss_tokens": "all"}, "loss_tokens: all trains on the prompts' positions")]:
         with pytest.raises(GorgonError, match=message):
             HeadsTrainConfig(data="x", out="y", **settings).check()
@@ -299,3 +300,67 @@ def test_loss_tokens_all_trains_on_every_position_and_evaluates_on_answers(tmp_p
                            loss_tokens="all", max_steps=2, batch_size=4, report_to="none", save_every=0))
     assert seen["train"] and all(masked == tokens for masked, tokens in seen["train"])
     assert seen["eval"] and all(0 < masked < tokens for masked, tokens in seen["eval"])
+
+
+def test_the_feature_cache_skips_the_target_and_keeps_the_loss():
+    """A conversation seen before, in another batch with other padding, costs no target forward and
+    gives the loss and gradients the uncached objective gives."""
+    from gorgon.heads.eagle.objective import EagleObjective, FeatureCache
+
+    model = tiny_model("llama", layers=4)
+    head = head_for(model, draft=torch.arange(0, VOCAB, 2))
+    cached = EagleObjective(model, head, steps=2, cache=FeatureCache())
+    plain = EagleObjective(model, head, steps=2)
+    calls = []
+    model.get_decoder().register_forward_hook(lambda *_: calls.append(1))
+    rows = [torch.randint(0, VOCAB, (n,)).tolist() for n in (9, 14, 6)]
+
+    def batch(picked):
+        width = max(len(r) for r in picked)
+        ids = torch.zeros(len(picked), width, dtype=torch.long)
+        mask = torch.zeros(len(picked), width, dtype=torch.long)
+        for i, r in enumerate(picked):
+            ids[i, :len(r)], mask[i, :len(r)] = torch.tensor(r), 1
+        return ids, mask, mask.bool()
+
+    cached(*batch(rows[:2]))
+    cached(*batch([rows[2]]))
+    assert len(calls) == 2 and len(cached.cache.rows) == 3
+    again = batch([rows[2], rows[0]])  # both seen, now padded to another width
+    results = []
+    for objective in (cached, plain):
+        head.zero_grad()
+        loss, _, _ = objective(*again)
+        loss.backward()
+        results.append((loss.detach(), head.fc.weight.grad.clone()))
+    assert len(calls) == 3  # the plain objective's forward only
+    torch.testing.assert_close(results[0][0], results[1][0])
+    torch.testing.assert_close(results[0][1], results[1][1])
+
+
+def test_the_training_time_test_sees_what_drafting_sees():
+    """Step 1 of the unrolled objective at position p gives the logits the head gives when it drafts
+    that chain: the context from the target's features in its cache, then its own first draft."""
+    from transformers import DynamicCache
+
+    from gorgon.heads.eagle.objective import EagleObjective
+    from gorgon.heads.target import additive_mask
+
+    model = tiny_model("llama", layers=4)
+    head = head_for(model)
+    ids = torch.randint(0, VOCAB, (1, 12))
+    ones = torch.ones_like(ids)
+    with torch.no_grad():
+        _, _, ranks = EagleObjective(model, head, steps=3)(ids, ones, ones.bool())
+        out = model.get_decoder()(input_ids=ids, output_hidden_states=True)
+        mixed = head.fc(torch.cat([out.hidden_states[i] for i in head.feature_layers], -1))
+        for p in (0, 4, 7):  # step 2 has a label up to p = 12 - 2 - 2 - 1
+            cache, fed = DynamicCache(), mixed[:, :p + 1]
+            allowed = torch.ones(p + 1, p + 1, dtype=torch.bool).tril()
+            for j in range(3):  # the root from the context, then two drafts along the data's chain
+                n = fed.shape[1]
+                positions = torch.arange(p + j - n + 1, p + j + 1)[None]
+                fed = head.layer(fed, ids[:, p + j + 2 - n:p + j + 2], positions,
+                                 additive_mask(allowed, fed.dtype)[None, None], cache)[:, -1:]
+                torch.testing.assert_close(head.logits(fed[0, -1]), ranks[j][0][p])
+                allowed = torch.ones(1, p + j + 2, dtype=torch.bool)

@@ -8,27 +8,59 @@ asks of a draft; on self-distilled data that is nearly always the data's token.
 `hidden_weight` adds EAGLE-1's regression: the head's output feature at p is pulled toward the
 target's (mixed) features at p + 1, which is what it stands in for when drafting deeper.
 
-`steps` > 1 is EAGLE-3's training-time test, simplified: step j feeds the head its own output
-features of step j - 1 (shifted by one position) instead of the target's, as deeper drafts see
-them, and predicts one token further ahead each step; each step attends causally to its own
-inputs only (EAGLE-3 also attends to the keys of earlier steps). Step j's loss weighs decay^j.
+`steps` > 1 is EAGLE-3's training-time test: step j feeds the head its own output features of
+step j - 1 instead of the target's, as deeper drafts see them, and predicts one token further
+ahead. Its attention sees what drafting's cache holds: the context's keys from the target's
+features (step 0, causal) and the same chain's earlier drafts (steps 1 .. j, one key each), so
+every position of a conversation trains a chain of `steps` drafts at once. Step j's loss weighs decay^j.
+
+With a `FeatureCache` the frozen target runs once per conversation: later epochs read its
+features back, as EAGLE's own training precomputes them, and cost the head's step alone.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from transformers import DynamicCache
 
 from ..target import additive_mask, base_model, lm_logits
+
+
+class FeatureCache:
+    """What the frozen target computes for a conversation (its features, last hidden state and
+    choices), kept in CPU memory after the conversation's first pass. Keyed by the token ids, so
+    a repeated conversation shares one entry; (len(feature_layers) + 1) x hidden_size values per token."""
+
+    def __init__(self):
+        self.rows: dict[tuple, tuple[torch.Tensor, ...]] = {}
+
+    def get(self, keys: list[tuple], width: int, device) -> tuple[torch.Tensor, ...] | None:
+        """The batch's outputs right-padded to `width`, or None when a conversation is missing."""
+        if not all(k in self.rows for k in keys):
+            return None
+        columns = []
+        for parts in zip(*(self.rows[k] for k in keys)):
+            padded = parts[0].new_zeros((len(parts), width) + parts[0].shape[1:])
+            for row, part in enumerate(parts):
+                padded[row, :len(part)] = part
+            columns.append(padded.to(device))
+        return tuple(columns)
+
+    def put(self, keys: list[tuple], *outputs: torch.Tensor) -> None:
+        for row, key in enumerate(keys):
+            self.rows[key] = tuple(o[row, :len(key)].detach().cpu().clone() for o in outputs)
 
 
 class EagleObjective(torch.nn.Module):
     """The whole loss as one module, so accelerate can wrap it (DDP, FSDP) as a unit."""
 
-    def __init__(self, target, heads, steps: int = 1, decay: float = 0.8, hidden_weight: float = 0.0):
+    def __init__(self, target, heads, steps: int = 1, decay: float = 0.8, hidden_weight: float = 0.0,
+                 cache: FeatureCache | None = None):
         super().__init__()
         self.target, self.heads = target, heads
         self.steps, self.decay, self.hidden_weight = steps, decay, hidden_weight
+        self.cache = cache
 
     def state_dict(self, *args, **kwargs):
         """Only the head: checkpoints need not repeat the frozen target."""
@@ -47,29 +79,40 @@ class EagleObjective(torch.nn.Module):
         index[token_map] = torch.arange(token_map.numel(), device=input_ids.device)
         return index[input_ids]
 
+    @torch.no_grad()
+    def target_outputs(self, input_ids, attention_mask) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The target's features, its last hidden state and its choices (draft ids, -1 outside the
+        draft vocabulary): what acceptance asks of a draft is the target's own choice."""
+        keys = None
+        if self.cache is not None:
+            keys = [tuple(ids[:int(n)].tolist()) for ids, n in zip(input_ids, attention_mask.sum(-1))]
+            cached = self.cache.get(keys, input_ids.shape[1], input_ids.device)
+            if cached is not None:
+                return cached
+        out = base_model(self.target)(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True)
+        features = torch.cat([out.hidden_states[i] for i in self.heads.feature_layers], dim=-1)
+        labels = self.draft_labels(lm_logits(self.target, out.last_hidden_state).argmax(-1))
+        if keys is not None:
+            self.cache.put(keys, features, out.last_hidden_state, labels)
+        return features, out.last_hidden_state, labels
+
     def forward(self, input_ids, attention_mask, loss_mask, train_backbone: bool = False):
         head = self.heads
+        features, last_hidden, labels = self.target_outputs(input_ids, attention_mask)
         with torch.no_grad():
-            out = base_model(self.target)(input_ids=input_ids, attention_mask=attention_mask,
-                                          output_hidden_states=True)
-            features = torch.cat([out.hidden_states[i] for i in head.feature_layers], dim=-1)
-            teacher = lm_logits(self.target, out.last_hidden_state)
-            # What acceptance asks of a draft: the target's own choice (-1 when outside the draft vocabulary).
-            labels = self.draft_labels(teacher.argmax(-1))
-            if head.token_map is not None:
-                teacher = teacher[..., head.token_map]
+            teacher = lm_logits(self.target, last_hidden, head.token_map)
         total = features.new_zeros((), dtype=torch.float32)
         stats, ranks = {}, []
         mixed = head.fc(features[:, :-1])                      # position p's features, p = 0 .. L-2
         tokens, keys = input_ids[:, 1:], attention_mask[:, 1:]
-        fed = mixed
+        fed, cache = mixed, DynamicCache()  # the cache gathers every step's keys, as drafting's does
         for j in range(self.steps):
             # Step j drafts token p + 2 + j at position p + j from the token at p + 1 + j: shift by j.
             n = tokens.shape[1] - j
             if n <= 0:
                 break
-            positions, mask = causal(keys[:, j:], fed.dtype)
-            out_j = head.layer(fed[:, :n], tokens[:, j:], positions + j, mask)
+            positions = torch.arange(j, j + n, device=tokens.device)[None].expand(len(tokens), n)
+            out_j = head.layer(fed[:, :n], tokens[:, j:], positions, unrolled_mask(keys, j, fed.dtype), cache)
             valid = loss_mask[:, 2 + j:2 + j + n].bool()
             target_ids = labels[:, 1 + j:1 + j + n]  # the target's choice at p + 1 + j, for token p + 2 + j
             b, t = valid.nonzero(as_tuple=True)
@@ -104,8 +147,13 @@ class EagleObjective(torch.nn.Module):
         return counts
 
 
-def causal(keys: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """Position ids and the additive causal mask (padding keys masked) for a (batch, length) key mask."""
-    b, n = keys.shape
-    allowed = torch.ones(n, n, dtype=torch.bool, device=keys.device).tril()[None] & keys[:, None, :].bool()
-    return torch.arange(n, device=keys.device)[None].expand(b, n), additive_mask(allowed[:, None], dtype)
+def unrolled_mask(keys: torch.Tensor, step: int, dtype: torch.dtype) -> torch.Tensor:
+    """Step `step`'s additive attention mask, (batch, 1, queries, keys of steps 0 .. step), from the
+    (batch, length) key mask: index p sees step 0's keys up to p (the context, padding masked) and
+    its own chain's key in each later step (index p again)."""
+    b, length = keys.shape
+    rows = torch.arange(length - step, device=keys.device)[:, None]
+    context = (torch.arange(length, device=keys.device) <= rows)[None] & keys[:, None, :].bool()
+    chain = [(torch.arange(length - i, device=keys.device) == rows)[None].expand(b, -1, -1)
+             for i in range(1, step + 1)]
+    return additive_mask(torch.cat([context, *chain], dim=-1)[:, None], dtype)
