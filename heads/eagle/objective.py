@@ -81,26 +81,27 @@ class EagleObjective(torch.nn.Module):
 
     @torch.no_grad()
     def target_outputs(self, input_ids, attention_mask) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The target's features, its last hidden state and its choices (draft ids, -1 outside the
-        draft vocabulary): what acceptance asks of a draft is the target's own choice."""
-        keys = None
+        """The target's features, its logits over the draft vocabulary (the teacher) and its choices
+        (draft ids, -1 outside the draft vocabulary): what acceptance asks of a draft is the target's
+        own choice. From the cache, the teacher is recomputed over the draft vocabulary's rows alone."""
+        token_map, keys = self.heads.token_map, None
         if self.cache is not None:
             keys = [tuple(ids[:int(n)].tolist()) for ids, n in zip(input_ids, attention_mask.sum(-1))]
             cached = self.cache.get(keys, input_ids.shape[1], input_ids.device)
             if cached is not None:
-                return cached
+                features, last_hidden, labels = cached
+                return features, lm_logits(self.target, last_hidden, token_map), labels
         out = base_model(self.target)(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True)
         features = torch.cat([out.hidden_states[i] for i in self.heads.feature_layers], dim=-1)
-        labels = self.draft_labels(lm_logits(self.target, out.last_hidden_state).argmax(-1))
+        logits = lm_logits(self.target, out.last_hidden_state)
+        labels = self.draft_labels(logits.argmax(-1))
         if keys is not None:
             self.cache.put(keys, features, out.last_hidden_state, labels)
-        return features, out.last_hidden_state, labels
+        return features, logits if token_map is None else logits[..., token_map], labels
 
     def forward(self, input_ids, attention_mask, loss_mask, train_backbone: bool = False):
         head = self.heads
-        features, last_hidden, labels = self.target_outputs(input_ids, attention_mask)
-        with torch.no_grad():
-            teacher = lm_logits(self.target, last_hidden, head.token_map)
+        features, teacher, labels = self.target_outputs(input_ids, attention_mask)
         total = features.new_zeros((), dtype=torch.float32)
         stats, ranks = {}, []
         mixed = head.fc(features[:, :-1])                      # position p's features, p = 0 .. L-2
