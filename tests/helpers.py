@@ -226,3 +226,38 @@ class TargetRolloutDrafter:
             rows.append(top)
             seq = torch.cat([seq, top[:1]])
         return self.tree.tokens(root, torch.stack(rows)), self.tree
+
+
+def assert_feature_cache_is_exact(model, make_objective, trained: list[torch.nn.Parameter]):
+    """`make_objective(cache)` with a FeatureCache and without: a conversation seen before, in another
+    batch padded to another width, costs no target forward and gives the same loss and gradients."""
+    from gorgon.heads.feature_cache import FeatureCache
+
+    cached, plain = make_objective(FeatureCache()), make_objective(None)
+    calls = []
+    model.get_decoder().register_forward_hook(lambda *_: calls.append(1))
+    rows = [torch.randint(0, VOCAB, (n,)).tolist() for n in (9, 14, 6)]
+
+    def batch(picked):
+        width = max(len(r) for r in picked)
+        ids = torch.zeros(len(picked), width, dtype=torch.long)
+        mask = torch.zeros(len(picked), width, dtype=torch.long)
+        for i, r in enumerate(picked):
+            ids[i, :len(r)], mask[i, :len(r)] = torch.tensor(r), 1
+        return ids, mask, mask.bool()
+
+    cached(*batch(rows[:2]))
+    cached(*batch([rows[2]]))
+    assert len(calls) == 2 and len(cached.cache.rows) == 3
+    again = batch([rows[2], rows[0]])  # both seen, now padded to another width
+    results = []
+    for objective in (cached, plain):
+        for p in trained:
+            p.grad = None
+        loss, _, _ = objective(*again)
+        loss.backward()
+        results.append((loss.detach(), [p.grad.clone() for p in trained]))
+    assert len(calls) == 3  # the plain objective's forward only
+    torch.testing.assert_close(results[0][0], results[1][0])
+    for mine, theirs in zip(results[0][1], results[1][1]):
+        torch.testing.assert_close(mine, theirs)

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 import torch
-from helpers import ROOT, VOCAB, env, tiny_chat_target, tiny_model, toy_data
+from helpers import ROOT, VOCAB, assert_feature_cache_is_exact, env, tiny_chat_target, tiny_model, toy_data
 from safetensors.torch import load_file
 
 from gorgon.decode import speculative_generate
@@ -276,7 +276,7 @@ def test_bad_training_settings_are_one_line():
                               ({"arch": "eagle", "draft_depth": 0}, "the draft depth must be a whole number >= 1"),
                               ({"train_conversations": 0}, "train_conversations must be at least 1"),
                               ({"loss_tokens": "prompts"}, "loss_tokens must be one of answers, all"),
-                              ({"cache_features": True}, "cache_features keeps the frozen target's features"),
+                              ({"mode": "medusa2", "cache_features": True}, "cache_features keeps a frozen target's"),
                               ({"loss_tokens": "all"}, "loss_tokens: all trains on the prompts' positions")]:
         with pytest.raises(GorgonError, match=message):
             HeadsTrainConfig(data="x", out="y", **settings).check()
@@ -303,39 +303,13 @@ def test_loss_tokens_all_trains_on_every_position_and_evaluates_on_answers(tmp_p
 
 
 def test_the_feature_cache_skips_the_target_and_keeps_the_loss():
-    """A conversation seen before, in another batch with other padding, costs no target forward and
-    gives the loss and gradients the uncached objective gives."""
-    from gorgon.heads.eagle.objective import EagleObjective, FeatureCache
+    """The feature-level head reads the target's features, last hidden state and choices back."""
+    from gorgon.heads.eagle.objective import EagleObjective
 
     model = tiny_model("llama", layers=4)
     head = head_for(model, draft=torch.arange(0, VOCAB, 2))
-    cached = EagleObjective(model, head, steps=2, cache=FeatureCache())
-    plain = EagleObjective(model, head, steps=2)
-    calls = []
-    model.get_decoder().register_forward_hook(lambda *_: calls.append(1))
-    rows = [torch.randint(0, VOCAB, (n,)).tolist() for n in (9, 14, 6)]
-
-    def batch(picked):
-        width = max(len(r) for r in picked)
-        ids = torch.zeros(len(picked), width, dtype=torch.long)
-        mask = torch.zeros(len(picked), width, dtype=torch.long)
-        for i, r in enumerate(picked):
-            ids[i, :len(r)], mask[i, :len(r)] = torch.tensor(r), 1
-        return ids, mask, mask.bool()
-
-    cached(*batch(rows[:2]))
-    cached(*batch([rows[2]]))
-    assert len(calls) == 2 and len(cached.cache.rows) == 3
-    again = batch([rows[2], rows[0]])  # both seen, now padded to another width
-    results = []
-    for objective in (cached, plain):
-        head.zero_grad()
-        loss, _, _ = objective(*again)
-        loss.backward()
-        results.append((loss.detach(), head.fc.weight.grad.clone()))
-    assert len(calls) == 3  # the plain objective's forward only
-    torch.testing.assert_close(results[0][0], results[1][0])
-    torch.testing.assert_close(results[0][1], results[1][1])
+    assert_feature_cache_is_exact(model, lambda cache: EagleObjective(model, head, steps=2, cache=cache),
+                                  [head.fc.weight])
 
 
 def test_the_training_time_test_sees_what_drafting_sees():

@@ -2,7 +2,7 @@ import json
 
 import pytest
 import torch
-from helpers import VOCAB, tiny_model
+from helpers import VOCAB, assert_feature_cache_is_exact, tiny_model
 
 from gorgon.heads import GorgonError, HeadsConfig, MedusaHeads, Target, fingerprint
 from gorgon.heads.medusa.objective import HeadsObjective
@@ -53,6 +53,14 @@ def test_the_objective_runs_the_target_once():
     torch.testing.assert_close(model.lm_head(hidden), model(ids).logits)
     assert hidden.shape == (2, 7, 32) and heads(hidden).shape == (4, 2, 7, VOCAB)
     assert torch.isfinite(loss) and sorted(stats) == [0, 1, 2, 3]
+
+
+def test_the_feature_cache_skips_the_frozen_target_and_keeps_the_loss():
+    """Medusa-1 reads the frozen target's hidden states back for conversations it has seen."""
+    model = tiny_model("llama")
+    heads = MedusaHeads.for_target(model, num_heads=3)
+    assert_feature_cache_is_exact(model, lambda cache: HeadsObjective(model, heads, loss="kl", cache=cache),
+                                  [p for p in heads.parameters() if p.requires_grad])
 
 
 def test_fingerprint_ignores_dtype_but_not_weights():

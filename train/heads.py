@@ -72,9 +72,9 @@ class HeadsTrainConfig:
     feature_layers: list[int] | None = None  # eagle: target hidden_states read (None: EAGLE-3's low, middle, high)
     ttt_steps: int = 1                 # eagle: unrolled steps that feed the head its own outputs (1: off)
     hidden_weight: float = 0.0         # eagle: weight of EAGLE-1's feature regression
-    cache_features: bool = False       # eagle: keep the target's outputs per conversation in CPU memory after
-                                       # its first pass, so later epochs skip the target's forward
-                                       # ((len(feature_layers) + 1) x hidden_size floats per token)
+    cache_features: bool = False       # keep the frozen target's outputs per conversation in CPU memory after
+                                       # its first pass, so later epochs skip its forward (medusa1: hidden_size
+                                       # floats per token; eagle: (len(feature_layers) + 1) x hidden_size)
     draft_depth: int = 5               # eagle: tree levels drafted per step
     draft_topk: int = 8                # eagle: tokens kept and expanded per level
     draft_vocab_size: int | None = None  # heads draft from, and train over, the N most frequent answer tokens
@@ -107,9 +107,9 @@ class HeadsTrainConfig:
                               f"{self.train_conversations}")
         if self.max_steps is not None and self.max_steps < 0:
             raise GorgonError(f"max_steps must be at least 0 (0 saves the untrained heads), not {self.max_steps}")
-        if self.cache_features and self.arch != "eagle":
-            raise GorgonError("cache_features keeps the frozen target's features for a feature-level head: use "
-                              "arch: eagle, or cache_features: false")
+        if self.cache_features and self.arch == "medusa" and self.mode == "medusa2":
+            raise GorgonError("cache_features keeps a frozen target's outputs, but mode medusa2 trains the target "
+                              "(LoRA): use mode: medusa1, or cache_features: false")
         if self.arch == "eagle":
             if self.mode != "medusa1":
                 raise GorgonError("mode medusa2 trains LoRA on the target beside Medusa heads: use arch: medusa, or "
@@ -207,6 +207,7 @@ def medusa_objective(cfg: HeadsTrainConfig, target, train_ex: list[dict]):
     """Medusa heads for the target and their loss (Medusa-2: with LoRA adapters on the target);
     returns the objective and the answer-token share of the draft vocabulary (None without one)."""
     from gorgon.heads import MedusaHeads
+    from gorgon.heads.feature_cache import FeatureCache
     from gorgon.heads.medusa.objective import HeadsObjective
 
     heads = MedusaHeads.for_target(target.model, cfg.num_heads, cfg.num_layers, cfg.shared_lm_head,
@@ -219,14 +220,16 @@ def medusa_objective(cfg: HeadsTrainConfig, target, train_ex: list[dict]):
         model = get_peft_model(model, LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
                                                  target_modules=cfg.lora_target_modules, task_type="CAUSAL_LM"))
         heads.attach(model)
-    return HeadsObjective(model, heads, cfg.mode, cfg.loss, cfg.head_decay, cfg.base_kl_weight), coverage
+    cache = FeatureCache() if cfg.cache_features else None
+    return HeadsObjective(model, heads, cfg.mode, cfg.loss, cfg.head_decay, cfg.base_kl_weight, cache), coverage
 
 
 def eagle_objective(cfg: HeadsTrainConfig, target, train_ex: list[dict]):
     """A feature-level head for the target and its loss; returns the objective and the answer-token share
     of the draft vocabulary (None without one)."""
     from gorgon.heads.eagle.model import EagleHead
-    from gorgon.heads.eagle.objective import EagleObjective, FeatureCache
+    from gorgon.heads.eagle.objective import EagleObjective
+    from gorgon.heads.feature_cache import FeatureCache
 
     vocab = target.model.config.get_text_config().vocab_size
     tokens, coverage = frequent_tokens(train_ex, cfg.draft_vocab_size, vocab) if cfg.draft_vocab_size else (None, None)

@@ -24,32 +24,8 @@ import torch
 import torch.nn.functional as F
 from transformers import DynamicCache
 
+from ..feature_cache import FeatureCache
 from ..target import additive_mask, base_model, lm_logits
-
-
-class FeatureCache:
-    """What the frozen target computes for a conversation (its features, last hidden state and
-    choices), kept in CPU memory after the conversation's first pass. Keyed by the token ids, so
-    a repeated conversation shares one entry; (len(feature_layers) + 1) x hidden_size values per token."""
-
-    def __init__(self):
-        self.rows: dict[tuple, tuple[torch.Tensor, ...]] = {}
-
-    def get(self, keys: list[tuple], width: int, device) -> tuple[torch.Tensor, ...] | None:
-        """The batch's outputs right-padded to `width`, or None when a conversation is missing."""
-        if not all(k in self.rows for k in keys):
-            return None
-        columns = []
-        for parts in zip(*(self.rows[k] for k in keys)):
-            padded = parts[0].new_zeros((len(parts), width) + parts[0].shape[1:])
-            for row, part in enumerate(parts):
-                padded[row, :len(part)] = part
-            columns.append(padded.to(device))
-        return tuple(columns)
-
-    def put(self, keys: list[tuple], *outputs: torch.Tensor) -> None:
-        for row, key in enumerate(keys):
-            self.rows[key] = tuple(o[row, :len(key)].detach().cpu().clone() for o in outputs)
 
 
 class EagleObjective(torch.nn.Module):
@@ -86,7 +62,7 @@ class EagleObjective(torch.nn.Module):
         own choice. From the cache, the teacher is recomputed over the draft vocabulary's rows alone."""
         token_map, keys = self.heads.token_map, None
         if self.cache is not None:
-            keys = [tuple(ids[:int(n)].tolist()) for ids, n in zip(input_ids, attention_mask.sum(-1))]
+            keys = self.cache.keys(input_ids, attention_mask)
             cached = self.cache.get(keys, input_ids.shape[1], input_ids.device)
             if cached is not None:
                 features, last_hidden, labels = cached

@@ -3,6 +3,9 @@
 Only positions whose label is an assistant token count. The vocabulary projection runs on
 those positions alone, head by head: all heads over a whole batch at once would hold
 K x B x L x V logits (1.6 GB for SmolLM2 at B=4, L=512).
+
+With a `FeatureCache` (Medusa-1 only: its target is frozen) the target runs once per
+conversation; later epochs read its last hidden states back and cost the heads' step alone.
 """
 
 from __future__ import annotations
@@ -10,6 +13,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ..feature_cache import FeatureCache
 from ..target import base_model, lm_logits
 
 
@@ -91,10 +95,11 @@ class HeadsObjective(torch.nn.Module):
     """
 
     def __init__(self, target, heads, mode: str = "medusa1", loss: str = "ce", decay: float = 0.8,
-                 base_kl_weight: float = 1.0):
+                 base_kl_weight: float = 1.0, cache: FeatureCache | None = None):
         super().__init__()
         self.target, self.heads = target, heads
         self.mode, self.loss, self.decay, self.base_kl_weight = mode, loss, decay, base_kl_weight
+        self.cache = cache
 
     def state_dict(self, *args, **kwargs):
         """Only what training changes: checkpoints need not repeat the frozen target (540 MB for SmolLM2)."""
@@ -125,7 +130,7 @@ class HeadsObjective(torch.nn.Module):
                 teacher_logits = lm_logits(self.target, run(False))
             hidden = run(train_backbone)
         else:
-            hidden = run(False)
+            hidden = self.frozen_hidden(input_ids, attention_mask, run)
             if self.loss == "kl":
                 with torch.no_grad():
                     teacher_logits = lm_logits(self.target, hidden)
@@ -140,6 +145,19 @@ class HeadsObjective(torch.nn.Module):
             total = total + self.base_kl_weight * base_kl
             stats["base_kl"] = base_kl.detach().item()
         return total, stats, hidden  # hidden: evaluation reuses it rather than run the target again
+
+    def frozen_hidden(self, input_ids, attention_mask, run) -> torch.Tensor:
+        """The frozen target's last hidden states, from the cache when every conversation is in it
+        (padding then reads zeros, which no loss position looks at)."""
+        keys = self.cache.keys(input_ids, attention_mask) if self.cache is not None else None
+        if keys is not None:
+            cached = self.cache.get(keys, input_ids.shape[1], input_ids.device)
+            if cached is not None:
+                return cached[0]
+        hidden = run(False)
+        if keys is not None:
+            self.cache.put(keys, hidden)
+        return hidden
 
     def rank_counts(self, hidden: torch.Tensor, batch: dict, max_rank: int) -> torch.Tensor:
         """Held-out rank counts of the heads on a batch whose hidden states `forward` returned."""
