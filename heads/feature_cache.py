@@ -18,23 +18,25 @@ class FeatureCache:
     def __init__(self):
         self.rows: dict[tuple, tuple[torch.Tensor, ...]] = {}
 
-    @staticmethod
-    def keys(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> list[tuple]:
-        """A right-padded batch's conversations as token-id tuples."""
-        return [tuple(ids[:int(n)].tolist()) for ids, n in zip(input_ids, attention_mask.sum(-1))]
-
-    def get(self, keys: list[tuple], width: int, device) -> tuple[torch.Tensor, ...] | None:
-        """The batch's outputs right-padded (with zeros) to `width`, or None when a conversation is missing."""
+    def get(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> tuple[torch.Tensor, ...] | None:
+        """A right-padded batch's outputs, padded alike (with zeros), or None when a conversation is missing."""
+        keys = conversations(input_ids, attention_mask)
         if not all(k in self.rows for k in keys):
             return None
         columns = []
         for parts in zip(*(self.rows[k] for k in keys)):
-            padded = parts[0].new_zeros((len(parts), width) + parts[0].shape[1:])
+            padded = parts[0].new_zeros((len(parts), input_ids.shape[1]) + parts[0].shape[1:])
             for row, part in enumerate(parts):
                 padded[row, :len(part)] = part
-            columns.append(padded.to(device))
+            columns.append(padded.to(input_ids.device))
         return tuple(columns)
 
-    def put(self, keys: list[tuple], *outputs: torch.Tensor) -> None:
-        for row, key in enumerate(keys):
+    def put(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, *outputs: torch.Tensor) -> None:
+        """Keep each conversation's outputs, without its padding."""
+        for row, key in enumerate(conversations(input_ids, attention_mask)):
             self.rows[key] = tuple(o[row, :len(key)].detach().cpu().clone() for o in outputs)
+
+
+def conversations(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> list[tuple]:
+    """A right-padded batch's conversations as token-id tuples: the cache's keys."""
+    return [tuple(ids[:int(n)].tolist()) for ids, n in zip(input_ids, attention_mask.sum(-1))]

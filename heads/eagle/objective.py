@@ -60,19 +60,17 @@ class EagleObjective(torch.nn.Module):
         """The target's features, its logits over the draft vocabulary (the teacher) and its choices
         (draft ids, -1 outside the draft vocabulary): what acceptance asks of a draft is the target's
         own choice. From the cache, the teacher is recomputed over the draft vocabulary's rows alone."""
-        token_map, keys = self.heads.token_map, None
-        if self.cache is not None:
-            keys = self.cache.keys(input_ids, attention_mask)
-            cached = self.cache.get(keys, input_ids.shape[1], input_ids.device)
-            if cached is not None:
-                features, last_hidden, labels = cached
-                return features, lm_logits(self.target, last_hidden, token_map), labels
+        token_map = self.heads.token_map
+        cached = self.cache.get(input_ids, attention_mask) if self.cache is not None else None
+        if cached is not None:
+            features, last_hidden, labels = cached
+            return features, lm_logits(self.target, last_hidden, token_map), labels
         out = base_model(self.target)(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True)
         features = torch.cat([out.hidden_states[i] for i in self.heads.feature_layers], dim=-1)
         logits = lm_logits(self.target, out.last_hidden_state)
         labels = self.draft_labels(logits.argmax(-1))
-        if keys is not None:
-            self.cache.put(keys, features, out.last_hidden_state, labels)
+        if self.cache is not None:
+            self.cache.put(input_ids, attention_mask, features, out.last_hidden_state, labels)
         return features, logits if token_map is None else logits[..., token_map], labels
 
     def forward(self, input_ids, attention_mask, loss_mask, train_backbone: bool = False):

@@ -149,14 +149,12 @@ class HeadsObjective(torch.nn.Module):
     def frozen_hidden(self, input_ids, attention_mask, run) -> torch.Tensor:
         """The frozen target's last hidden states, from the cache when every conversation is in it
         (padding then reads zeros, which no loss position looks at)."""
-        keys = self.cache.keys(input_ids, attention_mask) if self.cache is not None else None
-        if keys is not None:
-            cached = self.cache.get(keys, input_ids.shape[1], input_ids.device)
-            if cached is not None:
-                return cached[0]
+        cached = self.cache.get(input_ids, attention_mask) if self.cache is not None else None
+        if cached is not None:
+            return cached[0]
         hidden = run(False)
-        if keys is not None:
-            self.cache.put(keys, hidden)
+        if self.cache is not None:
+            self.cache.put(input_ids, attention_mask, hidden)
         return hidden
 
     def rank_counts(self, hidden: torch.Tensor, batch: dict, max_rank: int) -> torch.Tensor:
