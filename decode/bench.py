@@ -256,9 +256,15 @@ def drafter_dtype(drafter) -> str | None:
 
 
 def tree_description(drafter):
-    """A static drafter's tree as rank paths; a drafter that builds a tree per step has none to show."""
+    """A static drafter's tree as rank paths; a drafter that builds a tree per step has none to show,
+    but a feature-level head's search has a depth and top-k (--draft-depth, --draft-topk)."""
     tree = getattr(drafter, "tree", None)
-    return [list(p) for p in tree.paths] if tree is not None else "built per step"
+    if tree is not None:
+        return [list(p) for p in tree.paths]
+    search = getattr(drafter, "drafter", drafter)  # a merged drafter: the one it merges the context into
+    if hasattr(search, "depth"):
+        return f"built per step (depth {search.depth}, top-k {search.topk})"
+    return "built per step"
 
 
 def extra_names(report: dict) -> list[str]:

@@ -56,6 +56,10 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tree", default="auto", help="'auto' (the tree saved with the heads for this device, else a "
                    "default), a node count N (the best N-node tree from the heads' measured accuracies), or a JSON "
                    "file with a list of rank paths, e.g. [[0],[1],[0,0]]")
+    p.add_argument("--draft-depth", type=int_at_least(1), default=None,
+                   help="a feature-level head's tree levels drafted per step (default: the one saved with it)")
+    p.add_argument("--draft-topk", type=int_at_least(1), default=None,
+                   help="a feature-level head's tokens kept and expanded per level (default: the one saved with it)")
     p.add_argument("--max-new-tokens", type=int_at_least(1), default=256)
     p.add_argument("--temperature", type=float, default=0.0, help="0 (default) is greedy")
     p.add_argument("--top-k", type=int, default=0, help="0 (default) is off")
@@ -79,6 +83,8 @@ def load_drafter(args, tree):
         raise GorgonError("no drafter: pass --heads FOLDER, --draft MODEL or --context-draft (or several)")
     if args.tree_budget is not None and not (args.context_draft and (args.heads or args.draft)):
         raise GorgonError("--tree-budget sizes a merged tree: it needs --context-draft with --heads or --draft")
+    if (args.draft_depth or args.draft_topk) and not args.heads:
+        raise GorgonError("--draft-depth and --draft-topk shape a feature-level head's search: they need --heads")
     context = (ContextDrafter(args.context_ngram, args.context_tokens, args.context_branches)
                if args.context_draft else None)
     if not (args.heads or args.draft):
@@ -113,7 +119,10 @@ def load_model_drafter(args, tree):
         if tree == "auto" and isinstance(heads, MedusaHeads) and heads.accuracies:
             tree = best_tree_size(heads.accuracies[: heads.config.num_heads], verify_costs(target.model))
             print(f"gorgon: a {tree}-node tree fits this machine best (--tree N to choose another)", file=sys.stderr)
-        return target, drafter_for(heads, tree)
+        if not isinstance(heads, EagleHead) and (args.draft_depth or args.draft_topk):
+            raise GorgonError("--draft-depth and --draft-topk shape a feature-level head's search; Medusa heads "
+                              "draft one level per head: choose their tree with --tree")
+        return target, drafter_for(heads, tree, args.draft_depth, args.draft_topk)
     target = load_target(args.target, device=args.device, dtype=args.dtype)
     # A folder of weights only has no tokenizer: the vocabulary size check is all there is to go on.
     draft, draft_tokenizer = load_causal_lm(args.draft, "draft model", dtype=target.model.dtype, tokenizer="optional")

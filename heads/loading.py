@@ -40,12 +40,13 @@ def load_heads(heads: str | os.PathLike, target: str | None = None, device: str 
     return loaded, EagleHead.from_pretrained(folder, target=loaded)
 
 
-def drafter_for(heads, tree=None):
+def drafter_for(heads, tree=None, depth: int | None = None, topk: int | None = None):
     """The drafter for loaded heads. tree: Medusa's rank paths, node count or 'auto'; for a feature-level
-    head a node count per step or 'auto' (the count saved for this device)."""
+    head a node count per step or 'auto' (the count saved for this device), and its search's depth and
+    top-k (None: those saved with it)."""
     if isinstance(heads, EagleHead):
         if isinstance(tree, list):
             raise GorgonError("a feature-level head builds its tree each step: pass --tree N (nodes per step) "
                               "or auto, not a list of rank paths")
-        return EagleDrafter(heads, nodes=tree if isinstance(tree, int) else None)
+        return EagleDrafter(heads, nodes=tree if isinstance(tree, int) else None, depth=depth, topk=topk)
     return HeadsDrafter(heads, tree)

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 import torch
-from helpers import ROOT, VOCAB, assert_feature_cache_is_exact, env, tiny_chat_target, tiny_model, toy_data
+from helpers import QUESTIONS, ROOT, VOCAB, assert_feature_cache_is_exact, env, tiny_chat_target, tiny_model, toy_data
 from safetensors.torch import load_file
 
 from gorgon.decode import speculative_generate
@@ -221,6 +221,45 @@ def test_bad_input_is_one_line(tmp_path):
         EagleHead.for_target(tiny_model("gemma2", layers=4))
 
 
+def test_cli_draft_depth_and_topk_shape_the_search(tmp_path, capsys):
+    import argparse
+
+    from gorgon.decode.options import add_model_arguments, load_drafter
+    from gorgon.heads import MedusaHeads
+    from gorgon.heads.cli import main as gorgon
+
+    target_path = tiny_chat_target(tmp_path)
+    target = load_target(str(target_path), device="cpu")
+    EagleHead.for_target(target.model, target_fingerprint=target.fingerprint, depth=3, topk=2).save_pretrained(
+        tmp_path / "eagle")
+    MedusaHeads.for_target(target.model, target_fingerprint=target.fingerprint).save_pretrained(tmp_path / "medusa")
+    parser = argparse.ArgumentParser()
+    add_model_arguments(parser)
+    common = ["--target", str(target_path), "--max-new-tokens", "4"]
+
+    def search(*argv):
+        drafter = load_drafter(parser.parse_args(["--heads", str(tmp_path / "eagle"), *argv] + common), "auto")[1]
+        return drafter.depth, drafter.topk
+
+    assert search() == (3, 2)
+    assert search("--draft-depth", "5", "--draft-topk", "4") == (5, 4)
+    questions, out = tmp_path / "q.jsonl", tmp_path / "bench.json"
+    questions.write_text(json.dumps(QUESTIONS[0]) + "\n")
+    assert gorgon(["bench", "--heads", str(tmp_path / "eagle"), "--draft-depth", "2", "--questions", str(questions),
+                   "--baselines", "generate", "--out", str(out)] + common) == 0
+    report = json.loads(out.read_text())
+    assert report["tree"] == "built per step (depth 2, top-k 2)" and report["identical"] == 1
+    capsys.readouterr()
+    medusa = ["generate", "--heads", str(tmp_path / "medusa"), "--draft-depth", "2", "--prompt", "x"]
+    assert gorgon(medusa + common) == 2
+    assert capsys.readouterr().err.strip().endswith("--draft-depth and --draft-topk shape a feature-level head's "
+                                                    "search; Medusa heads draft one level per head: choose their "
+                                                    "tree with --tree")
+    assert gorgon(["generate", "--context-draft", "--draft-topk", "2", "--prompt", "x"] + common) == 2
+    assert capsys.readouterr().err.strip().endswith("--draft-depth and --draft-topk shape a feature-level head's "
+                                                    "search: they need --heads")
+
+
 @pytest.mark.slow
 def test_accelerate_launch_trains_an_eagle_head_that_decodes_exactly(tmp_path):
     """Self-distillation as users run it: the target answers prompts, the head learns from its answers."""
@@ -277,12 +316,15 @@ def test_bad_training_settings_are_one_line():
                               ({"train_conversations": 0}, "train_conversations must be at least 1"),
                               ({"loss_tokens": "prompts"}, "loss_tokens must be one of answers, all"),
                               ({"mode": "medusa2", "cache_features": True}, "cache_features keeps a frozen target's"),
+                              ({"arch": "eagle", "feature_noise": -0.1}, "feature_noise is the width of the noise"),
+                              ({"feature_noise": 0.1}, "use 0 or more with arch: eagle, not 0.1 with arch: medusa"),
                               ({"loss_tokens": "all"}, "loss_tokens: all trains on the prompts' positions")]:
         with pytest.raises(GorgonError, match=message):
             HeadsTrainConfig(data="x", out="y", **settings).check()
 
 
 def test_loss_tokens_all_trains_on_every_position_and_evaluates_on_answers(tmp_path, monkeypatch):
+    """Also: the head is in training mode (feature noise on) for training steps only."""
     from gorgon.heads.eagle.objective import EagleObjective
     from gorgon.train.heads import HeadsTrainConfig, train
 
@@ -290,16 +332,32 @@ def test_loss_tokens_all_trains_on_every_position_and_evaluates_on_answers(tmp_p
     forward = EagleObjective.forward
 
     def recording(self, input_ids, attention_mask, loss_mask, train_backbone=False):
-        seen["train" if torch.is_grad_enabled() else "eval"].append((int(loss_mask.sum()), int(attention_mask.sum())))
+        seen["train" if torch.is_grad_enabled() else "eval"].append(
+            (int(loss_mask.sum()), int(attention_mask.sum()), self.heads.training))
         return forward(self, input_ids, attention_mask, loss_mask, train_backbone)
 
     monkeypatch.setattr(EagleObjective, "forward", recording)
     target_path = tiny_chat_target(tmp_path)
     data = toy_data(tmp_path / "toy.jsonl")
     train(HeadsTrainConfig(data=data, out=str(tmp_path / "h"), target=str(target_path), arch="eagle",
-                           loss_tokens="all", max_steps=2, batch_size=4, report_to="none", save_every=0))
-    assert seen["train"] and all(masked == tokens for masked, tokens in seen["train"])
-    assert seen["eval"] and all(0 < masked < tokens for masked, tokens in seen["eval"])
+                           loss_tokens="all", max_steps=2, batch_size=4, report_to="none", save_every=0,
+                           feature_noise=0.1))
+    assert seen["train"] and all(masked == tokens and training for masked, tokens, training in seen["train"])
+    assert seen["eval"] and all(0 < masked < tokens and not training for masked, tokens, training in seen["eval"])
+
+
+def test_feature_noise_perturbs_training_steps_only():
+    from gorgon.heads.eagle.objective import EagleObjective
+
+    model = tiny_model("llama", layers=4)
+    head = head_for(model)
+    ids = torch.randint(0, VOCAB, (2, 12))
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "loss_mask": torch.ones_like(ids)}
+    clean = EagleObjective(model, head, steps=2, hidden_weight=0.5)(**batch)[0]
+    noisy = EagleObjective(model, head, steps=2, hidden_weight=0.5, noise=0.5)
+    assert head.training and not torch.isclose(noisy(**batch)[0], clean)
+    head.eval()
+    assert torch.equal(noisy(**batch)[0], clean)
 
 
 def test_the_feature_cache_skips_the_target_and_keeps_the_loss():

@@ -72,6 +72,7 @@ class HeadsTrainConfig:
     feature_layers: list[int] | None = None  # eagle: target hidden_states read (None: EAGLE-3's low, middle, high)
     ttt_steps: int = 1                 # eagle: unrolled steps that feed the head its own outputs (1: off)
     hidden_weight: float = 0.0         # eagle: weight of EAGLE-1's feature regression
+    feature_noise: float = 0.0         # eagle: uniform noise in [-a, a] on the target's features in training
     cache_features: bool = False       # keep the frozen target's outputs per conversation in CPU memory after
                                        # its first pass, so later epochs skip its forward (medusa1: hidden_size
                                        # floats per token; eagle: (len(feature_layers) + 1) x hidden_size)
@@ -118,6 +119,9 @@ class HeadsTrainConfig:
                 raise GorgonError(f"ttt_steps must be at least 1 (1 is plain teacher forcing), not {self.ttt_steps}")
             for nodes in (self.cpu_tree_size, self.gpu_tree_size):
                 check_search(self.draft_depth, self.draft_topk, nodes)
+        if self.feature_noise < 0 or (self.feature_noise and self.arch != "eagle"):
+            raise GorgonError(f"feature_noise is the width of the noise on a feature-level head's inputs: use 0 or "
+                              f"more with arch: eagle, not {self.feature_noise} with arch: {self.arch}")
 
 
 def schedule(warmup: int, total: int, delay: int = 0):
@@ -236,7 +240,8 @@ def eagle_objective(cfg: HeadsTrainConfig, target, train_ex: list[dict]):
     head = EagleHead.for_target(target.model, cfg.feature_layers, tokens, target.name, target.fingerprint,
                                 depth=cfg.draft_depth, topk=cfg.draft_topk).float()
     cache = FeatureCache() if cfg.cache_features else None
-    return EagleObjective(target.model, head, cfg.ttt_steps, cfg.head_decay, cfg.hidden_weight, cache), coverage
+    return EagleObjective(target.model, head, cfg.ttt_steps, cfg.head_decay, cfg.hidden_weight, cache,
+                          cfg.feature_noise), coverage
 
 
 OBJECTIVES = {"medusa": medusa_objective, "eagle": eagle_objective}
@@ -370,11 +375,13 @@ def evaluate(run: Run) -> tuple[float, torch.Tensor, int]:
     model = accelerator.unwrap_model(run.objective)
     counts = torch.zeros(run.cfg.rows, run.cfg.tree_topk + 1, dtype=torch.long)
     totals = torch.zeros(3, dtype=torch.float64)  # loss sum, batches, conversations
+    model.heads.eval()  # no training noise on held-out data
     with torch.no_grad():
         for batch in run.eval_loader:
             loss, _, hidden = model(**batch, train_backbone=False)
             totals += torch.tensor([float(loss), 1, len(batch["input_ids"])], dtype=torch.float64)
             counts += model.rank_counts(hidden, batch, run.cfg.tree_topk)
+    model.heads.train()
     counts = accelerator.reduce(counts.to(accelerator.device), reduction="sum").cpu()
     loss_sum, batches, conversations = accelerator.reduce(totals.to(accelerator.device), reduction="sum").tolist()
     return loss_sum / max(1, batches), counts, int(conversations)

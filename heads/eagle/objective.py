@@ -14,6 +14,10 @@ ahead. Its attention sees what drafting's cache holds: the context's keys from t
 features (step 0, causal) and the same chain's earlier drafts (steps 1 .. j, one key each), so
 every position of a conversation trains a chain of `steps` drafts at once. Step j's loss weighs decay^j.
 
+`noise` > 0 adds uniform noise in [-noise, noise] to the target's features while the head trains
+(not when it is evaluated), as EAGLE-1 does (about +-0.1 at 512 tokens there): drafting deeper feeds
+the head features that are not the target's exact ones.
+
 With a `FeatureCache` the frozen target runs once per conversation: later epochs read its
 features back, as EAGLE's own training precomputes them, and cost the head's step alone.
 """
@@ -32,11 +36,11 @@ class EagleObjective(torch.nn.Module):
     """The whole loss as one module, so accelerate can wrap it (DDP, FSDP) as a unit."""
 
     def __init__(self, target, heads, steps: int = 1, decay: float = 0.8, hidden_weight: float = 0.0,
-                 cache: FeatureCache | None = None):
+                 cache: FeatureCache | None = None, noise: float = 0.0):
         super().__init__()
         self.target, self.heads = target, heads
         self.steps, self.decay, self.hidden_weight = steps, decay, hidden_weight
-        self.cache = cache
+        self.cache, self.noise = cache, noise
 
     def state_dict(self, *args, **kwargs):
         """Only the head: checkpoints need not repeat the frozen target."""
@@ -79,8 +83,11 @@ class EagleObjective(torch.nn.Module):
         total = features.new_zeros((), dtype=torch.float32)
         stats, ranks = {}, []
         mixed = head.fc(features[:, :-1])                      # position p's features, p = 0 .. L-2
+        fed = mixed
+        if self.noise and head.training:  # the regression's targets stay the exact features
+            fed = head.fc(features[:, :-1] + self.noise * (2 * torch.rand_like(features[:, :-1]) - 1))
         tokens, keys = input_ids[:, 1:], attention_mask[:, 1:]
-        fed, cache = mixed, DynamicCache()  # the cache gathers every step's keys, as drafting's does
+        cache = DynamicCache()  # gathers every step's keys, as drafting's does
         for j in range(self.steps):
             # Step j drafts token p + 2 + j at position p + j from the token at p + 1 + j: shift by j.
             n = tokens.shape[1] - j
