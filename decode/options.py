@@ -119,9 +119,6 @@ def load_model_drafter(args, tree):
         if tree == "auto" and isinstance(heads, MedusaHeads) and heads.accuracies:
             tree = best_tree_size(heads.accuracies[: heads.config.num_heads], verify_costs(target.model))
             print(f"gorgon: a {tree}-node tree fits this machine best (--tree N to choose another)", file=sys.stderr)
-        if not isinstance(heads, EagleHead) and (args.draft_depth or args.draft_topk):
-            raise GorgonError("--draft-depth and --draft-topk shape a feature-level head's search; Medusa heads "
-                              "draft one level per head: choose their tree with --tree")
         return target, drafter_for(heads, tree, args.draft_depth, args.draft_topk)
     target = load_target(args.target, device=args.device, dtype=args.dtype)
     # A folder of weights only has no tokenizer: the vocabulary size check is all there is to go on.

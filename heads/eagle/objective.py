@@ -82,10 +82,10 @@ class EagleObjective(torch.nn.Module):
         features, teacher, labels = self.target_outputs(input_ids, attention_mask)
         total = features.new_zeros((), dtype=torch.float32)
         stats, ranks = {}, []
-        mixed = head.fc(features[:, :-1])                      # position p's features, p = 0 .. L-2
-        fed = mixed
-        if self.noise and head.training:  # the regression's targets stay the exact features
-            fed = head.fc(features[:, :-1] + self.noise * (2 * torch.rand_like(features[:, :-1]) - 1))
+        exact = features[:, :-1]                               # position p's features, p = 0 .. L-2
+        noisy = self.noise and head.training
+        fed = head.fc(exact + self.noise * (2 * torch.rand_like(exact) - 1) if noisy else exact)
+        mixed = head.fc(exact) if noisy and self.hidden_weight else fed  # the regression's targets stay exact
         tokens, keys = input_ids[:, 1:], attention_mask[:, 1:]
         cache = DynamicCache()  # gathers every step's keys, as drafting's does
         for j in range(self.steps):
