@@ -346,6 +346,21 @@ def test_loss_tokens_all_trains_on_every_position_and_evaluates_on_answers(tmp_p
     assert seen["eval"] and all(0 < masked < tokens and not training for masked, tokens, training in seen["eval"])
 
 
+def test_train_lm_head_false_keeps_the_targets_rows(tmp_path):
+    from gorgon.train.heads import HeadsTrainConfig, train
+
+    target_path = tiny_chat_target(tmp_path)
+    rows = load_target(str(target_path)).model.lm_head.weight
+    for trained in (True, False):
+        out = tmp_path / f"h-{trained}"
+        train(HeadsTrainConfig(data=toy_data(tmp_path / "toy.jsonl"), out=str(out), target=str(target_path),
+                               arch="eagle", max_steps=2, batch_size=4, report_to="none", save_every=0,
+                               train_lm_head=trained))
+        state = load_file(out / "model.safetensors")
+        assert torch.equal(state["lm_head.weight"], rows) is not trained
+        assert not torch.equal(state["fc.weight"][:, -rows.shape[1]:], torch.eye(rows.shape[1]))
+
+
 def test_feature_noise_perturbs_training_steps_only():
     from gorgon.heads.eagle.objective import EagleObjective
 

@@ -73,6 +73,7 @@ class HeadsTrainConfig:
     ttt_steps: int = 1                 # eagle: unrolled steps that feed the head its own outputs (1: off)
     hidden_weight: float = 0.0         # eagle: weight of EAGLE-1's feature regression
     feature_noise: float = 0.0         # eagle: uniform noise in [-a, a] on the target's features in training
+    train_lm_head: bool = True         # eagle: train the head's LM head (false: it keeps the target's rows)
     cache_features: bool = False       # keep the frozen target's outputs per conversation in CPU memory after
                                        # its first pass, so later epochs skip its forward (medusa1: hidden_size
                                        # floats per token; eagle: (len(feature_layers) + 1) x hidden_size)
@@ -239,6 +240,7 @@ def eagle_objective(cfg: HeadsTrainConfig, target, train_ex: list[dict]):
     tokens, coverage = frequent_tokens(train_ex, cfg.draft_vocab_size, vocab) if cfg.draft_vocab_size else (None, None)
     head = EagleHead.for_target(target.model, cfg.feature_layers, tokens, target.name, target.fingerprint,
                                 depth=cfg.draft_depth, topk=cfg.draft_topk).float()
+    head.lm_head.requires_grad_(cfg.train_lm_head)
     cache = FeatureCache() if cfg.cache_features else None
     return EagleObjective(target.model, head, cfg.ttt_steps, cfg.head_decay, cfg.hidden_weight, cache,
                           cfg.feature_noise), coverage
