@@ -318,6 +318,7 @@ def test_bad_training_settings_are_one_line():
                               ({"mode": "medusa2", "cache_features": True}, "cache_features keeps a frozen target's"),
                               ({"arch": "eagle", "feature_noise": -0.1}, "feature_noise is the width of the noise"),
                               ({"feature_noise": 0.1}, "use 0 or more with arch: eagle, not 0.1 with arch: medusa"),
+                              ({"train_lm_head": False}, "train_lm_head: false keeps a feature-level head's"),
                               ({"loss_tokens": "all"}, "loss_tokens: all trains on the prompts' positions")]:
         with pytest.raises(GorgonError, match=message):
             HeadsTrainConfig(data="x", out="y", **settings).check()

@@ -123,6 +123,9 @@ class HeadsTrainConfig:
         if self.feature_noise < 0 or (self.feature_noise and self.arch != "eagle"):
             raise GorgonError(f"feature_noise is the width of the noise on a feature-level head's inputs: use 0 or "
                               f"more with arch: eagle, not {self.feature_noise} with arch: {self.arch}")
+        if not self.train_lm_head and self.arch != "eagle":
+            raise GorgonError("train_lm_head: false keeps a feature-level head's LM head at the target's rows: use it "
+                              "with arch: eagle (Medusa heads share the target's frozen one with shared_lm_head: true)")
 
 
 def schedule(warmup: int, total: int, delay: int = 0):
