@@ -23,7 +23,7 @@ from gorgon.decode import speculative_generate
 from gorgon.heads import DraftModelDrafter, GorgonError, load_target
 from gorgon.heads.draft_model.model import truncated_copy
 from gorgon.heads.target import lm_logits
-from gorgon.train.draft import DraftTrainConfig, train
+from gorgon.train.draft import DraftTrainConfig, read_indexed_cpu_locations, train
 from gorgon.train.examples import collate, load_examples, split
 
 
@@ -179,3 +179,12 @@ def test_on_policy_batches_answer_with_the_draft(tmp_path, monkeypatch):
     assert text.startswith("<|im_start|>user\ncount from") and text.endswith("<|im_end|>\n<|im_start|>assistant\n")
     assert json.loads((out / "metrics.json").read_text())["steps"] == 3
 
+
+
+def test_resume_reads_optimizer_state_saved_for_an_indexed_cpu(tmp_path):
+    """transformers 5.17 resumes a multi-process CPU run with map_location "cpu:N", which torch alone
+    refuses (the two-process resume in test_multiprocess.py fails there without this)."""
+    torch.save({"exp_avg": torch.ones(2)}, tmp_path / "optimizer.pt")
+    read_indexed_cpu_locations()
+    state = torch.load(tmp_path / "optimizer.pt", map_location="cpu:1", weights_only=True)
+    assert torch.equal(state["exp_avg"], torch.ones(2)) and state["exp_avg"].device.type == "cpu"

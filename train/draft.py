@@ -16,6 +16,7 @@ untrained: the baseline that distillation is measured against.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import warnings
@@ -145,6 +146,14 @@ def gkd_trainer(cfg: DraftTrainConfig, student, target, train_ex: list[dict], ck
                    callbacks=[NoCheckpointAtTheEnd()])
 
 
+@functools.cache  # register once per process
+def read_indexed_cpu_locations() -> None:
+    """transformers 5.17's Trainer resumes a multi-process CPU run with map_location "cpu:N", which
+    torch cannot restore (5.18 passes "cpu"): read such storages as the CPU storages they are."""
+    torch.serialization.register_package(
+        100, lambda storage: None, lambda storage, location: storage if location.startswith("cpu:") else None)
+
+
 def train(cfg: DraftTrainConfig) -> Path:
     from accelerate import PartialState
     from accelerate.utils import DistributedType
@@ -205,6 +214,7 @@ def train(cfg: DraftTrainConfig) -> Path:
         trainer = gkd_trainer(cfg, student, target, train_ex, ckpt_dir, state.device, resume_from)
         if resume_from is not None:
             state.print(f"gorgon draft: resuming from {resume_from}")
+            read_indexed_cpu_locations()
         trainer.train(resume_from_checkpoint=str(resume_from) if resume_from else None)
         steps = trainer.state.global_step
         if cfg.lora:  # adapters merged into weights that are whole on every process (sharding is refused above)
