@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from gorgon.heads import MergedDrafter
+from gorgon.heads import ContextDrafter, MergedDrafter
 from gorgon.heads.card import refresh_model_card
 from gorgon.heads.errors import GorgonError, int_at_least
 from gorgon.heads.files import atomic_write_text, check_output, read_jsonl
@@ -242,7 +242,7 @@ def environment(model, drafter, sampling: Sampling, max_new_tokens: int) -> dict
             "kernels": kernels_in_use(model) if device.type == "cpu" else "cuda",
             "one_row_kernel": one_row_kernel(model), "cpu_flags": cpu_flags(),
             "threads": torch.get_num_threads(), "tree": tree_description(drafter), "tree_size": drafter.max_nodes,
-            "draft_dtype": drafter_dtype(drafter),
+            "draft_dtype": drafter_dtype(drafter), "context_draft": context_settings(drafter),
             "max_new_tokens": max_new_tokens, "temperature": sampling.temperature, "top_k": sampling.top_k,
             "top_p": sampling.top_p, "versions": {"torch": torch.__version__, "transformers": transformers.__version__,
                                                   "python": platform.python_version()}}
@@ -253,6 +253,15 @@ def drafter_dtype(drafter) -> str | None:
     drafter = getattr(drafter, "drafter", drafter)  # a merged drafter: the one with weights
     module = next((getattr(drafter, name) for name in ("head", "heads", "model") if hasattr(drafter, name)), None)
     return None if module is None else str(next(module.parameters()).dtype).replace("torch.", "")
+
+
+def context_settings(drafter) -> dict | None:
+    """The --context-* settings of a drafter that drafts from the context, alone or merged; else None."""
+    context = drafter.context if isinstance(drafter, MergedDrafter) else drafter
+    if not isinstance(context, ContextDrafter):
+        return None
+    return {"ngram": context.max_ngram, "tokens": context.length, "max_tokens": context.max_length,
+            "branches": context.branches}
 
 
 def tree_description(drafter):

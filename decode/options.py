@@ -48,6 +48,10 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--context-ngram", type=int_at_least(1), default=3, help="longest n-gram looked up (default 3)")
     p.add_argument("--context-tokens", type=int_at_least(1), default=5,
                    help="tokens per context continuation (default 5)")
+    p.add_argument("--context-max-tokens", type=int_at_least(1), default=None,
+                   help="a continuation grows to the length of the run the text has copied so far, up to this many "
+                        "tokens, and a merged tree by its extra nodes (default 10, as transformers' prompt lookup, or "
+                        "--context-tokens if larger; set it to --context-tokens for fixed-length continuations)")
     p.add_argument("--context-branches", type=int_at_least(1), default=2,
                    help="distinct earlier continuations proposed as branches (default 2)")
     p.add_argument("--tree-budget", type=int_at_least(2), default=None,
@@ -85,7 +89,7 @@ def load_drafter(args, tree):
         raise GorgonError("--tree-budget sizes a merged tree: it needs --context-draft with --heads or --draft")
     if (args.draft_depth or args.draft_topk) and not args.heads:
         raise GorgonError("--draft-depth and --draft-topk shape a feature-level head's search: they need --heads")
-    context = (ContextDrafter(args.context_ngram, args.context_tokens, args.context_branches)
+    context = (ContextDrafter(args.context_ngram, args.context_tokens, args.context_branches, args.context_max_tokens)
                if args.context_draft else None)
     if not (args.heads or args.draft):
         if tree != "auto":

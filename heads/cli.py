@@ -8,7 +8,7 @@ from __future__ import annotations
 import importlib
 import sys
 
-from .errors import user_error_line
+from .errors import user_error_line, write_error_line
 
 COMMANDS = {
     "data": ("gorgon.train.data", "self-distillation: the target answers prompts; writes a datasets folder"),
@@ -46,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
         line = user_error_line(err)
         if line is None:
             raise
-        print(f"gorgon {name}: error: {line}", file=sys.stderr)
+        write_error_line(f"gorgon {name}: error: {line}")
         return 2
 
 

@@ -62,5 +62,11 @@ def run_script(main, name: str) -> None:
         line = user_error_line(err)
         if line is None:
             raise
-        print(f"{name}: error: {line}", file=sys.stderr)
+        write_error_line(f"{name}: error: {line}")
         sys.exit(2)
+
+
+def write_error_line(text: str) -> None:
+    """One write, newline included: with PYTHONUNBUFFERED, print's two writes let another process
+    (accelerate's launcher, another rank) write between the message and its newline."""
+    sys.stderr.write(text + "\n")

@@ -31,7 +31,7 @@ def main() -> None:
     target, drafter = load_drafter(args, read_tree(args.tree))
     report = measure_tau(target, drafter, questions, args.max_new_tokens)
     metrics = Path(args.heads) / "metrics.json" if args.heads else None
-    report.update({"drafter": drafter_name(args), "tree_budget": drafter.max_nodes, "questions": len(questions),
+    report.update({"drafter": drafter_name(args), "max_tree_nodes": drafter.max_nodes, "questions": len(questions),
                    "max_new_tokens": args.max_new_tokens,
                    "train_conversations": json.loads(metrics.read_text()).get("train_conversations")
                    if metrics is not None and metrics.is_file() else None})

@@ -238,6 +238,22 @@ def test_a_full_disk_is_one_line(tmp_path, capsys, monkeypatch):
                                        "device): free some space\n")
 
 
+def test_the_error_line_is_one_write(monkeypatch):
+    """Unbuffered (PYTHONUNBUFFERED, as the multi-process tests run), each write reaches the pipe at once:
+    a message written apart from its newline lets another rank's or the launcher's output in between."""
+    writes = []
+    monkeypatch.setattr(sys, "stderr", type("Pipe", (), {"write": lambda self, text: writes.append(text)})())
+
+    def bad():
+        raise GorgonError("no data")
+
+    with pytest.raises(SystemExit):
+        run_script(bad, "train/heads.py")
+    assert gorgon(["bench", "--questions", "nowhere.jsonl", "--context-draft"]) == 2
+    assert writes[0] == "train/heads.py: error: no data\n" and len(writes) == 2
+    assert writes[1].startswith("gorgon bench: error: ") and writes[1].endswith("\n")
+
+
 @pytest.mark.slow
 def test_accelerate_launch_quiet_prints_the_message_alone(tmp_path):
     run = subprocess.run(

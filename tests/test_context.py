@@ -20,6 +20,15 @@ def test_lookup_finds_the_latest_longest_match():
     assert lookup([7], 3, 2, 2) == []                     # too short to repeat
 
 
+def test_a_chain_grows_with_the_run_the_text_has_copied():
+    copied = [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 50, 1, 2, 3, 4, 5, 6, 7, 8]  # 1 .. 8 copied so far
+    assert lookup(copied, 3, 5, 2) == [[9, 10, 11, 12, 50]]                     # no growth by default
+    assert lookup(copied, 3, 5, 2, max_length=10) == [[9, 10, 11, 12, 50, 1, 2, 3]]  # as long as the run: 8
+    assert lookup(copied, 3, 2, 2, max_length=4) == [[9, 10, 11, 12]]           # at most max_length
+    fresh = [9, 1, 2, 3, 7, 5, 6, 4, 8, 1, 2, 3]  # the match reaches no further back than its 3-gram
+    assert lookup(fresh, 3, 2, 2, max_length=10) == [[7, 5, 6]]                 # run 3: the usual 2, then 3
+
+
 def test_merged_trees_share_prefixes_and_keep_the_budget():
     tokens, tree = tree_from_token_paths(torch.tensor(5), [[3, 7, 5], [3, 9, 1], [8], [3, 7]])
     assert sorted(token_paths(tokens, tree)) == [(3,), (3, 7), (3, 7, 5), (3, 9), (3, 9, 1), (8,)]  # (3, 7) once
@@ -39,6 +48,12 @@ def test_merged_trees_share_prefixes_and_keep_the_budget():
         tokens, tree = merged.propose(torch.tensor(3), torch.zeros(0, 1), context)
         assert tree.size <= budget and sorted(token_paths(tokens, tree)) == sorted(expected)
         assert tokens[0] == 3
+    # A chain grown past its usual length brings its extra nodes: the other drafter keeps its share.
+    context = torch.tensor([1, 2, 3, 10, 12, 6, 7, 8, 9, 1, 2])  # 1, 2 (and the root 3) copied
+    grown = MergedDrafter(Fixed(), ContextDrafter(max_ngram=3, length=2, branches=1, max_length=4), budget=4)
+    tokens, tree = grown.propose(torch.tensor(3), torch.zeros(0, 1), context)
+    assert grown.max_nodes == 6 and tree.size == 5
+    assert sorted(token_paths(tokens, tree)) == [(10,), (10, 12), (10, 12, 6), (11,)]
 
 
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])
@@ -50,7 +65,8 @@ def test_greedy_equals_generate_with_context_and_merged_drafters(arch):
     reference = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=30, do_sample=False)
     reference = reference[0, ids.shape[1]:].tolist()
     heads = HeadsDrafter(MedusaHeads.for_target(model, num_heads=2), tree=[[0], [1], [0, 0]])
-    for drafter in (ContextDrafter(), ContextDrafter(1, 8, 3), MergedDrafter(heads, ContextDrafter()),
+    for drafter in (ContextDrafter(), ContextDrafter(1, 8, 3), ContextDrafter(3, 2, 2, max_length=9),
+                    MergedDrafter(heads, ContextDrafter()), MergedDrafter(heads, ContextDrafter(3, 2, 2, 9)),
                     MergedDrafter(heads, ContextDrafter(2, 3, 2), budget=3)):
         result = speculative_generate(model, drafter, ids, max_new_tokens=30)
         assert result.tokens == reference
@@ -62,6 +78,9 @@ def test_bad_settings_are_one_line():
         ContextDrafter(max_ngram=0)
     with pytest.raises(GorgonError, match="context draft length must be a whole number >= 1"):
         ContextDrafter(length=0)
+    with pytest.raises(GorgonError, match=r"the longest context draft \(3\) must be a whole number at least the "
+                                          r"context draft length \(5\): raise it"):
+        ContextDrafter(length=5, max_length=3)
     with pytest.raises(GorgonError, match="a merged tree needs a budget of 2 .* to 256 nodes, not 0"):
         MergedDrafter(ContextDrafter(), ContextDrafter(), budget=0)
 
@@ -86,6 +105,7 @@ def test_cli_takes_context_drafts_alone_and_merged(tmp_path, capsys):
                    str(questions), "--baselines", "generate,prompt-lookup,no-context", "--out", str(out)] + common) == 0
     report = json.loads(out.read_text())
     assert report["drafter"].endswith(" + context") and report["identical"] == 2 and report["tree"] == "built per step"
+    assert report["context_draft"] == {"ngram": 3, "tokens": 5, "max_tokens": 10, "branches": 2}
     assert "prompt-lookup_speedup" in report and report["no-context_identical"] == 2
     heads_alone = [q["no-context_tokens"] / q["no-context_target_forwards"] for q in report["questions"]]
     assert report["no-context_tau"] >= 1.0 and all(t >= 1.0 for t in heads_alone)
