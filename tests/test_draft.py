@@ -180,7 +180,6 @@ def test_on_policy_batches_answer_with_the_draft(tmp_path, monkeypatch):
     assert json.loads((out / "metrics.json").read_text())["steps"] == 3
 
 
-
 def test_resume_reads_optimizer_state_saved_for_an_indexed_cpu(tmp_path):
     """transformers 5.17 resumes a multi-process CPU run with map_location "cpu:N", which torch alone
     refuses (the two-process resume in test_multiprocess.py fails there without this)."""

@@ -27,16 +27,14 @@ def lookup(tokens: list[int], max_ngram: int = 3, length: int = 5, branches: int
         suffix = tokens[-n:]
         found, firsts = [], set()
         for start in range(len(tokens) - n - 1, -1, -1):  # latest first; the suffix itself is excluded
-            if tokens[start:start + n] == suffix:
+            if tokens[start:start + n] == suffix and tokens[start + n] not in firsts:
                 run = n  # how far back this earlier text equals the text's end
                 while run < max_length and start + n - run > 0 and tokens[start + n - run - 1] == tokens[-run - 1]:
                     run += 1
-                follow = tokens[start + n:start + n + max(length, run)]
-                if follow[0] not in firsts:
-                    firsts.add(follow[0])
-                    found.append(follow)
-                    if len(found) == branches:
-                        break
+                firsts.add(tokens[start + n])
+                found.append(tokens[start + n:start + n + max(length, run)])
+                if len(found) == branches:
+                    break
         if found:
             return found
     return []
@@ -112,7 +110,7 @@ class MergedDrafter:
         chains = self.context.chains(root, context)
         # A chain grown past the usual length (the text is copying) brings its extra nodes with it,
         # so the other drafter keeps its share of the tree.
-        budget = self.budget + max([len(c) - self.context.length for c in chains] + [0])
+        budget = self.budget + max((len(c) - self.context.length for c in chains), default=0)
         chosen: dict[tuple[int, ...], None] = {}  # ordered set of token paths
         candidates = [tuple(chain[:d]) for chain in chains for d in range(1, len(chain) + 1)]
         candidates += token_paths(tokens, tree)
