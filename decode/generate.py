@@ -17,7 +17,7 @@ import torch
 
 from gorgon.heads.drafter import Drafter
 from gorgon.heads.errors import GorgonError
-from gorgon.heads.target import base_model, lm_logits
+from gorgon.heads.target import base_model, lm_logits, with_cache
 
 from .acceptance import Sampling, accept_greedy, accept_sampled, accept_typical, target_probs
 from .verify import features, keep_path, verify
@@ -116,7 +116,7 @@ def speculative_generate(model, drafter: Drafter, input_ids: torch.Tensor, max_n
         return torch.multinomial(target_probs(logits, sampling), 1, generator=generator)[0]
 
     cache = DynamicCache()
-    out = base_model(model)(input_ids=input_ids, past_key_values=cache, use_cache=True,
+    out = base_model(model)(input_ids=input_ids, **with_cache(base_model(model), cache), use_cache=True,
                             output_hidden_states=layers is not None)
     fresh = features(out, layers)
     root = next_token(lm_logits(model, out.last_hidden_state[0, -1]))

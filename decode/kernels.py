@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from gorgon.heads.errors import GorgonError
-from gorgon.heads.target import crop_cache, resolve_dtype
+from gorgon.heads.target import crop_cache, resolve_dtype, with_cache
 
 KERNELS = ("fast", "stock")
 DRAFT_DTYPES = ("auto", "float32", "bfloat16")
@@ -135,13 +135,13 @@ def fastest_one_row_kernel(model: torch.nn.Module, repeat: int = 5) -> str:
 
     prompt = torch.zeros(1, 16, dtype=torch.long, device=next(model.parameters()).device)
     cache = DynamicCache()
-    model(input_ids=prompt, past_key_values=cache, use_cache=True, logits_to_keep=1)
+    model(input_ids=prompt, **with_cache(model, cache), use_cache=True, logits_to_keep=1)
     times = {kernel: [] for kernel in ONE_ROW_KERNELS}
     for _ in range(repeat + 1):  # the first round warms up
         for kernel in ONE_ROW_KERNELS:
             set_one_row_kernel(model, kernel)
             start = time.perf_counter()
-            model(input_ids=prompt[:, :1], past_key_values=cache, use_cache=True, logits_to_keep=1)
+            model(input_ids=prompt[:, :1], **with_cache(model, cache), use_cache=True, logits_to_keep=1)
             times[kernel].append(time.perf_counter() - start)
             crop_cache(cache, prompt.shape[1])
     return min(ONE_ROW_KERNELS, key=lambda k: statistics.median(times[k][1:]))

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from gorgon.heads.errors import GorgonError
-from gorgon.heads.target import additive_mask, base_model, crop_cache
+from gorgon.heads.target import additive_mask, base_model, crop_cache, with_cache
 from gorgon.heads.tree import Tree
 
 _MASK_KINDS = {"full_attention", "sliding_attention"}
@@ -63,7 +63,7 @@ def verify(model, cache, tokens: torch.Tensor, tree: Tree, hidden_states: bool =
         input_ids=tokens[None],
         attention_mask=verify_mask(model.config, tree, past_len, model.dtype),
         position_ids=(past_len + tree.depth)[None],
-        past_key_values=cache,
+        **with_cache(base_model(model), cache),
         use_cache=True,
         output_hidden_states=hidden_states,
     )

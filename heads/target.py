@@ -7,8 +7,10 @@ record at training time and check at load time.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib.util
+import inspect
 import json
 import os
 import shutil
@@ -259,6 +261,18 @@ def lm_logits(model: torch.nn.Module, hidden: torch.Tensor, rows: torch.Tensor |
 def base_model(model: torch.nn.Module) -> torch.nn.Module:
     """The decoder stack without the LM head, which returns the last (normed) hidden state."""
     return model.get_decoder()
+
+
+def with_cache(module: torch.nn.Module, cache) -> dict:
+    """The keyword argument that passes a KV cache to a transformers module's forward: `cache` from
+    transformers 5.24 on (which deprecates `past_key_values`, to be removed in 5.40), else
+    `past_key_values`."""
+    return {_cache_keyword(type(module)): cache}
+
+
+@functools.cache
+def _cache_keyword(module_type: type) -> str:
+    return "cache" if "cache" in inspect.signature(module_type.forward).parameters else "past_key_values"
 
 
 def additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

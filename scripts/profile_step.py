@@ -24,7 +24,7 @@ from gorgon.decode.kernels import kernels_in_use, one_row_kernel, use_cpu_kernel
 from gorgon.decode.options import add_model_arguments, load_drafter, read_tree
 from gorgon.decode.verify import features, keep_path, verify
 from gorgon.heads import HeadsDrafter, MedusaHeads
-from gorgon.heads.target import base_model, crop_cache, lm_logits, resolve_device, resolve_dtype
+from gorgon.heads.target import base_model, crop_cache, lm_logits, resolve_device, resolve_dtype, with_cache
 
 
 def profile(model, drafter, context: int, repeat: int) -> dict[str, float]:
@@ -33,7 +33,7 @@ def profile(model, drafter, context: int, repeat: int) -> dict[str, float]:
     prompt = torch.randint(0, model.config.get_text_config().vocab_size, (1, context), device=device)
     parts = {}
     cache = DynamicCache()
-    out = base_model(model)(input_ids=prompt, past_key_values=cache, use_cache=True,
+    out = base_model(model)(input_ids=prompt, **with_cache(base_model(model), cache), use_cache=True,
                             output_hidden_states=layers is not None)
     fresh = features(out, layers)
     root = lm_logits(model, out.last_hidden_state[0, -1]).argmax()
@@ -45,7 +45,7 @@ def profile(model, drafter, context: int, repeat: int) -> dict[str, float]:
         return median_ms(fn, repeat, reset, device)
 
     parts["plain step (1 token + lm_head)"] = timed(
-        lambda: lm_logits(model, base_model(model)(input_ids=root.view(1, 1), past_key_values=cache,
+        lambda: lm_logits(model, base_model(model)(input_ids=root.view(1, 1), **with_cache(base_model(model), cache),
                                                    use_cache=True).last_hidden_state))
     tokens, tree = drafter.propose(root, fresh, prompt[0])  # a drafter with a cache takes in the prompt here
     parts["drafter propose"] = timed(lambda: drafter.propose(root, fresh[-1:], prompt[0]), lambda: None)

@@ -36,6 +36,8 @@ def tiny_model(arch: str = "llama", vocab: int = VOCAB, seed: int = 0, window: i
         cfg, cls = tf.LlamaConfig(**common), tf.LlamaForCausalLM
     elif arch == "qwen2":
         cfg, cls = tf.Qwen2Config(**common), tf.Qwen2ForCausalLM
+    elif arch == "qwen3":
+        cfg, cls = tf.Qwen3Config(head_dim=8, **common), tf.Qwen3ForCausalLM
     elif arch == "mistral":
         cfg, cls = tf.MistralConfig(sliding_window=window, **common), tf.MistralForCausalLM
     elif arch == "gemma2":

@@ -10,6 +10,7 @@ from gorgon.decode import speculative_generate
 from gorgon.decode.kernels import use_cpu_kernels
 from gorgon.decode.verify import keep_path, verify
 from gorgon.heads import GorgonError, HeadsDrafter, MedusaHeads
+from gorgon.heads.target import with_cache
 from gorgon.heads.tree import build_tree
 
 PATHS = [[0], [1], [2], [0, 0], [0, 1], [1, 0], [2, 0], [0, 0, 0], [0, 0, 1], [0, 1, 0], [0, 0, 0, 0]]
@@ -67,13 +68,13 @@ def test_cache_after_acceptance_equals_plain_forward(arch):
     with torch.no_grad():
         for last in (0, 3, 7, 10, tree.size - 1):
             cache = DynamicCache()
-            model.get_decoder()(input_ids=prefix, past_key_values=cache, use_cache=True)
+            model.get_decoder()(input_ids=prefix, **with_cache(model.get_decoder(), cache), use_cache=True)
             hidden = verify(model, cache, tokens, tree).last_hidden_state[0]
             nodes = torch.tensor(tree.path_to[last])
             keep_path(cache, prefix.shape[1], nodes)
             plain = DynamicCache()
             out = model.get_decoder()(input_ids=torch.cat([prefix, tokens[nodes][None]], 1),
-                                      past_key_values=plain, use_cache=True)
+                                      **with_cache(model.get_decoder(), plain), use_cache=True)
             assert cache.get_seq_length() == plain.get_seq_length() == prefix.shape[1] + len(nodes)
             for mine, theirs in zip(cache.layers, plain.layers):
                 torch.testing.assert_close(mine.keys, theirs.keys, atol=1e-5, rtol=1e-5)

@@ -50,6 +50,19 @@ def test_greedy_equals_generate_with_dynamic_trees(arch):
     assert max(accepted) >= 3  # drafted paths two deep were accepted, not only bonus tokens
 
 
+def test_the_cache_goes_by_the_keyword_this_transformers_takes():
+    """transformers 5.24 renamed `past_key_values` to `cache` (the old name goes in 5.40): the decoder,
+    the verify forward and the head's attention pass it by the name each module takes, so no call warns."""
+    import warnings
+
+    model = tiny_model("llama", layers=4)
+    ids = torch.randint(0, VOCAB, (1, 6), generator=torch.Generator().manual_seed(0))
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*past_key_values.*")
+        result = speculative_generate(model, EagleDrafter(head_for(model)), ids, max_new_tokens=8)
+    assert result.tokens == reference(model, ids, 8)
+
+
 def test_a_bfloat16_head_on_a_float32_target_keeps_greedy_output_exact():
     """The head may draft in bfloat16 (cheaper on a CPU); the target's verification keeps the output exact."""
     model = tiny_model("llama", vocab=8, layers=4)
@@ -148,10 +161,25 @@ def test_save_load_round_trip_drafts_the_same(tmp_path, arch):
     assert result[0].tokens == result[1].tokens and result[0].accepted == result[1].accepted
 
 
+@pytest.mark.parametrize("fmt", ["eagle3", "speculators"])
+def test_a_head_over_the_whole_vocabulary_exports_without_a_token_map(tmp_path, fmt):
+    """vLLM has no parameter for d2t when the draft vocabulary is the target's, and fails on one."""
+    model = tiny_model("llama", layers=6)
+    head = EagleHead.for_target(model, feature_layers=[1, 3, 5], target_name="tiny")
+    out = export_head(head, fmt, tmp_path / fmt)
+    state, config = load_file(out / "model.safetensors"), json.loads((out / "config.json").read_text())
+    assert "d2t" not in state and "t2d" not in state
+    assert config["draft_vocab_size"] == VOCAB and state["lm_head.weight"].shape == (VOCAB, 32)
+    back = EagleHead.from_pretrained(out, target=model)
+    assert back.token_map is None and back.config.draft_vocab_size is None
+    torch.testing.assert_close(back.lm_head.weight, head.lm_head.weight)
+
+
 @pytest.mark.parametrize("arch", FAMILIES)
 @pytest.mark.parametrize("fmt", ["eagle3", "speculators"])
 def test_export_key_names_shapes_and_import_with_identical_drafts(tmp_path, arch, fmt):
     model = tiny_model(arch, layers=6)
+    model.config.dtype = torch.bfloat16  # as a target loaded from a bfloat16 checkpoint says
     head = head_for(model, draft=torch.arange(0, VOCAB, 2))
     assert head.feature_layers == (2, 3)  # (2, 6 // 2, 6 - 3) deduplicated: default_feature_layers(6)
     head = EagleHead.for_target(model, feature_layers=[1, 3, 5], draft_tokens=torch.arange(0, VOCAB, 2))
@@ -179,6 +207,7 @@ def test_export_key_names_shapes_and_import_with_identical_drafts(tmp_path, arch
     assert torch.equal(torch.arange(32) + state["d2t"], torch.arange(0, VOCAB, 2))  # target = draft + d2t
     assert config["draft_vocab_size"] == 32 and config["norm_before_residual"] is False
     assert config["eagle_aux_hidden_state_layer_ids"] == [1, 3, 5]
+    assert (config if fmt == "eagle3" else config["transformer_layer_config"])["dtype"] == "bfloat16"  # the target's
     if fmt == "eagle3":
         assert config["architectures"] == ["LlamaForCausalLMEagle3"] and config["target_hidden_size"] == H
         assert config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [0, 2, 4]  # SGLang adds one
@@ -217,6 +246,14 @@ def test_bad_input_is_one_line(tmp_path):
         EagleHead.for_target(model, feature_layers=[0, 9])
     with pytest.raises(GorgonError, match="mixes exactly 3 target layers"):
         export_head(EagleHead.for_target(model, feature_layers=[4]), "eagle3", tmp_path / "x")
+    for layers in ([3, 1, 2], [1, 1, 2], [1, 2, 4]):  # engines sort them and never read the normed last state
+        with pytest.raises(GorgonError, match=rf"in increasing order, below the last \(4.*reads \{layers}"):
+            export_head(EagleHead.for_target(model, feature_layers=layers), "eagle3", tmp_path / "x")
+    qwen3 = EagleHead.for_target(tiny_model("qwen3", layers=4), feature_layers=[1, 2, 3])
+    with pytest.raises(GorgonError, match=r"not a Llama layer \(midlayer.self_attn.k_norm.weight, "
+                                          r"midlayer.self_attn.q_norm.weight\)"):
+        export_head(qwen3, "speculators", tmp_path / "x")
+    assert not (tmp_path / "x").exists()  # refused before anything was written
     with pytest.raises(GorgonError, match="Llama-shaped"):
         EagleHead.for_target(tiny_model("gemma2", layers=4))
 

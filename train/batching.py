@@ -17,6 +17,8 @@ import torch
 from transformers.cache_utils import Cache, DynamicLayer
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopPLogitsWarper
 
+from gorgon.heads.target import with_cache
+
 
 class RoomyLayer(DynamicLayer):
     """A cache layer whose keys and values are views into buffers with spare room along time.
@@ -148,7 +150,7 @@ def continuous_generate(model, prompts: list[list[int]], *, max_new_tokens: int,
                 stale = None
             mask = torch.cat([mask, torch.ones(len(rows), 1, dtype=mask.dtype, device=device)], dim=1)
             logits = model(next_tok[:, None], attention_mask=mask, position_ids=mask.sum(1, keepdim=True) - 1,
-                           past_key_values=cache, use_cache=True).logits[:, -1]
+                           **with_cache(model, cache), use_cache=True).logits[:, -1]
             next_tok = _choose(logits.float(), warpers, [generators[i] for i in rows] if warpers else [])
             fresh = 0
         # next_tok holds each row's newest token, not yet in the cache
@@ -185,7 +187,7 @@ def _prefill(model, prompts: list[list[int]], pad: int):
     ids = torch.stack([_left_pad(torch.tensor(p, device=device), width, 0, pad) for p in prompts])
     mask = torch.stack([_left_pad(torch.ones(len(p), dtype=torch.long, device=device), width, 0) for p in prompts])
     cache = Cache(layer_class_to_replicate=RoomyLayer)
-    logits = model(ids, attention_mask=mask, position_ids=(mask.cumsum(1) - 1).clamp(min=0), past_key_values=cache,
+    logits = model(ids, attention_mask=mask, position_ids=(mask.cumsum(1) - 1).clamp(min=0), **with_cache(model, cache),
                    use_cache=True, logits_to_keep=1).logits[:, -1]
     return mask, cache, logits
 

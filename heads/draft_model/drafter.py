@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from ..errors import GorgonError
-from ..target import crop_cache
+from ..target import crop_cache, with_cache
 from ..tree import build_tree
 from .model import check_draft_vocab
 
@@ -54,7 +54,7 @@ class DraftModelDrafter:
         fed = context[same:]
         drafts = []
         for _ in range(self.tree.max_depth):
-            logits = self.model(input_ids=fed[None], past_key_values=self.cache, use_cache=True,
+            logits = self.model(input_ids=fed[None], **with_cache(self.model, self.cache), use_cache=True,
                                 logits_to_keep=1).logits[0, -1]  # no LM head over a re-fed prompt
             fed = logits.argmax(-1, keepdim=True)
             drafts.append(fed)

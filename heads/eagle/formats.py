@@ -15,9 +15,14 @@
 Which target layers feed `fc`: vLLM reads explicit ids from the top level and uses them as the
 input of layer k (our hidden_states index k); SGLang reads `eagle_config` ids and adds one. Both
 are written, one apart, so the two engines read the same layers (inferred from their code, not run).
+Both capture them in increasing order and neither captures the final normed state (transformers'
+last hidden_states entry), so a head that reads its layers otherwise does not export.
 The head's computation is the engines' (model.py), so an exported head drafts as it does here;
-only Llama-shaped layers export (the format is a Llama layer); a family whose attention has
-q/k/v biases (Qwen2) exports with `attention_bias`, which vLLM reads and SGLang ignores.
+only a Llama layer's weights export (vLLM fails on any other, SGLang skips it: a Qwen3 layer's q/k
+norms would be lost); a family whose attention has q/k/v biases (Qwen2) exports with
+`attention_bias`, which vLLM reads and SGLang ignores. A head over the whole vocabulary has no
+`d2t`/`t2d` (vLLM then has no parameter to load them into). `dtype` is the target's: SGLang runs
+the draft in its config's dtype, not the target's.
 """
 
 from __future__ import annotations
@@ -35,7 +40,7 @@ EAGLE3_ARCHITECTURES = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM")
 # The Llama config fields a one-layer EAGLE-3 draft needs from the target's text config.
 LAYER_FIELDS = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
                 "hidden_act", "rms_norm_eps", "max_position_embeddings", "rope_theta", "rope_scaling",
-                "rope_parameters", "attention_bias", "mlp_bias")
+                "rope_parameters", "attention_bias", "mlp_bias", "dtype")
 
 
 def llama_layer_config(head) -> dict:
@@ -55,21 +60,19 @@ def export_head(head, fmt: str, out: str | Path, base_model: str | None = None) 
 
     if fmt not in FORMATS:
         raise GorgonError(f"unknown format {fmt!r} for a feature-level head: use one of {', '.join(FORMATS)}")
-    if len(head.config.feature_layers) != 3:
-        raise GorgonError(f"the EAGLE-3 layout mixes exactly 3 target layers, and this head reads "
-                          f"{len(head.config.feature_layers)} ({head.config.feature_layers}): train with 3 "
-                          "feature_layers (the default) to export")
+    check_exportable_layers(head.config)
     attn = head.midlayer.self_attn
     state = {k: v for k, v in head.state_dict().items() if k != "token_map"}
     if attn.q_proj.bias is not None and attn.o_proj.bias is None:  # Llama's attention_bias covers o_proj too
         state["midlayer.self_attn.o_proj.bias"] = torch.zeros(attn.o_proj.out_features)
+    layer = llama_layer_config(head)
+    check_llama_weights(state, layer)
     vocab, draft = head.config.vocab_size, head.config.draft_vocab_size or head.config.vocab_size
-    token_map = head.token_map if head.token_map is not None else torch.arange(vocab)
-    state["d2t"] = (token_map.cpu() - torch.arange(draft)).long()
-    state["t2d"] = torch.zeros(vocab, dtype=torch.bool).index_fill_(0, token_map.cpu(), True)
+    if head.token_map is not None:
+        state["d2t"] = (head.token_map.cpu() - torch.arange(draft)).long()
+        state["t2d"] = torch.zeros(vocab, dtype=torch.bool).index_fill_(0, head.token_map.cpu(), True)
     layers = list(head.config.feature_layers)
     base = base_model or head.config.target_name
-    layer = llama_layer_config(head)
     common = {"draft_vocab_size": draft, "target_hidden_size": head.config.hidden_size,
               "norm_before_residual": False, "eagle_aux_hidden_state_layer_ids": layers}
     if fmt == "eagle3":
@@ -98,6 +101,35 @@ def export_head(head, fmt: str, out: str | Path, base_model: str | None = None) 
     atomic_write(out / "model.safetensors", lambda tmp: save_file(state, tmp, metadata={"format": "pt"}))
     atomic_write_text(out / "config.json", json.dumps(config, indent=2) + "\n")
     return out
+
+
+def check_exportable_layers(config) -> None:
+    """The target layers must be ones the engines capture, in the order they concatenate them."""
+    layers, count = list(config.feature_layers), config.layer_config["num_hidden_layers"]
+    if len(layers) != 3:
+        raise GorgonError(f"the EAGLE-3 layout mixes exactly 3 target layers, and this head reads {len(layers)} "
+                          f"({layers}): train with 3 feature_layers (the default) to export")
+    if layers != sorted(set(layers)) or layers[-1] >= count:
+        raise GorgonError(f"serving engines read 3 distinct target layers in increasing order, below the last "
+                          f"({count}, whose output they take before the final norm and transformers after it), "
+                          f"and this head reads {layers}: train with such feature_layers (the default) to export")
+
+
+def check_llama_weights(state: dict, layer_config: dict) -> None:
+    """The engines build the midlayer as a Llama layer: any weight of another family's layer would fail
+    to load in vLLM and be dropped without a word by SGLang, so such a head does not export."""
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+    config = LlamaConfig(**{k: v for k, v in layer_config.items() if k != "model_type"})
+    with torch.device("meta"):
+        llama = LlamaDecoderLayer(config, layer_idx=0)
+    expected = {f"midlayer.{k}" for k in llama.state_dict()} | {"midlayer.hidden_norm.weight"}
+    ours = {k for k in state if k.startswith("midlayer.")}
+    if ours != expected:
+        odd = ", ".join(sorted(ours ^ expected))
+        raise GorgonError(f"this head's decoder layer is not a Llama layer ({odd}), which is all the EAGLE-3 "
+                          f"layout holds: use it in gorgon's decoder, or train it on a Llama-shaped target to export")
 
 
 def foreign_format(config: dict) -> str | None:

@@ -32,7 +32,7 @@ from torch import nn
 from ..errors import GorgonError, check_keys
 from ..files import atomic_write, atomic_write_text, reading_weights
 from ..hub import CONFIG_NAME, PushToHubMixin, resolve_folder
-from ..target import Target, attach_to_target, check_fits
+from ..target import Target, attach_to_target, check_fits, with_cache
 from .formats import foreign_format, import_head
 
 WEIGHTS_NAME = "model.safetensors"
@@ -207,7 +207,7 @@ class EagleHead(PushToHubMixin, nn.Module):
         x = torch.cat([layer.input_layernorm(embedded), layer.hidden_norm(features)], dim=-1)
         position_embeddings = self.rotary(x, positions)
         attn = layer.self_attn(hidden_states=x, position_embeddings=position_embeddings, attention_mask=mask,
-                               past_key_values=cache)[0]
+                               **with_cache(layer.self_attn, cache))[0]
         h = features + attn
         return h + layer.mlp(layer.post_attention_layernorm(h))
 
