@@ -377,6 +377,9 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     args = parser().parse_args(argv)
+    if args.out and Path(args.out).suffix == ".png":
+        raise GorgonError("--out is the JSON report, and its plot is written beside it with the suffix .png: "
+                          "pass a .json path")
     baselines = tuple(b.strip() for b in args.baselines.split(",") if b.strip())
     unknown = [b for b in baselines if b not in BASELINES]
     if unknown:

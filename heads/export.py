@@ -3,25 +3,23 @@
 from __future__ import annotations
 
 import argparse
-import json
 import shutil
 from pathlib import Path
 
 from .eagle import EagleHead
 from .eagle import formats as eagle_formats
 from .errors import GorgonError
-from .files import check_output
+from .files import atomic_write_text, check_output
 from .loading import load_heads
 from .medusa import formats as medusa_formats
 
+EXPORT_MARKER = ".gorgon-export"  # written into an export folder once it is complete: only such a folder is replaced
+
 
 def is_export(folder: Path) -> bool:
-    """A folder `gorgon export` wrote: a config.json in one of the foreign formats."""
-    try:
-        config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
-        return (medusa_formats.foreign_format(folder, config) or eagle_formats.foreign_format(config)) is not None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError, AttributeError):
-        return False
+    """A folder `gorgon export` wrote (its marker), not merely one in an engine's layout: a downloaded
+    checkpoint with the user's own files beside it is never replaced."""
+    return (folder / EXPORT_MARKER).is_file()
 
 
 def main(argv=None) -> int:
@@ -51,5 +49,6 @@ def main(argv=None) -> int:
         shutil.rmtree(out)  # an earlier export, perhaps in the other format: none of its files may linger
     write = eagle_formats.export_head if eagle else medusa_formats.export_heads
     out = write(heads, args.format, out, args.base_model or target.name)
+    atomic_write_text(out / EXPORT_MARKER, "")
     print(f"gorgon export: wrote {args.format} heads to {out}")
     return 0

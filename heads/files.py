@@ -45,7 +45,8 @@ def atomic_write(path: Path, write) -> None:
     """Call write(tmp_path) then rename over `path`, so readers never see a half-written file.
 
     mkstemp makes the file 0600; it gets the mode any new file would (0666 less the umask), so
-    another user (a serving engine) can read what gorgon wrote."""
+    another user (a serving engine) can read what gorgon wrote. Missing parent folders are made."""
+    path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
     os.close(fd)
     try:
@@ -109,7 +110,10 @@ def check_output(out: Path, ours, overwrite: bool, kind: str = "folder") -> bool
 
 
 def check_writable(folder: Path) -> None:
-    """Create `folder` (and its parents) and write a scratch file there; fail in one line if that fails."""
+    """Create `folder` (and its parents) and write a scratch file there; fail in one line if that fails.
+    The folders it made are removed again, so a command that then stops on bad input leaves no empty
+    --out behind (writers create their folders: `atomic_write` makes its file's parents)."""
+    made = [p for p in (folder, *folder.parents) if not os.path.lexists(p)]  # deepest first
     try:
         folder.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryFile(dir=folder):
@@ -117,6 +121,10 @@ def check_writable(folder: Path) -> None:
     except OSError as err:
         raise GorgonError(f"cannot write to {folder} ({err.strerror or err.__class__.__name__}): choose a writable "
                           "--out") from err
+    finally:
+        for path in made:
+            with contextlib.suppress(OSError):
+                path.rmdir()
 
 
 @contextlib.contextmanager

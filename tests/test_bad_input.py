@@ -68,6 +68,29 @@ def test_every_command_leaves_a_foreign_out_folder_alone(tmp_path, capsys):
     assert "gorgon did not write" in capsys.readouterr().err and foreign.read_text() == "mine"
 
 
+def test_a_checkpoint_in_an_engines_layout_is_not_taken_for_an_export(tmp_path, capsys):
+    """A downloaded Medusa checkpoint with the user's notes beside it is not gorgon's to replace, even
+    though it is in a layout gorgon exports to; a refused export leaves no empty --out behind."""
+    heads = saved_heads(tmp_path)
+    downloaded = tmp_path / "medusa-vicuna"
+    downloaded.mkdir()
+    (downloaded / "config.json").write_text(json.dumps({"medusa_num_heads": 4, "medusa_num_layers": 1}))
+    (downloaded / "NOTES.md").write_text("mine")
+    before = snapshot(downloaded)
+    assert gorgon(["export", "--heads", str(heads), "--format", "medusa", "--out", str(downloaded), "--overwrite"]) == 2
+    assert "already holds files gorgon did not write" in capsys.readouterr().err
+    assert snapshot(downloaded) == before
+    assert gorgon(["export", "--heads", str(tmp_path / "nowhere"), "--format", "vllm",
+                   "--out", str(tmp_path / "new" / "v")]) == 2
+    assert "nowhere" in capsys.readouterr().err and not (tmp_path / "new").exists()
+
+
+def test_a_bench_report_named_like_its_plot_is_refused(tmp_path, capsys):
+    assert gorgon(["bench", "--context-draft", "--questions", "q.jsonl", "--out", str(tmp_path / "r.png")]) == 2
+    assert capsys.readouterr().err.strip().endswith("--out is the JSON report, and its plot is written beside it "
+                                                    "with the suffix .png: pass a .json path")
+
+
 def test_data_refuses_a_foreign_folder_and_replaces_its_own_only_when_asked(tmp_path):
     target = str(tiny_chat_target(tmp_path))
     prompts = toy_data(tmp_path / "toy.jsonl", n=2)

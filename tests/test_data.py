@@ -15,7 +15,7 @@ from helpers import ARCHS, VOCAB, needs_embedded, tiny_chat_target, tiny_model
 from gorgon.decode.kernels import fast_kernels_unavailable, use_cpu_kernels
 from gorgon.heads import GorgonError
 from gorgon.train.batching import continuous_generate
-from gorgon.train.data import METADATA_NAME, DataSettings, make_dataset
+from gorgon.train.data import METADATA_NAME, DataSettings, make_dataset, read_metadata
 from gorgon.train.records import load_conversations
 
 SHAPES = {
@@ -224,8 +224,27 @@ def test_resume_with_other_settings_is_refused(tmp_path):
     settings = DataSettings(prompts=src, target=str(target), max_new_tokens=4)
     (tmp_path / "o.partial" / "settings.json").write_text(json.dumps({"settings": {**settings.__dict__, "seed": 9},
                                                                       "fingerprint": "x"}))
-    with pytest.raises(GorgonError, match=r"other settings \(seed, target fingerprint\)"):
+    with pytest.raises(GorgonError, match=r"other settings \(seed, target fingerprint\): rerun with the same options "
+                                          r"to resume it, or pass --overwrite to start over"):
         make_dataset(settings, tmp_path / "o", progress=False)
+    out = make_dataset(settings, tmp_path / "o", progress=False, overwrite=True)  # the old run is started over
+    assert read_metadata(out)["settings"]["seed"] == settings.seed and not (tmp_path / "o.partial").exists()
+    # A finished dataset asked for again with other settings is not passed off as the one asked for.
+    with pytest.raises(GorgonError, match=r"o holds a dataset made with other settings \(max_new_tokens\): pass "
+                                          r"--overwrite to regenerate it"):
+        make_dataset(DataSettings(prompts=src, target=str(target), max_new_tokens=5), out, progress=False)
+
+
+def test_a_partial_folder_gorgon_did_not_write_is_left_alone(tmp_path):
+    target = tiny_chat_target(tmp_path)
+    src = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "a"}])
+    mine = tmp_path / "o.partial"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("mine")
+    with pytest.raises(GorgonError, match="o.partial holds files gorgon did not write"):
+        make_dataset(DataSettings(prompts=src, target=str(target), max_new_tokens=4), tmp_path / "o", progress=False,
+                     overwrite=True)
+    assert (mine / "notes.txt").read_text() == "mine" and not (tmp_path / "o").exists()
 
 
 @needs_embedded

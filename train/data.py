@@ -189,20 +189,28 @@ def self_prompts(engine: Engine, settings: DataSettings, count: int) -> list[dic
     return convs[:count]
 
 
-def check_settings(partial: Path, settings: DataSettings, fingerprint: str) -> None:
-    """A resumed run must match the one that wrote the shards; otherwise the shards would mix."""
+def changed_settings(old: dict, new: dict) -> list[str]:
+    """The settings that differ from a recorded run's (one recorded before a setting existed had its default)."""
+    return sorted(k for k in new if k in old and old[k] != new[k])
+
+
+def check_settings(partial: Path, settings: DataSettings, fingerprint: str, restart: bool) -> None:
+    """A resumed run must match the one that wrote the shards, otherwise the shards would mix: an
+    unfinished run with other settings is an error, or with `restart` (--overwrite) is started over."""
     record = {"settings": asdict(settings), "fingerprint": fingerprint}
     path = partial / "settings.json"
     if path.exists():
         old = json.loads(path.read_text())
-        if old != record:
-            diff = sorted(k for k in record["settings"] if old["settings"].get(k) != record["settings"][k])
-            if old["fingerprint"] != fingerprint:
-                diff.append("target fingerprint")
-            raise GorgonError(f"{partial} holds a run with other settings ({', '.join(diff)}): rerun with the same "
-                              f"options to resume, or delete {partial} to start over")
-    else:
-        atomic_write_text(path, json.dumps(record, indent=1))
+        diff = changed_settings(old["settings"], record["settings"])
+        if old["fingerprint"] != fingerprint:
+            diff.append("target fingerprint")
+        if diff and not restart:
+            raise GorgonError(f"{partial} holds an unfinished run with other settings ({', '.join(diff)}): rerun "
+                              "with the same options to resume it, or pass --overwrite to start over")
+        if diff:
+            shutil.rmtree(partial)
+            partial.mkdir()
+    atomic_write_text(path, json.dumps(record, indent=1))
 
 
 def is_dataset(out: Path) -> bool:
@@ -246,9 +254,17 @@ def make_dataset(settings: DataSettings, out: str | os.PathLike, target: Target 
         raise GorgonError(f"--limit must be at least 1, not {settings.limit}")
     Sampling(settings.temperature, 0, settings.top_p)  # the range check of temperature and top-p
     if is_dataset(out) and not overwrite:
+        diff = changed_settings(read_metadata(out)["settings"], asdict(settings))
+        if diff:
+            raise GorgonError(f"{out} holds a dataset made with other settings ({', '.join(diff)}): pass --overwrite "
+                              "to regenerate it, or choose another --out")
         print(f"gorgon data: {out} is already complete; pass --overwrite to regenerate it")
         return out
     replace = check_output(out, is_dataset, overwrite)
+    partial = out.parent / f"{out.name}.partial"  # the unfinished run, resumed from here
+    if partial.is_dir() and any(partial.iterdir()) and not (partial / "settings.json").is_file():
+        raise GorgonError(f"{partial} holds files gorgon did not write, where it keeps an unfinished run: move them "
+                          "away or choose another --out")
     if settings.prompts == "self" and not settings.limit:
         raise GorgonError("--prompts self needs --limit N: how many prompts the target should write")
     template = None
@@ -264,9 +280,8 @@ def make_dataset(settings: DataSettings, out: str | os.PathLike, target: Target 
     engine_settings = DataSettings(**{**asdict(settings), "chat_template": template})
     engine = (VllmEngine(target, engine_settings) if settings.engine == "vllm"
               else Engine(target, engine_settings, cpu_kernels))
-    partial = out.parent / f"{out.name}.partial"
     partial.mkdir(parents=True, exist_ok=True)
-    check_settings(partial, settings, target.fingerprint)
+    check_settings(partial, settings, target.fingerprint, restart=overwrite)
     if convs is None:
         prompts_file = partial / "self_prompts.jsonl"
         if not prompts_file.exists():

@@ -76,6 +76,9 @@ class DraftTrainConfig:
         for key in ("beta", "lmbda"):
             if not 0.0 <= getattr(self, key) <= 1.0:
                 raise GorgonError(f"{key} must lie between 0 and 1, not {getattr(self, key)}")
+        from gorgon.train.recipe import check_optimisation
+
+        check_optimisation(self)
         if self.batch_size < 1 or self.grad_accum < 1 or self.draft_tokens < 1:
             raise GorgonError("batch_size, grad_accum and draft_tokens must be at least 1")
         if self.max_steps is not None and self.max_steps < 0:

@@ -102,6 +102,9 @@ class HeadsTrainConfig:
         if self.loss_tokens == "all" and self.arch == "medusa" and self.loss == "ce":
             raise GorgonError("loss_tokens: all trains on the prompts' positions against the target's own "
                               "distribution there: use loss: kl (or arch: eagle), or loss_tokens: answers")
+        from gorgon.train.recipe import check_optimisation
+
+        check_optimisation(self)
         if self.num_heads < 1 or self.num_layers < 1 or self.batch_size < 1 or self.grad_accum < 1:
             raise GorgonError("num_heads, num_layers, batch_size and grad_accum must be at least 1")
         if self.train_conversations is not None and self.train_conversations < 1:

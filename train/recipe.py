@@ -50,6 +50,25 @@ def _convert(value, annotation, key: str):
         raise GorgonError(f"{key} must be {getattr(annotation, '__name__', annotation)}, got {value!r}") from err
 
 
+def check_optimisation(cfg) -> None:
+    """The settings both training scripts share, each in range: a negative learning rate or no held-out
+    data would otherwise train (or stop later with a misleading error) instead of failing here."""
+    rates = {k: getattr(cfg, k) for k in ("learning_rate", "backbone_learning_rate") if hasattr(cfg, k)}
+    for key, value in rates.items():
+        if not value > 0:
+            raise GorgonError(f"{key} must be above 0, not {value}")
+    if cfg.warmup_steps < 0:
+        raise GorgonError(f"warmup_steps must be at least 0, not {cfg.warmup_steps}")
+    if not cfg.epochs > 0:
+        raise GorgonError(f"epochs must be above 0 (a fraction trains on part of the data), not {cfg.epochs}")
+    if not 0 < cfg.eval_fraction < 1:
+        raise GorgonError(f"eval_fraction is the share of conversations held out to measure the drafts: use a "
+                          f"number between 0 and 1 (default 0.05), not {cfg.eval_fraction}")
+    if cfg.max_length < 2:
+        raise GorgonError(f"max_length is the most tokens per training conversation: use 2 or more (default 1024), "
+                          f"not {cfg.max_length}")
+
+
 def parse_overrides(argv: list[str]) -> dict[str, str]:
     """`--key value` and `--key=value` pairs (dashes in keys become underscores); `--flag` alone means true."""
     out, i = {}, 0

@@ -77,10 +77,10 @@ def read_records(source: str) -> list[dict]:
         return list(data)
     problem = local_path_problem(source)
     if problem:
-        raise GorgonError(f"prompt source {problem}: pass a .jsonl/.json file or a dataset folder")
+        raise GorgonError(f"data source {problem}: pass a .jsonl/.json file or a dataset folder")
     if looks_like_path(source) or source.endswith((".json", ".jsonl")):
-        raise GorgonError(f"prompt source {source} not found: pass a .jsonl/.json file, a dataset folder, "
-                          "a hub dataset name, or 'self'")
+        raise GorgonError(f"data source {source} not found: pass a .jsonl/.json file, a dataset folder or "
+                          "a hub dataset name")
     try:
         return list(datasets.load_dataset(source, split="train"))
     except Exception as err:  # the hub raises many types; all mean "not reachable or not there"
