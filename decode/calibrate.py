@@ -77,14 +77,15 @@ def measure_verify_costs(model, sizes=None, context: int = 256, repeat: int = 5)
     sizes = sizes or (CUDA_SIZES if device.type == "cuda" else CPU_SIZES)
     prompt = torch.randint(0, model.config.get_text_config().vocab_size, (1, context), device=device)
     cache = DynamicCache()
-    base_model(model)(input_ids=prompt, **with_cache(base_model(model), cache), use_cache=True)
+    decoder = base_model(model)
+    decoder(input_ids=prompt, **with_cache(decoder, cache), use_cache=True)
     costs = {}
     for n in sizes:
         tokens = prompt[0, :n]
         if n == 1:  # a plain decoding step
             def step():
-                lm_logits(model, base_model(model)(input_ids=tokens[None], **with_cache(base_model(model), cache),
-                                                   use_cache=True).last_hidden_state)
+                lm_logits(model, decoder(input_ids=tokens[None], **with_cache(decoder, cache),
+                                         use_cache=True).last_hidden_state)
         else:
             chain = build_tree([[0] * d for d in range(1, n)]).to(device)
 

@@ -116,8 +116,9 @@ def speculative_generate(model, drafter: Drafter, input_ids: torch.Tensor, max_n
         return torch.multinomial(target_probs(logits, sampling), 1, generator=generator)[0]
 
     cache = DynamicCache()
-    out = base_model(model)(input_ids=input_ids, **with_cache(base_model(model), cache), use_cache=True,
-                            output_hidden_states=layers is not None)
+    decoder = base_model(model)
+    out = decoder(input_ids=input_ids, **with_cache(decoder, cache), use_cache=True,
+                  output_hidden_states=layers is not None)
     fresh = features(out, layers)
     root = next_token(lm_logits(model, out.last_hidden_state[0, -1]))
     context = input_ids[0]                  # tokens in the cache; root follows them

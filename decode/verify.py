@@ -59,11 +59,12 @@ def verify(model, cache, tokens: torch.Tensor, tree: Tree, hidden_states: bool =
     """Run the target over all tree nodes at once; returns the decoder's output for them (batch of one),
     every layer's hidden states included when asked for (a drafter reading several layers needs them)."""
     past_len = cache.get_seq_length()
-    return base_model(model)(
+    decoder = base_model(model)
+    return decoder(
         input_ids=tokens[None],
         attention_mask=verify_mask(model.config, tree, past_len, model.dtype),
         position_ids=(past_len + tree.depth)[None],
-        **with_cache(base_model(model), cache),
+        **with_cache(decoder, cache),
         use_cache=True,
         output_hidden_states=hidden_states,
     )

@@ -33,8 +33,9 @@ def profile(model, drafter, context: int, repeat: int) -> dict[str, float]:
     prompt = torch.randint(0, model.config.get_text_config().vocab_size, (1, context), device=device)
     parts = {}
     cache = DynamicCache()
-    out = base_model(model)(input_ids=prompt, **with_cache(base_model(model), cache), use_cache=True,
-                            output_hidden_states=layers is not None)
+    decoder = base_model(model)
+    out = decoder(input_ids=prompt, **with_cache(decoder, cache), use_cache=True,
+                  output_hidden_states=layers is not None)
     fresh = features(out, layers)
     root = lm_logits(model, out.last_hidden_state[0, -1]).argmax()
 
@@ -45,8 +46,8 @@ def profile(model, drafter, context: int, repeat: int) -> dict[str, float]:
         return median_ms(fn, repeat, reset, device)
 
     parts["plain step (1 token + lm_head)"] = timed(
-        lambda: lm_logits(model, base_model(model)(input_ids=root.view(1, 1), **with_cache(base_model(model), cache),
-                                                   use_cache=True).last_hidden_state))
+        lambda: lm_logits(model, decoder(input_ids=root.view(1, 1), **with_cache(decoder, cache),
+                                         use_cache=True).last_hidden_state))
     tokens, tree = drafter.propose(root, fresh, prompt[0])  # a drafter with a cache takes in the prompt here
     parts["drafter propose"] = timed(lambda: drafter.propose(root, fresh[-1:], prompt[0]), lambda: None)
     hidden_states = layers is not None

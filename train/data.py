@@ -210,7 +210,8 @@ def check_settings(partial: Path, settings: DataSettings, fingerprint: str, rest
         if diff:
             shutil.rmtree(partial)
             partial.mkdir()
-    atomic_write_text(path, json.dumps(record, indent=1))
+    if not path.exists():  # a new run, or one started over
+        atomic_write_text(path, json.dumps(record, indent=1))
 
 
 def is_dataset(out: Path) -> bool:

@@ -53,10 +53,9 @@ def _convert(value, annotation, key: str):
 def check_optimisation(cfg) -> None:
     """The settings both training scripts share, each in range: a negative learning rate or no held-out
     data would otherwise train (or stop later with a misleading error) instead of failing here."""
-    rates = {k: getattr(cfg, k) for k in ("learning_rate", "backbone_learning_rate") if hasattr(cfg, k)}
-    for key, value in rates.items():
-        if not value > 0:
-            raise GorgonError(f"{key} must be above 0, not {value}")
+    for key in ("learning_rate", "backbone_learning_rate"):  # the second: Medusa-2's adapters (heads only)
+        if hasattr(cfg, key) and not getattr(cfg, key) > 0:
+            raise GorgonError(f"{key} must be above 0, not {getattr(cfg, key)}")
     if cfg.warmup_steps < 0:
         raise GorgonError(f"warmup_steps must be at least 0, not {cfg.warmup_steps}")
     if not cfg.epochs > 0:
