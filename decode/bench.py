@@ -21,7 +21,7 @@ import torch
 from gorgon.heads import ContextDrafter, MergedDrafter
 from gorgon.heads.card import refresh_model_card
 from gorgon.heads.errors import GorgonError, int_at_least
-from gorgon.heads.files import atomic_write_text, check_output, read_jsonl
+from gorgon.heads.files import atomic_write_text, check_report_output, read_jsonl
 from gorgon.heads.target import load_causal_lm
 
 from .acceptance import Sampling
@@ -377,21 +377,16 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     args = parser().parse_args(argv)
-    if args.out and Path(args.out).suffix == ".png":
-        raise GorgonError("--out is the JSON report, and its plot is written beside it with the suffix .png: "
-                          "pass a .json path")
     baselines = tuple(b.strip() for b in args.baselines.split(",") if b.strip())
     unknown = [b for b in baselines if b not in BASELINES]
     if unknown:
         raise GorgonError(f"unknown baseline {unknown[0]!r}: use {', '.join(BASELINES)}")
     if args.update_card and not (args.heads or args.draft):
         raise GorgonError("--update-card writes into a --heads or --draft folder's card: pass one")
+    if args.out:
+        check_report_output(Path(args.out), is_report, args.overwrite)
     questions = load_questions(args.questions, args.limit)
     sampling = Sampling(args.temperature, args.top_k, args.top_p)
-    if args.out:
-        check_output(Path(args.out), is_report, args.overwrite, kind="file")
-        check_output(Path(args.out).with_suffix(".png"), lambda png: is_report(Path(args.out)), args.overwrite,
-                     kind="file")
     target, drafter = load_drafter(args, read_tree(args.tree))
     assistant = None
     if args.assistant:

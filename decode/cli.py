@@ -15,7 +15,8 @@ from .options import add_model_arguments, load_drafter, read_tree
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="gorgon generate",
-        description="Generate with a target and its Medusa heads (or a draft model). Greedy (the default) gives "
+        description="Generate with a target and a drafter: its heads (Medusa or feature-level), a draft "
+                    "model, or prompt lookup (--context-draft). Greedy (the default) gives "
                     "exactly the target's own greedy output, only faster; sampling keeps the target's distribution "
                     "exactly.")
     add_model_arguments(p)

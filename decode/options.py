@@ -64,12 +64,14 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
                    help="a feature-level head's tree levels drafted per step (default: the one saved with it)")
     p.add_argument("--draft-topk", type=int_at_least(1), default=None,
                    help="a feature-level head's tokens kept and expanded per level (default: the one saved with it)")
-    p.add_argument("--max-new-tokens", type=int_at_least(1), default=256)
+    p.add_argument("--max-new-tokens", type=int_at_least(1), default=256,
+                   help="most tokens generated per answer (default 256)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 (default) is greedy")
     p.add_argument("--top-k", type=int, default=0, help="0 (default) is off")
     p.add_argument("--top-p", type=float, default=1.0, help="1 (default) is off")
     p.add_argument("--seed", type=int, default=None, help="seed for sampling")
-    p.add_argument("--device", default="auto")
+    p.add_argument("--device", default="auto", help="auto (default: cuda when there is a GPU, else cpu), cpu, "
+                   "cuda or cuda:N")
     p.add_argument("--dtype", default="auto", help="auto (bf16 on CUDA, fp32 on CPU), float32, bfloat16, float16")
     p.add_argument("--cpu-kernels", choices=KERNELS, default="fast",
                    help="on the CPU: fast (default: linear layers on weights prepacked for oneDNN, so verifying a "

@@ -12,10 +12,12 @@ from .errors import user_error_line, write_error_line
 
 COMMANDS = {
     "data": ("gorgon.train.data", "self-distillation: the target answers prompts; writes a datasets folder"),
-    "train": ("gorgon.train.heads", "train Medusa heads from a YAML recipe (as `accelerate launch train/heads.py`)"),
+    "train": ("gorgon.train.heads", "train Medusa or feature-level (EAGLE-style) heads from a YAML recipe (as "
+                                    "`accelerate launch train/heads.py`)"),
     "draft": ("gorgon.train.draft", "distil a small draft model (as `accelerate launch train/draft.py`)"),
     "generate": ("gorgon.decode.cli", "generate with a target plus heads or a draft model, streaming accepted tokens"),
-    "export": ("gorgon.heads.export", "write heads in vLLM's or FasterDecoding Medusa's format (TGI, TensorRT-LLM)"),
+    "export": ("gorgon.heads.export", "write heads in a serving engine's format: Medusa (vLLM, TGI, TensorRT-LLM), "
+                                      "EAGLE-3 (vLLM, SGLang), speculators"),
     "push": ("gorgon.heads.push", "upload a heads folder (and its model card) to the Hugging Face Hub"),
     "bench": ("gorgon.decode.bench", "tau, tokens/s and speedup over plain generate, with an identical-output check"),
 }

@@ -22,19 +22,25 @@ def is_export(folder: Path) -> bool:
     return (folder / EXPORT_MARKER).is_file()
 
 
-def main(argv=None) -> int:
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="gorgon export", description="Export heads for a serving engine. Medusa heads: "
                                 "'vllm' (vLLM's Medusa model) or 'medusa' (FasterDecoding Medusa, which TGI and "
                                 "TensorRT-LLM read). A feature-level head: 'eagle3' (vLLM's and SGLang's EAGLE-3) or "
                                 "'speculators' (the speculators library's format, which vLLM reads).")
     p.add_argument("--heads", required=True, help="heads folder or hub id")
-    p.add_argument("--format", required=True, choices=medusa_formats.FORMATS + eagle_formats.FORMATS)
+    p.add_argument("--format", required=True, choices=medusa_formats.FORMATS + eagle_formats.FORMATS,
+                   help="the serving engine's layout: vllm or medusa for Medusa heads, eagle3 or speculators for a "
+                        "feature-level head")
     p.add_argument("--out", required=True, help="output folder")
     p.add_argument("--target", default=None, help="the target (default: the embedded SmolLM2); its lm_head is "
                    "written out when the heads share it")
     p.add_argument("--base-model", default=None, help="base_model_name_or_path to record (default: the target name)")
     p.add_argument("--overwrite", action="store_true", help="replace an earlier export at --out")
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv=None) -> int:
+    args = parser().parse_args(argv)
     out = Path(args.out)
     if Path(args.heads).is_dir() and out.exists() and out.resolve() == Path(args.heads).resolve():
         raise GorgonError(f"--out {out} is the heads folder itself: choose another folder for the export")

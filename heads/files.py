@@ -109,6 +109,16 @@ def check_output(out: Path, ours, overwrite: bool, kind: str = "folder") -> bool
     return replace
 
 
+def check_report_output(out: Path, is_report, overwrite: bool) -> None:
+    """Before any work: may a JSON report go to `out`, and its plot beside it (the same name, .png)?
+    A .png `out` is refused: the plot would be written over the report."""
+    if out.suffix == ".png":
+        raise GorgonError("--out is the JSON report, and its plot is written beside it with the suffix .png: "
+                          "pass a .json path")
+    check_output(out, is_report, overwrite, kind="file")
+    check_output(out.with_suffix(".png"), lambda png: is_report(out), overwrite, kind="file")
+
+
 def check_writable(folder: Path) -> None:
     """Create `folder` (and its parents) and write a scratch file there; fail in one line if that fails.
     The folders it made are removed again, so a command that then stops on bad input leaves no empty

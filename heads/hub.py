@@ -50,8 +50,21 @@ def upload_folder(folder: str | os.PathLike, repo_id: str, private: bool = False
     except Exception as err:
         reason = str(err).strip().split("\n")[0] or err.__class__.__name__
         raise GorgonError(f"upload to {repo_id} failed ({reason}); the local folder {folder} is unchanged: "
-                          "log in with `hf auth login` (or set HF_TOKEN) and retry") from err
+                          f"{upload_fix(err)}") from err
     return str(getattr(info, "commit_url", info))
+
+
+def upload_fix(err: Exception) -> str:
+    """What to do about a failed upload, by what failed: the repo id, the login, the Hub, or the connection."""
+    from huggingface_hub.errors import HfHubHTTPError, HFValidationError
+
+    if isinstance(err, HFValidationError):
+        return "pass the repo id as user/name (or org/name)"
+    if getattr(getattr(err, "response", None), "status_code", None) in (401, 403):
+        return "log in with `hf auth login` (or set HF_TOKEN) as a user with write access to the repo, and retry"
+    if isinstance(err, HfHubHTTPError):
+        return "retry; if it fails again, check the repo on the Hub"
+    return "check the connection to the Hub (and HF_ENDPOINT, if set), then retry"
 
 
 class PushToHubMixin:

@@ -9,14 +9,18 @@ from .errors import GorgonError
 from .hub import CONFIG_NAME, upload_folder
 
 
-def main(argv=None) -> int:
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="gorgon push", description="Create the Hub repo if needed and upload a heads "
                                 "folder (heads, config, trees, metrics, plot, model card) in one commit.")
     p.add_argument("--heads", required=True, help="the heads folder to upload")
     p.add_argument("--repo-id", required=True, help="user/name on the Hub")
     p.add_argument("--private", action="store_true", help="create the repo as private")
     p.add_argument("--revision", default=None, help="branch to commit to (default: main)")
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv=None) -> int:
+    args = parser().parse_args(argv)
     folder = Path(args.heads)
     if not (folder / CONFIG_NAME).is_file():
         raise GorgonError(f"{folder} is not a heads folder (no {CONFIG_NAME}): pass the folder training wrote")

@@ -170,6 +170,17 @@ def load_target(name_or_path: str | None = None, device: str = "auto", dtype: st
     return target
 
 
+def what_folder_holds(folder: Path) -> str:
+    """What a folder passed as a model holds instead, and what to pass: heads given as --target, say."""
+    try:
+        config = json.loads((folder / "config.json").read_text())
+    except (OSError, ValueError):
+        return "it has no readable config.json; pass a folder written by save_pretrained"
+    if isinstance(config, dict) and "target_name" in config and "model_type" not in config:
+        return "it holds draft heads; pass it as --heads, and their target as --target"
+    return "check that it holds a model's config.json and weights (save_pretrained writes both)"
+
+
 def load_causal_lm(name: str, what: str, dtype: torch.dtype | None = None, tokenizer: str = "required", **kwargs):
     """A transformers causal LM and its tokenizer by hub id or local path (the target, a draft, a student).
 
@@ -177,18 +188,21 @@ def load_causal_lm(name: str, what: str, dtype: torch.dtype | None = None, token
     folder has weights only) or "none" (not loaded)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    tok = None
     try:
-        if tokenizer == "required":
-            tok = AutoTokenizer.from_pretrained(name)
         model = AutoModelForCausalLM.from_pretrained(name, **({"dtype": dtype} if dtype else {}), **kwargs)
-    except (OSError, ValueError) as err:  # ValueError: a malformed hub id
+    except (OSError, ValueError) as err:  # ValueError: a malformed hub id, or a folder of something else
+        if Path(name).expanduser().is_dir():
+            raise GorgonError(f"{what} {name} is a folder, but not a model transformers can load: "
+                              f"{what_folder_holds(Path(name).expanduser())}") from err
         raise not_found_locally_or_on_hub(what, name, err) from err
-    if tokenizer == "optional":
+    tok = None
+    if tokenizer != "none":
         try:
             tok = AutoTokenizer.from_pretrained(name)
-        except (OSError, ValueError):
-            tok = None
+        except (OSError, ValueError) as err:
+            if tokenizer == "required":
+                raise GorgonError(f"{what} {name} has no tokenizer transformers can load ({err.__class__.__name__}): "
+                                  "save the model's tokenizer beside it (tokenizer.save_pretrained)") from err
     return model, tok
 
 

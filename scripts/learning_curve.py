@@ -20,7 +20,7 @@ from pathlib import Path
 from gorgon.decode.bench import load_questions
 from gorgon.decode.tau import measure_tau, per_category_sample
 from gorgon.heads.errors import run_script
-from gorgon.heads.files import atomic_write_text, check_output
+from gorgon.heads.files import atomic_write_text, check_report_output
 from gorgon.heads.loading import drafter_for, load_heads
 
 
@@ -70,8 +70,7 @@ def main() -> None:
     p.add_argument("--overwrite", action="store_true", help="replace an earlier curve at --out")
     args = p.parse_args()
     out = Path(args.out)
-    check_output(out, is_curve, args.overwrite, kind="file")  # before the measuring, not after
-    check_output(out.with_suffix(".png"), lambda png: is_curve(out), args.overwrite, kind="file")
+    check_report_output(out, is_curve, args.overwrite)  # before the measuring, not after
     questions = per_category_sample(load_questions(args.questions), args.per_category)
     points = []
     for folder in args.heads:

@@ -85,10 +85,15 @@ def test_a_checkpoint_in_an_engines_layout_is_not_taken_for_an_export(tmp_path, 
     assert "nowhere" in capsys.readouterr().err and not (tmp_path / "new").exists()
 
 
-def test_a_bench_report_named_like_its_plot_is_refused(tmp_path, capsys):
+def test_a_report_named_like_its_plot_is_refused(tmp_path, capsys):
+    message = "--out is the JSON report, and its plot is written beside it with the suffix .png: pass a .json path"
     assert gorgon(["bench", "--context-draft", "--questions", "q.jsonl", "--out", str(tmp_path / "r.png")]) == 2
-    assert capsys.readouterr().err.strip().endswith("--out is the JSON report, and its plot is written beside it "
-                                                    "with the suffix .png: pass a .json path")
+    assert capsys.readouterr().err.strip().endswith(message)
+    run = subprocess.run([sys.executable, str(ROOT / "scripts" / "learning_curve.py"), "--heads", "h", "--questions",
+                          "q.jsonl", "--out", str(tmp_path / "curve.png")], env=env(), capture_output=True, text=True,
+                         timeout=120)
+    assert run.returncode == 2 and run.stderr.strip().endswith(message), run.stderr[-2000:]
+    assert not list(tmp_path.iterdir())
 
 
 def test_data_refuses_a_foreign_folder_and_replaces_its_own_only_when_asked(tmp_path):
@@ -240,6 +245,21 @@ def test_one_line_errors_instead_of_tracebacks(tmp_path, capsys):
     with pytest.raises(GorgonError, match="no dataset 'runs/missing': no local folder by that name, and the local hub "
                                           r"cache \(HF_HUB_OFFLINE is set\)"):
         read_records("runs/missing")
+
+
+def test_a_folder_that_is_not_a_model_says_what_it_holds(tmp_path, capsys):
+    """Heads passed as the target, a model without its tokenizer, an empty folder: each named for what it is."""
+    heads = saved_heads(tmp_path)
+    no_tokenizer = tmp_path / "weights-only"
+    tiny_model().save_pretrained(no_tokenizer)
+    (tmp_path / "empty").mkdir()
+    cases = {heads: "it holds draft heads; pass it as --heads", no_tokenizer: "has no tokenizer transformers can load",
+             tmp_path / "empty": "it has no readable config.json"}
+    capsys.readouterr()
+    for folder, expected in cases.items():
+        assert gorgon(["generate", "--target", str(folder), "--context-draft", "--prompt", "hi"]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert expected in err[-1] and not any("Traceback" in line or "no local folder" in line for line in err), err
 
 
 def test_a_full_disk_is_one_line(tmp_path, capsys, monkeypatch):

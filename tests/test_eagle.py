@@ -17,6 +17,7 @@ from gorgon.heads.eagle.formats import export_head
 from gorgon.train.data import DataSettings, make_dataset
 
 FAMILIES = ["llama", "qwen2"]
+LAYOUTS = [*FAMILIES, "qwen3"]  # the engines' EAGLE-3 layers: Llama (Qwen2 with biases) and Qwen3
 
 
 def reference(model, ids, n):
@@ -148,7 +149,7 @@ def test_the_drafters_cache_follows_the_accepted_tokens():
         stepwise.propose(root, features[-1:], torch.cat([ids[0], ids[0, :2]]))
 
 
-@pytest.mark.parametrize("arch", FAMILIES)
+@pytest.mark.parametrize("arch", LAYOUTS)
 def test_save_load_round_trip_drafts_the_same(tmp_path, arch):
     model = tiny_model(arch, layers=4)
     head = head_for(model, draft=torch.arange(0, VOCAB, 2))
@@ -175,7 +176,7 @@ def test_a_head_over_the_whole_vocabulary_exports_without_a_token_map(tmp_path, 
     torch.testing.assert_close(back.lm_head.weight, head.lm_head.weight)
 
 
-@pytest.mark.parametrize("arch", FAMILIES)
+@pytest.mark.parametrize("arch", LAYOUTS)
 @pytest.mark.parametrize("fmt", ["eagle3", "speculators"])
 def test_export_key_names_shapes_and_import_with_identical_drafts(tmp_path, arch, fmt):
     model = tiny_model(arch, layers=6)
@@ -200,6 +201,8 @@ def test_export_key_names_shapes_and_import_with_identical_drafts(tmp_path, arch
     if arch == "qwen2":  # q/k/v biases: exported as Llama's attention_bias, which covers o_proj too
         expected.update({f"{layer}.self_attn.{p}_proj.bias": (n,) for p, n in
                          [("q", H), ("k", kv), ("v", kv), ("o", H)]})
+    if arch == "qwen3":  # q/k norms over each head: vLLM's Qwen3 EAGLE-3 layer holds them
+        expected.update({f"{layer}.self_attn.{p}_norm.weight": (8,) for p in "qk"})
     if fmt == "speculators":
         expected["embed_tokens.weight"] = (VOCAB, H)
     assert {k: tuple(v.shape) for k, v in state.items()} == expected
@@ -208,8 +211,11 @@ def test_export_key_names_shapes_and_import_with_identical_drafts(tmp_path, arch
     assert config["draft_vocab_size"] == 32 and config["norm_before_residual"] is False
     assert config["eagle_aux_hidden_state_layer_ids"] == [1, 3, 5]
     assert (config if fmt == "eagle3" else config["transformer_layer_config"])["dtype"] == "bfloat16"  # the target's
+    model_type = "qwen3" if arch == "qwen3" else "llama"
+    assert (config if fmt == "eagle3" else config["transformer_layer_config"])["model_type"] == model_type
     if fmt == "eagle3":
-        assert config["architectures"] == ["LlamaForCausalLMEagle3"] and config["target_hidden_size"] == H
+        architecture = {"llama": "LlamaForCausalLMEagle3", "qwen3": "Eagle3Qwen3ForCausalLM"}[model_type]
+        assert config["architectures"] == [architecture] and config["target_hidden_size"] == H
         assert config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [0, 2, 4]  # SGLang adds one
         assert config["num_hidden_layers"] == 1 and config["vocab_size"] == VOCAB
     else:
@@ -249,10 +255,11 @@ def test_bad_input_is_one_line(tmp_path):
     for layers in ([3, 1, 2], [1, 1, 2], [1, 2, 4]):  # engines sort them and never read the normed last state
         with pytest.raises(GorgonError, match=rf"in increasing order, below the last \(4.*reads \{layers}"):
             export_head(EagleHead.for_target(model, feature_layers=layers), "eagle3", tmp_path / "x")
-    qwen3 = EagleHead.for_target(tiny_model("qwen3", layers=4), feature_layers=[1, 2, 3])
-    with pytest.raises(GorgonError, match=r"not a Llama layer \(midlayer.self_attn.k_norm.weight, "
-                                          r"midlayer.self_attn.q_norm.weight\)"):
-        export_head(qwen3, "speculators", tmp_path / "x")
+    sinks = EagleHead.for_target(tiny_model("llama", layers=4), feature_layers=[1, 2, 3])
+    sinks.midlayer.self_attn.register_parameter("sinks", torch.nn.Parameter(torch.zeros(4)))  # as gpt-oss has
+    with pytest.raises(GorgonError, match=r"neither a Llama nor a Qwen3 layer \(beside a Llama layer's weights: "
+                                          r"midlayer.self_attn.sinks\)"):
+        export_head(sinks, "speculators", tmp_path / "x")
     assert not (tmp_path / "x").exists()  # refused before anything was written
     with pytest.raises(GorgonError, match="Llama-shaped"):
         EagleHead.for_target(tiny_model("gemma2", layers=4))

@@ -1,7 +1,10 @@
 """The layout keeps its promises: dependencies run one way, no import cycles, no module imports a
-command-line module, every shipped recipe loads, and every script answers --help."""
+command-line module, every shipped recipe loads, every script answers --help, and every option and recipe
+key says what it does."""
 
 import ast
+import dataclasses
+import importlib
 import subprocess
 import sys
 from pathlib import Path
@@ -12,7 +15,7 @@ from helpers import ROOT, env
 
 from gorgon.train.draft import DraftTrainConfig
 from gorgon.train.heads import HeadsTrainConfig
-from gorgon.train.recipe import load_recipe
+from gorgon.train.recipe import load_recipe, print_settings
 
 PACKAGES = {"heads": "gorgon.heads", "decode": "gorgon.decode", "train": "gorgon.train"}
 # heads (targets, the drafting methods) <- decode (the method-agnostic decoder) <- train (data, training)
@@ -99,6 +102,21 @@ def test_every_script_answers_help(script):
                          text=True, timeout=120)
     assert run.returncode == 0, run.stderr[-2000:]
     assert len(run.stdout.strip().splitlines()) >= 2
+
+
+@pytest.mark.parametrize("module", ["gorgon.train.data", "gorgon.decode.cli", "gorgon.decode.bench",
+                                    "gorgon.heads.export", "gorgon.heads.push"])
+def test_every_command_option_says_what_it_does(module):
+    actions = importlib.import_module(module).parser()._actions
+    assert not [a.dest for a in actions if not a.help]
+
+
+@pytest.mark.parametrize("cls", [HeadsTrainConfig, DraftTrainConfig])
+def test_every_recipe_key_says_what_it_does(cls, capsys):
+    assert not [f.name for f in dataclasses.fields(cls) if not f.metadata.get("help")]
+    print_settings(cls)
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("  --learning_rate "))
+    assert "peak learning rate" in line and "(default: " in line
 
 
 def test_decoding_imports_no_training_stack():

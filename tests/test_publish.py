@@ -9,6 +9,7 @@ import base64
 import json
 import os
 import pickle
+import socket
 import subprocess
 import sys
 import threading
@@ -171,11 +172,11 @@ def hub():
     server.shutdown()
 
 
-def push(endpoint, folder):
+def push(endpoint, folder, repo_id="someone/tiny-heads"):
     env = {**os.environ, "HF_ENDPOINT": endpoint, "HF_TOKEN": "hf_test", "HF_HUB_OFFLINE": "0",
            "HF_HUB_DISABLE_TELEMETRY": "1"}
     return subprocess.run([sys.executable, "-m", "gorgon.heads.cli", "push", "--heads", str(folder),
-                           "--repo-id", "someone/tiny-heads"], env=env, capture_output=True, text=True, timeout=120)
+                           "--repo-id", repo_id], env=env, capture_output=True, text=True, timeout=120)
 
 
 def heads_folder(tmp_path):
@@ -208,6 +209,17 @@ def test_failed_upload_leaves_the_folder_and_says_why(tmp_path, hub):
     assert run.returncode == 2 and "Traceback" not in run.stderr
     last = run.stderr.strip().splitlines()[-1]
     assert last.startswith("gorgon push: error: upload to someone/tiny-heads failed") and "unchanged" in last
+    assert "hf auth login" in last  # the Hub refused the write (403)
+    # Each other failure names its own fix, not a login: a malformed repo id, a Hub that cannot be reached.
+    closed = socket.socket()
+    closed.bind(("127.0.0.1", 0))
+    unreachable = f"http://127.0.0.1:{closed.getsockname()[1]}"
+    for endpoint, repo_id, fix in ((hub, "not a/valid/id", "pass the repo id as user/name"),
+                                   (unreachable, "someone/tiny-heads", "check the connection to the Hub")):
+        run = push(endpoint, folder, repo_id)
+        last = run.stderr.strip().splitlines()[-1]
+        assert run.returncode == 2 and fix in last and "hf auth login" not in last, run.stderr[-2000:]
+    closed.close()
     assert {p.name: p.read_bytes() for p in folder.iterdir() if p.is_file()} == before
 
 

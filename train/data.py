@@ -369,8 +369,11 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--max-prompt-tokens", type=int, default=None,
                    help="skip prompts longer than this (and count them): match your training max_length")
     p.add_argument("--temperature", type=float, default=0.0, help="0 (default) is greedy")
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--top-p", type=float, default=1.0, help="with --temperature: nucleus sampling (1, the default, "
+                   "is off)")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed (also for --prompts self): each answer's "
+                   "derives from it and the prompt's place in the run, so a resumed run samples what an uninterrupted "
+                   "one would (default 0)")
     p.add_argument("--turns", choices=["first", "all"], default="first",
                    help="answer the first user turn only, or every turn with the target's own earlier answers")
     p.add_argument("--shard-size", type=int, default=64, help="conversations per resumable shard (default 64)")

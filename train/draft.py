@@ -20,55 +20,60 @@ import functools
 import json
 import os
 import warnings
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 
 from gorgon.heads.errors import GorgonError
+from gorgon.train.recipe import setting
 
 
 @dataclass
 class DraftTrainConfig:
     """A draft distillation recipe. Every key can be set in the YAML or as --key value."""
 
-    data: str                          # `gorgon data` output folder or a conversation file
-    out: str                           # output folder
-    target: str | None = None          # hub id or path; None = the embedded SmolLM2-135M-Instruct
-    student: str | None = None         # a smaller model sharing the target's tokenizer; None = truncate the target
-    student_layers: int = 4            # without `student`: keep the target's first N layers
-    beta: float = 0.0                  # generalised JSD: 0 = KL(target || draft), 1 = KL(draft || target)
-    lmbda: float = 0.0                 # share of batches the draft answers itself (on-policy GKD)
-    temperature: float = 1.0           # lmbda > 0: sampling temperature of the draft's own answers
-    max_new_tokens: int = 128          # lmbda > 0: length of the draft's own answers
-    lora: bool = False                 # train LoRA adapters (merged at the end) instead of every weight
-    lora_r: int = 16
-    lora_alpha: int = 32
-    lora_dropout: float = 0.0
-    lora_target_modules: list[str] = field(
-        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
-    max_length: int = 1024
-    batch_size: int = 4                # per device
-    grad_accum: int = 1
-    learning_rate: float = 2e-4
-    weight_decay: float = 0.0
-    warmup_steps: int = 20
-    epochs: float = 1.0
-    max_steps: int | None = None       # overrides epochs; 0 saves the starting draft untrained
-    max_grad_norm: float = 1.0
-    gradient_checkpointing: bool = False
-    eval_fraction: float = 0.05
-    log_every: int = 10
-    save_every: int = 100              # checkpoint every N steps (0: never)
-    keep_checkpoints: int = 2
-    resume: bool = False
-    overwrite: bool = False            # replace an earlier run's output folder (checkpoints included)
-    seed: int = 0
-    dtype: str = "auto"                # target dtype: auto = bf16 on CUDA, fp32 on CPU (the draft trains in fp32)
-    draft_tokens: int = 4              # the chain length the expected tau in metrics.json assumes
-    report_to: str = "wandb"           # wandb (offline without an API key) | none
-    project: str = "gorgon"
-    push_to_hub: str | None = None
+    data: str = setting(help="`gorgon data` output folder, or a .jsonl/.json file of conversations")
+    out: str = setting(help="output folder: a transformers model with its tokenizer, metrics and model card")
+    target: str | None = setting(None, "hub id or path of the target; None: the embedded SmolLM2-135M-Instruct")
+    student: str | None = setting(None, "a smaller model sharing the target's tokenizer; None: the target cut to "
+                                        "its first student_layers layers")
+    student_layers: int = setting(4, "without student: the target's first N layers the draft keeps")
+    beta: float = setting(0.0, "generalised JSD: 0 is KL(target || draft), 1 is KL(draft || target)")
+    lmbda: float = setting(0.0, "share of batches the draft answers itself (on-policy GKD)")
+    temperature: float = setting(1.0, "lmbda > 0: sampling temperature of the draft's own answers")
+    max_new_tokens: int = setting(128, "lmbda > 0: length of the draft's own answers")
+    lora: bool = setting(False, "train LoRA adapters (merged at the end) instead of every weight")
+    lora_r: int = setting(16, "lora: LoRA rank")
+    lora_alpha: int = setting(32, "lora: LoRA alpha")
+    lora_dropout: float = setting(0.0, "lora: LoRA dropout")
+    lora_target_modules: list[str] = setting(
+        help="lora: the draft's linear layers that get adapters",
+        factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
+    max_length: int = setting(1024, "most tokens per training conversation (longer ones are cut)")
+    batch_size: int = setting(4, "conversations per step and process")
+    grad_accum: int = setting(1, "steps whose gradients are summed per optimizer step")
+    learning_rate: float = setting(2e-4, "peak learning rate (warmup, then cosine decay)")
+    weight_decay: float = setting(0.0, "AdamW weight decay")
+    warmup_steps: int = setting(20, "optimizer steps of linear warmup")
+    epochs: float = setting(1.0, "passes over the training data (a fraction trains on part of it)")
+    max_steps: int | None = setting(None, "optimizer steps; overrides epochs (0 saves the starting draft untrained)")
+    max_grad_norm: float = setting(1.0, "gradient clipping norm")
+    gradient_checkpointing: bool = setting(False, "recompute activations in the backward pass: less memory, "
+                                                  "slower steps")
+    eval_fraction: float = setting(0.05, "share of conversations held out to measure the draft")
+    log_every: int = setting(10, "log the loss every N steps")
+    save_every: int = setting(100, "checkpoint every N steps (0: never)")
+    keep_checkpoints: int = setting(2, "newest checkpoints kept")
+    resume: bool = setting(False, "continue from the newest checkpoint in --out")
+    overwrite: bool = setting(False, "replace an earlier run's output folder, checkpoints included")
+    seed: int = setting(0, "seed of the held-out split and the shuffling")
+    dtype: str = setting("auto", "the target's dtype: auto (bfloat16 on CUDA, float32 on a CPU), float32, "
+                                 "bfloat16, float16; the draft trains in float32")
+    draft_tokens: int = setting(4, "the chain length the expected tau in metrics.json assumes")
+    report_to: str = setting("wandb", "wandb (offline without an API key) | none")
+    project: str = setting("gorgon", "the wandb project")
+    push_to_hub: str | None = setting(None, "a Hub repo id (user/name) to upload the draft to at the end")
 
     def check(self) -> None:
         if self.report_to not in ("wandb", "none"):

@@ -1,9 +1,10 @@
-"""Train Medusa heads: `accelerate launch train/heads.py --config configs/heads/RECIPE.yaml [--key value ...]`.
+"""Train draft heads: `accelerate launch train/heads.py --config configs/heads/RECIPE.yaml [--key value ...]`.
 
 Runs the same under plain `python train/heads.py`, on a CPU, one GPU or many (the accelerate
-configs in configs/accelerate). Medusa-1 freezes the target and trains only the heads;
-Medusa-2 also trains LoRA adapters on the target, held to its original outputs by a KL term.
-At the end the heads' measured top-k accuracies on held-out data choose the decoding trees.
+configs in configs/accelerate). `arch: medusa` trains Medusa heads on the target's last hidden
+state: Medusa-1 freezes the target, Medusa-2 also trains LoRA adapters on it, held to its original
+outputs by a KL term. `arch: eagle` trains a feature-level head (EAGLE-3's layout) on the frozen
+target's features. At the end the measured top-k accuracies on held-out data choose the decoding trees.
 The output folder holds the heads, config, trees, metrics, a per-head accuracy plot and a
 model card draft; checkpoints let `--resume true` continue after a kill.
 """
@@ -15,7 +16,7 @@ import math
 import os
 import shutil
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
@@ -24,67 +25,75 @@ from gorgon.heads.errors import GorgonError
 from gorgon.heads.files import atomic_write_text
 from gorgon.heads.medusa.model import ADAPTER_DIR
 from gorgon.heads.tree import DEVICE_TREE_SIZE
+from gorgon.train.recipe import setting
 
 
 @dataclass
 class HeadsTrainConfig:
     """A heads training recipe. Every key can be set in the YAML or as --key value."""
 
-    data: str                          # `gorgon data` output folder or a conversation file
-    out: str                           # output folder
-    target: str | None = None          # hub id or path; None = the embedded SmolLM2-135M-Instruct
-    arch: str = "medusa"               # medusa (Medusa heads) | eagle (a feature-level head, EAGLE-3's layout)
-    mode: str = "medusa1"              # medusa: medusa1 (frozen target) | medusa2 (joint, LoRA)
-    num_heads: int = 4
-    num_layers: int = 1
-    shared_lm_head: bool = True
-    loss: str = "ce"                   # ce (data tokens) | kl (the target's own distribution)
-    loss_tokens: str = "answers"       # answers | all: every position, prompts too (soft targets only:
-                                       # arch eagle or loss kl); held-out figures always count answers
-    head_decay: float = 0.8            # head k's loss weight is head_decay ** k
-    max_length: int = 1024
-    batch_size: int = 4                # per device
-    grad_accum: int = 1
-    learning_rate: float = 1e-3        # heads
-    backbone_learning_rate: float = 5e-5  # medusa2 LoRA adapters
-    weight_decay: float = 0.0
-    warmup_steps: int = 20
-    epochs: float = 1.0
-    max_steps: int | None = None       # overrides epochs; 0 saves the untrained heads
-    max_grad_norm: float = 1.0
-    heads_warmup_steps: int = 0        # medusa2: train the heads alone first
-    base_kl_weight: float = 1.0        # medusa2: weight of the KL that keeps the target's outputs
-    lora_r: int = 16
-    lora_alpha: int = 32
-    lora_dropout: float = 0.0
-    lora_target_modules: list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
-    eval_fraction: float = 0.05
-    train_conversations: int | None = None  # train on the first N after the held-out split (a learning curve)
-    eval_every: int = 0                # 0: only at the end
-    log_every: int = 10
-    save_every: int = 100              # checkpoint every N steps (0: never)
-    keep_checkpoints: int = 2
-    resume: bool = False
-    overwrite: bool = False            # replace an earlier run's output folder (checkpoints included)
-    seed: int = 0
-    dtype: str = "auto"                # target dtype: auto = bf16 on CUDA, fp32 on CPU
-    tree_topk: int = 10                # ranks measured per head (eagle: per step) for the trees
-    feature_layers: list[int] | None = None  # eagle: target hidden_states read (None: EAGLE-3's low, middle, high)
-    ttt_steps: int = 1                 # eagle: unrolled steps that feed the head its own outputs (1: off)
-    hidden_weight: float = 0.0         # eagle: weight of EAGLE-1's feature regression
-    feature_noise: float = 0.0         # eagle: uniform noise in [-a, a] on the target's features in training
-    train_lm_head: bool = True         # eagle: train the head's LM head (false: it keeps the target's rows)
-    cache_features: bool = False       # keep the frozen target's outputs per conversation in CPU memory after
-                                       # its first pass, so later epochs skip its forward (medusa1: hidden_size
-                                       # floats per token; eagle: (len(feature_layers) + 1) x hidden_size)
-    draft_depth: int = 5               # eagle: tree levels drafted per step
-    draft_topk: int = 8                # eagle: tokens kept and expanded per level
-    draft_vocab_size: int | None = None  # heads draft from, and train over, the N most frequent answer tokens
-    cpu_tree_size: int = DEVICE_TREE_SIZE["cpu"]   # tree nodes for decoding on a CPU (eagle: per step)
-    gpu_tree_size: int = DEVICE_TREE_SIZE["cuda"]  # and on a GPU
-    report_to: str = "wandb"           # wandb (offline without an API key) | none
-    project: str = "gorgon"
-    push_to_hub: str | None = None
+    data: str = setting(help="`gorgon data` output folder, or a .jsonl/.json file of conversations")
+    out: str = setting(help="output folder: the heads, their trees, metrics, plot and model card")
+    target: str | None = setting(None, "hub id or path of the target; None: the embedded SmolLM2-135M-Instruct")
+    arch: str = setting("medusa", "medusa (Medusa heads on the last hidden state) | eagle (a feature-level head "
+                                  "in EAGLE-3's layout, drafting autoregressively)")
+    mode: str = setting("medusa1", "medusa: medusa1 (the target frozen) | medusa2 (LoRA on the target too)")
+    num_heads: int = setting(4, "medusa: heads; the k-th drafts the token k places after the next one")
+    num_layers: int = setting(1, "medusa: residual blocks per head")
+    shared_lm_head: bool = setting(True, "medusa: heads project through the target's lm_head (false: own copies)")
+    loss: str = setting("ce", "medusa: ce (the data's tokens) | kl (the target's own distribution)")
+    loss_tokens: str = setting("answers", "answers | all: every position, prompts too (soft targets only: arch "
+                                          "eagle or loss kl); held-out figures always count answers")
+    head_decay: float = setting(0.8, "medusa: head k's loss weight is head_decay ** k")
+    max_length: int = setting(1024, "most tokens per training conversation (longer ones are cut)")
+    batch_size: int = setting(4, "conversations per step and process")
+    grad_accum: int = setting(1, "steps whose gradients are summed per optimizer step")
+    learning_rate: float = setting(1e-3, "the heads' peak learning rate (linear warmup, then cosine decay)")
+    backbone_learning_rate: float = setting(5e-5, "medusa2: the LoRA adapters' peak learning rate")
+    weight_decay: float = setting(0.0, "AdamW weight decay")
+    warmup_steps: int = setting(20, "optimizer steps of linear warmup")
+    epochs: float = setting(1.0, "passes over the training data (a fraction trains on part of it)")
+    max_steps: int | None = setting(None, "optimizer steps; overrides epochs (0 saves the untrained heads)")
+    max_grad_norm: float = setting(1.0, "gradient clipping norm")
+    heads_warmup_steps: int = setting(0, "medusa2: steps that train the heads alone before the adapters")
+    base_kl_weight: float = setting(1.0, "medusa2: weight of the KL that keeps the target's own outputs")
+    lora_r: int = setting(16, "medusa2: LoRA rank")
+    lora_alpha: int = setting(32, "medusa2: LoRA alpha")
+    lora_dropout: float = setting(0.0, "medusa2: LoRA dropout")
+    lora_target_modules: list[str] = setting(help="medusa2: the target's linear layers that get adapters",
+                                             factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
+    eval_fraction: float = setting(0.05, "share of conversations held out to measure the drafts")
+    train_conversations: int | None = setting(None, "train on the first N after the held-out split (a learning "
+                                                    "curve); None: all")
+    eval_every: int = setting(0, "held-out evaluation every N steps (0: only at the end)")
+    log_every: int = setting(10, "log the loss every N steps")
+    save_every: int = setting(100, "checkpoint every N steps (0: never)")
+    keep_checkpoints: int = setting(2, "newest checkpoints kept")
+    resume: bool = setting(False, "continue from the newest checkpoint in --out")
+    overwrite: bool = setting(False, "replace an earlier run's output folder, checkpoints included")
+    seed: int = setting(0, "seed of the held-out split, the shuffling and the heads' initialisation")
+    dtype: str = setting("auto", "the target's dtype: auto (bfloat16 on CUDA, float32 on a CPU), float32, "
+                                 "bfloat16, float16")
+    tree_topk: int = setting(10, "ranks measured per head (eagle: per step) to choose the decoding trees")
+    feature_layers: list[int] | None = setting(None, "eagle: the target's hidden_states read, e.g. 2,15,27; "
+                                                     "None: EAGLE-3's low, middle and high layer")
+    ttt_steps: int = setting(1, "eagle: unrolled steps that feed the head its own outputs, as deeper drafts see "
+                                "them (EAGLE-3's training-time test; 1: off)")
+    hidden_weight: float = setting(0.0, "eagle: weight of EAGLE-1's regression onto the target's next feature")
+    feature_noise: float = setting(0.0, "eagle: uniform noise in [-a, a] on the target's features in training")
+    train_lm_head: bool = setting(True, "eagle: train the head's LM head (false: it keeps the target's rows)")
+    cache_features: bool = setting(False, "keep the frozen target's outputs in CPU memory after the first epoch, "
+                                          "so later epochs skip its forward (medusa1: hidden_size floats per "
+                                          "token; eagle: (len(feature_layers) + 1) x hidden_size)")
+    draft_depth: int = setting(5, "eagle: tree levels drafted per step")
+    draft_topk: int = setting(8, "eagle: tokens kept and expanded per level")
+    draft_vocab_size: int | None = setting(None, "draft from, and train over, the N most frequent answer tokens "
+                                                 "(EAGLE-3's d2t/t2d); None: the whole vocabulary")
+    cpu_tree_size: int = setting(DEVICE_TREE_SIZE["cpu"], "tree nodes per step for decoding on a CPU")
+    gpu_tree_size: int = setting(DEVICE_TREE_SIZE["cuda"], "tree nodes per step for decoding on a GPU")
+    report_to: str = setting("wandb", "wandb (offline without an API key) | none")
+    project: str = setting("gorgon", "the wandb project")
+    push_to_hub: str | None = setting(None, "a Hub repo id (user/name) to upload the heads to at the end")
 
     @property
     def rows(self) -> int:

@@ -13,6 +13,7 @@ import json
 import os
 import shutil
 import sys
+import textwrap
 import types
 import typing
 from pathlib import Path
@@ -20,6 +21,12 @@ from pathlib import Path
 import yaml
 
 from gorgon.heads.errors import GorgonError, check_keys, user_error_line
+
+
+def setting(default=dataclasses.MISSING, help: str = "", *, factory=dataclasses.MISSING):
+    """A recipe key: its default (none: required) and the text `--help` prints beside it, as TRL's
+    `field(metadata={"help": ...})`."""
+    return dataclasses.field(default=default, default_factory=factory, metadata={"help": help})
 
 
 def _convert(value, annotation, key: str):
@@ -205,16 +212,19 @@ def full_state_dict(accelerator, model) -> dict:
 
 
 def print_settings(cls) -> None:
-    """The --help list of a recipe's keys with their defaults."""
+    """The --help list of a recipe's keys: each with what it does and its default."""
     print("Settings (YAML keys, or --key value on the command line):")
     for f in dataclasses.fields(cls):
         if f.default is not dataclasses.MISSING:
-            default = f.default
+            default = f"(default: {f.default})"
         elif f.default_factory is not dataclasses.MISSING:
-            default = f.default_factory()
+            default = f"(default: {','.join(map(str, f.default_factory()))})"
         else:
-            default = "required"
-        print(f"  --{f.name:<24} {default}")
+            default = "(required)"
+        lines = textwrap.wrap(f"{f.metadata.get('help', '')} {default}", 90)
+        print(f"  --{f.name:<24}{lines[0]}")
+        for line in lines[1:]:
+            print(" " * 28 + line)
 
 
 def recipe_main(cls, train, doc: str, argv: list[str] | None = None) -> int:

@@ -1,7 +1,9 @@
 """The layouts serving engines load a feature-level head from: export to them, import from them.
 
-- eagle3: what vLLM (model_executor/models/llama_eagle3.py) and SGLang (srt/models/llama_eagle3.py)
-  load: config.json of a one-layer Llama with `architectures: ["LlamaForCausalLMEagle3"]`,
+- eagle3: what vLLM (model_executor/models/llama_eagle3.py, qwen3_eagle3.py) and SGLang
+  (srt/models/llama_eagle3.py) load: config.json of a one-layer Llama (`architectures:
+  ["LlamaForCausalLMEagle3"]`) or, for a head whose layer has Qwen3's q/k norms, a one-layer Qwen3
+  (`["Eagle3Qwen3ForCausalLM"]`, vLLM only: SGLang has no such class and refuses it by name), with
   `draft_vocab_size`, `target_hidden_size`, `norm_before_residual: false` (vLLM's speculators path
   assumes true when it is missing); weights `fc`, `midlayer.*` (q/k/v take twice the hidden
   size; `hidden_norm`), `norm`, `lm_head` over the draft vocabulary, `d2t` (int64: target id =
@@ -9,8 +11,9 @@
   target's in both engines, so it is not written.
 - speculators: the `speculators` library's Eagle3 layout, which vLLM also reads: the same weights
   with `layers.0.` for `midlayer.` and the embedding included, and a config.json with
-  `speculators_model_type: "eagle3"`, `transformer_layer_config`, and `speculators_config`
-  (`proposal_methods`, `default_proposal_method`, `verifier`).
+  `speculators_model_type: "eagle3"`, `transformer_layer_config` (its `model_type`, llama or qwen3,
+  picks vLLM's class), and `speculators_config` (`proposal_methods`, `default_proposal_method`,
+  `verifier`).
 
 Which target layers feed `fc`: vLLM reads explicit ids from the top level and uses them as the
 input of layer k (our hidden_states index k); SGLang reads `eagle_config` ids and adds one. Both
@@ -18,11 +21,11 @@ are written, one apart, so the two engines read the same layers (inferred from t
 Both capture them in increasing order and neither captures the final normed state (transformers'
 last hidden_states entry), so a head that reads its layers otherwise does not export.
 The head's computation is the engines' (model.py), so an exported head drafts as it does here;
-only a Llama layer's weights export (vLLM fails on any other, SGLang skips it: a Qwen3 layer's q/k
-norms would be lost); a family whose attention has q/k/v biases (Qwen2) exports with
-`attention_bias`, which vLLM reads and SGLang ignores. A head over the whole vocabulary has no
-`d2t`/`t2d` (vLLM then has no parameter to load them into). `dtype` is the target's: SGLang runs
-the draft in its config's dtype, not the target's.
+only a Llama or Qwen3 layer's weights export (vLLM fails on any other weight, SGLang skips it); a
+family whose attention has q/k/v biases (Qwen2) exports as Llama with `attention_bias`, which vLLM
+reads and SGLang ignores. A head over the whole vocabulary has no `d2t`/`t2d` (vLLM then has no
+parameter to load them into). `dtype` is the target's: SGLang runs the draft in its config's
+dtype, not the target's.
 """
 
 from __future__ import annotations
@@ -36,19 +39,21 @@ from ..errors import GorgonError
 from ..files import atomic_write, atomic_write_text, read_safetensors_folder
 
 FORMATS = ("eagle3", "speculators")
-EAGLE3_ARCHITECTURES = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM")
+# The layers the engines build a draft's midlayer as (model_type), and the eagle3 architecture naming each.
+ENGINE_LAYERS = {"llama": "LlamaForCausalLMEagle3", "qwen3": "Eagle3Qwen3ForCausalLM"}
+EAGLE3_ARCHITECTURES = (*ENGINE_LAYERS.values(), "Eagle3LlamaForCausalLM")
 # The Llama config fields a one-layer EAGLE-3 draft needs from the target's text config.
 LAYER_FIELDS = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
                 "hidden_act", "rms_norm_eps", "max_position_embeddings", "rope_theta", "rope_scaling",
                 "rope_parameters", "attention_bias", "mlp_bias", "dtype")
 
 
-def llama_layer_config(head) -> dict:
-    """The head's decoder layer as a one-layer Llama config (what both engines build the midlayer from)."""
+def engine_layer_config(head, model_type: str) -> dict:
+    """The head's decoder layer as a one-layer config of `model_type` (what the engines build the midlayer from)."""
     src = head.config.layer_config
     attn = head.midlayer.self_attn
     config = {k: src[k] for k in LAYER_FIELDS if src.get(k) is not None}
-    config.update(model_type="llama", num_hidden_layers=1, vocab_size=head.config.vocab_size,
+    config.update(model_type=model_type, num_hidden_layers=1, vocab_size=head.config.vocab_size,
                   attention_bias=attn.q_proj.bias is not None, tie_word_embeddings=False,
                   mlp_bias=getattr(head.midlayer.mlp.gate_proj, "bias", None) is not None)
     return config
@@ -65,8 +70,8 @@ def export_head(head, fmt: str, out: str | Path, base_model: str | None = None) 
     state = {k: v for k, v in head.state_dict().items() if k != "token_map"}
     if attn.q_proj.bias is not None and attn.o_proj.bias is None:  # Llama's attention_bias covers o_proj too
         state["midlayer.self_attn.o_proj.bias"] = torch.zeros(attn.o_proj.out_features)
-    layer = llama_layer_config(head)
-    check_llama_weights(state, layer)
+    model_type = engine_layer_type(head, state)
+    layer = engine_layer_config(head, model_type)
     vocab, draft = head.config.vocab_size, head.config.draft_vocab_size or head.config.vocab_size
     if head.token_map is not None:
         state["d2t"] = (head.token_map.cpu() - torch.arange(draft)).long()
@@ -76,7 +81,7 @@ def export_head(head, fmt: str, out: str | Path, base_model: str | None = None) 
     common = {"draft_vocab_size": draft, "target_hidden_size": head.config.hidden_size,
               "norm_before_residual": False, "eagle_aux_hidden_state_layer_ids": layers}
     if fmt == "eagle3":
-        config = {**layer, "architectures": ["LlamaForCausalLMEagle3"], **common,
+        config = {**layer, "architectures": [ENGINE_LAYERS[model_type]], **common,
                   "eagle_config": {"use_aux_hidden_state": True,
                                    "eagle_aux_hidden_state_layer_ids": [i - 1 for i in layers]},
                   "base_model_name_or_path": base}
@@ -115,21 +120,27 @@ def check_exportable_layers(config) -> None:
                           f"and this head reads {layers}: train with such feature_layers (the default) to export")
 
 
-def check_llama_weights(state: dict, layer_config: dict) -> None:
-    """The engines build the midlayer as a Llama layer: any weight of another family's layer would fail
-    to load in vLLM and be dropped without a word by SGLang, so such a head does not export."""
-    from transformers import LlamaConfig
+def engine_layer_type(head, state: dict) -> str:
+    """Which engine layer (ENGINE_LAYERS) holds exactly the head's midlayer weights. Any other weight would
+    fail to load in vLLM and be dropped without a word by SGLang, so a head with none such does not export."""
+    from transformers import LlamaConfig, Qwen3Config
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3DecoderLayer
 
-    config = LlamaConfig(**{k: v for k, v in layer_config.items() if k != "model_type"})
-    with torch.device("meta"):
-        llama = LlamaDecoderLayer(config, layer_idx=0)
-    expected = {f"midlayer.{k}" for k in llama.state_dict()} | {"midlayer.hidden_norm.weight"}
     ours = {k for k in state if k.startswith("midlayer.")}
-    if ours != expected:
-        odd = ", ".join(sorted(ours ^ expected))
-        raise GorgonError(f"this head's decoder layer is not a Llama layer ({odd}), which is all the EAGLE-3 "
-                          f"layout holds: use it in gorgon's decoder, or train it on a Llama-shaped target to export")
+    expected = {}
+    for model_type, config_cls, layer_cls in (("llama", LlamaConfig, LlamaDecoderLayer),
+                                              ("qwen3", Qwen3Config, Qwen3DecoderLayer)):
+        fields = {k: v for k, v in engine_layer_config(head, model_type).items() if k != "model_type"}
+        with torch.device("meta"):
+            layer = layer_cls(config_cls(**fields), layer_idx=0)
+        expected[model_type] = {f"midlayer.{k}" for k in layer.state_dict()} | {"midlayer.hidden_norm.weight"}
+        if ours == expected[model_type]:
+            return model_type
+    odd = ", ".join(sorted(ours ^ expected["llama"]))
+    raise GorgonError(f"this head's decoder layer is neither a Llama nor a Qwen3 layer (beside a Llama layer's "
+                      f"weights: {odd}), the layers the EAGLE-3 layout holds: use it in gorgon's decoder, or train it "
+                      f"on a Llama- or Qwen3-shaped target to export")
 
 
 def foreign_format(config: dict) -> str | None:
