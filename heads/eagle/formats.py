@@ -3,7 +3,7 @@
 - eagle3: what vLLM (model_executor/models/llama_eagle3.py, qwen3_eagle3.py) and SGLang
   (srt/models/llama_eagle3.py) load: config.json of a one-layer Llama (`architectures:
   ["LlamaForCausalLMEagle3"]`) or, for a head whose layer has Qwen3's q/k norms, a one-layer Qwen3
-  (`["Eagle3Qwen3ForCausalLM"]`, vLLM only: SGLang has no such class and refuses it by name), with
+  (`["Eagle3Qwen3ForCausalLM"]`, vLLM only: SGLang has no class of that name), with
   `draft_vocab_size`, `target_hidden_size`, `norm_before_residual: false` (vLLM's speculators path
   assumes true when it is missing); weights `fc`, `midlayer.*` (q/k/v take twice the hidden
   size; `hidden_norm`), `norm`, `lm_head` over the draft vocabulary, `d2t` (int64: target id =
