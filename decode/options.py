@@ -15,7 +15,6 @@ from gorgon.heads import (
     DraftModelDrafter,
     EagleHead,
     GorgonError,
-    MedusaHeads,
     MergedDrafter,
     load_target,
 )
@@ -57,9 +56,11 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tree-budget", type=int_at_least(2), default=None,
                    help="with --context-draft and another drafter: nodes of the merged tree (default: the other "
                         "drafter's own tree size, so a step costs what it did without the context)")
-    p.add_argument("--tree", default="auto", help="'auto' (the tree saved with the heads for this device, else a "
-                   "default), a node count N (the best N-node tree from the heads' measured accuracies), or a JSON "
-                   "file with a list of rank paths, e.g. [[0],[1],[0,0]]")
+    p.add_argument("--tree", default="auto", help="'auto' (the node count that gives the most tokens per unit of "
+                   "time on this machine, from the heads' held-out accuracies and verify costs measured here; heads "
+                   "without accuracies: the size saved with them), a node count N (Medusa: the best N-node tree from "
+                   "the heads' accuracies; a feature-level head: N nodes per step), or a JSON file with a list of "
+                   "rank paths (Medusa), e.g. [[0],[1],[0,0]]")
     p.add_argument("--draft-depth", type=int_at_least(1), default=None,
                    help="a feature-level head's tree levels drafted per step (default: the one saved with it)")
     p.add_argument("--draft-topk", type=int_at_least(1), default=None,
@@ -122,8 +123,10 @@ def load_model_drafter(args, tree):
         if isinstance(heads, EagleHead):  # Medusa heads share the target's lm_head, so keep its dtype
             heads.to(draft_dtype(target.model, args.cpu_kernels, args.draft_dtype))
         use_drafter_kernels(heads, target.model, args.cpu_kernels)
-        if tree == "auto" and isinstance(heads, MedusaHeads) and heads.accuracies:
-            tree = best_tree_size(heads.accuracies[: heads.config.num_heads], verify_costs(target.model))
+        if tree == "auto" and heads.accuracies:
+            levels = (heads.level_accuracies(args.draft_depth) if isinstance(heads, EagleHead)
+                      else heads.accuracies[: heads.config.num_heads])
+            tree = best_tree_size(levels, verify_costs(target.model))
             print(f"gorgon: a {tree}-node tree fits this machine best (--tree N to choose another)", file=sys.stderr)
         return target, drafter_for(heads, tree, args.draft_depth, args.draft_topk)
     target = load_target(args.target, device=args.device, dtype=args.dtype)

@@ -159,6 +159,34 @@ def test_tree_size_follows_the_verify_costs():
         best_tree_size(accuracies, {2: 1.0})
 
 
+def test_a_feature_level_heads_tree_size_follows_the_verify_costs(monkeypatch, tmp_path):
+    """--tree auto sizes a feature-level head's tree for this machine, as Medusa heads', from its held-out
+    accuracies per level; a head without them keeps the size saved with it."""
+    import gorgon.decode.options as options
+    from gorgon.decode.options import load_drafter
+    from gorgon.heads import EagleHead
+
+    target = load_target(str(tiny_chat_target(tmp_path)), device="cpu")
+    head = EagleHead.for_target(target.model, depth=3)
+    head.set_trees([], {"cpu": 6, "cuda": 12})
+    head.save_pretrained(tmp_path / "bare")
+    accuracies = [[0.6, 0.2, 0.1], [0.4, 0.2, 0.1]]
+    head.set_trees(accuracies, {"cpu": 6, "cuda": 12})
+    head.save_pretrained(tmp_path / "measured")
+    assert EagleHead.from_pretrained(tmp_path / "measured", target=target).level_accuracies() == \
+        [accuracies[0], accuracies[1], accuracies[1]]  # levels past the unrolled steps take the last step's
+    flat = {1: 10.0, 2: 10.0, 4: 10.0, 8: 10.0, 16: 10.0}
+    steep = {1: 10.0, 2: 17.0, 4: 30.0, 8: 60.0, 16: 120.0}
+    for folder, costs, nodes in (("measured", flat, 16), ("measured", steep, best_tree_size(
+            [accuracies[0], accuracies[1], accuracies[1]], steep)), ("bare", steep, 6)):
+        monkeypatch.setattr(options, "verify_costs", lambda model, costs=costs: costs)
+        args = generate_parser().parse_args(["--target", str(tmp_path / "tiny-llama-0"), "--heads",
+                                             str(tmp_path / folder), "--prompt", "hi", "--device", "cpu"])
+        _, drafter = load_drafter(args, "auto")
+        assert drafter.nodes == nodes, (folder, costs)
+    assert best_tree_size([accuracies[0], accuracies[1], accuracies[1]], steep) < 6
+
+
 def test_verify_costs_are_measured_once_per_machine(monkeypatch, tmp_path):
     monkeypatch.setenv("GORGON_CACHE", str(tmp_path))
     calls = []

@@ -89,8 +89,10 @@ class HeadsTrainConfig:
     draft_topk: int = setting(8, "eagle: tokens kept and expanded per level")
     draft_vocab_size: int | None = setting(None, "draft from, and train over, the N most frequent answer tokens "
                                                  "(EAGLE-3's d2t/t2d); None: the whole vocabulary")
-    cpu_tree_size: int = setting(DEVICE_TREE_SIZE["cpu"], "tree nodes per step for decoding on a CPU")
-    gpu_tree_size: int = setting(DEVICE_TREE_SIZE["cuda"], "tree nodes per step for decoding on a GPU")
+    cpu_tree_size: int = setting(DEVICE_TREE_SIZE["cpu"], "tree nodes per step saved for a CPU (decoding with "
+                                                          "--tree auto sizes the tree for the machine at hand from "
+                                                          "the held-out accuracies and its measured verify costs)")
+    gpu_tree_size: int = setting(DEVICE_TREE_SIZE["cuda"], "tree nodes per step saved for a GPU (likewise)")
     report_to: str = setting("wandb", "wandb (offline without an API key) | none")
     project: str = setting("gorgon", "the wandb project")
     push_to_hub: str | None = setting(None, "a Hub repo id (user/name) to upload the heads to at the end")

@@ -228,6 +228,13 @@ class EagleHead(PushToHubMixin, nn.Module):
     def accuracies(self) -> list[list[float]] | None:
         return self.config.accuracies
 
+    def level_accuracies(self, depth: int | None = None) -> list[list[float]]:
+        """Held-out rank accuracies per drafted level, as Medusa's per head (for choosing a tree size):
+        unrolled step k's for level k, and the last unrolled step's for the deeper levels training
+        did not unroll."""
+        steps = self.config.accuracies
+        return [steps[min(level, len(steps) - 1)] for level in range(depth or self.config.depth)]
+
     def saved_tree(self, device_type: str) -> int:
         """The number of tree nodes per step saved for this device type (else the CPU one)."""
         return self.config.nodes.get(device_type) or self.config.nodes["cpu"]
