@@ -29,6 +29,7 @@ from .calibrate import cpu_flags, cpu_name
 from .generate import GenerationResult, speculative_generate
 from .kernels import kernels_in_use, one_row_kernel, stock_kernels
 from .options import add_model_arguments, drafter_name, load_drafter, read_tree
+from .tau import per_category_sample
 
 BASELINES = ("generate", "stock", "prompt-lookup", "no-context")
 SPECULATIVE = ("no-context",)  # baselines that decode with a drafter: they also report tau and an identical count
@@ -361,6 +362,8 @@ def parser() -> argparse.ArgumentParser:
     add_model_arguments(p)
     p.add_argument("--questions", required=True, help="MT-Bench/Spec-Bench .jsonl, e.g. scripts/data/mt_bench.jsonl")
     p.add_argument("--limit", type=int_at_least(1), default=None, help="first N questions only")
+    p.add_argument("--per-category", type=int_at_least(1), default=None,
+                   help="the first N questions of each category only (as scripts/tau.py takes them)")
     p.add_argument("--baselines", default="generate,stock",
                    help="comma-separated, timed in the same rotation as gorgon: generate (plain `generate`, always "
                         "run), stock (plain `generate` on torch's stock CPU kernels, when gorgon runs on the fast "
@@ -385,7 +388,7 @@ def main(argv=None) -> int:
         raise GorgonError("--update-card writes into a --heads or --draft folder's card: pass one")
     if args.out:
         check_report_output(Path(args.out), is_report, args.overwrite)
-    questions = load_questions(args.questions, args.limit)
+    questions = per_category_sample(load_questions(args.questions, args.limit), args.per_category)
     sampling = Sampling(args.temperature, args.top_k, args.top_p)
     target, drafter = load_drafter(args, read_tree(args.tree))
     assistant = None

@@ -75,11 +75,14 @@ def test_cli_writes_an_atomic_report_and_plot(tmp_path):
     q = tmp_path / "q.jsonl"
     q.write_text("".join(json.dumps(x) + "\n" for x in QUESTIONS))
     run = subprocess.run([sys.executable, "-m", "gorgon.heads.cli", "bench", "--target", str(target_path), "--heads",
-                          str(tmp_path / "heads"), "--questions", str(q), "--max-new-tokens", "8", "--limit", "2",
-                          "--out", str(tmp_path / "r" / "report.json")], capture_output=True, text=True, timeout=300)
+                          str(tmp_path / "heads"), "--questions", str(q), "--max-new-tokens", "8", "--limit", "3",
+                          "--per-category", "1", "--out", str(tmp_path / "r" / "report.json")],
+                         capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-2000:]
     report = json.loads((tmp_path / "r" / "report.json").read_text())
-    assert report["prompts"] == 2 and report["threads"] >= 1 and report["dtype"] == "float32"
+    # --limit 3 keeps questions 0-2 (writing, math, writing), --per-category 1 the first of each category
+    assert report["prompts"] == 2 and set(report["per_category"]) == {"writing", "math"}
+    assert report["threads"] >= 1 and report["dtype"] == "float32"
     assert report["versions"]["transformers"] and report["tree_size"] >= 2
     assert (tmp_path / "r" / "report.png").stat().st_size > 1000
     assert "| **all** |" in run.stdout

@@ -26,16 +26,14 @@ from pathlib import Path
 import torch
 
 from gorgon.heads.errors import GorgonError
-from gorgon.train.recipe import setting
+from gorgon.train.recipe import TrainingSettings, setting
 
 
 @dataclass
-class DraftTrainConfig:
-    """A draft distillation recipe. Every key can be set in the YAML or as --key value."""
+class DraftTrainConfig(TrainingSettings):
+    """A draft distillation recipe: the shared keys, then distillation's. Every key can be set in the YAML or
+    as --key value."""
 
-    data: str = setting(help="`gorgon data` output folder, or a .jsonl/.json file of conversations")
-    out: str = setting(help="output folder: a transformers model with its tokenizer, metrics and model card")
-    target: str | None = setting(None, "hub id or path of the target; None: the embedded SmolLM2-135M-Instruct")
     student: str | None = setting(None, "a smaller model sharing the target's tokenizer; None: the target cut to "
                                         "its first student_layers layers")
     student_layers: int = setting(4, "without student: the target's first N layers the draft keeps")
@@ -50,30 +48,12 @@ class DraftTrainConfig:
     lora_target_modules: list[str] = setting(
         help="lora: the draft's linear layers that get adapters",
         factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
-    max_length: int = setting(1024, "most tokens per training conversation (longer ones are cut)")
-    batch_size: int = setting(4, "conversations per step and process")
-    grad_accum: int = setting(1, "steps whose gradients are summed per optimizer step")
-    learning_rate: float = setting(2e-4, "peak learning rate (warmup, then cosine decay)")
-    weight_decay: float = setting(0.0, "AdamW weight decay")
-    warmup_steps: int = setting(20, "optimizer steps of linear warmup")
-    epochs: float = setting(1.0, "passes over the training data (a fraction trains on part of it)")
-    max_steps: int | None = setting(None, "optimizer steps; overrides epochs (0 saves the starting draft untrained)")
-    max_grad_norm: float = setting(1.0, "gradient clipping norm")
+    learning_rate: float = setting(2e-4, "peak learning rate (linear warmup, then cosine decay)")
     gradient_checkpointing: bool = setting(False, "recompute activations in the backward pass: less memory, "
                                                   "slower steps")
-    eval_fraction: float = setting(0.05, "share of conversations held out to measure the draft")
-    log_every: int = setting(10, "log the loss every N steps")
-    save_every: int = setting(100, "checkpoint every N steps (0: never)")
-    keep_checkpoints: int = setting(2, "newest checkpoints kept")
-    resume: bool = setting(False, "continue from the newest checkpoint in --out")
-    overwrite: bool = setting(False, "replace an earlier run's output folder, checkpoints included")
-    seed: int = setting(0, "seed of the held-out split and the shuffling")
     dtype: str = setting("auto", "the target's dtype: auto (bfloat16 on CUDA, float32 on a CPU), float32, "
                                  "bfloat16, float16; the draft trains in float32")
     draft_tokens: int = setting(4, "the chain length the expected tau in metrics.json assumes")
-    report_to: str = setting("wandb", "wandb (offline without an API key) | none")
-    project: str = setting("gorgon", "the wandb project")
-    push_to_hub: str | None = setting(None, "a Hub repo id (user/name) to upload the draft to at the end")
 
     def check(self) -> None:
         if self.report_to not in ("wandb", "none"):

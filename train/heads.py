@@ -25,16 +25,14 @@ from gorgon.heads.errors import GorgonError
 from gorgon.heads.files import atomic_write_text
 from gorgon.heads.medusa.model import ADAPTER_DIR
 from gorgon.heads.tree import DEVICE_TREE_SIZE
-from gorgon.train.recipe import setting
+from gorgon.train.recipe import TrainingSettings, setting
 
 
 @dataclass
-class HeadsTrainConfig:
-    """A heads training recipe. Every key can be set in the YAML or as --key value."""
+class HeadsTrainConfig(TrainingSettings):
+    """A heads training recipe: the shared keys, then the drafting method's. Every key can be set in the YAML
+    or as --key value."""
 
-    data: str = setting(help="`gorgon data` output folder, or a .jsonl/.json file of conversations")
-    out: str = setting(help="output folder: the heads, their trees, metrics, plot and model card")
-    target: str | None = setting(None, "hub id or path of the target; None: the embedded SmolLM2-135M-Instruct")
     arch: str = setting("medusa", "medusa (Medusa heads on the last hidden state) | eagle (a feature-level head "
                                   "in EAGLE-3's layout, drafting autoregressively)")
     mode: str = setting("medusa1", "medusa: medusa1 (the target frozen) | medusa2 (LoRA on the target too)")
@@ -45,16 +43,7 @@ class HeadsTrainConfig:
     loss_tokens: str = setting("answers", "answers | all: every position, prompts too (soft targets only: arch "
                                           "eagle or loss kl); held-out figures always count answers")
     head_decay: float = setting(0.8, "medusa: head k's loss weight is head_decay ** k")
-    max_length: int = setting(1024, "most tokens per training conversation (longer ones are cut)")
-    batch_size: int = setting(4, "conversations per step and process")
-    grad_accum: int = setting(1, "steps whose gradients are summed per optimizer step")
-    learning_rate: float = setting(1e-3, "the heads' peak learning rate (linear warmup, then cosine decay)")
     backbone_learning_rate: float = setting(5e-5, "medusa2: the LoRA adapters' peak learning rate")
-    weight_decay: float = setting(0.0, "AdamW weight decay")
-    warmup_steps: int = setting(20, "optimizer steps of linear warmup")
-    epochs: float = setting(1.0, "passes over the training data (a fraction trains on part of it)")
-    max_steps: int | None = setting(None, "optimizer steps; overrides epochs (0 saves the untrained heads)")
-    max_grad_norm: float = setting(1.0, "gradient clipping norm")
     heads_warmup_steps: int = setting(0, "medusa2: steps that train the heads alone before the adapters")
     base_kl_weight: float = setting(1.0, "medusa2: weight of the KL that keeps the target's own outputs")
     lora_r: int = setting(16, "medusa2: LoRA rank")
@@ -62,18 +51,9 @@ class HeadsTrainConfig:
     lora_dropout: float = setting(0.0, "medusa2: LoRA dropout")
     lora_target_modules: list[str] = setting(help="medusa2: the target's linear layers that get adapters",
                                              factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
-    eval_fraction: float = setting(0.05, "share of conversations held out to measure the drafts")
     train_conversations: int | None = setting(None, "train on the first N after the held-out split (a learning "
                                                     "curve); None: all")
     eval_every: int = setting(0, "held-out evaluation every N steps (0: only at the end)")
-    log_every: int = setting(10, "log the loss every N steps")
-    save_every: int = setting(100, "checkpoint every N steps (0: never)")
-    keep_checkpoints: int = setting(2, "newest checkpoints kept")
-    resume: bool = setting(False, "continue from the newest checkpoint in --out")
-    overwrite: bool = setting(False, "replace an earlier run's output folder, checkpoints included")
-    seed: int = setting(0, "seed of the held-out split, the shuffling and the heads' initialisation")
-    dtype: str = setting("auto", "the target's dtype: auto (bfloat16 on CUDA, float32 on a CPU), float32, "
-                                 "bfloat16, float16")
     tree_topk: int = setting(10, "ranks measured per head (eagle: per step) to choose the decoding trees")
     feature_layers: list[int] | None = setting(None, "eagle: the target's hidden_states read, e.g. 2,15,27; "
                                                      "None: EAGLE-3's low, middle and high layer")
@@ -93,9 +73,6 @@ class HeadsTrainConfig:
                                                           "--tree auto sizes the tree for the machine at hand from "
                                                           "the held-out accuracies and its measured verify costs)")
     gpu_tree_size: int = setting(DEVICE_TREE_SIZE["cuda"], "tree nodes per step saved for a GPU (likewise)")
-    report_to: str = setting("wandb", "wandb (offline without an API key) | none")
-    project: str = setting("gorgon", "the wandb project")
-    push_to_hub: str | None = setting(None, "a Hub repo id (user/name) to upload the heads to at the end")
 
     @property
     def rows(self) -> int:

@@ -29,6 +29,37 @@ def setting(default=dataclasses.MISSING, help: str = "", *, factory=dataclasses.
     return dataclasses.field(default=default, default_factory=factory, metadata={"help": help})
 
 
+@dataclasses.dataclass
+class TrainingSettings:
+    """The keys every training recipe shares (data, output, optimisation, checkpoints, logging); each
+    script's config adds its method's own after them."""
+
+    data: str = setting(help="`gorgon data` output folder, or a .jsonl/.json file of conversations")
+    out: str = setting(help="output folder: the trained drafter, its metrics and model card")
+    target: str | None = setting(None, "hub id or path of the target; None: the embedded SmolLM2-135M-Instruct")
+    max_length: int = setting(1024, "most tokens per training conversation (longer ones are cut)")
+    batch_size: int = setting(4, "conversations per step and process")
+    grad_accum: int = setting(1, "steps whose gradients are summed per optimizer step")
+    learning_rate: float = setting(1e-3, "peak learning rate (linear warmup, then cosine decay)")
+    weight_decay: float = setting(0.0, "AdamW weight decay")
+    warmup_steps: int = setting(20, "optimizer steps of linear warmup")
+    epochs: float = setting(1.0, "passes over the training data (a fraction trains on part of it)")
+    max_steps: int | None = setting(None, "optimizer steps; overrides epochs (0 saves the drafter untrained)")
+    max_grad_norm: float = setting(1.0, "gradient clipping norm")
+    eval_fraction: float = setting(0.05, "share of conversations held out to measure the drafts")
+    log_every: int = setting(10, "log the loss every N steps")
+    save_every: int = setting(100, "checkpoint every N steps (0: never)")
+    keep_checkpoints: int = setting(2, "newest checkpoints kept")
+    resume: bool = setting(False, "continue from the newest checkpoint in --out")
+    overwrite: bool = setting(False, "replace an earlier run's output folder, checkpoints included")
+    seed: int = setting(0, "seed of the held-out split, the shuffling and any initialisation")
+    dtype: str = setting("auto", "the target's dtype: auto (bfloat16 on CUDA, float32 on a CPU), float32, "
+                                 "bfloat16, float16")
+    report_to: str = setting("wandb", "wandb (offline without an API key) | none")
+    project: str = setting("gorgon", "the wandb project")
+    push_to_hub: str | None = setting(None, "a Hub repo id (user/name) to upload the result to at the end")
+
+
 def _convert(value, annotation, key: str):
     """Parse a command-line string (or check a YAML value) against a field's type."""
     origin = typing.get_origin(annotation)
