@@ -42,7 +42,7 @@ FORMATS = ("eagle3", "speculators")
 # The layers the engines build a draft's midlayer as (model_type), and the eagle3 architecture naming each.
 ENGINE_LAYERS = {"llama": "LlamaForCausalLMEagle3", "qwen3": "Eagle3Qwen3ForCausalLM"}
 EAGLE3_ARCHITECTURES = (*ENGINE_LAYERS.values(), "Eagle3LlamaForCausalLM")
-# The Llama config fields a one-layer EAGLE-3 draft needs from the target's text config.
+# The config fields a one-layer EAGLE-3 draft (Llama or Qwen3) needs from the target's text config.
 LAYER_FIELDS = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
                 "hidden_act", "rms_norm_eps", "max_position_embeddings", "rope_theta", "rope_scaling",
                 "rope_parameters", "attention_bias", "mlp_bias", "dtype")
@@ -70,8 +70,7 @@ def export_head(head, fmt: str, out: str | Path, base_model: str | None = None) 
     state = {k: v for k, v in head.state_dict().items() if k != "token_map"}
     if attn.q_proj.bias is not None and attn.o_proj.bias is None:  # Llama's attention_bias covers o_proj too
         state["midlayer.self_attn.o_proj.bias"] = torch.zeros(attn.o_proj.out_features)
-    model_type = engine_layer_type(head, state)
-    layer = engine_layer_config(head, model_type)
+    layer = engine_layer(head, state)
     vocab, draft = head.config.vocab_size, head.config.draft_vocab_size or head.config.vocab_size
     if head.token_map is not None:
         state["d2t"] = (head.token_map.cpu() - torch.arange(draft)).long()
@@ -81,7 +80,7 @@ def export_head(head, fmt: str, out: str | Path, base_model: str | None = None) 
     common = {"draft_vocab_size": draft, "target_hidden_size": head.config.hidden_size,
               "norm_before_residual": False, "eagle_aux_hidden_state_layer_ids": layers}
     if fmt == "eagle3":
-        config = {**layer, "architectures": [ENGINE_LAYERS[model_type]], **common,
+        config = {**layer, "architectures": [ENGINE_LAYERS[layer["model_type"]]], **common,
                   "eagle_config": {"use_aux_hidden_state": True,
                                    "eagle_aux_hidden_state_layer_ids": [i - 1 for i in layers]},
                   "base_model_name_or_path": base}
@@ -120,9 +119,10 @@ def check_exportable_layers(config) -> None:
                           f"and this head reads {layers}: train with such feature_layers (the default) to export")
 
 
-def engine_layer_type(head, state: dict) -> str:
-    """Which engine layer (ENGINE_LAYERS) holds exactly the head's midlayer weights. Any other weight would
-    fail to load in vLLM and be dropped without a word by SGLang, so a head with none such does not export."""
+def engine_layer(head, state: dict) -> dict:
+    """The one-layer config (`engine_layer_config`) of the engine layer (ENGINE_LAYERS) that holds exactly the
+    head's midlayer weights. Any other weight would fail to load in vLLM and be dropped without a word by
+    SGLang, so a head with none such does not export."""
     from transformers import LlamaConfig, Qwen3Config
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer
     from transformers.models.qwen3.modeling_qwen3 import Qwen3DecoderLayer
@@ -131,12 +131,12 @@ def engine_layer_type(head, state: dict) -> str:
     expected = {}
     for model_type, config_cls, layer_cls in (("llama", LlamaConfig, LlamaDecoderLayer),
                                               ("qwen3", Qwen3Config, Qwen3DecoderLayer)):
-        fields = {k: v for k, v in engine_layer_config(head, model_type).items() if k != "model_type"}
+        config = engine_layer_config(head, model_type)
         with torch.device("meta"):
-            layer = layer_cls(config_cls(**fields), layer_idx=0)
+            layer = layer_cls(config_cls(**{k: v for k, v in config.items() if k != "model_type"}), layer_idx=0)
         expected[model_type] = {f"midlayer.{k}" for k in layer.state_dict()} | {"midlayer.hidden_norm.weight"}
         if ours == expected[model_type]:
-            return model_type
+            return config
     odd = ", ".join(sorted(ours ^ expected["llama"]))
     raise GorgonError(f"this head's decoder layer is neither a Llama nor a Qwen3 layer (beside a Llama layer's "
                       f"weights: {odd}), the layers the EAGLE-3 layout holds: use it in gorgon's decoder, or train it "
