@@ -6,7 +6,8 @@ linear (MKL sgemm) does not behave that way: two rows can cost 1.5-2x one row. o
 linear on a weight reordered once for it (the ops torch's inductor emits for CPU linears under
 freezing) stays nearly flat for a few rows and is faster for one row too.
 
-The switch is reversible and leaves the model as it was: `use_cpu_kernels(model, "fast")`
+Attention over a tree goes through `gorgon.decode.attention` on the fast path (key/value heads
+shared, not copied, under a mask). The switch is reversible and leaves the model as it was: `use_cpu_kernels(model, "fast")`
 gives each `nn.Linear` an instance-level `forward` that calls the prepacked op (parameters,
 state_dict and module names untouched), and `"stock"` removes it. Packed weights are kept
 beside the module, so `stock_kernels(model)` can time plain `generate` on the unmodified path
@@ -28,6 +29,9 @@ import torch.nn.functional as F
 
 from gorgon.heads.errors import GorgonError
 from gorgon.heads.target import crop_cache, resolve_dtype, with_cache
+
+from .attention import NAME as TREE_ATTENTION
+from .attention import use_tree_attention
 
 KERNELS = ("fast", "stock")
 DRAFT_DTYPES = ("auto", "float32", "bfloat16")
@@ -76,6 +80,7 @@ def use_cpu_kernels(model: torch.nn.Module, kernels: str = "fast", one_row: str 
         for m in linears:
             m.__dict__.pop("forward", None)
             m.__dict__.pop(_ATTR, None)
+        use_tree_attention(model, False)
         return "stock"
     device, dtype = next(model.parameters()).device, next(model.parameters()).dtype
     reason = "the model is not on the CPU" if device.type != "cpu" else fast_kernels_unavailable(dtype)
@@ -85,6 +90,7 @@ def use_cpu_kernels(model: torch.nn.Module, kernels: str = "fast", one_row: str 
         return use_cpu_kernels(model, "stock")
     for m in linears:
         _pack(m)
+    use_tree_attention(model, True)
     if one_row == "measure":
         one_row = fastest_one_row_kernel(model) if hasattr(model, "get_decoder") else "onednn"
     set_one_row_kernel(model, one_row)
@@ -155,14 +161,17 @@ def kernels_in_use(model: torch.nn.Module) -> str:
 
 @contextlib.contextmanager
 def stock_kernels(model: torch.nn.Module):
-    """Run the block on torch's stock kernels, then restore the fast path if it was on.
-    The packed weights are kept, so switching back costs nothing."""
+    """Run the block on torch's stock kernels and transformers' own attention, then restore the fast
+    path if it was on. The packed weights are kept, so switching back costs nothing."""
     saved = {m: m.__dict__.pop("forward") for m in model.modules() if "forward" in m.__dict__ and _ATTR in m.__dict__}
+    tree_attention = getattr(getattr(model, "config", None), "_attn_implementation", None) == TREE_ATTENTION
+    use_tree_attention(model, False)
     try:
         yield
     finally:
         for m, forward in saved.items():
             m.forward = forward
+        use_tree_attention(model, tree_attention)
 
 
 class _PackedWeight:

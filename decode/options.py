@@ -49,13 +49,14 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
                    help="tokens per context continuation (default 5)")
     p.add_argument("--context-max-tokens", type=int_at_least(1), default=None,
                    help="a continuation grows to the length of the run the text has copied so far, up to this many "
-                        "tokens, and a merged tree by its extra nodes (default 10, as transformers' prompt lookup, or "
-                        "--context-tokens if larger; set it to --context-tokens for fixed-length continuations)")
+                        "tokens (default 10, as transformers' prompt lookup, or --context-tokens if larger; set it "
+                        "to --context-tokens for fixed-length continuations)")
     p.add_argument("--context-branches", type=int_at_least(1), default=2,
                    help="distinct earlier continuations proposed as branches (default 2)")
     p.add_argument("--tree-budget", type=int_at_least(2), default=None,
-                   help="with --context-draft and another drafter: nodes of the merged tree (default: the other "
-                        "drafter's own tree size, so a step costs what it did without the context)")
+                   help="with --context-draft and another drafter: nodes of the merged tree, every step (default: "
+                        "sized per step, up to 16 nodes or the other drafter's tree if larger: as many of the "
+                        "likeliest candidates as pay for their verify time, measured on this machine)")
     p.add_argument("--tree", default="auto", help="'auto' (the node count that gives the most tokens per unit of "
                    "time on this machine, from the heads' held-out accuracies and verify costs measured here; heads "
                    "without accuracies: the size saved with them), a node count N (Medusa: the best N-node tree from "
@@ -101,7 +102,10 @@ def load_drafter(args, tree):
         use_cpu_kernels(target.model, args.cpu_kernels)
         return target, context
     target, drafter = load_model_drafter(args, tree)
-    return target, drafter if context is None else MergedDrafter(drafter, context, args.tree_budget)
+    if context is None:
+        return target, drafter
+    costs = verify_costs(target.model) if args.tree_budget is None else None
+    return target, MergedDrafter(drafter, context, args.tree_budget, costs)
 
 
 def drafter_name(args) -> str:

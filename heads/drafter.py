@@ -6,6 +6,10 @@ heads, a draft model's chain) returns the same tree every step; a dynamic one (E
 confidence-ranked tree) builds a new one. Verification and acceptance are written once, in
 `gorgon.decode`, for every drafter; each method implements this and nothing of the decoder.
 
+A drafter whose tree can be merged with context drafts (`MergedDrafter`) also gives
+`scored_paths(root, features, context)`: the same step's candidates as token paths under the
+root, each with its estimated chance of being accepted, parents before children.
+
 `features` are the target's hidden states at the tokens accepted since the last call (the whole
 prompt at the first call): row i belongs to context[-len(features) + i]. They tell a drafter
 what was accepted, so one with its own cache can follow. Which hidden states they are is the

@@ -118,6 +118,12 @@ def tree_from_token_paths(root: torch.Tensor, chains: list[list[int]]) -> tuple[
     return torch.tensor(tokens, device=root.device), tree
 
 
+def token_paths(tokens: torch.Tensor, tree: Tree) -> list[tuple[int, ...]]:
+    """Each non-root node of a proposed tree as the token path from the root to it, in node order."""
+    host = tokens.tolist()
+    return [tuple(host[j] for j in path[1:]) for path in tree.path_to[1:]]
+
+
 def tree_from_accuracies(accuracies, size: int) -> list[list[int]]:
     """The tree of `size` nodes (root included) that maximises the expected accepted length.
 
@@ -141,15 +147,18 @@ def tree_from_accuracies(accuracies, size: int) -> list[list[int]]:
     return chosen
 
 
+def path_chance(accuracies, ranks) -> float:
+    """The chance that a path of ranks is accepted, heads assumed right independently (0 for a rank
+    or head past those measured)."""
+    chance = 1.0
+    for k, r in enumerate(ranks):
+        chance *= float(accuracies[k][r]) if k < len(accuracies) and r < len(accuracies[k]) else 0.0
+    return chance
+
+
 def expected_accepted(accuracies, paths) -> float:
     """Expected tokens per step under the independence assumption: 1 (the bonus) + sum of path chances."""
-    total = 1.0
-    for p in paths:
-        chance = 1.0
-        for k, r in enumerate(p):
-            chance *= float(accuracies[k][r])
-        total += chance
-    return total
+    return 1.0 + sum(path_chance(accuracies, p) for p in paths)
 
 
 # Used when the heads were saved without trees: the tree built from a head-accuracy profile

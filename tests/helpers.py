@@ -16,7 +16,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from gorgon.heads.tree import build_tree
+from gorgon.heads.tree import build_tree, token_paths
 
 VOCAB = 64
 
@@ -228,6 +228,11 @@ class TargetRolloutDrafter:
             rows.append(top)
             seq = torch.cat([seq, top[:1]])
         return self.tree.tokens(root, torch.stack(rows)), self.tree
+
+    def scored_paths(self, root, features, context):
+        """Each node's path, a later node (deeper, or a lower rank) less likely than an earlier one."""
+        tokens, tree = self.propose(root, features, context)
+        return [(list(path), 1 / (i + 2)) for i, path in enumerate(token_paths(tokens, tree))]
 
 
 def assert_feature_cache_is_exact(model, make_objective, trained: list[torch.nn.Parameter]):

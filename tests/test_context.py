@@ -5,55 +5,92 @@ import torch
 from helpers import VOCAB, tiny_model
 
 from gorgon.decode import speculative_generate
-from gorgon.heads import ContextDrafter, GorgonError, HeadsDrafter, MedusaHeads, MergedDrafter
-from gorgon.heads.context.drafter import lookup, token_paths
-from gorgon.heads.tree import tree_from_token_paths
+from gorgon.heads import (
+    ContextDrafter,
+    DraftModelDrafter,
+    EagleDrafter,
+    EagleHead,
+    GorgonError,
+    HeadsDrafter,
+    MedusaHeads,
+    MergedDrafter,
+)
+from gorgon.heads.context.drafter import lookup
+from gorgon.heads.tree import token_paths, tree_from_token_paths
 
 
 def test_lookup_finds_the_latest_longest_match():
     assert lookup([1, 2, 3, 9, 1, 2, 3, 7, 5, 1, 2, 3], max_ngram=3, length=4, branches=2) == \
-        [[7, 5, 1, 2], [9, 1, 2, 3]]                       # latest first; two continuations, distinct first tokens
-    assert lookup([1, 2, 3, 9, 1, 2, 3, 9, 8, 1, 2, 3], 3, 3, 2) == [[9, 8, 1]]  # the same first token: one branch
-    assert lookup([4, 5, 6, 7], 3, 4, 2) == []           # nothing repeats
-    assert lookup([5, 1, 2, 8, 2], 3, 2, 1) == [[8, 2]]  # falls back to the longest n-gram that occurred: [2]
-    assert lookup([1, 1, 1, 1], 3, 5, 2) == [[1]]         # overlapping matches: the continuation ends at the text
-    assert lookup([7], 3, 2, 2) == []                     # too short to repeat
+        (3, [[7, 5, 1, 2], [9, 1, 2, 3]])                  # latest first; two continuations, distinct first tokens
+    assert lookup([1, 2, 3, 9, 1, 2, 3, 9, 8, 1, 2, 3], 3, 3, 2) == (3, [[9, 8, 1]])  # the same first token: one
+    assert lookup([4, 5, 6, 7], 3, 4, 2) == (0, [])           # nothing repeats
+    assert lookup([5, 1, 2, 8, 2], 3, 2, 1) == (1, [[8, 2]])  # falls back to the longest n-gram that occurred: [2]
+    assert lookup([1, 1, 1, 1], 3, 5, 2) == (3, [[1]])         # overlapping matches: the continuation ends at the text
+    assert lookup([7], 3, 2, 2) == (0, [])                     # too short to repeat
 
 
 def test_a_chain_grows_with_the_run_the_text_has_copied():
     copied = [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 50, 1, 2, 3, 4, 5, 6, 7, 8]  # 1 .. 8 copied so far
-    assert lookup(copied, 3, 5, 2) == [[9, 10, 11, 12, 50]]                     # no growth by default
-    assert lookup(copied, 3, 5, 2, max_length=10) == [[9, 10, 11, 12, 50, 1, 2, 3]]  # as long as the run: 8
-    assert lookup(copied, 3, 2, 2, max_length=4) == [[9, 10, 11, 12]]           # at most max_length
+    assert lookup(copied, 3, 5, 2)[1] == [[9, 10, 11, 12, 50]]                     # no growth by default
+    assert lookup(copied, 3, 5, 2, max_length=10)[1] == [[9, 10, 11, 12, 50, 1, 2, 3]]  # as long as the run: 8
+    assert lookup(copied, 3, 2, 2, max_length=4)[1] == [[9, 10, 11, 12]]           # at most max_length
     fresh = [9, 1, 2, 3, 7, 5, 6, 4, 8, 1, 2, 3]  # the match reaches no further back than its 3-gram
-    assert lookup(fresh, 3, 2, 2, max_length=10) == [[7, 5, 6]]                 # run 3: the usual 2, then 3
+    assert lookup(fresh, 3, 2, 2, max_length=10)[1] == [[7, 5, 6]]                 # run 3: the usual 2, then 3
 
 
-def test_merged_trees_share_prefixes_and_keep_the_budget():
+class Fixed:
+    """A drafter with known candidates: tokens 10 and 11 under the root, 12 under 10, with their chances."""
+
+    feature_layers, max_nodes = None, 4
+    scored = [([10], 0.6), ([10, 12], 0.3), ([11], 0.2)]
+
+    def propose(self, root, features, context):
+        return tree_from_token_paths(root, [path for path, _ in self.scored])
+
+    def scored_paths(self, root, features, context):
+        return self.scored
+
+
+def test_merged_trees_take_the_likeliest_candidates_once():
     tokens, tree = tree_from_token_paths(torch.tensor(5), [[3, 7, 5], [3, 9, 1], [8], [3, 7]])
     assert sorted(token_paths(tokens, tree)) == [(3,), (3, 7), (3, 7, 5), (3, 9), (3, 9, 1), (8,)]  # (3, 7) once
     root_only, single = tree_from_token_paths(torch.tensor(5), [])
     assert single.size == 1 and root_only.tolist() == [5]
 
-    class Fixed:  # a drafter with a known tree: tokens 10 and 11 under the root, 12 under 10
-        feature_layers, max_nodes = None, 4
-
-        def propose(self, root, features, context):
-            return tree_from_token_paths(root, [[10, 12], [11]])
-
+    # Lookup proposes 10, 12, 6, 1 (after 1, 2, 3); a context drafter that has judged nothing yet gives
+    # each depth 1/2: chances 0.5, 0.25, 0.125, 0.0625. (10,) and (10, 12) are proposed by both and keep
+    # the higher chance: (10,) 0.6, (10, 12) 0.3, (11,) 0.2, (10, 12, 6) 0.125, (10, 12, 6, 1) 0.0625.
     context = torch.tensor([1, 2, 3, 10, 12, 6, 1, 2])
-    for budget, expected in [(2, [(10,)]), (4, [(10,), (10, 12), (10, 12, 6)]),
-                             (6, [(10,), (10, 12), (10, 12, 6), (10, 12, 6, 1), (11,)])]:
+    for budget, expected in [(2, [(10,)]), (4, [(10,), (10, 12), (11,)]),
+                             (6, [(10,), (10, 12), (11,), (10, 12, 6), (10, 12, 6, 1)])]:
         merged = MergedDrafter(Fixed(), ContextDrafter(max_ngram=3, length=4, branches=1), budget)
         tokens, tree = merged.propose(torch.tensor(3), torch.zeros(0, 1), context)
-        assert tree.size <= budget and sorted(token_paths(tokens, tree)) == sorted(expected)
-        assert tokens[0] == 3
-    # A chain grown past its usual length brings its extra nodes: the other drafter keeps its share.
-    context = torch.tensor([1, 2, 3, 10, 12, 6, 7, 8, 9, 1, 2])  # 1, 2 (and the root 3) copied
-    grown = MergedDrafter(Fixed(), ContextDrafter(max_ngram=3, length=2, branches=1, max_length=4), budget=4)
-    tokens, tree = grown.propose(torch.tensor(3), torch.zeros(0, 1), context)
-    assert grown.max_nodes == 6 and tree.size == 5
-    assert sorted(token_paths(tokens, tree)) == [(10,), (10, 12), (10, 12, 6), (11,)]
+        assert tree.size == budget and sorted(token_paths(tokens, tree)) == sorted(expected)
+        assert tokens[0] == 3 and merged.max_nodes == budget
+    # Sized per step: flat verify costs take every candidate the budget allows; steep ones (a forward
+    # over two tokens costs two steps) none, since 1.6 expected tokens do not pay for twice the time.
+    for costs, size in [({1: 1.0, 16: 1.0}, 6), ({1: 1.0, 2: 2.0, 16: 16.0}, 1)]:
+        merged = MergedDrafter(Fixed(), ContextDrafter(max_ngram=3, length=4, branches=1), budget=6, costs=costs)
+        assert merged.propose(torch.tensor(3), torch.zeros(0, 1), context)[1].size == size
+    assert MergedDrafter(Fixed(), ContextDrafter()).max_nodes == 16  # the default cap
+
+
+def test_context_chances_follow_what_the_target_accepted():
+    drafter = ContextDrafter(max_ngram=3, length=4, branches=1)
+    context = torch.tensor([1, 2, 3, 10, 12, 6, 1, 2])
+    assert [c for _, c in drafter.scored_paths(torch.tensor(3), None, context)] == [0.5, 0.25, 0.125, 0.0625]
+    # The target accepted 10 and 12, then wrote 7 where the chain had 6: depths 1 and 2 right, 3 wrong.
+    later = torch.cat([context, torch.tensor([3, 10, 12])])
+    drafter.scored_paths(torch.tensor(7), None, later)
+    assert drafter.record == {(3, 0, 1): [1, 1], (3, 0, 2): [1, 1], (3, 0, 3): [0, 1]}
+    # A chain from a 3-gram is now likelier at depths 1-2 (2/3 each) and less so at 3 (1/3).
+    again = torch.tensor([5, 1, 2, 3, 8, 9, 4, 1, 2])
+    chances = [c for _, c in drafter.scored_paths(torch.tensor(3), None, again)]
+    assert chances[:3] == pytest.approx([2 / 3, 4 / 9, 4 / 27])
+    # Another text (not a continuation of the last one) is not judged against the last proposal.
+    record = {k: list(v) for k, v in drafter.record.items()}
+    drafter.scored_paths(torch.tensor(3), None, torch.tensor([7, 7, 8, 9, 1, 2, 3, 4, 5, 6]))
+    assert drafter.record == record
 
 
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])
@@ -65,9 +102,16 @@ def test_greedy_equals_generate_with_context_and_merged_drafters(arch):
     reference = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=30, do_sample=False)
     reference = reference[0, ids.shape[1]:].tolist()
     heads = HeadsDrafter(MedusaHeads.for_target(model, num_heads=2), tree=[[0], [1], [0, 0]])
-    for drafter in (ContextDrafter(), ContextDrafter(1, 8, 3), ContextDrafter(3, 2, 2, max_length=9),
-                    MergedDrafter(heads, ContextDrafter()), MergedDrafter(heads, ContextDrafter(3, 2, 2, 9)),
-                    MergedDrafter(heads, ContextDrafter(2, 3, 2), budget=3)):
+    costs = {1: 1.0, 4: 1.1, 16: 2.0}  # as a CPU measures them: a few tokens cost about one
+    drafters = [ContextDrafter(), ContextDrafter(1, 8, 3), ContextDrafter(3, 2, 2, max_length=9),
+                MergedDrafter(heads, ContextDrafter()), MergedDrafter(heads, ContextDrafter(3, 2, 2, 9)),
+                MergedDrafter(heads, ContextDrafter(2, 3, 2), budget=3),
+                MergedDrafter(heads, ContextDrafter(), costs=costs),
+                MergedDrafter(DraftModelDrafter(tiny_model(arch), k=3), ContextDrafter(), 6)]
+    if arch == "llama":  # feature-level heads need Llama-shaped layers
+        eagle = EagleDrafter(EagleHead.for_target(model), nodes=4, depth=2, topk=2)
+        drafters += [MergedDrafter(eagle, ContextDrafter()), MergedDrafter(eagle, ContextDrafter(), costs=costs)]
+    for drafter in drafters:
         result = speculative_generate(model, drafter, ids, max_new_tokens=30)
         assert result.tokens == reference
         assert max(result.accepted) >= 2  # copied candidates were accepted, not only bonus tokens
@@ -82,7 +126,14 @@ def test_bad_settings_are_one_line():
                                           r"context draft length \(5\): raise it"):
         ContextDrafter(length=5, max_length=3)
     with pytest.raises(GorgonError, match="a merged tree needs a budget of 2 .* to 256 nodes, not 0"):
-        MergedDrafter(ContextDrafter(), ContextDrafter(), budget=0)
+        MergedDrafter(Fixed(), ContextDrafter(), budget=0)
+
+    class Unranked:
+        feature_layers, max_nodes = None, 4
+
+    with pytest.raises(GorgonError, match="Unranked does not rank its candidates by chance .* use it without "
+                                          "--context-draft"):
+        MergedDrafter(Unranked(), ContextDrafter())
 
 
 def test_cli_takes_context_drafts_alone_and_merged(tmp_path, capsys):

@@ -51,7 +51,6 @@ def test_fast_logits_match_stock_and_greedy_output_is_identical(arch):
 
 
 @needs_onednn
-@needs_onednn
 def test_one_row_kernel_is_chosen_by_timing_and_settable():
     model = tiny_model("llama")
     use_cpu_kernels(model, "fast")
@@ -79,6 +78,49 @@ def test_switch_is_reversible_and_stock_kernels_restores():
     assert kernels_in_use(model) == "fast"
     assert use_cpu_kernels(model, "stock") == "stock"
     assert not any("forward" in m.__dict__ for m in model.modules())
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_tree_attention_shares_key_value_heads_and_changes_nothing(arch, monkeypatch):
+    """On the fast path a masked forward over a tree attends with torch's shared key/value heads
+    (enable_gqa) instead of transformers' copies, with bit-identical hidden states; stock is as it was."""
+    import gorgon.decode.attention as attention
+    from gorgon.decode.verify import verify
+    from gorgon.heads.target import with_cache
+    from gorgon.heads.tree import build_tree
+
+    model = tiny_model(arch)
+    tree = build_tree([[0], [1], [0, 0], [0, 1], [1, 0]])
+    prompt = torch.randint(0, VOCAB, (1, 40), generator=torch.Generator().manual_seed(1))
+
+    @torch.no_grad()
+    def verified():
+        from transformers import DynamicCache
+
+        cache = DynamicCache()
+        model(input_ids=prompt, **with_cache(model, cache), use_cache=True)
+        return verify(model, cache, torch.tensor([3, 4, 5, 6, 7, 8]), tree).last_hidden_state
+
+    import transformers.integrations.sdpa_attention as sdpa
+
+    copies = []
+    repeat_kv = sdpa.repeat_kv
+    monkeypatch.setattr(sdpa, "repeat_kv", lambda states, n: copies.append(n) or repeat_kv(states, n))
+    reference = verified()
+    before = model.config._attn_implementation
+    attention.use_tree_attention(model, True)
+    if before != "sdpa":  # eager attention (Gemma 2) is left alone
+        assert model.config._attn_implementation == before
+        return
+    assert copies  # transformers' SDPA copied the key/value heads for the tree
+    assert model.config._attn_implementation == attention.NAME
+    copies.clear()
+    assert torch.equal(verified(), reference) and not copies
+    with stock_kernels(model):
+        assert model.config._attn_implementation == "sdpa"
+    assert model.config._attn_implementation == attention.NAME
+    use_cpu_kernels(model, "stock")
+    assert model.config._attn_implementation == "sdpa"
 
 
 @needs_onednn

@@ -12,16 +12,16 @@ from __future__ import annotations
 import torch
 
 from ..errors import GorgonError
-from ..tree import Tree, tree_from_token_paths
+from ..tree import interpolate_cost, tree_from_token_paths
 
 
 def lookup(tokens: list[int], max_ngram: int = 3, length: int = 5, branches: int = 2,
-           max_length: int | None = None) -> list[list[int]]:
-    """Continuations of the longest n-gram (max_ngram down to 1) that ends `tokens` and occurred before,
-    most recent match first: at most `branches` of them, distinct in their first token. Each is at
-    most `length` tokens, or as many as the run the text has copied so far (the n-gram and as far
-    back as the earlier text goes on matching), up to `max_length` (default: `length`, no growth).
-    Empty when nothing matches."""
+           max_length: int | None = None) -> tuple[int, list[list[int]]]:
+    """The size n of the longest n-gram (max_ngram down to 1) that ends `tokens` and occurred before, and
+    its continuations, most recent match first: at most `branches` of them, distinct in their first
+    token. Each is at most `length` tokens, or as many as the run the text has copied so far (the
+    n-gram and as far back as the earlier text goes on matching), up to `max_length` (default:
+    `length`, no growth). (0, []) when nothing matches."""
     max_length = length if max_length is None else max_length
     for n in range(min(max_ngram, len(tokens) - 1), 0, -1):
         suffix = tokens[-n:]
@@ -36,8 +36,8 @@ def lookup(tokens: list[int], max_ngram: int = 3, length: int = 5, branches: int
                 if len(found) == branches:
                     break
         if found:
-            return found
-    return []
+            return n, found
+    return 0, []
 
 
 def check_context_settings(max_ngram: int, length: int, branches: int, max_length: int) -> None:
@@ -53,7 +53,13 @@ class ContextDrafter:
     """Proposes the continuations `lookup` finds, as a tree (one chain per distinct continuation).
     A chain grows while the text keeps copying, up to `max_length` (default 10, as transformers'
     prompt lookup proposes, or `length` if larger): on 24 MT-Bench questions that raised a merged
-    tree's tau from 2.10 to 2.15 (extraction 3.07 to 3.56) for 0.22 more nodes per step (README)."""
+    tree's tau from 2.10 to 2.15 (extraction 3.07 to 3.56) for 0.22 more nodes per step (README).
+
+    For a merged tree each candidate also gets its chance of being accepted (`scored_paths`),
+    learned as the drafter goes: how often, so far, a chain from an n-gram of this size, in this
+    branch, was right at this depth where it was right up to it. It starts at 1/2 and follows the
+    text: long copied runs earn a chain its place in the tree, lone one-token matches lose it.
+    """
 
     feature_layers = None  # reads tokens only
 
@@ -61,62 +67,116 @@ class ContextDrafter:
         max_length = max(10, length) if max_length is None else max_length
         check_context_settings(max_ngram, length, branches, max_length)
         self.max_ngram, self.length, self.branches, self.max_length = max_ngram, length, branches, max_length
+        self.record: dict[tuple[int, int, int], list[int]] = {}  # (n, branch, depth) -> [right, judged]
+        self.last = None  # (context, n, chains) of the last scored proposal, judged at the next one
 
     @property
     def max_nodes(self) -> int:
         return 1 + self.max_length * self.branches
 
-    def chains(self, root: torch.Tensor, context: torch.Tensor) -> list[list[int]]:
+    def chains(self, root: torch.Tensor, context: torch.Tensor) -> tuple[int, list[list[int]]]:
         return lookup(context.tolist() + [int(root)], self.max_ngram, self.length, self.branches, self.max_length)
 
     def propose(self, root: torch.Tensor, features: torch.Tensor, context: torch.Tensor):
-        return tree_from_token_paths(root, self.chains(root, context))
+        return tree_from_token_paths(root, self.chains(root, context)[1])
 
+    def scored_paths(self, root: torch.Tensor, features: torch.Tensor,
+                     context: torch.Tensor) -> list[tuple[list[int], float]]:
+        """Every prefix of every chain with its learned chance of acceptance, parents before children."""
+        self._judge_last(root, context)
+        n, chains = self.chains(root, context)
+        self.last = (context, n, chains)
+        paths = []
+        for branch, chain in enumerate(chains):
+            chance = 1.0
+            for depth in range(1, len(chain) + 1):
+                right, judged = self.record.get((n, branch, depth), (0, 0))
+                chance *= (right + 1) / (judged + 2)
+                paths.append((chain[:depth], chance))
+        return paths
 
-def token_paths(tokens: torch.Tensor, tree: Tree) -> list[tuple[int, ...]]:
-    """Each non-root node of a proposed tree as the token path from the root to it, in node order."""
-    host = tokens.tolist()
-    return [tuple(host[j] for j in path[1:]) for path in tree.path_to[1:]]
+    def _judge_last(self, root: torch.Tensor, context: torch.Tensor) -> None:
+        """Count where the last proposal's chains were right: the text since then (the last root, the
+        accepted tokens, and the new root the target chose) is what the target wrote after them."""
+        if self.last is None:
+            return
+        before, n, chains = self.last
+        if context.numel() <= before.numel() or not torch.equal(context[:before.numel()], before):
+            return  # another text: nothing to judge
+        written = context[before.numel() + 1:].tolist() + [int(root)]
+        for branch, chain in enumerate(chains):
+            for depth, (token, truth) in enumerate(zip(chain, written), 1):
+                counts = self.record.setdefault((n, branch, depth), [0, 0])
+                counts[0] += token == truth
+                counts[1] += 1
+                if token != truth:
+                    break
 
 
 class MergedDrafter:
-    """Two drafters' trees under one root, identical paths once, within a node budget.
+    """Two drafters' candidates in one tree under one root, each token path once, the likeliest first.
 
-    The rule: the context drafter's chains first (when the text at hand repeats, lookup is right
-    far more often than a head), then the other drafter's nodes in its own order (parents before
-    children, best ranks first), while the budget lasts. The budget defaults to the other drafter's
-    own tree size, so a step costs what it cost without the context, and grows by a grown chain's
-    extra nodes only: on the embedded target, merging into Medusa heads' 8 nodes raised tau from
-    1.29 to 1.76 on Spec-Bench questions, and 5 more nodes added only 0.08 (README, "Drafting from
-    the context"). Both see the same step;
-    verification and acceptance are unchanged, and a deterministic candidate is a point-mass
-    proposal as a head's is.
+    The other drafter proposes its own tree, the context its chains, each candidate with its chance
+    of being accepted (`scored_paths`: a head's draft confidence or measured accuracy, a draft
+    model's probabilities, the context's learned record); a path both propose keeps the higher.
+    Taking them best first keeps parents before children (a path is never likelier than its prefix).
+    With `costs` (a forward's time per token count, measured on this machine) each step keeps as
+    many as pay for themselves: the count that gives the most expected tokens (1 + the sum of
+    chances) per unit of verify time, up to `budget` nodes; without, always `budget` nodes. So a
+    chain the text is copying joins the tree, and a lone one-token match does not crowd out the
+    head: with the embedded target's feature-level head (4 nodes alone) on 24 MT-Bench questions,
+    tau 2.11 at 5.5 nodes per step and 1.41x over `generate`, against 1.87 and 1.35x at a fixed 4
+    (README, "Drafting from the context"). Verification and acceptance are unchanged, and every
+    candidate is a point-mass proposal fixed by the text so far, so sampling stays exact.
     """
 
-    def __init__(self, drafter, context: ContextDrafter, budget: int | None = None):
-        self.drafter, self.context = drafter, context
-        self.budget = budget if budget is not None else max(2, drafter.max_nodes)
+    def __init__(self, drafter, context: ContextDrafter, budget: int | None = None,
+                 costs: dict[int, float] | None = None):
+        self.drafter, self.context, self.costs = drafter, context, costs
+        self.budget = budget if budget is not None else max(DEFAULT_BUDGET, drafter.max_nodes)
         if not (isinstance(self.budget, int) and 2 <= self.budget <= 256):
             raise GorgonError(f"a merged tree needs a budget of 2 (the root and one candidate) to 256 nodes, "
                               f"not {self.budget!r}")
+        if not hasattr(drafter, "scored_paths"):
+            raise GorgonError(f"{type(drafter).__name__} does not rank its candidates by chance (scored_paths), "
+                              "so its tree cannot be merged with context drafts: use it without --context-draft")
         self.feature_layers = drafter.feature_layers
 
     @property
     def max_nodes(self) -> int:
-        return self.budget + self.context.max_length - self.context.length
+        return self.budget
 
     def propose(self, root: torch.Tensor, features: torch.Tensor, context: torch.Tensor):
-        tokens, tree = self.drafter.propose(root, features, context)
-        chains = self.context.chains(root, context)
-        # A chain grown past the usual length (the text is copying) brings its extra nodes with it,
-        # so the other drafter keeps its share of the tree.
-        budget = self.budget + max((len(c) - self.context.length for c in chains), default=0)
-        chosen: dict[tuple[int, ...], None] = {}  # ordered set of token paths
-        candidates = [tuple(chain[:d]) for chain in chains for d in range(1, len(chain) + 1)]
-        candidates += token_paths(tokens, tree)
-        for path in candidates:
-            if len(chosen) >= budget - 1:
+        chance: dict[tuple[int, ...], float] = {}
+        for path, p in (self.context.scored_paths(root, features, context)
+                        + self.drafter.scored_paths(root, features, context)):
+            chance[tuple(path)] = max(p, chance.get(tuple(path), 0.0))
+        chosen: list[tuple[int, ...]] = []
+        kept: set[tuple[int, ...]] = set()
+        for path in sorted(chance, key=lambda p: (-chance[p], len(p))):
+            if len(chosen) == self.budget - 1:
                 break
-            if path not in chosen and (len(path) == 1 or path[:-1] in chosen):
-                chosen[path] = None
+            if len(path) == 1 or path[:-1] in kept:
+                chosen.append(path)
+                kept.add(path)
+        if self.costs is not None:
+            chosen = chosen[:worth_verifying([chance[p] for p in chosen], self.costs)]
         return tree_from_token_paths(root, [list(p) for p in chosen])
+
+
+# The most nodes a merged tree takes when sized per step (unless the other drafter's own tree is larger):
+# a bound, not a target; the verify costs decide, and on a CPU they keep a step far below it.
+DEFAULT_BUDGET = 16
+
+
+def worth_verifying(chances: list[float], costs: dict[int, float]) -> int:
+    """How many of the candidates (best first) to verify: the count whose tree gives the most expected
+    tokens, 1 + the sum of their chances, per unit of a forward's measured time over that many nodes
+    plus the root (a plain step: one token per forward over one)."""
+    best, best_gain, expected = 0, 1.0, 1.0
+    for count, p in enumerate(chances, 1):
+        expected += p
+        gain = expected / (interpolate_cost(costs, count + 1) / costs[1])
+        if gain > best_gain:
+            best, best_gain = count, gain
+    return best

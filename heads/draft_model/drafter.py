@@ -41,8 +41,20 @@ class DraftModelDrafter:
     def max_nodes(self) -> int:
         return self.tree.size
 
-    @torch.no_grad()
     def propose(self, root: torch.Tensor, features: torch.Tensor, context: torch.Tensor):
+        drafts, _ = self.draft_chain(root, context)
+        return self.tree.tokens(root, drafts[:, None]), self.tree
+
+    def scored_paths(self, root: torch.Tensor, features: torch.Tensor,
+                     context: torch.Tensor) -> list[tuple[list[int], float]]:
+        """Each prefix of the chain with the product of the draft's probabilities along it."""
+        drafts, probs = self.draft_chain(root, context)
+        tokens, chances = drafts.tolist(), probs.cumprod(0).tolist()
+        return [(tokens[:d], chances[d - 1]) for d in range(1, len(tokens) + 1)]
+
+    @torch.no_grad()
+    def draft_chain(self, root: torch.Tensor, context: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The draft's greedy chain after the root, (k,) tokens, and the draft's probability of each."""
         from transformers import DynamicCache
 
         context = torch.cat([context, root.reshape(1)])
@@ -52,11 +64,12 @@ class DraftModelDrafter:
             self.cache, same = DynamicCache(), 0
         crop_cache(self.cache, same)
         fed = context[same:]
-        drafts = []
+        drafts, probs = [], []
         for _ in range(self.tree.max_depth):
             logits = self.model(input_ids=fed[None], **with_cache(self.model, self.cache), use_cache=True,
                                 logits_to_keep=1).logits[0, -1]  # no LM head over a re-fed prompt
-            fed = logits.argmax(-1, keepdim=True)
+            prob, fed = logits.float().softmax(-1).max(-1, keepdim=True)
             drafts.append(fed)
+            probs.append(prob)
         self.seen = torch.cat([context] + drafts[:-1])  # the last draft was never fed
-        return self.tree.tokens(root, torch.stack(drafts)), self.tree
+        return torch.cat(drafts), torch.cat(probs)

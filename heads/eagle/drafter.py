@@ -15,6 +15,8 @@ under sampling (each candidate is a point-mass proposal).
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from ..errors import GorgonError
@@ -38,8 +40,15 @@ class EagleDrafter:
     def max_nodes(self) -> int:
         return self.nodes
 
-    @torch.no_grad()
     def propose(self, root: torch.Tensor, features: torch.Tensor, context: torch.Tensor):
+        return tree_from_token_paths(root, [path for path, _ in self.scored_paths(root, features, context)])
+
+    @torch.no_grad()
+    def scored_paths(self, root: torch.Tensor, features: torch.Tensor,
+                     context: torch.Tensor) -> list[tuple[list[int], float]]:
+        """The step's best `nodes - 1` candidates, best first, parents before children: each a token path
+        under the root with its draft confidence (the product of draft probabilities along it)."""
+        size = self.nodes - 1
         from transformers import DynamicCache
 
         head, device = self.head, root.device
@@ -71,7 +80,7 @@ class EagleDrafter:
         slot: dict[int, int] = {}                                        # cache position of each expanded node
         node_tokens, node_scores = token, score
         for level in range(1, self.depth):
-            if not can_grow(node_scores[frontier], node_scores, self.nodes - 1):
+            if not can_grow(node_scores[frontier], node_scores, size):
                 break
             k = frontier.numel()
             # A fed node sees the committed context, its expanded ancestors, and itself.
@@ -105,7 +114,7 @@ class EagleDrafter:
             depth_of[i] = 1 if p < 0 else depth_of[p] + 1
         chosen: dict[int, None] = {}  # ordered, best first
         for i in sorted(range(len(parents)), key=lambda i: (-scores[i], depth_of[i])):
-            if len(chosen) >= self.nodes - 1:
+            if len(chosen) >= size:
                 break
             if parents[i] < 0 or parents[i] in chosen:
                 chosen[i] = None
@@ -113,7 +122,7 @@ class EagleDrafter:
         def token_path(i: int) -> list[int]:
             return token_path(parents[i]) + [tokens_host[i]] if i >= 0 else []
 
-        return tree_from_token_paths(root, [token_path(i) for i in chosen])
+        return [(token_path(i), math.exp(scores[i])) for i in chosen]
 
 
 def can_grow(frontier_scores: torch.Tensor, scores: torch.Tensor, size: int) -> bool:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from ..errors import GorgonError
-from ..tree import REFERENCE_ACCURACIES, build_tree, default_tree, tree_from_accuracies
+from ..tree import REFERENCE_ACCURACIES, build_tree, default_tree, path_chance, token_paths, tree_from_accuracies
 from .model import MedusaHeads
 
 
@@ -22,6 +22,8 @@ class HeadsDrafter:
         if self.tree.max_depth > heads.config.num_heads:
             raise GorgonError(f"the tree is {self.tree.max_depth} deep but there are only {heads.config.num_heads} "
                               f"heads: use a tree at most {heads.config.num_heads} deep")
+        accuracies = heads.accuracies or REFERENCE_ACCURACIES
+        self.chances = [path_chance(accuracies, ranks) for ranks in self.tree.paths]
         choices = heads.config.draft_vocab_size or heads.config.vocab_size
         if self.tree.max_rank > choices:
             raise GorgonError(f"the tree asks for rank {self.tree.max_rank - 1} but the heads draft from {choices} "
@@ -34,6 +36,13 @@ class HeadsDrafter:
     def propose(self, root: torch.Tensor, features: torch.Tensor, context: torch.Tensor):
         """The heads read the hidden state at the last accepted token only."""
         return self.tree.tokens(root, self.heads.draft_topk(features[-1], self.tree.max_rank)), self.tree
+
+    def scored_paths(self, root: torch.Tensor, features: torch.Tensor,
+                     context: torch.Tensor) -> list[tuple[list[int], float]]:
+        """The tree's candidates as token paths, each with its chance from the heads' held-out accuracies
+        (the reference ones for heads saved without): the same for every step."""
+        tokens, tree = self.propose(root, features, context)
+        return [(list(path), chance) for path, chance in zip(token_paths(tokens, tree), self.chances)]
 
 
 def pick_tree(heads: MedusaHeads, tree, device_type: str) -> list[list[int]]:

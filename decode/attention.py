@@ -1,0 +1,47 @@
+"""Attention over a candidate tree without copying key/value heads (grouped-query attention on the CPU).
+
+transformers' SDPA attention lets torch share each key/value head among its query heads
+(`enable_gqa`) only when no mask is passed; with a mask, as verifying a tree needs, it first copies
+every key/value head of the whole cache once per query head sharing it (`repeat_kv`). On a CPU that
+copy is a large part of attention on a long cache. So the fast path registers an attention function
+(transformers' `AttentionInterface`, its documented way to add one) that takes torch's sharing for
+exactly that case, a masked forward over several tokens on the CPU, and hands every other call to
+transformers' own SDPA function unchanged. Only models on transformers' SDPA attention switch to it;
+the masks it is given are built as for SDPA.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+NAME = "gorgon_tree_sdpa"
+
+
+def tree_sdpa_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None,
+                        **kwargs):
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    if (query.device.type == "cpu" and query.shape[2] > 1 and attention_mask is not None and dropout == 0.0
+            and getattr(module, "num_key_value_groups", 1) > 1
+            and kwargs.get("position_bias") is None and kwargs.get("softcap") is None):
+        out = F.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask, scale=scaling,
+                                             enable_gqa=True)
+        return out.transpose(1, 2).contiguous(), None
+    return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                  is_causal=is_causal, **kwargs)
+
+
+def use_tree_attention(model: torch.nn.Module, on: bool) -> None:
+    """Put a model on transformers' SDPA attention onto `tree_sdpa_attention` (on), or back (off).
+    Models on other attention (eager, flash, flex) are left as they are."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    current = getattr(getattr(model, "config", None), "_attn_implementation", None)
+    if on and current == "sdpa":
+        AttentionInterface.register(NAME, tree_sdpa_attention)
+        AttentionMaskInterface.register(NAME, sdpa_mask)
+        model.set_attn_implementation(NAME)
+    elif not on and current == NAME:
+        model.set_attn_implementation("sdpa")
