@@ -241,7 +241,8 @@ def environment(model, drafter, sampling: Sampling, max_new_tokens: int) -> dict
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_name()
     return {"device": f"{device.type} ({name})", "dtype": str(model.dtype).replace("torch.", ""),
             "kernels": kernels_in_use(model) if device.type == "cpu" else "cuda",
-            "one_row_kernel": one_row_kernel(model), "cpu_flags": cpu_flags(),
+            "one_row_kernel": one_row_kernel(model), "attention": model.config._attn_implementation,
+            "cpu_flags": cpu_flags(),
             "threads": torch.get_num_threads(), "tree": tree_description(drafter), "tree_size": drafter.max_nodes,
             "draft_dtype": drafter_dtype(drafter), "context_draft": context_settings(drafter),
             "max_new_tokens": max_new_tokens, "temperature": sampling.temperature, "top_k": sampling.top_k,

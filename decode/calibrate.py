@@ -103,6 +103,7 @@ def calibration_key(model) -> dict:
             "cpu_flags": cpu_flags(), "threads": torch.get_num_threads(), "torch": torch.__version__,
             "dtype": str(model.dtype), "kernels": kernels_in_use(model) if device.type == "cpu" else "cuda",
             "one_row_kernel": one_row_kernel(model),
+            "attention": getattr(model.config, "_attn_implementation", None),
             "model": {k: getattr(cfg, k, None) for k in ("model_type", "hidden_size", "intermediate_size",
                                                          "num_hidden_layers", "vocab_size")}}
 

@@ -6,10 +6,10 @@ linear (MKL sgemm) does not behave that way: two rows can cost 1.5-2x one row. o
 linear on a weight reordered once for it (the ops torch's inductor emits for CPU linears under
 freezing) stays nearly flat for a few rows and is faster for one row too.
 
-Attention over a tree goes through `gorgon.decode.attention` on the fast path (key/value heads
-shared, not copied, under a mask). The switch is reversible and leaves the model as it was: `use_cpu_kernels(model, "fast")`
+The switch is reversible and leaves the model as it was: `use_cpu_kernels(model, "fast")`
 gives each `nn.Linear` an instance-level `forward` that calls the prepacked op (parameters,
-state_dict and module names untouched), and `"stock"` removes it. Packed weights are kept
+state_dict and module names untouched) and puts attention over a tree on `gorgon.decode.attention`
+(key/value heads shared, not copied, under a mask); `"stock"` undoes both. Packed weights are kept
 beside the module, so `stock_kernels(model)` can time plain `generate` on the unmodified path
 in the same run. A layer falls back to `F.linear` whenever the fast op does not apply: off the
 CPU, a dtype it was not packed for, autograd through the layer, or a weight changed since it

@@ -77,19 +77,23 @@ def test_merged_trees_take_the_likeliest_candidates_once():
 
 def test_context_chances_follow_what_the_target_accepted():
     drafter = ContextDrafter(max_ngram=3, length=4, branches=1)
+
+    def chances(root, features_for, context):  # the decoder's features: one row per token new since the last call
+        return [c for _, c in drafter.scored_paths(torch.tensor(root), torch.zeros(features_for, 1), context)]
+
     context = torch.tensor([1, 2, 3, 10, 12, 6, 1, 2])
-    assert [c for _, c in drafter.scored_paths(torch.tensor(3), None, context)] == [0.5, 0.25, 0.125, 0.0625]
+    assert chances(3, 8, context) == [0.5, 0.25, 0.125, 0.0625]
     # The target accepted 10 and 12, then wrote 7 where the chain had 6: depths 1 and 2 right, 3 wrong.
-    later = torch.cat([context, torch.tensor([3, 10, 12])])
-    drafter.scored_paths(torch.tensor(7), None, later)
+    later = torch.cat([context, torch.tensor([3, 10, 12])])  # the last root, then the two accepted tokens
+    chances(7, 3, later)
     assert drafter.record == {(3, 0, 1): [1, 1], (3, 0, 2): [1, 1], (3, 0, 3): [0, 1]}
     # A chain from a 3-gram is now likelier at depths 1-2 (2/3 each) and less so at 3 (1/3).
     again = torch.tensor([5, 1, 2, 3, 8, 9, 4, 1, 2])
-    chances = [c for _, c in drafter.scored_paths(torch.tensor(3), None, again)]
-    assert chances[:3] == pytest.approx([2 / 3, 4 / 9, 4 / 27])
-    # Another text (not a continuation of the last one) is not judged against the last proposal.
+    assert chances(3, 9, again)[:3] == pytest.approx([2 / 3, 4 / 9, 4 / 27])
+    # A new prompt is never judged against the last proposal, even one that extends the last text
+    # (a second turn after the first answer): its features cover all of it.
     record = {k: list(v) for k, v in drafter.record.items()}
-    drafter.scored_paths(torch.tensor(3), None, torch.tensor([7, 7, 8, 9, 1, 2, 3, 4, 5, 6]))
+    chances(3, 12, torch.cat([again, torch.tensor([3, 8, 9])]))
     assert drafter.record == record
 
 

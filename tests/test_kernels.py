@@ -14,7 +14,8 @@ from helpers import ARCHS, VOCAB, tiny_chat_target, tiny_model
 
 import gorgon.decode.calibrate as calibrate
 from gorgon.decode import speculative_generate
-from gorgon.decode.bench import markdown_table, run_bench
+from gorgon.decode.acceptance import Sampling
+from gorgon.decode.bench import environment, markdown_table, run_bench
 from gorgon.decode.cli import parser as generate_parser
 from gorgon.decode.kernels import (
     fast_kernels_unavailable,
@@ -184,9 +185,11 @@ def test_bench_reports_both_ratios(tmp_path):
     assert report["identical"] == report["identical_vs_stock"] == 2
     assert report["per_category"]["a"]["identical_vs_stock"] == 1
     assert "speedup vs stock" in markdown_table(report)
+    assert environment(target.model, drafter, Sampling(), 10)["attention"] == "gorgon_tree_sdpa"
     use_cpu_kernels(target.model, "stock")  # without the fast path there is one baseline only
     report = run_bench(target, drafter, questions, max_new_tokens=10, progress=False)
     assert "speedup_vs_stock" not in report and "speedup vs stock" not in markdown_table(report)
+    assert environment(target.model, drafter, Sampling(), 10)["attention"] == "sdpa"
 
 
 def test_tree_size_follows_the_verify_costs():
@@ -268,6 +271,16 @@ def test_profile_step_prints_one_json_line(tmp_path, kernels):
     assert list(report["verify_ratio"]) == ["1", "2", "4", "8", "16"] and report["verify_ratio"]["1"] == 1.0
     assert report["tree_size"] == 4
     assert report["kernels"] == (kernels if fast_kernels_unavailable(torch.float32) is None else "stock")
+
+
+def test_attention_ab_times_both_and_finds_them_identical(tmp_path):
+    target = tiny_chat_target(tmp_path)
+    run = subprocess.run([sys.executable, "scripts/attention_ab.py", "--target", str(target), "--contexts", "16", "32",
+                          "--repeat", "1", "--nodes", "4"],
+                         capture_output=True, text=True, cwd=Path(__file__).parents[1], timeout=300)
+    assert run.returncode == 0, run.stderr
+    rows = [line for line in run.stdout.splitlines() if line.startswith("| 16 |") or line.startswith("| 32 |")]
+    assert len(rows) == 2 and all(row.endswith("| True |") for row in rows)
 
 
 def test_auto_tree_is_sized_from_accuracies_and_measured_costs(tmp_path, monkeypatch, capsys):

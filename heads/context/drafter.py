@@ -68,7 +68,7 @@ class ContextDrafter:
         check_context_settings(max_ngram, length, branches, max_length)
         self.max_ngram, self.length, self.branches, self.max_length = max_ngram, length, branches, max_length
         self.record: dict[tuple[int, int, int], list[int]] = {}  # (n, branch, depth) -> [right, judged]
-        self.last = None  # (context, n, chains) of the last scored proposal, judged at the next one
+        self.last = None  # (context length, n, chains) of the last scored proposal, judged at the next one
 
     @property
     def max_nodes(self) -> int:
@@ -83,9 +83,9 @@ class ContextDrafter:
     def scored_paths(self, root: torch.Tensor, features: torch.Tensor,
                      context: torch.Tensor) -> list[tuple[list[int], float]]:
         """Every prefix of every chain with its learned chance of acceptance, parents before children."""
-        self._judge_last(root, context)
+        self._judge_last(root, features, context)
         n, chains = self.chains(root, context)
-        self.last = (context, n, chains)
+        self.last = (context.numel(), n, chains)
         paths = []
         for branch, chain in enumerate(chains):
             chance = 1.0
@@ -95,15 +95,17 @@ class ContextDrafter:
                 paths.append((chain[:depth], chance))
         return paths
 
-    def _judge_last(self, root: torch.Tensor, context: torch.Tensor) -> None:
+    def _judge_last(self, root: torch.Tensor, features: torch.Tensor, context: torch.Tensor) -> None:
         """Count where the last proposal's chains were right: the text since then (the last root, the
-        accepted tokens, and the new root the target chose) is what the target wrote after them."""
+        accepted tokens, and the new root the target chose) is what the target wrote after them.
+        The features tell a continued text from a new prompt (they cover what is new since the last
+        call: the accepted tokens, or a whole prompt, even one that extends the last text)."""
         if self.last is None:
             return
         before, n, chains = self.last
-        if context.numel() <= before.numel() or not torch.equal(context[:before.numel()], before):
-            return  # another text: nothing to judge
-        written = context[before.numel() + 1:].tolist() + [int(root)]
+        if context.numel() - features.shape[0] != before:
+            return  # a new prompt: nothing to judge
+        written = context[before + 1:].tolist() + [int(root)]
         for branch, chain in enumerate(chains):
             for depth, (token, truth) in enumerate(zip(chain, written), 1):
                 counts = self.record.setdefault((n, branch, depth), [0, 0])

@@ -48,7 +48,6 @@ class EagleDrafter:
                      context: torch.Tensor) -> list[tuple[list[int], float]]:
         """The step's best `nodes - 1` candidates, best first, parents before children: each a token path
         under the root with its draft confidence (the product of draft probabilities along it)."""
-        size = self.nodes - 1
         from transformers import DynamicCache
 
         head, device = self.head, root.device
@@ -80,7 +79,7 @@ class EagleDrafter:
         slot: dict[int, int] = {}                                        # cache position of each expanded node
         node_tokens, node_scores = token, score
         for level in range(1, self.depth):
-            if not can_grow(node_scores[frontier], node_scores, size):
+            if not can_grow(node_scores[frontier], node_scores, self.nodes - 1):
                 break
             k = frontier.numel()
             # A fed node sees the committed context, its expanded ancestors, and itself.
@@ -114,7 +113,7 @@ class EagleDrafter:
             depth_of[i] = 1 if p < 0 else depth_of[p] + 1
         chosen: dict[int, None] = {}  # ordered, best first
         for i in sorted(range(len(parents)), key=lambda i: (-scores[i], depth_of[i])):
-            if len(chosen) >= size:
+            if len(chosen) >= self.nodes - 1:
                 break
             if parents[i] < 0 or parents[i] in chosen:
                 chosen[i] = None
