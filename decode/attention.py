@@ -32,9 +32,9 @@ def tree_sdpa_attention(module, query, key, value, attention_mask, dropout=0.0, 
                                   is_causal=is_causal, **kwargs)
 
 
-def use_tree_attention(model: torch.nn.Module, on: bool) -> None:
-    """Put a model on transformers' SDPA attention onto `tree_sdpa_attention` (on), or back (off).
-    Models on other attention (eager, flash, flex) are left as they are."""
+def use_tree_attention(model: torch.nn.Module, on: bool) -> bool:
+    """Put a model on transformers' SDPA attention onto `tree_sdpa_attention` (on), or back (off); returns
+    whether it was on it before. Models on other attention (eager, flash, flex) are left as they are."""
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
@@ -45,3 +45,4 @@ def use_tree_attention(model: torch.nn.Module, on: bool) -> None:
         model.set_attn_implementation(NAME)
     elif not on and current == NAME:
         model.set_attn_implementation("sdpa")
+    return current == NAME

@@ -30,7 +30,6 @@ import torch.nn.functional as F
 from gorgon.heads.errors import GorgonError
 from gorgon.heads.target import crop_cache, resolve_dtype, with_cache
 
-from .attention import NAME as TREE_ATTENTION
 from .attention import use_tree_attention
 
 KERNELS = ("fast", "stock")
@@ -164,8 +163,7 @@ def stock_kernels(model: torch.nn.Module):
     """Run the block on torch's stock kernels and transformers' own attention, then restore the fast
     path if it was on. The packed weights are kept, so switching back costs nothing."""
     saved = {m: m.__dict__.pop("forward") for m in model.modules() if "forward" in m.__dict__ and _ATTR in m.__dict__}
-    tree_attention = getattr(getattr(model, "config", None), "_attn_implementation", None) == TREE_ATTENTION
-    use_tree_attention(model, False)
+    tree_attention = use_tree_attention(model, False)
     try:
         yield
     finally:

@@ -194,18 +194,29 @@ def interpolate_cost(costs: dict[int, float], size: int) -> float:
 def best_tree_size(accuracies, costs: dict[int, float], max_size: int | None = None) -> int:
     """The node count whose best tree gives the most tokens per unit of time on this machine.
 
-    A tree of n nodes emits `expected_accepted` tokens per step and costs a forward over n
-    tokens; a plain step emits one token for a forward over one. The ratio of the two is the
-    expected speedup, so the choice follows both the heads' accuracies and the hardware.
-    `costs` maps token counts to measured forward times and must include 1.
+    The best tree of n nodes is the first n - 1 paths of the best-first order (`tree_from_accuracies`),
+    so this is `worth_verifying` over those paths' chances, with at least one candidate: the choice
+    follows both the heads' accuracies and the hardware. `costs` maps token counts to measured forward
+    times and must include 1.
     """
     if 1 not in costs:
         raise GorgonError("verify costs must include a one-token forward (size 1)")
     max_size = max_size or max(costs)
-    best, best_gain = 2, 0.0
-    for n in range(2, max_size + 1):
-        tokens_per_step = expected_accepted(accuracies, tree_from_accuracies(accuracies, n))
-        gain = tokens_per_step / (interpolate_cost(costs, n) / costs[1])
-        if gain > best_gain:
-            best, best_gain = n, gain
+    chances = [path_chance(accuracies, p) for p in tree_from_accuracies(accuracies, max_size)]
+    chances += [0.0] * (max_size - 1 - len(chances))  # past the last path a larger size adds nothing
+    return 1 + worth_verifying(chances, costs, at_least=1)
+
+
+def worth_verifying(chances: list[float], costs: dict[int, float], at_least: int = 0) -> int:
+    """How many of the candidates (chances best first) to verify, at least `at_least`: the count whose tree
+    gives the most expected tokens, 1 + the sum of their chances, per unit of a forward's measured time
+    over that many nodes plus the root (the expected speedup: a plain step, no candidate, gives one
+    token per forward over one). Ties go to the smaller tree."""
+    best, best_gain, expected = at_least, -1.0, 1.0
+    for count in range(len(chances) + 1):
+        if count:
+            expected += chances[count - 1]
+        gain = expected / (interpolate_cost(costs, count + 1) / costs[1])
+        if count >= at_least and gain > best_gain:
+            best, best_gain = count, gain
     return best

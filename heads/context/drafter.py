@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from ..errors import GorgonError
-from ..tree import interpolate_cost, tree_from_token_paths
+from ..tree import tree_from_token_paths, worth_verifying
 
 
 def lookup(tokens: list[int], max_ngram: int = 3, length: int = 5, branches: int = 2,
@@ -169,16 +169,3 @@ class MergedDrafter:
 # The most nodes a merged tree takes when sized per step (unless the other drafter's own tree is larger):
 # a bound, not a target; the verify costs decide, and on a CPU they keep a step far below it.
 DEFAULT_BUDGET = 16
-
-
-def worth_verifying(chances: list[float], costs: dict[int, float]) -> int:
-    """How many of the candidates (best first) to verify: the count whose tree gives the most expected
-    tokens, 1 + the sum of their chances, per unit of a forward's measured time over that many nodes
-    plus the root (a plain step: one token per forward over one)."""
-    best, best_gain, expected = 0, 1.0, 1.0
-    for count, p in enumerate(chances, 1):
-        expected += p
-        gain = expected / (interpolate_cost(costs, count + 1) / costs[1])
-        if gain > best_gain:
-            best, best_gain = count, gain
-    return best
