@@ -70,13 +70,13 @@ def _walk(tree: Tree, chosen_child: list[int]) -> tuple[int, ...]:
     return tree.path_to[node]
 
 
-def accept_greedy(tree: Tree, tokens: torch.Tensor, logits: torch.Tensor) -> tuple[tuple[int, ...], list[int]]:
-    """The deepest path whose every token equals the target's argmax at its parent.
+def accept_greedy(tree: Tree, tokens: torch.Tensor, best: torch.Tensor) -> tuple[tuple[int, ...], list[int]]:
+    """The deepest path whose every token equals the target's argmax at its parent (`best`, (T,): the
+    argmax of the target's logits at each node, `gorgon.decode.argmax.target_argmax`).
 
     Siblings hold distinct tokens, so at most one child per node matches and the matching
     nodes form a single chain from the root.
     """
-    best = logits.argmax(dim=-1)                                   # (T,)
     match = tokens == best[tree.parent]
     match[0] = True
     ok = ~(tree.ancestors & ~match[None, :]).any(dim=1)

@@ -25,6 +25,7 @@ from gorgon.heads.files import atomic_write_text, check_report_output, read_json
 from gorgon.heads.target import load_causal_lm
 
 from .acceptance import Sampling
+from .argmax import argmax_in_use
 from .calibrate import cpu_flags, cpu_name
 from .generate import GenerationResult, speculative_generate
 from .kernels import kernels_in_use, one_row_kernel, stock_kernels
@@ -242,7 +243,7 @@ def environment(model, drafter, sampling: Sampling, max_new_tokens: int) -> dict
     return {"device": f"{device.type} ({name})", "dtype": str(model.dtype).replace("torch.", ""),
             "kernels": kernels_in_use(model) if device.type == "cpu" else "cuda",
             "one_row_kernel": one_row_kernel(model), "attention": model.config._attn_implementation,
-            "cpu_flags": cpu_flags(),
+            "greedy_argmax": argmax_in_use(model), "cpu_flags": cpu_flags(),
             "threads": torch.get_num_threads(), "tree": tree_description(drafter), "tree_size": drafter.max_nodes,
             "draft_dtype": drafter_dtype(drafter), "context_draft": context_settings(drafter),
             "max_new_tokens": max_new_tokens, "temperature": sampling.temperature, "top_k": sampling.top_k,

@@ -2,7 +2,7 @@
 
 A tree pays when the tokens it adds per step outweigh what verifying it costs, and that cost
 depends on the hardware, the kernels, the dtype and the thread count, not only the model. So
-the cost of a forward over 1, 2, 4, ... tokens (lm_head included, on a cache of 256) is timed
+the cost of a forward over 1, 2, 4, ... tokens (the greedy choice over them included, on a cache of 256) is timed
 here in a few seconds and kept in the gorgon cache under a key of everything it depends on.
 """
 
@@ -18,9 +18,10 @@ from pathlib import Path
 import torch
 
 from gorgon.heads.files import atomic_write_text
-from gorgon.heads.target import base_model, cache_dir, crop_cache, lm_logits, with_cache
+from gorgon.heads.target import base_model, cache_dir, crop_cache, with_cache
 from gorgon.heads.tree import build_tree
 
+from .argmax import argmax_in_use, target_argmax
 from .kernels import kernels_in_use, one_row_kernel
 from .verify import verify
 
@@ -66,8 +67,10 @@ def median_ms(fn, repeat: int, reset=lambda: None, device: torch.device = torch.
 
 
 @torch.inference_mode()
-def measure_verify_costs(model, sizes=None, context: int = 256, repeat: int = 5) -> dict[int, float]:
-    """Milliseconds of one target forward over n tree tokens plus the lm_head over them, for each n.
+def measure_verify_costs(model, sizes=None, context: int = 256, repeat: int = 30) -> dict[int, float]:
+    """Milliseconds of one target forward over n tree tokens plus its greedy choice at each, for each n:
+    the median of `repeat` rounds that each time every size once, so a machine that slows or speeds up
+    meanwhile shifts every size alike, not the sizes timed during the change alone.
 
     The tree for n is a chain (position ids 1..n): for the cost only the token count matters.
     """
@@ -79,20 +82,27 @@ def measure_verify_costs(model, sizes=None, context: int = 256, repeat: int = 5)
     cache = DynamicCache()
     decoder = base_model(model)
     decoder(input_ids=prompt, **with_cache(decoder, cache), use_cache=True)
-    costs = {}
-    for n in sizes:
+    chains = {n: build_tree([[0] * d for d in range(1, n)]).to(device) for n in sizes if n > 1}
+
+    def step(n: int):
         tokens = prompt[0, :n]
         if n == 1:  # a plain decoding step
-            def step():
-                lm_logits(model, decoder(input_ids=tokens[None], **with_cache(decoder, cache),
-                                         use_cache=True).last_hidden_state)
+            out = decoder(input_ids=tokens[None], **with_cache(decoder, cache), use_cache=True)
         else:
-            chain = build_tree([[0] * d for d in range(1, n)]).to(device)
+            out = verify(model, cache, tokens, chains[n])
+        target_argmax(model, out.last_hidden_state)
 
-            def step(tree=chain, tokens=tokens):
-                lm_logits(model, verify(model, cache, tokens, tree).last_hidden_state)
-        costs[n] = median_ms(step, repeat, lambda: crop_cache(cache, context), device)
-    return costs
+    times = {n: [] for n in sizes}
+    for round in range(repeat + 1):  # the first round warms up
+        for n in sizes:
+            sync(device)
+            start = time.perf_counter()
+            step(n)
+            sync(device)
+            if round:
+                times[n].append((time.perf_counter() - start) * 1000)
+            crop_cache(cache, context)
+    return {n: statistics.median(t) for n, t in times.items()}
 
 
 def calibration_key(model) -> dict:
@@ -104,6 +114,7 @@ def calibration_key(model) -> dict:
             "dtype": str(model.dtype), "kernels": kernels_in_use(model) if device.type == "cpu" else "cuda",
             "one_row_kernel": one_row_kernel(model),
             "attention": getattr(model.config, "_attn_implementation", None),
+            "argmax": argmax_in_use(model),
             "model": {k: getattr(cfg, k, None) for k in ("model_type", "hidden_size", "intermediate_size",
                                                          "num_hidden_layers", "vocab_size")}}
 

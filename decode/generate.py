@@ -20,6 +20,7 @@ from gorgon.heads.errors import GorgonError
 from gorgon.heads.target import base_model, lm_logits, with_cache
 
 from .acceptance import Sampling, accept_greedy, accept_sampled, accept_typical, target_probs
+from .argmax import target_argmax
 from .verify import features, keep_path, verify
 
 ACCEPTANCE_RULES = ("exact", "typical")
@@ -110,17 +111,17 @@ def speculative_generate(model, drafter: Drafter, input_ids: torch.Tensor, max_n
     layers = drafter.feature_layers
     start = time.perf_counter()
 
-    def next_token(logits):
+    def next_token(hidden):
         if sampling.greedy:
-            return logits.argmax(-1)
-        return torch.multinomial(target_probs(logits, sampling), 1, generator=generator)[0]
+            return target_argmax(model, hidden)
+        return torch.multinomial(target_probs(lm_logits(model, hidden), sampling), 1, generator=generator)[0]
 
     cache = DynamicCache()
     decoder = base_model(model)
     out = decoder(input_ids=input_ids, **with_cache(decoder, cache), use_cache=True,
                   output_hidden_states=layers is not None)
     fresh = features(out, layers)
-    root = next_token(lm_logits(model, out.last_hidden_state[0, -1]))
+    root = next_token(out.last_hidden_state[0, -1])
     context = input_ids[0]                  # tokens in the cache; root follows them
     new = [int(root)]
     result = GenerationResult(tokens=new, target_forwards=1, accepted=[1])
@@ -131,13 +132,13 @@ def speculative_generate(model, drafter: Drafter, input_ids: torch.Tensor, max_n
         tokens, tree = drafter.propose(root, fresh, context)
         past_len = cache.get_seq_length()
         out = verify(model, cache, tokens, tree, hidden_states=layers is not None)
-        logits = lm_logits(model, out.last_hidden_state[0])
-        if acceptance == "typical":
-            path, emitted = accept_typical(tree, tokens, target_probs(logits, sampling), generator)
-        elif sampling.greedy:
-            path, emitted = accept_greedy(tree, tokens, logits)
+        hidden = out.last_hidden_state[0]
+        if sampling.greedy:
+            path, emitted = accept_greedy(tree, tokens, target_argmax(model, hidden))
+        elif acceptance == "typical":
+            path, emitted = accept_typical(tree, tokens, target_probs(lm_logits(model, hidden), sampling), generator)
         else:
-            path, emitted = accept_sampled(tree, tokens, target_probs(logits, sampling), generator)
+            path, emitted = accept_sampled(tree, tokens, target_probs(lm_logits(model, hidden), sampling), generator)
         nodes = torch.tensor(path, device=tokens.device)
         keep_path(cache, past_len, nodes)
         context = torch.cat([context, tokens[nodes]])

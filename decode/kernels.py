@@ -9,7 +9,9 @@ freezing) stays nearly flat for a few rows and is faster for one row too.
 The switch is reversible and leaves the model as it was: `use_cpu_kernels(model, "fast")`
 gives each `nn.Linear` an instance-level `forward` that calls the prepacked op (parameters,
 state_dict and module names untouched) and puts attention over a tree on `gorgon.decode.attention`
-(key/value heads shared, not copied, under a mask); `"stock"` undoes both. Packed weights are kept
+(key/value heads shared, not copied, under a mask) and greedy verification's argmax on a
+bfloat16 screen of the output layer where this CPU runs bfloat16 (`gorgon.decode.argmax`);
+`"stock"` undoes all three. Packed weights are kept
 beside the module, so `stock_kernels(model)` can time plain `generate` on the unmodified path
 in the same run. A layer falls back to `F.linear` whenever the fast op does not apply: off the
 CPU, a dtype it was not packed for, autograd through the layer, or a weight changed since it
@@ -30,6 +32,7 @@ import torch.nn.functional as F
 from gorgon.heads.errors import GorgonError
 from gorgon.heads.target import crop_cache, resolve_dtype, with_cache
 
+from .argmax import use_bf16_screen
 from .attention import use_tree_attention
 
 KERNELS = ("fast", "stock")
@@ -80,6 +83,7 @@ def use_cpu_kernels(model: torch.nn.Module, kernels: str = "fast", one_row: str 
             m.__dict__.pop("forward", None)
             m.__dict__.pop(_ATTR, None)
         use_tree_attention(model, False)
+        use_bf16_screen(model, False)
         return "stock"
     device, dtype = next(model.parameters()).device, next(model.parameters()).dtype
     reason = "the model is not on the CPU" if device.type != "cpu" else fast_kernels_unavailable(dtype)
@@ -90,6 +94,7 @@ def use_cpu_kernels(model: torch.nn.Module, kernels: str = "fast", one_row: str 
     for m in linears:
         _pack(m)
     use_tree_attention(model, True)
+    use_bf16_screen(model, fast_kernels_unavailable(torch.bfloat16) is None)
     if one_row == "measure":
         one_row = fastest_one_row_kernel(model) if hasattr(model, "get_decoder") else "onednn"
     set_one_row_kernel(model, one_row)
@@ -164,12 +169,14 @@ def stock_kernels(model: torch.nn.Module):
     path if it was on. The packed weights are kept, so switching back costs nothing."""
     saved = {m: m.__dict__.pop("forward") for m in model.modules() if "forward" in m.__dict__ and _ATTR in m.__dict__}
     tree_attention = use_tree_attention(model, False)
+    screen = use_bf16_screen(model, False)
     try:
         yield
     finally:
         for m, forward in saved.items():
             m.forward = forward
         use_tree_attention(model, tree_attention)
+        use_bf16_screen(model, screen)
 
 
 class _PackedWeight:

@@ -19,6 +19,7 @@ import torch
 from transformers import DynamicCache
 
 from gorgon.decode.acceptance import accept_greedy
+from gorgon.decode.argmax import target_argmax
 from gorgon.decode.calibrate import cpu_flags, cpu_name, measure_verify_costs, median_ms
 from gorgon.decode.kernels import kernels_in_use, one_row_kernel, use_cpu_kernels
 from gorgon.decode.options import add_model_arguments, load_drafter, read_tree
@@ -54,10 +55,10 @@ def profile(model, drafter, context: int, repeat: int) -> dict[str, float]:
     parts[f"verify forward ({tree.size} nodes)"] = timed(lambda: verify(model, cache, tokens, tree, hidden_states))
     node_hidden = verify(model, cache, tokens, tree).last_hidden_state[0]
     reset()
-    parts["target lm_head over the tree"] = timed(lambda: lm_logits(model, node_hidden))
-    logits = lm_logits(model, node_hidden)
-    parts["greedy acceptance"] = timed(lambda: accept_greedy(tree, tokens, logits), lambda: None)
-    path, _ = accept_greedy(tree, tokens, logits)
+    parts["target argmax over the tree"] = timed(lambda: target_argmax(model, node_hidden))
+    best = target_argmax(model, node_hidden)
+    parts["greedy acceptance"] = timed(lambda: accept_greedy(tree, tokens, best), lambda: None)
+    path, _ = accept_greedy(tree, tokens, best)
     nodes = torch.tensor(path, device=device)
 
     def reverify():  # each compaction needs a freshly verified tree in the cache

@@ -42,9 +42,9 @@ def test_report_fields(setup):
 def test_identical_count_drops_when_the_decoder_is_broken(setup, monkeypatch):
     target, drafter = setup
 
-    def accept_first_child(tree, tokens, logits):  # accepts drafts without checking them
+    def accept_first_child(tree, tokens, best):  # accepts drafts without checking them
         path = tree.path_to[int(tree.children[0, 0])]
-        return path, tokens[list(path[1:])].tolist() + [int(logits[path[-1]].argmax())]
+        return path, tokens[list(path[1:])].tolist() + [int(best[path[-1]])]
 
     monkeypatch.setattr(generate_module, "accept_greedy", accept_first_child)
     report = run_bench(target, drafter, QUESTIONS, max_new_tokens=12, progress=False)

@@ -185,11 +185,14 @@ def test_bench_reports_both_ratios(tmp_path):
     assert report["identical"] == report["identical_vs_stock"] == 2
     assert report["per_category"]["a"]["identical_vs_stock"] == 1
     assert "speedup vs stock" in markdown_table(report)
-    assert environment(target.model, drafter, Sampling(), 10)["attention"] == "gorgon_tree_sdpa"
+    env = environment(target.model, drafter, Sampling(), 10)
+    assert env["attention"] == "gorgon_tree_sdpa"
+    assert env["greedy_argmax"] == ("full" if fast_kernels_unavailable(torch.bfloat16) else "bf16 screen")
     use_cpu_kernels(target.model, "stock")  # without the fast path there is one baseline only
     report = run_bench(target, drafter, questions, max_new_tokens=10, progress=False)
     assert "speedup_vs_stock" not in report and "speedup vs stock" not in markdown_table(report)
-    assert environment(target.model, drafter, Sampling(), 10)["attention"] == "sdpa"
+    env = environment(target.model, drafter, Sampling(), 10)
+    assert env["attention"] == "sdpa" and env["greedy_argmax"] == "full"
 
 
 def test_tree_size_follows_the_verify_costs():
