@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from gorgon.heads.errors import GorgonError
 from gorgon.heads.target import crop_cache, resolve_dtype, with_cache
 
-from .argmax import use_bf16_screen
+from .argmax import full_argmax, use_bf16_screen
 from .attention import use_tree_attention
 
 KERNELS = ("fast", "stock")
@@ -169,14 +169,13 @@ def stock_kernels(model: torch.nn.Module):
     path if it was on. The packed weights are kept, so switching back costs nothing."""
     saved = {m: m.__dict__.pop("forward") for m in model.modules() if "forward" in m.__dict__ and _ATTR in m.__dict__}
     tree_attention = use_tree_attention(model, False)
-    screen = use_bf16_screen(model, False)
     try:
-        yield
+        with full_argmax(model):
+            yield
     finally:
         for m, forward in saved.items():
             m.forward = forward
         use_tree_attention(model, tree_attention)
-        use_bf16_screen(model, screen)
 
 
 class _PackedWeight:

@@ -57,9 +57,13 @@ def test_the_screen_is_on_only_on_the_fast_path_where_this_cpu_runs_bfloat16():
         use_cpu_kernels(model, "fast")
         on = "bf16 screen" if BF16_ONEDNN else "full"
         assert argmax_in_use(model) == on
+        with torch.no_grad():
+            target_argmax(model, torch.randn(2, 32))  # makes the copy where the screen is on
+        screen = model.lm_head.__dict__.get("_gorgon_bf16_screen")
         with stock_kernels(model):
             assert argmax_in_use(model) == "full"
         assert argmax_in_use(model) == on
+        assert model.lm_head.__dict__.get("_gorgon_bf16_screen") is screen  # the same copy, not made anew
     use_cpu_kernels(model, "stock")
     assert argmax_in_use(model) == "full"
     assert use_bf16_screen(model.model, True) is False  # no output layer: nothing to screen
