@@ -10,8 +10,9 @@ The bound: rounding the weight and the input to bfloat16 changes each product w_
 2^-7 of its size (2^-8 each), and float32 accumulation over n terms adds at most n * 2^-24 of the
 sum of sizes, in the copy's sum as in the reference's. So |bf16 logit - float32 logit| <= eps *
 sum_i |w_i||h_i| <= eps * ||w|| * ||h|| (Cauchy-Schwarz), and eps is taken at twice that for margin.
-A token is dropped only when its upper bound is below another token's lower bound, so the argmax
-over the kept tokens, computed in float32 in vocabulary order, is the argmax over all of them.
+A token is dropped only when its upper bound is below the bfloat16 favourite's lower bound, which
+the float32 winner's logit reaches, so the argmax over the kept tokens, computed in float32 in
+vocabulary order, is the argmax over all of them.
 
 On the CPU fast path only (`gorgon.decode.kernels`), where oneDNN runs bfloat16 on this CPU
 (detected); a model whose output layer has a bias or soft-caps its logits keeps the full product.
@@ -102,13 +103,15 @@ def target_argmax(model: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor:
     screen.refresh(head.weight)
     rows = hidden.reshape(-1, hidden.shape[-1])
     approx = screen.logits(rows)                                                   # (T, V)
-    bound = screen.eps * rows.norm(dim=-1, keepdim=True) * screen.row_norms         # (T, V)
-    floor = (approx - bound).max(dim=-1, keepdim=True).values
-    kept = approx + bound >= floor                                                  # (T, V) may still win
+    scale = screen.eps * rows.norm(dim=-1, keepdim=True)                            # bound = scale * ||w||
+    favourite = approx.argmax(dim=-1, keepdim=True)
+    floor = approx.gather(-1, favourite) - scale * screen.row_norms[favourite]  # the float32 winner reaches it
+    may_win = torch.addcmul(approx, scale, screen.row_norms) >= floor                # (T, V): a handful
+    ids = may_win.any(dim=0).nonzero()[:, 0]                                        # ascending: ties as argmax
+    kept = may_win[:, ids]
     if not kept.any(dim=-1).all():  # NaN logits keep nothing: the full product answers as it would
         return lm_logits(model, hidden).argmax(dim=-1)
-    ids = kept.any(dim=0).nonzero()[:, 0]                                           # ascending: ties as argmax
-    exact = lm_logits(model, rows, ids).masked_fill(~kept[:, ids], float("-inf"))
+    exact = lm_logits(model, rows, ids).masked_fill(~kept, float("-inf"))
     return ids[exact.argmax(dim=-1)].reshape(hidden.shape[:-1])
 
 
