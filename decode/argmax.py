@@ -109,7 +109,9 @@ def target_argmax(model: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor:
     may_win = torch.addcmul(approx, scale, screen.row_norms) >= floor                # (T, V): a handful
     ids = may_win.any(dim=0).nonzero()[:, 0]                                        # ascending: ties as argmax
     kept = may_win[:, ids]
-    if not kept.any(dim=-1).all():  # NaN logits keep nothing: the full product answers as it would
+    # NaN logits keep nothing, and a flat distribution (random tokens: hundreds kept per row) keeps so
+    # many that gathering their rows would cost more than the full product, which then answers.
+    if not kept.any(dim=-1).all() or ids.numel() > approx.shape[-1] // 8:
         return lm_logits(model, hidden).argmax(dim=-1)
     exact = lm_logits(model, rows, ids).masked_fill(~kept, float("-inf"))
     return ids[exact.argmax(dim=-1)].reshape(hidden.shape[:-1])

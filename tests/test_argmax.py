@@ -22,7 +22,9 @@ def test_the_screen_finds_the_float32_argmax_even_on_near_and_exact_ties(packed)
     model = tiny_model("llama")
     use_bf16_screen(model, True, packed)
     hidden = torch.randn(300, 32, generator=torch.Generator().manual_seed(0)) * torch.logspace(-1, 2, 300)[:, None]
-    assert target_argmax(model, hidden).tolist() == lm_logits(model, hidden).argmax(-1).tolist()
+    full = lm_logits(model, hidden).argmax(-1)
+    assert target_argmax(model, hidden).tolist() == full.tolist()  # so many rows keep much: the full product
+    assert [target_argmax(model, h).item() for h in hidden] == full.tolist()  # one by one: screened
     # Rows 3 and 5 differ by 1e-3 of their size, below bfloat16's resolution; rows 2 and 7 are equal.
     weight = model.get_output_embeddings().weight
     direction = torch.randn(32, generator=torch.Generator().manual_seed(1))
