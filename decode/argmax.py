@@ -26,6 +26,8 @@ import torch
 
 from gorgon.heads.target import lm_logits
 
+from .onednn import pack, packed_linear
+
 _ATTR = "_gorgon_bf16_screen"
 
 
@@ -44,7 +46,7 @@ class _Screen:
         w = weight.detach()
         self.copy = w.to(torch.bfloat16)
         if self.packed:
-            self.copy = torch.ops.mkldnn._reorder_linear_weight(self.copy, 4)
+            self.copy = pack(self.copy)
         self.row_norms = w.norm(dim=1)
         n = w.shape[1]
         self.eps = 2 * (2 ** -7 + 2 ** -16 + 2 * n * 2 ** -24)
@@ -53,7 +55,7 @@ class _Screen:
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         x = hidden.to(torch.bfloat16)
         if self.packed:
-            return torch.ops.mkldnn._linear_pointwise.default(x, self.copy, None, "none", [], "").float()
+            return packed_linear(x, self.copy).float()
         return torch.nn.functional.linear(x, self.copy).float()
 
 

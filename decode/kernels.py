@@ -34,38 +34,12 @@ from gorgon.heads.target import crop_cache, resolve_dtype, with_cache
 
 from .argmax import full_argmax, use_bf16_screen
 from .attention import use_tree_attention
+from .onednn import fast_kernels_unavailable, pack, packed_linear
 
 KERNELS = ("fast", "stock")
 DRAFT_DTYPES = ("auto", "float32", "bfloat16")
 ONE_ROW_KERNELS = ("onednn", "stock")
-# oneDNN picks its weight layout for an expected row count; 4 measured best for 1-16 rows
-# (a hint of 1 made two rows cost 1.4x one row).
-PACK_ROWS_HINT = 4
 _ATTR = "_gorgon_packed"
-
-
-def fast_kernels_unavailable(dtype: torch.dtype) -> str | None:
-    """Why the fast path cannot run with this dtype on this torch build and CPU, or None if it can."""
-    if not torch.backends.mkldnn.is_available():
-        return "this torch build has no oneDNN (mkldnn)"
-    try:
-        reorder = torch.ops.mkldnn._reorder_linear_weight
-        linear = torch.ops.mkldnn._linear_pointwise
-    except (AttributeError, RuntimeError):
-        return "this torch build lacks torch.ops.mkldnn._linear_pointwise"
-    if dtype == torch.bfloat16 and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
-        return "this CPU has no bf16 instructions for oneDNN"
-    if dtype not in (torch.float32, torch.bfloat16):
-        return f"{dtype} is not packed (float32 and bfloat16 are)"
-    # A probe with the real ops: a build can expose them and still refuse to run them.
-    try:
-        w, x = torch.randn(8, 16, dtype=dtype), torch.randn(3, 16, dtype=dtype)
-        got = linear(x, reorder(w, PACK_ROWS_HINT), None, "none", [], "")
-    except RuntimeError as err:
-        return f"oneDNN's linear failed a probe ({str(err).splitlines()[0]})"
-    if not torch.allclose(got.float(), F.linear(x, w).float(), rtol=1e-2, atol=1e-2):
-        return "oneDNN's linear gave wrong results in a probe"
-    return None
 
 
 def use_cpu_kernels(model: torch.nn.Module, kernels: str = "fast", one_row: str = "measure") -> str:
@@ -189,7 +163,7 @@ class _PackedWeight:
     def get(self, weight: torch.Tensor) -> torch.Tensor:
         key = (weight.data_ptr(), weight._version)
         if key != self.key:
-            self.tensor = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_ROWS_HINT)
+            self.tensor = pack(weight)
             self.key = key
         return self.tensor
 
@@ -211,4 +185,4 @@ def _packed_forward(linear: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
             or (not packed.one_row_onednn and x.numel() == x.shape[-1])
             or (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad))):
         return F.linear(x, w, linear.bias)
-    return torch.ops.mkldnn._linear_pointwise.default(x, packed.get(w), linear.bias, "none", [], "")
+    return packed_linear(x, packed.get(w), linear.bias)

@@ -8,7 +8,7 @@
 Times each part of a step with the library's own functions (median of --repeat runs, cache of
 --context tokens): the drafter's proposal, the verify forward, the target's lm_head over the
 tree, greedy acceptance and the cache compaction; and the cost of a forward over 1, 2, 4, 8 and
-16 tokens (lm_head included) relative to one. `--json` prints one JSON line instead of the table:
+16 tokens (the greedy argmax over them included) relative to one. `--json` prints one JSON line instead of the table:
 {"plain_ms", "verify_ratio", "step_ratio", "tree_size", "kernels", "cpu_flags", ...}.
 """
 
@@ -126,7 +126,7 @@ def main():
         print(f"  {name:<36} {ms:7.1f} ms  {ms / plain:5.2f}x plain")
     print(f"  {'speculative step, total':<36} {spec:7.1f} ms  {spec / plain:5.2f}x plain"
           f"  -> break-even tau {spec / plain:.2f}")
-    print("forward over n tokens (lm_head included) / one token: "
+    print("forward over n tokens (greedy argmax included) / one token: "
           + ", ".join(f"{n}: {ms / costs[1]:.2f}x" for n, ms in costs.items()))
 
 
