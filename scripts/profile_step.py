@@ -6,9 +6,10 @@
     python scripts/profile_step.py --random-target llama-8b/config.json --tree 64 --dtype bfloat16 --json
 
 Times each part of a step with the library's own functions (median of --repeat runs, cache of
---context tokens): the drafter's proposal, the verify forward, the target's lm_head over the
-tree, greedy acceptance and the cache compaction; and the cost of a forward over 1, 2, 4, 8 and
-16 tokens (the greedy argmax over them included) relative to one. `--json` prints one JSON line instead of the table:
+--context tokens): the drafter's proposal, the verify forward, the target's greedy argmax over
+the tree (`gorgon.decode.argmax`), greedy acceptance and the cache compaction; and the cost of a
+forward over 1, 2, 4, 8 and 16 tokens (the argmax included) relative to one. `--json` prints one
+JSON line instead of the table:
 {"plain_ms", "verify_ratio", "step_ratio", "tree_size", "kernels", "cpu_flags", ...}.
 """
 
