@@ -135,10 +135,9 @@ def speculative_generate(model, drafter: Drafter, input_ids: torch.Tensor, max_n
         hidden = out.last_hidden_state[0]
         if sampling.greedy:
             path, emitted = accept_greedy(tree, tokens, target_argmax(model, hidden))
-        elif acceptance == "typical":
-            path, emitted = accept_typical(tree, tokens, target_probs(lm_logits(model, hidden), sampling), generator)
         else:
-            path, emitted = accept_sampled(tree, tokens, target_probs(lm_logits(model, hidden), sampling), generator)
+            accept = accept_typical if acceptance == "typical" else accept_sampled
+            path, emitted = accept(tree, tokens, target_probs(lm_logits(model, hidden), sampling), generator)
         nodes = torch.tensor(path, device=tokens.device)
         keep_path(cache, past_len, nodes)
         context = torch.cat([context, tokens[nodes]])

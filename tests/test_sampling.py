@@ -15,6 +15,7 @@ from scipy.stats import chisquare
 import gorgon.decode.acceptance as acceptance
 from gorgon.decode import Sampling, speculative_generate
 from gorgon.decode.acceptance import target_probs
+from gorgon.heads import GorgonError
 
 V, N_NEW, SAMPLES = 8, 3, 3000
 PATHS = [[0], [1], [2], [0, 0], [0, 1], [1, 0]]  # depth 2: with the root, all 3 new tokens
@@ -143,3 +144,14 @@ def test_sampling_with_merged_heads_and_context_is_exact(peaky_model):
     counts, accepted = sample_counts(peaky_model, prompt, s, drafter)
     assert max(accepted) >= 3
     assert chi_square_p(exact_distribution(peaky_model, prompt, s), counts) > 1e-3
+
+
+def test_typical_acceptance_takes_likely_drafts_and_needs_a_temperature(peaky_model):
+    """The lossy rule runs through the same loop: drafts the target finds likely pass it, deep."""
+    prompt = torch.tensor([[1, 5, 2]])
+    drafter = TargetRolloutDrafter(peaky_model, PATHS)
+    out = speculative_generate(peaky_model, drafter, prompt, max_new_tokens=12, sampling=Sampling(temperature=1.0),
+                               acceptance="typical", generator=torch.Generator().manual_seed(0))
+    assert len(out.tokens) == 12 and max(out.accepted) >= 3
+    with pytest.raises(GorgonError, match="typical acceptance needs a temperature > 0"):
+        speculative_generate(peaky_model, drafter, prompt, max_new_tokens=4, acceptance="typical")
