@@ -29,11 +29,13 @@ from .argmax import argmax_in_use
 from .calibrate import cpu_flags, cpu_name
 from .generate import GenerationResult, speculative_generate
 from .kernels import kernels_in_use, one_row_kernel, stock_kernels
-from .options import add_model_arguments, drafter_name, load_drafter, read_tree
+from .options import add_model_arguments, compared_drafter, drafter_name, load_drafter, read_tree
 from .tau import per_category_sample
 
 BASELINES = ("generate", "stock", "prompt-lookup", "no-context")
-SPECULATIVE = ("no-context",)  # baselines that decode with a drafter: they also report tau and an identical count
+# Methods that decode with a drafter: they also report tau and an identical count. "compare" is the
+# --compare-heads drafter, drafted as --heads is; "compare-no-context" the same heads without context drafts.
+SPECULATIVE = ("no-context", "compare", "compare-no-context")
 
 
 def load_questions(path: str, limit: int | None = None) -> list[dict]:
@@ -122,10 +124,12 @@ def summarize(rows: list[dict], greedy: bool, extra: tuple[str, ...], stock: boo
     return out
 
 
-def timed_methods(model, drafter, baselines: tuple[str, ...], assistant, sampling: Sampling, generator) -> dict:
+def timed_methods(model, drafter, baselines: tuple[str, ...], assistant, sampling: Sampling, generator,
+                  compare=None) -> dict:
     """What is timed on each turn, by name: a function of (prompt ids, max new tokens) returning a
-    GenerationResult. `baseline` is plain `generate`, `gorgon` the drafter under test; the rest are
-    the baselines asked for (`stock` only where the CPU fast kernels are on, else it equals `baseline`)."""
+    GenerationResult. `baseline` is plain `generate`, `gorgon` the drafter under test, `compare` another
+    heads' drafter; the rest are the baselines asked for (`stock` only where the CPU fast kernels are on,
+    else it equals `baseline`)."""
 
     def plain(**extra):
         def run(ids, max_new_tokens):
@@ -150,6 +154,10 @@ def timed_methods(model, drafter, baselines: tuple[str, ...], assistant, samplin
             raise GorgonError("--baselines no-context times the --heads or --draft drafter without the context "
                               "draft: it needs --context-draft together with --heads or --draft")
         methods["no-context"] = speculative(drafter.drafter)
+    if compare is not None:
+        methods["compare"] = speculative(compare)
+        if "no-context" in baselines:
+            methods["compare-no-context"] = speculative(compare.drafter)
     if assistant is not None:
         methods["assistant"] = plain(assistant_model=assistant)
     return methods
@@ -157,14 +165,14 @@ def timed_methods(model, drafter, baselines: tuple[str, ...], assistant, samplin
 
 def run_bench(target, drafter, questions: list[dict], max_new_tokens: int = 256, sampling: Sampling = Sampling(),
               baselines: tuple[str, ...] = ("generate", "stock"), assistant=None, seed: int = 0,
-              progress: bool = True) -> dict:
+              progress: bool = True, compare=None) -> dict:
     """Run every question through plain `generate`, gorgon and the baselines asked for, interleaved (which
     goes first rotates from question to question, so drift hits all alike); returns the report."""
     from tqdm.auto import tqdm
 
     model, tok = target.model, target.tokenizer
     generator = torch.Generator(device=model.device).manual_seed(seed)
-    methods = timed_methods(model, drafter, baselines, assistant, sampling, generator)
+    methods = timed_methods(model, drafter, baselines, assistant, sampling, generator, compare)
     stock = "stock" in methods
     extra = tuple(name for name in methods if name not in ("baseline", "gorgon", "stock"))
 
@@ -318,8 +326,8 @@ def plot_report(report: dict, path: Path) -> None:
     bars = [("gorgon", "speedup", "#08519c")]
     if "speedup_vs_stock" in report:
         bars.append(("gorgon vs stock kernels", "speedup_vs_stock", "#6baed6"))
-    bars += [(name, f"{name}_speedup", color) for name, color in zip(extra_names(report), ("#fd8d3c", "#74c476",
-                                                                                           "#9e9ac8"))]
+    colors = ("#fd8d3c", "#74c476", "#9e9ac8", "#e377c2", "#8c8c8c")
+    bars += [(name, f"{name}_speedup", color) for name, color in zip(extra_names(report), colors, strict=False)]
     legend = len(bars) > 1  # below the axes, where it hides no bar: the figure grows to hold it
     fig, (left, right) = plt.subplots(1, 2, figsize=(9, 3.9 if legend else 3.4), dpi=120)
     hist = report["accepted_histogram"]
@@ -373,6 +381,10 @@ def parser() -> argparse.ArgumentParser:
                         "--heads or --draft drafter alone). Default: generate,stock")
     p.add_argument("--assistant", default=None,
                    help="also time transformers' assisted generation with this draft model")
+    p.add_argument("--compare-heads", default=None,
+                   help="other heads for the same target (Medusa-1 or feature-level), timed in the same rotation "
+                        "and drafted as --heads are (the same --tree and --context-draft options): reported as "
+                        "compare (and compare-no-context with --baselines no-context)")
     p.add_argument("--out", default=None, help="write the JSON report here (and a PNG beside it)")
     p.add_argument("--overwrite", action="store_true", help="replace an earlier report at --out")
     p.add_argument("--update-card", action="store_true",
@@ -388,18 +400,25 @@ def main(argv=None) -> int:
         raise GorgonError(f"unknown baseline {unknown[0]!r}: use {', '.join(BASELINES)}")
     if args.update_card and not (args.heads or args.draft):
         raise GorgonError("--update-card writes into a --heads or --draft folder's card: pass one")
+    if args.compare_heads and not args.heads:
+        raise GorgonError("--compare-heads times other heads beside the --heads under test: pass --heads too")
     if args.out:
         check_report_output(Path(args.out), is_report, args.overwrite)
     questions = per_category_sample(load_questions(args.questions, args.limit), args.per_category)
     sampling = Sampling(args.temperature, args.top_k, args.top_p)
     target, drafter = load_drafter(args, read_tree(args.tree))
+    compare = compared_drafter(args, target, read_tree(args.tree), drafter) if args.compare_heads else None
     assistant = None
     if args.assistant:
         assistant, _ = load_causal_lm(args.assistant, "assistant model", dtype=target.model.dtype, tokenizer="none")
         assistant.to(target.model.device)
     seed = 0 if args.seed is None else args.seed  # reproducible unless asked otherwise
-    report = run_bench(target, drafter, questions, args.max_new_tokens, sampling, baselines, assistant, seed)
+    report = run_bench(target, drafter, questions, args.max_new_tokens, sampling, baselines, assistant, seed,
+                       compare=compare)
     report.update(environment(target.model, drafter, sampling, args.max_new_tokens))
+    if compare is not None:
+        report["compare"] = {"heads": args.compare_heads, "tree": tree_description(compare),
+                             "tree_size": compare.max_nodes}
     report.update({"target": target.name, "drafter": drafter_name(args), "questions_file": args.questions,
                    "command": "gorgon bench " + " ".join(sys.argv[2:] if argv is None else argv)})
     print(markdown_table(report))

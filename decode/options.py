@@ -20,7 +20,7 @@ from gorgon.heads import (
 )
 from gorgon.heads.errors import int_at_least
 from gorgon.heads.files import read_text
-from gorgon.heads.loading import drafter_for, load_heads
+from gorgon.heads.loading import drafter_for, load_heads, load_heads_for
 from gorgon.heads.target import check_same_tokenizer, load_causal_lm
 from gorgon.heads.tree import best_tree_size
 
@@ -124,15 +124,7 @@ def load_model_drafter(args, tree):
     if args.heads:
         target, heads = load_heads(args.heads, args.target, device=args.device, dtype=args.dtype)
         use_cpu_kernels(target.model, args.cpu_kernels)
-        if isinstance(heads, EagleHead):  # Medusa heads share the target's lm_head, so keep its dtype
-            heads.to(draft_dtype(target.model, args.cpu_kernels, args.draft_dtype))
-        use_drafter_kernels(heads, target.model, args.cpu_kernels)
-        if tree == "auto" and heads.accuracies:
-            levels = (heads.level_accuracies(args.draft_depth) if isinstance(heads, EagleHead)
-                      else heads.accuracies[: heads.config.num_heads])
-            tree = best_tree_size(levels, verify_costs(target.model))
-            print(f"gorgon: a {tree}-node tree fits this machine best (--tree N to choose another)", file=sys.stderr)
-        return target, drafter_for(heads, tree, args.draft_depth, args.draft_topk)
+        return target, heads_drafter(heads, target, args, tree)
     target = load_target(args.target, device=args.device, dtype=args.dtype)
     # A folder of weights only has no tokenizer: the vocabulary size check is all there is to go on.
     draft, draft_tokenizer = load_causal_lm(args.draft, "draft model", dtype=target.model.dtype, tokenizer="optional")
@@ -142,6 +134,31 @@ def load_model_drafter(args, tree):
     draft = draft.to(target.model.device, draft_dtype(target.model, args.cpu_kernels, args.draft_dtype)).eval()
     use_drafter_kernels(draft, target.model, args.cpu_kernels)
     return target, DraftModelDrafter(draft, args.draft_tokens).check_vocab(target.model)
+
+
+def heads_drafter(heads, target, args, tree):
+    """The drafter for heads loaded onto `target` (on its kernels already): the head in its draft dtype on
+    the target's kernels, and with `--tree auto` the tree size that suits this machine."""
+    if isinstance(heads, EagleHead):  # Medusa heads share the target's lm_head, so keep its dtype
+        heads.to(draft_dtype(target.model, args.cpu_kernels, args.draft_dtype))
+    use_drafter_kernels(heads, target.model, args.cpu_kernels)
+    if tree == "auto" and heads.accuracies:
+        levels = (heads.level_accuracies(args.draft_depth) if isinstance(heads, EagleHead)
+                  else heads.accuracies[: heads.config.num_heads])
+        tree = best_tree_size(levels, verify_costs(target.model))
+        print(f"gorgon: a {tree}-node tree fits this machine best (--tree N to choose another)", file=sys.stderr)
+    return drafter_for(heads, tree, args.draft_depth, args.draft_topk)
+
+
+def compared_drafter(args, target, tree, drafter):
+    """`gorgon bench --compare-heads`: the other heads, loaded onto the same target and drafted as the
+    --heads are (the same tree option, merged with their own context drafter when --context-draft is on)."""
+    other = heads_drafter(load_heads_for(args.compare_heads, target), target, args, tree)
+    if not isinstance(drafter, MergedDrafter):
+        return other
+    context = drafter.context
+    return MergedDrafter(other, ContextDrafter(context.max_ngram, context.length, context.branches,
+                                               context.max_length), args.tree_budget, drafter.costs)
 
 
 def use_drafter_kernels(drafter: torch.nn.Module, target_model: torch.nn.Module, kernels: str) -> None:

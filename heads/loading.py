@@ -16,8 +16,8 @@ from .eagle.formats import foreign_format
 from .eagle.model import ARCH
 from .errors import GorgonError
 from .hub import CONFIG_NAME
-from .medusa import HeadsDrafter, load_with_heads
-from .medusa.model import resolve_heads_folder
+from .medusa import HeadsDrafter, MedusaHeads, load_with_heads
+from .medusa.model import ADAPTER_DIR, resolve_heads_folder
 from .target import Target, load_target
 
 
@@ -38,6 +38,18 @@ def load_heads(heads: str | os.PathLike, target: str | None = None, device: str 
         return load_with_heads(folder, target, device=device, dtype=dtype)
     loaded = load_target(target, device=device, dtype=dtype)
     return loaded, EagleHead.from_pretrained(folder, target=loaded)
+
+
+def load_heads_for(heads: str | os.PathLike, target: Target):
+    """Heads for a target already loaded (to compare two heads on one target): checked against it by
+    fingerprint. A Medusa-2 folder is refused, since its adapter would change the target itself."""
+    folder = resolve_heads_folder(heads)
+    if is_eagle(folder):
+        return EagleHead.from_pretrained(folder, target=target)
+    if (folder / ADAPTER_DIR).is_dir():
+        raise GorgonError(f"{heads} holds Medusa-2 heads, whose LoRA adapter changes the target: compare them as "
+                          "--heads, or compare Medusa-1 or feature-level heads")
+    return MedusaHeads.from_pretrained(folder, target=target)
 
 
 def drafter_for(heads, tree=None, depth: int | None = None, topk: int | None = None):

@@ -184,3 +184,56 @@ def test_tau_scripts_refuse_bad_input_in_one_line(tmp_path):
     code, err = script("learning_curve.py", "--heads", "h", "--questions", "q.jsonl", "--out", str(earlier))
     assert code == 2 and err.endswith("holds earlier gorgon output: pass --overwrite to replace it, or choose another "
                                       "--out")
+
+
+@pytest.mark.slow
+def test_compare_heads_are_timed_in_the_same_rotation_and_drafted_as_the_heads(tmp_path, capsys, monkeypatch):
+    """The compared heads' tau equals their own run as --heads, merged with their own context drafter
+    and alone; other heads' folders and a Medusa-2 folder are refused in one line."""
+    import shutil
+
+    import gorgon.decode.bench as bench
+    from gorgon.heads import EagleHead, MergedDrafter
+    from gorgon.heads.cli import main as gorgon
+
+    timed = set()  # which drafters ran: (the merged drafter's inner drafter or the drafter, merged or not)
+
+    def spy(model, drafter, *args, **kwargs):
+        merged = isinstance(drafter, MergedDrafter)
+        timed.add((type(drafter.drafter if merged else drafter).__name__, merged))
+        return speculative_generate(model, drafter, *args, **kwargs)
+
+    speculative_generate = bench.speculative_generate
+    monkeypatch.setattr(bench, "speculative_generate", spy)
+
+    target_path = tiny_chat_target(tmp_path)
+    target = load_target(str(target_path), device="cpu")
+    EagleHead.for_target(target.model, target_fingerprint=target.fingerprint).save_pretrained(tmp_path / "eagle")
+    MedusaHeads.for_target(target.model, target_fingerprint=target.fingerprint).save_pretrained(tmp_path / "medusa")
+    q = tmp_path / "q.jsonl"
+    q.write_text("".join(json.dumps(x) + "\n" for x in QUESTIONS[:3]))
+    common = ["--target", str(target_path), "--questions", str(q), "--max-new-tokens", "10", "--tree", "3",
+              "--context-draft", "--baselines", "generate,no-context"]
+    assert gorgon(["bench", "--heads", str(tmp_path / "eagle"), "--compare-heads", str(tmp_path / "medusa"),
+                   "--out", str(tmp_path / "both.json")] + common) == 0
+    assert gorgon(["bench", "--heads", str(tmp_path / "medusa"), "--out", str(tmp_path / "medusa.json")] + common) == 0
+    both, alone = (json.loads((tmp_path / name).read_text()) for name in ("both.json", "medusa.json"))
+    assert both["compare"] == {"heads": str(tmp_path / "medusa"), "tree": "built per step", "tree_size": 16}
+    assert both["identical"] == both["compare_identical"] == both["compare-no-context_identical"] == 3
+    assert both["compare_tau"] == alone["tau"] and both["compare-no-context_tau"] == alone["no-context_tau"]
+    assert timed == {("EagleDrafter", True), ("EagleDrafter", False), ("HeadsDrafter", True), ("HeadsDrafter", False)}
+    assert "compare-no-context tau" in capsys.readouterr().out
+
+    other = load_target(str(tiny_chat_target(tmp_path, seed=1)), device="cpu")
+    MedusaHeads.for_target(other.model, target_fingerprint=other.fingerprint).save_pretrained(tmp_path / "foreign")
+    shutil.copytree(tmp_path / "medusa", tmp_path / "medusa2")
+    (tmp_path / "medusa2" / "adapter").mkdir()
+    for folder, says in (("foreign", "fingerprint"), ("medusa2", "holds Medusa-2 heads, whose LoRA adapter changes "
+                                                                 "the target: compare them as --heads")):
+        assert gorgon(["bench", "--heads", str(tmp_path / "eagle"), "--compare-heads", str(tmp_path / folder)]
+                      + common) == 2
+        last = capsys.readouterr().err.strip().splitlines()[-1]
+        assert last.startswith("gorgon bench: error: ") and says in last, last
+    assert gorgon(["bench", "--context-draft", "--compare-heads", str(tmp_path / "medusa"), "--questions", str(q)]) == 2
+    assert capsys.readouterr().err.strip().endswith("--compare-heads times other heads beside the --heads under "
+                                                    "test: pass --heads too")
