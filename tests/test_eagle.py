@@ -441,6 +441,19 @@ def test_feature_noise_perturbs_training_steps_only():
     assert torch.equal(noisy(**batch)[0], clean)
 
 
+def test_feature_noise_is_the_same_share_of_every_layers_scale():
+    from gorgon.heads.eagle.objective import with_noise
+
+    torch.manual_seed(0)
+    scales = torch.tensor([1.0, 10.0, 100.0])  # three layers of very different size, as a real target's
+    features = (torch.randn(4, 50, 3, 64) * scales[:, None]).flatten(-2)
+    noise = (with_noise(features, 0.1, layers=3) - features).unflatten(-1, (3, 64))
+    rms = features.unflatten(-1, (3, 64)).pow(2).mean(-1, keepdim=True).sqrt()
+    share = noise / rms
+    assert share.abs().max() <= 0.1 + 1e-6
+    assert torch.allclose(share.std((0, 1, 3)), torch.full((3,), 0.1 / 3 ** 0.5), rtol=0.05)  # uniform's std
+
+
 def test_the_feature_cache_skips_the_target_and_keeps_the_loss():
     """The feature-level head reads the target's features, last hidden state and choices back."""
     from gorgon.heads.eagle.objective import EagleObjective

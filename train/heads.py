@@ -60,7 +60,8 @@ class HeadsTrainConfig(TrainingSettings):
     ttt_steps: int = setting(1, "eagle: unrolled steps that feed the head its own outputs, as deeper drafts see "
                                 "them (EAGLE-3's training-time test; 1: off)")
     hidden_weight: float = setting(0.0, "eagle: weight of EAGLE-1's regression onto the target's next feature")
-    feature_noise: float = setting(0.0, "eagle: uniform noise in [-a, a] on the target's features in training")
+    feature_noise: float = setting(0.0, "eagle: uniform noise in [-a, a] times each feature layer's scale (root "
+                                        "mean square) on the target's features in training")
     train_lm_head: bool = setting(True, "eagle: train the head's LM head (false: it keeps the target's rows)")
     cache_features: bool = setting(False, "keep the frozen target's outputs in CPU memory after the first epoch, "
                                           "so later epochs skip its forward (medusa1: hidden_size floats per "
