@@ -66,6 +66,17 @@ def test_loss_falls_on_a_learnable_toy_set(tmp_path):
     assert len(metrics["top1"]) == 4 and all(0 <= a <= b <= 1 for a, b in zip(metrics["top1"], metrics["top5"]))
 
 
+def test_the_draft_vocabulary_is_the_answers_tokens_by_count_then_the_lowest_unused_ids():
+    from gorgon.train.heads import frequent_tokens
+
+    examples = [{"input_ids": [50, 7, 7, 9, 9, 40, 3], "loss_mask": [0, 1, 1, 1, 1, 1, 0]}]  # 50 and 3: prompt only
+    tokens, coverage = frequent_tokens(examples, 6, vocab_size=64)
+    # 7 and 9 twice (the tie to the lower id), 40 once, then the lowest ids no answer uses
+    assert tokens.tolist() == [7, 9, 40, 0, 1, 2] and coverage == 1.0
+    tokens, coverage = frequent_tokens(examples, 2, vocab_size=64)
+    assert tokens.tolist() == [7, 9] and coverage == pytest.approx(0.8)
+
+
 def medusa2(tmp_path, target_path, data, base_kl_weight, name):
     return train(HeadsTrainConfig(data=data, out=str(tmp_path / name), target=str(target_path), mode="medusa2",
                                   max_steps=30, batch_size=8, learning_rate=3e-3, backbone_learning_rate=3e-3,

@@ -161,11 +161,13 @@ def latest_heads_checkpoint(out: Path) -> Path | None:
 
 
 def frequent_tokens(examples: list[dict], size: int, vocab_size: int) -> tuple[torch.Tensor, float]:
-    """The `size` most frequent answer tokens (a draft vocabulary) and their share of all answer tokens."""
+    """The `size` most frequent answer tokens (a draft vocabulary) and their share of all answer tokens.
+    Ties, above all the tokens the answers never use, go to the lower id: a BPE vocabulary numbers its
+    tokens in merge order, so lower ids are the more common ones in the tokenizer's own corpus."""
     answer = [t for ex in examples for t, m in zip(ex["input_ids"], ex["loss_mask"]) if m]
     counts = torch.bincount(torch.tensor(answer), minlength=vocab_size)
-    top = counts.topk(min(size, vocab_size))
-    return top.indices, float(top.values.sum() / counts.sum())
+    top = torch.argsort(counts, descending=True, stable=True)[:size]
+    return top, float(counts[top].sum() / counts.sum())
 
 
 def set_draft_vocab(heads, examples: list[dict], size: int) -> float:
