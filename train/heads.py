@@ -69,7 +69,8 @@ class HeadsTrainConfig(TrainingSettings):
     draft_depth: int = setting(5, "eagle: tree levels drafted per step")
     draft_topk: int = setting(8, "eagle: tokens kept and expanded per level")
     draft_vocab_size: int | None = setting(None, "draft from, and train over, the N most frequent answer tokens "
-                                                 "(EAGLE-3's d2t/t2d); None: the whole vocabulary")
+                                                 "(EAGLE-3's d2t/t2d; then the lowest ids if the answers use fewer); "
+                                                 "None: the whole vocabulary")
     cpu_tree_size: int = setting(DEVICE_TREE_SIZE["cpu"], "tree nodes per step saved for a CPU (decoding with "
                                                           "--tree auto sizes the tree for the machine at hand from "
                                                           "the held-out accuracies and its measured verify costs)")
