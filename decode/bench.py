@@ -406,8 +406,9 @@ def main(argv=None) -> int:
         check_report_output(Path(args.out), is_report, args.overwrite)
     questions = per_category_sample(load_questions(args.questions, args.limit), args.per_category)
     sampling = Sampling(args.temperature, args.top_k, args.top_p)
-    target, drafter = load_drafter(args, read_tree(args.tree))
-    compare = compared_drafter(args, target, read_tree(args.tree), drafter) if args.compare_heads else None
+    tree = read_tree(args.tree)
+    target, drafter = load_drafter(args, tree)
+    compare = compared_drafter(args, target, tree, drafter) if args.compare_heads else None
     assistant = None
     if args.assistant:
         assistant, _ = load_causal_lm(args.assistant, "assistant model", dtype=target.model.dtype, tokenizer="none")

@@ -93,8 +93,7 @@ def load_drafter(args, tree):
         raise GorgonError("--tree-budget sizes a merged tree: it needs --context-draft with --heads or --draft")
     if (args.draft_depth or args.draft_topk) and not args.heads:
         raise GorgonError("--draft-depth and --draft-topk shape a feature-level head's search: they need --heads")
-    context = (ContextDrafter(args.context_ngram, args.context_tokens, args.context_branches, args.context_max_tokens)
-               if args.context_draft else None)
+    context = context_drafter(args) if args.context_draft else None
     if not (args.heads or args.draft):
         if tree != "auto":
             raise GorgonError("--tree applies to --heads: --context-draft alone proposes what the context repeats")
@@ -106,6 +105,11 @@ def load_drafter(args, tree):
         return target, drafter
     costs = verify_costs(target.model) if args.tree_budget is None else None
     return target, MergedDrafter(drafter, context, args.tree_budget, costs)
+
+
+def context_drafter(args) -> ContextDrafter:
+    """A fresh context drafter with the --context-* settings (each drafter learns its own record)."""
+    return ContextDrafter(args.context_ngram, args.context_tokens, args.context_branches, args.context_max_tokens)
 
 
 def drafter_name(args) -> str:
@@ -156,9 +160,7 @@ def compared_drafter(args, target, tree, drafter):
     other = heads_drafter(load_heads_for(args.compare_heads, target), target, args, tree)
     if not isinstance(drafter, MergedDrafter):
         return other
-    context = drafter.context
-    return MergedDrafter(other, ContextDrafter(context.max_ngram, context.length, context.branches,
-                                               context.max_length), args.tree_budget, drafter.costs)
+    return MergedDrafter(other, context_drafter(args), args.tree_budget, drafter.costs)
 
 
 def use_drafter_kernels(drafter: torch.nn.Module, target_model: torch.nn.Module, kernels: str) -> None:
