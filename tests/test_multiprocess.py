@@ -10,6 +10,7 @@ import subprocess
 
 import pytest
 import torch
+import torch.distributed as dist
 from accelerate.data_loader import BatchSamplerShard
 from helpers import (
     LAUNCH,
@@ -25,6 +26,8 @@ from helpers import (
 
 from gorgon.heads import GorgonError
 from gorgon.train.examples import EpochSampler, RankBatches
+from gorgon.train.heads import HeadsTrainConfig
+from gorgon.train.recipe import recipe_main
 
 
 @pytest.mark.parametrize("n,batch,world", [(46, 4, 2), (47, 4, 2), (41, 4, 2), (9, 4, 2), (2, 4, 2), (50, 3, 3),
@@ -58,7 +61,7 @@ def launch(script: str, args: list[str], processes: int, tmp_path, name: str) ->
     run = subprocess.run(LAUNCH + config + [str(ROOT / script)] + args + ["--out", str(tmp_path / name)],
                          env={**env(), "WANDB_DIR": str(tmp_path / f"wandb-{name}")}, capture_output=True, text=True,
                          timeout=600, cwd=tmp_path)
-    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.returncode == 0, run.stderr[-10000:]
     return run
 
 
@@ -144,6 +147,30 @@ def test_two_processes_killed_and_resumed_distil_the_same_draft(tmp_path):
     kill_after_a_checkpoint(common + ["--out", str(killed)], killed / "checkpoints",
                             "checkpoint-18/trainer_state.json", tmp_path)
     resume_equals_a_whole_run(common, killed, tmp_path / "whole", "resuming from", refused=1)
+
+
+@pytest.mark.parametrize("fails", [False, True])
+def test_every_process_leaves_its_process_group(tmp_path, fails):
+    """After training, and after an error, the script's own process group is closed before the interpreter
+    stops: a gloo group left open can abort a process's exit (SIGABRT) and fail a run that had finished."""
+
+    def train(cfg):
+        assert dist.is_initialized()
+        if fails:
+            raise GorgonError("bad data")
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        argv = ["--data", "x", "--out", str(tmp_path / "run")]
+        if fails:
+            with pytest.raises(GorgonError, match="bad data"):
+                recipe_main(HeadsTrainConfig, train, "", argv)
+        else:
+            assert recipe_main(HeadsTrainConfig, train, "", argv) == 0
+        assert not dist.is_initialized()
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
 
 def test_a_missing_accelerate_config_is_named(tmp_path):

@@ -268,9 +268,23 @@ def recipe_main(cls, train, doc: str, argv: list[str] | None = None) -> int:
     overrides = parse_overrides(argv)
     cfg = load_recipe(cls, overrides.pop("config", None), overrides)
     out = Path(cfg.out)
-    with full_disk_is_one_line(out), no_empty_output_left(out):
-        train(cfg)
+    try:
+        with full_disk_is_one_line(out), no_empty_output_left(out):
+            train(cfg)
+    finally:
+        leave_process_group()
     return 0
+
+
+def leave_process_group() -> None:
+    """Every process closes its connections to the others before the interpreter shuts down, also
+    after an error and on a process that finishes first (with nothing to write). Left open, gloo's
+    worker threads can abort that process's exit with SIGABRT (pytorch/pytorch PR 179291), and the
+    launcher then fails a run that had finished."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
 
 
 @contextlib.contextmanager
