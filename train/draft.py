@@ -106,6 +106,12 @@ def gkd_trainer(cfg: DraftTrainConfig, student, target, train_ex: list[dict], ck
                 self.train_dataset, batch_sampler=batches, collate_fn=self.data_collator,
                 pin_memory=self.args.dataloader_pin_memory))
 
+        def _save_rng_state(self, output_dir):
+            """Each process writes its own RNG state, and the main process trainer_state.json right after its
+            own, which marks the checkpoint whole for a resume: the others must have finished first."""
+            super()._save_rng_state(output_dir)
+            self.accelerator.wait_for_everyone()
+
     # transformers >= 5.23 renames gradient_checkpointing, but trl's configs still set it (True by default)
     warnings.filterwarnings("ignore", message="`gradient_checkpointing` is deprecated", category=FutureWarning)
     args = GKDConfig(
@@ -166,7 +172,7 @@ def train(cfg: DraftTrainConfig) -> Path:
     connect_cpu_processes()  # before anything creates accelerate's process state
     out = Path(cfg.out)
     ckpt_dir = out / "checkpoints"
-    # The trainer writes trainer_state.json last into each checkpoint.
+    # The trainer writes trainer_state.json last into each checkpoint (after every process's part: Trainer above).
     resume_from = prepare_output(out, lambda: latest_checkpoint(ckpt_dir, "checkpoint", "trainer_state.json"),
                                  cfg.resume, cfg.overwrite)
     wandb_offline_without_key(cfg.report_to)
