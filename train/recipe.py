@@ -217,6 +217,11 @@ def wandb_offline_without_key(report_to: str) -> None:
         os.environ["WANDB_MODE"] = "offline"
 
 
+def several_processes() -> bool:
+    """Whether a launcher (accelerate's, torchrun) started this process as one of several."""
+    return int(os.environ.get("WORLD_SIZE", "1")) > 1
+
+
 def connect_cpu_processes() -> None:
     """Several processes and no GPU means CPU processes talking over gloo.
 
@@ -227,7 +232,7 @@ def connect_cpu_processes() -> None:
     run plain DDP instead."""
     import torch
 
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not torch.cuda.is_available():
+    if several_processes() and not torch.cuda.is_available():
         for name in ("FSDP", "DEEPSPEED"):
             if os.environ.get(f"ACCELERATE_USE_{name}", "false").lower() == "true":
                 raise GorgonError(f"{'DeepSpeed' if name == 'DEEPSPEED' else name} needs GPUs: accelerate runs CPU "
@@ -270,7 +275,7 @@ def recipe_main(cls, train, doc: str, argv: list[str] | None = None) -> int:
     out = Path(cfg.out)
     with full_disk_is_one_line(out), no_empty_output_left(out):
         train(cfg)
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+    if several_processes():
         end_launched_process()
     return 0
 
