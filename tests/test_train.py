@@ -3,6 +3,7 @@
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -118,6 +119,17 @@ def test_medusa2_keeps_the_base_models_greedy_outputs(tmp_path):
 
 
 @pytest.mark.slow
+def test_every_epoch_trains_on_every_conversation_when_batches_do_not_divide_into_steps(tmp_path):
+    """10 batches per epoch, 3 accumulated per step: accelerate steps after the 10th, so an epoch is 4 steps."""
+    target = tiny_chat_target(tmp_path)
+    data = toy_data(tmp_path / "toy.jsonl")  # 48: 46 train (10 batches of 5), 2 held out
+    out = train(HeadsTrainConfig(data=data, out=str(tmp_path / "h"), target=str(target), epochs=2, batch_size=5,
+                                 grad_accum=3, report_to="none", save_every=0))
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert metrics["steps"] == 8 and metrics["train_conversations"] == 46
+    assert metrics["conversations_trained"] == 2 * 46
+
+
 def test_kill_and_resume_continues_exactly(tmp_path):
     target = tiny_chat_target(tmp_path)
     data = toy_data(tmp_path / "toy.jsonl", n=64)
@@ -148,10 +160,37 @@ def test_bad_config_keys_and_values(tmp_path):
     cfg = load_recipe(HeadsTrainConfig, None, parse_overrides(["--data=x", "--out", "y", "--lora-target-modules",
                                                                "q_proj,v_proj", "--max-steps", "none"]))
     assert cfg.lora_target_modules == ["q_proj", "v_proj"] and cfg.max_steps is None
+    with pytest.raises(GorgonError, match="out needs a value"):  # a bare flag is not the folder "true"
+        load_recipe(HeadsTrainConfig, None, parse_overrides(["--data", "x", "--out", "--resume"]))
+    (tmp_path / "blank.yaml").write_text("data: ~/x\nout:\n")
+    with pytest.raises(GorgonError, match="out needs a value"):  # nor is a blank YAML value the folder "None"
+        load_recipe(HeadsTrainConfig, str(tmp_path / "blank.yaml"), {})
+    (tmp_path / "home.yaml").write_text("data: ~/x\nout: y\n")
+    cfg = load_recipe(HeadsTrainConfig, str(tmp_path / "home.yaml"), parse_overrides(["--resume"]))
+    assert cfg.data == str(Path.home() / "x") and cfg.resume is True
+    for bad in (["--log-every", "0"], ["--keep-checkpoints", "0"], ["--save-every", "-1"], ["--tree-topk", "0"]):
+        with pytest.raises(GorgonError, match="must be at least"):
+            load_recipe(HeadsTrainConfig, None, parse_overrides(["--data", "x", "--out", "y"] + bad)).check()
     run = subprocess.run([sys.executable, str(ROOT / "train/heads.py"), "--data", "x", "--out", "y",
                           "--mode", "medusa3"], env=env(), capture_output=True, text=True)
     assert run.returncode == 2 and run.stderr.strip().splitlines()[-1] == \
         "train/heads.py: error: mode must be one of medusa1, medusa2, not 'medusa3'"
+
+
+def test_a_folder_gorgon_did_not_write_is_refused_untouched(tmp_path):
+    """Checkpoint-like folders in someone else's folder are neither resumed from nor cleaned up."""
+    target = tiny_chat_target(tmp_path)
+    out = tmp_path / "theirs"
+    for name in ("step-3", "step-best"):
+        (out / "checkpoints" / name).mkdir(parents=True)
+        (out / "checkpoints" / name / "model.bin").write_text("weights")
+    (out / "notes.txt").write_text("mine")
+    for resume in (False, True):
+        with pytest.raises(GorgonError):
+            train(HeadsTrainConfig(data=toy_data(tmp_path / "toy.jsonl"), out=str(out), target=str(target),
+                                   report_to="none", resume=resume))
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-3", "step-best"]
+    assert (out / "notes.txt").read_text() == "mine"
 
 
 def test_empty_dataset_is_refused(tmp_path):

@@ -42,7 +42,7 @@ class HeadsTrainConfig(TrainingSettings):
     loss: str = setting("ce", "medusa: ce (the data's tokens) | kl (the target's own distribution)")
     loss_tokens: str = setting("answers", "answers | all: every position, prompts too (soft targets only: arch "
                                           "eagle or loss kl); held-out figures always count answers")
-    head_decay: float = setting(0.8, "medusa: head k's loss weight is head_decay ** k")
+    head_decay: float = setting(0.8, "head k's (eagle: unrolled step k's) loss weight is head_decay ** k")
     backbone_learning_rate: float = setting(5e-5, "medusa2: the LoRA adapters' peak learning rate")
     heads_warmup_steps: int = setting(0, "medusa2: steps that train the heads alone before the adapters")
     base_kl_weight: float = setting(1.0, "medusa2: weight of the KL that keeps the target's own outputs")
@@ -97,6 +97,12 @@ class HeadsTrainConfig(TrainingSettings):
         check_optimisation(self)
         if self.num_heads < 1 or self.num_layers < 1 or self.batch_size < 1 or self.grad_accum < 1:
             raise GorgonError("num_heads, num_layers, batch_size and grad_accum must be at least 1")
+        if self.eval_every < 0 or self.tree_topk < 1:
+            raise GorgonError(f"eval_every must be at least 0 (0: only at the end) and tree_topk at least 1, not "
+                              f"{self.eval_every} and {self.tree_topk}")
+        if self.draft_vocab_size is not None and self.draft_vocab_size < 1:
+            raise GorgonError(f"draft_vocab_size must be at least 1 (or unset for the whole vocabulary), not "
+                              f"{self.draft_vocab_size}")
         if self.train_conversations is not None and self.train_conversations < 1:
             raise GorgonError(f"train_conversations must be at least 1 (or unset for all), not "
                               f"{self.train_conversations}")
@@ -326,9 +332,11 @@ def train_steps(run: Run) -> list:
                dynamic_ncols=True)
     window = new_window(cfg.rows)
     loss_curve = []
-    batches_per_epoch = len(run.loader)  # this process's share
+    # accelerate ends an accumulation at the end of the data: an epoch is ceil(batches / grad_accum) steps
+    steps_per_epoch = math.ceil(len(run.loader) / cfg.grad_accum)  # len: this process's share
     while run.step < run.total:
-        epoch, done_in_epoch = divmod(run.step * cfg.grad_accum, batches_per_epoch)
+        epoch, done = divmod(run.step, steps_per_epoch)
+        done_in_epoch = done * cfg.grad_accum
         batches = accelerator.skip_first_batches(run.loader, done_in_epoch) if done_in_epoch else run.loader
         # accelerate's loader passes its own epoch count to the sampler, which starts at 0 in a
         # resumed process: set it from the step, so a resumed run sees the same order. (The

@@ -69,6 +69,9 @@ def _convert(value, annotation, key: str):
             return None
         annotation = next(a for a in args if a is not type(None))
         origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+    if value is None or (value is True and annotation is not bool):
+        raise GorgonError(f"{key} needs a value: give it one (--{key.replace('_', '-')} VALUE, or {key}: VALUE in the "
+                          "YAML), or leave the key out for its default")
     if origin is list:
         items = value if isinstance(value, list) else [v for v in str(value).split(",") if v]
         return [_convert(v, args[0], key) for v in items]
@@ -83,6 +86,8 @@ def _convert(value, annotation, key: str):
             raise ValueError(value)
         if annotation is int and isinstance(value, float) and not value.is_integer():
             raise ValueError(value)
+        if annotation is str:
+            return os.path.expanduser(str(value))  # a YAML path: the shell expands ~ on the command line only
         return annotation(value)
     except (TypeError, ValueError) as err:
         raise GorgonError(f"{key} must be {getattr(annotation, '__name__', annotation)}, got {value!r}") from err
@@ -91,7 +96,7 @@ def _convert(value, annotation, key: str):
 def check_optimisation(cfg) -> None:
     """The settings both training scripts share, each in range: a negative learning rate or no held-out
     data would otherwise train (or stop later with a misleading error) instead of failing here."""
-    for key in ("learning_rate", "backbone_learning_rate"):  # the second: Medusa-2's adapters (heads only)
+    for key in ("learning_rate", "backbone_learning_rate", "max_grad_norm"):  # the second: Medusa-2's adapters
         if hasattr(cfg, key) and not getattr(cfg, key) > 0:
             raise GorgonError(f"{key} must be above 0, not {getattr(cfg, key)}")
     if cfg.warmup_steps < 0:
@@ -101,13 +106,16 @@ def check_optimisation(cfg) -> None:
     if not 0 < cfg.eval_fraction < 1:
         raise GorgonError(f"eval_fraction is the share of conversations held out to measure the drafts: use a "
                           f"number between 0 and 1 (default 0.05), not {cfg.eval_fraction}")
+    for key, least in (("log_every", 1), ("save_every", 0), ("keep_checkpoints", 1)):
+        if not getattr(cfg, key) >= least:
+            raise GorgonError(f"{key} must be at least {least}, not {getattr(cfg, key)}")
     if cfg.max_length < 2:
         raise GorgonError(f"max_length is the most tokens per training conversation: use 2 or more (default 1024), "
                           f"not {cfg.max_length}")
 
 
-def parse_overrides(argv: list[str]) -> dict[str, str]:
-    """`--key value` and `--key=value` pairs (dashes in keys become underscores); `--flag` alone means true."""
+def parse_overrides(argv: list[str]) -> dict[str, str | bool]:
+    """`--key value` and `--key=value` pairs (dashes in keys become underscores); `--flag` alone is True."""
     out, i = {}, 0
     while i < len(argv):
         arg = argv[i]
@@ -118,7 +126,7 @@ def parse_overrides(argv: list[str]) -> dict[str, str]:
             if i + 1 < len(argv) and not argv[i + 1].startswith("--"):
                 value, i = argv[i + 1], i + 1
             else:
-                value = "true"
+                value = True
         out[key.replace("-", "_")] = value
         i += 1
     return out
@@ -155,7 +163,8 @@ def load_recipe(cls, config_path: str | None, overrides: dict[str, str]):
 def latest_checkpoint(folder: Path, prefix: str, written_last: str) -> Path | None:
     """The newest complete checkpoint `folder/PREFIX-STEP`: one whose `written_last` file reads as JSON.
     One without was cut short by a kill; it is removed, so the run resumes from the one before."""
-    ckpts = sorted(folder.glob(f"{prefix}-*"), key=lambda p: int(p.name.split("-")[1]), reverse=True)
+    numbered = [p for p in folder.glob(f"{prefix}-*") if p.name[len(prefix) + 1:].isdigit()]
+    ckpts = sorted(numbered, key=lambda p: int(p.name[len(prefix) + 1:]), reverse=True)
     for ckpt in ckpts:
         try:
             json.loads((ckpt / written_last).read_text())
@@ -196,14 +205,14 @@ def prepare_output(out: Path, latest_checkpoint, resume: bool, overwrite: bool) 
     # the Accelerator would (connect_cpu_processes sets the flag; only AcceleratorState reads it).
     state = PartialState(cpu=parse_flag_from_env("ACCELERATE_USE_CPU"))
     with state.main_process_first():
-        if resume or not overwrite:
-            latest = resume_point(latest_checkpoint(), resume, out)
+        finished = (out / "recipe.json").is_file()
+        ours = finished or (out / RUN_MARKER).is_file()
+        if resume or not overwrite:  # checkpoints are looked for (and cut-short ones removed) in our folders only
+            latest = resume_point(latest_checkpoint() if ours else None, resume, out)
             if latest is not None:
                 return latest
         if not state.is_main_process:
             return None
-        finished = (out / "recipe.json").is_file()
-        ours = finished or (out / RUN_MARKER).is_file()
         if check_output(out, lambda _: ours, overwrite or (ours and not finished)):
             shutil.rmtree(out)
             out.mkdir()
@@ -266,7 +275,7 @@ def print_settings(cls) -> None:
 def recipe_main(cls, train, doc: str, argv: list[str] | None = None) -> int:
     """A training script's command line: --help lists the recipe's keys, else YAML plus overrides go to train()."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv and argv[0] in ("-h", "--help"):
+    if "-h" in argv or "--help" in argv:
         print(doc)
         print_settings(cls)
         return 0
