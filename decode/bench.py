@@ -26,8 +26,8 @@ from gorgon.heads.target import load_causal_lm
 
 from .acceptance import Sampling
 from .argmax import argmax_in_use
-from .calibrate import cpu_flags, cpu_name
-from .generate import GenerationResult, speculative_generate
+from .calibrate import cpu_flags, cpu_name, sync
+from .generate import GenerationResult, generation_config_as_applied, speculative_generate
 from .kernels import kernels_in_use, one_row_kernel, stock_kernels
 from .options import add_model_arguments, compared_drafter, drafter_name, load_drafter, read_tree
 from .tau import per_category_sample
@@ -60,19 +60,15 @@ def load_questions(path: str, limit: int | None = None) -> list[dict]:
     return questions
 
 
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def timed_generate(model, ids, max_new_tokens: int, sampling: Sampling, generator=None, **extra):
+def timed_generate(model, ids, max_new_tokens: int, sampling: Sampling, **extra):
     """Plain `generate`, timed; returns the new tokens and seconds."""
     kwargs = dict(do_sample=False) if sampling.greedy else dict(
         do_sample=True, temperature=sampling.temperature, top_k=sampling.top_k or None, top_p=sampling.top_p)
     sync(model.device)
     start = time.perf_counter()
     with torch.inference_mode():
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, **kwargs, **extra)
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                             generation_config=generation_config_as_applied(model), **kwargs, **extra)
     sync(model.device)
     return out[0, ids.shape[1]:].tolist(), time.perf_counter() - start
 

@@ -9,7 +9,9 @@ one token.
 
 from __future__ import annotations
 
+import copy
 import time
+import warnings
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -18,6 +20,7 @@ import torch
 from gorgon.heads.drafter import Drafter
 from gorgon.heads.errors import GorgonError
 from gorgon.heads.target import base_model, lm_logits, with_cache
+from gorgon.heads.tree import cut_tree
 
 from .acceptance import Sampling, accept_greedy, accept_sampled, accept_typical, target_probs
 from .argmax import target_argmax
@@ -46,8 +49,9 @@ class GenerationResult:
 
 
 class StopRule:
-    """Decides where output ends, exactly as `generate` would: after an EOS token, after the
-    token that completes a stop string, or at max_new_tokens, whichever comes first."""
+    """Decides where output ends, as `generate` does: after an EOS token, after the token that completes
+    a stop string, or at max_new_tokens, whichever comes first. (A stop string is looked for in the new
+    text only: `generate` also ends on one that begins in the prompt.)"""
 
     def __init__(self, max_new_tokens: int, eos_token_id=None, stop_strings=(), tokenizer=None):
         if stop_strings and tokenizer is None:
@@ -55,7 +59,7 @@ class StopRule:
         self.max_new_tokens = max_new_tokens
         eos = eos_token_id if isinstance(eos_token_id, (list, tuple, set)) else [eos_token_id]
         self.eos = {int(e) for e in eos if e is not None}
-        self.stop_strings = list(stop_strings or ())
+        self.stop_strings = [stop_strings] if isinstance(stop_strings, str) else list(stop_strings or ())
         self.tokenizer = tokenizer
 
     def cut(self, tokens: list[int], start: int) -> int | None:
@@ -73,10 +77,40 @@ class StopRule:
         return any(s in text and text.rfind(s) + len(s) > len(before) for s in self.stop_strings)
 
 
+# Logits processors `generate` takes from a model's generation_config even when greedy, and sampling
+# warpers gorgon does not implement, each with its neutral value: the speculative decoder applies none.
+NOT_APPLIED = {"repetition_penalty": 1.0, "no_repeat_ngram_size": 0, "min_new_tokens": 0, "min_length": 0,
+               "bad_words_ids": None, "suppress_tokens": None, "begin_suppress_tokens": None, "sequence_bias": None,
+               "forced_bos_token_id": None, "forced_eos_token_id": None, "min_p": None, "typical_p": 1.0,
+               "epsilon_cutoff": 0.0, "eta_cutoff": 0.0}
+
+
+def generation_settings_not_applied(model) -> list[str]:
+    """The settings of the model's generation_config that `generate` would apply and gorgon does not."""
+    config = getattr(model, "generation_config", None)
+    return [key for key, neutral in NOT_APPLIED.items()
+            if getattr(config, key, None) not in (None, neutral)]
+
+
+def generation_config_as_applied(model):
+    """A copy of the model's generation_config with the settings gorgon does not apply set to their neutral
+    values, for the bench's baseline. (Those whose neutral value is None stay: `generate` fills a None
+    from the model's own config.)"""
+    config = copy.deepcopy(model.generation_config)
+    for key in generation_settings_not_applied(model):
+        if NOT_APPLIED[key] is not None:
+            setattr(config, key, NOT_APPLIED[key])
+    return config
+
+
 def check_prompt(model, input_ids: torch.Tensor, max_new_tokens: int) -> None:
     if input_ids.ndim != 2 or input_ids.shape[0] != 1:
         raise GorgonError(f"input_ids must have shape (1, n), got {tuple(input_ids.shape)}: "
                           "the decoder runs one sequence at a time")
+    embeddings = model.get_input_embeddings().weight.device
+    if input_ids.device != embeddings:
+        raise GorgonError(f"input_ids are on {input_ids.device} but the model's embeddings on {embeddings}: "
+                          f"move the prompt there (input_ids.to('{embeddings}'))")
     if input_ids.shape[1] == 0:
         raise GorgonError("the prompt is empty: give at least one token (a chat template adds some)")
     if max_new_tokens < 1:
@@ -105,6 +139,18 @@ def speculative_generate(model, drafter: Drafter, input_ids: torch.Tensor, max_n
     if acceptance == "typical" and sampling.greedy:
         raise GorgonError("typical acceptance needs a temperature > 0 (with temperature 0 use exact greedy)")
     check_prompt(model, input_ids, max_new_tokens)
+    attention = getattr(model.config, "_attn_implementation", None) or ""
+    if "flash" in attention:
+        raise GorgonError(f"the target runs {attention}, which takes no tree mask: load it with "
+                          "attn_implementation='sdpa' (or 'eager') to verify trees")
+    if generator is not None and generator.device.type != input_ids.device.type:
+        raise GorgonError(f"the generator is on {generator.device} but the model on {input_ids.device}: create it "
+                          f"with torch.Generator(device='{input_ids.device}')")
+    ignored = generation_settings_not_applied(model)
+    if ignored:
+        warnings.warn(f"the target's generation_config sets {', '.join(ignored)}, which speculative decoding does "
+                      f"not apply: the output is generate's without {'it' if len(ignored) == 1 else 'them'}",
+                      stacklevel=2)
     if eos_token_id == "default":
         eos_token_id = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
     stop = StopRule(max_new_tokens, eos_token_id, stop_strings, tokenizer)
@@ -130,6 +176,9 @@ def speculative_generate(model, drafter: Drafter, input_ids: torch.Tensor, max_n
         streamer(new[:keep])
     while keep is None:
         tokens, tree = drafter.propose(root, fresh, context)
+        # A node at depth d would be the output's (len(new) + d)-th token: deeper ones than the output has
+        # room for are never kept, and near the context's end their positions may lie past it.
+        tokens, tree = cut_tree(tokens, tree, max_new_tokens - len(new))
         past_len = cache.get_seq_length()
         out = verify(model, cache, tokens, tree, hidden_states=layers is not None)
         hidden = out.last_hidden_state[0]

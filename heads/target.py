@@ -266,7 +266,8 @@ def lm_logits(model: torch.nn.Module, hidden: torch.Tensor, rows: torch.Tensor |
         logits = head(hidden.to(head.weight.dtype))
     else:
         logits = torch.nn.functional.linear(hidden.to(head.weight.dtype), head.weight[rows])
-    cap = getattr(model.config, "final_logit_softcapping", None)
+    cap = (getattr(model.config, "final_logit_softcapping", None)
+           or getattr(model.config.get_text_config(), "final_logit_softcapping", None))
     if cap:
         logits = torch.tanh(logits / cap) * cap
     return logits

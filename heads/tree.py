@@ -118,6 +118,16 @@ def tree_from_token_paths(root: torch.Tensor, chains: list[list[int]]) -> tuple[
     return torch.tensor(tokens, device=root.device), tree
 
 
+def cut_tree(tokens: torch.Tensor, tree: Tree, max_depth: int) -> tuple[torch.Tensor, Tree]:
+    """The proposed tree without its nodes deeper than `max_depth` (a prefix: nodes are sorted by depth)."""
+    keep = 1 + sum(len(p) <= max_depth for p in tree.paths)
+    if keep == tree.size:
+        return tokens, tree
+    if keep == 1:
+        return tokens[:1], root_only_tree(tokens.device)
+    return tokens[:keep], build_tree([list(p) for p in tree.paths[:keep - 1]]).to(tokens.device)
+
+
 def token_paths(tokens: torch.Tensor, tree: Tree) -> list[tuple[int, ...]]:
     """Each non-root node of a proposed tree as the token path from the root to it, in node order."""
     host = tokens.tolist()
@@ -181,7 +191,8 @@ def default_tree(num_heads: int, device_type: str) -> list[list[int]]:
 
 
 def interpolate_cost(costs: dict[int, float], size: int) -> float:
-    """A forward's cost for `size` tokens, linear between the measured sizes (flat past the ends)."""
+    """A forward's cost for `size` tokens, linear between the measured sizes: the smallest's below them, in
+    proportion to the size above them."""
     sizes = sorted(costs)
     if size <= sizes[0]:
         return costs[sizes[0]]

@@ -7,6 +7,7 @@ from helpers import ARCHS, VOCAB, OracleDrafter, tiny_model
 from transformers import DynamicCache
 
 from gorgon.decode import speculative_generate
+from gorgon.decode.acceptance import Sampling
 from gorgon.decode.kernels import use_cpu_kernels
 from gorgon.decode.verify import keep_path, verify
 from gorgon.heads import GorgonError, HeadsDrafter, MedusaHeads
@@ -98,6 +99,49 @@ def test_stops_at_eos_and_never_overshoots():
         assert len(speculative_generate(model, drafter, ids, max_new_tokens=n, eos_token_id=None).tokens) == n
 
 
+def test_drafts_past_the_output_are_not_verified_so_a_full_context_is_fine():
+    """GPT-2's learned positions end at its context: nodes past the last token kept would index beyond it."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=2, n_positions=32)).eval()
+    ids = torch.randint(0, VOCAB, (1, 20))
+    ref = reference(model, ids, 12)
+    result = speculative_generate(model, OracleDrafter(ref, 20, VOCAB, PATHS), ids, max_new_tokens=12,
+                                  eos_token_id=None)
+    assert result.tokens == ref
+
+
+def test_a_stop_string_ends_the_output_as_in_generate():
+    from helpers import tiny_tokenizer
+
+    from gorgon.decode.generate import StopRule
+
+    tokenizer = tiny_tokenizer()
+    text = [tokenizer.convert_tokens_to_ids(c) for c in "abcd"]
+    for stop in ("bc", ["bc"], ("x", "bc")):  # one string, as `generate` takes it, or several
+        assert StopRule(100, None, stop, tokenizer).cut(text, 0) == 3
+
+
+def test_generation_config_settings_gorgon_does_not_apply_are_named_and_the_bench_baseline_skips_them():
+    from gorgon.decode.bench import timed_generate
+    from gorgon.decode.generate import generation_settings_not_applied
+
+    model = tiny_model("llama")
+    ids = torch.randint(0, VOCAB, (1, 5))
+    ref = reference(model, ids, 20)
+    model.generation_config.repetition_penalty = 1.3
+    model.generation_config.suppress_tokens = [ref[0]]
+    assert generation_settings_not_applied(model) == ["repetition_penalty", "suppress_tokens"]
+    assert reference(model, ids, 20) != ref  # generate applies them, even greedy
+    with pytest.warns(UserWarning, match="sets repetition_penalty, suppress_tokens, which speculative decoding"):
+        result = speculative_generate(model, OracleDrafter(ref, 5, VOCAB, PATHS), ids, max_new_tokens=20)
+    assert result.tokens == ref
+    model.generation_config.suppress_tokens = None
+    assert timed_generate(model, ids, 20, Sampling())[0] == ref  # the baseline decodes without the penalty
+    assert model.generation_config.repetition_penalty == 1.3  # the model's own config is left as it was
+
+
 def test_streamer_sees_exactly_the_output():
     model = tiny_model("llama")
     ids = torch.randint(0, VOCAB, (1, 4))
@@ -120,6 +164,11 @@ def test_bad_inputs():
         speculative_generate(model, drafter, torch.zeros(1, 500, dtype=torch.long), max_new_tokens=20)
     with pytest.raises(GorgonError, match="unknown acceptance"):
         speculative_generate(model, drafter, torch.zeros(1, 3, dtype=torch.long), acceptance="fast")
+    with pytest.raises(GorgonError, match="move the prompt there"):
+        speculative_generate(model, drafter, torch.zeros(1, 3, dtype=torch.long, device="meta"))
+    model.config._attn_implementation = "flash_attention_2"
+    with pytest.raises(GorgonError, match="takes no tree mask: load it with attn_implementation='sdpa'"):
+        speculative_generate(model, drafter, torch.zeros(1, 3, dtype=torch.long))
     other = tiny_model("qwen2", vocab=VOCAB + 1)
     with pytest.raises(GorgonError, match="vocabulary of 64"):
         heads.attach(other)
