@@ -210,7 +210,9 @@ def test_export_key_names_shapes_and_import_with_identical_drafts(tmp_path, arch
     assert torch.equal(torch.arange(32) + state["d2t"], torch.arange(0, VOCAB, 2))  # target = draft + d2t
     assert config["draft_vocab_size"] == 32 and config["norm_before_residual"] is False
     assert config["eagle_aux_hidden_state_layer_ids"] == [1, 3, 5]
-    assert (config if fmt == "eagle3" else config["transformer_layer_config"])["dtype"] == "bfloat16"  # the target's
+    layer_config = config if fmt == "eagle3" else config["transformer_layer_config"]
+    assert layer_config["dtype"] == "bfloat16"  # the target's
+    assert layer_config["rope_theta"] == model.config.rope_parameters["rope_theta"]  # SGLang reads it there
     model_type = "qwen3" if arch == "qwen3" else "llama"
     assert (config if fmt == "eagle3" else config["transformer_layer_config"])["model_type"] == model_type
     if fmt == "eagle3":
@@ -263,6 +265,12 @@ def test_bad_input_is_one_line(tmp_path):
     assert not (tmp_path / "x").exists()  # refused before anything was written
     with pytest.raises(GorgonError, match="Llama-shaped"):
         EagleHead.for_target(tiny_model("gemma2", layers=4))
+    from transformers import GemmaConfig, GemmaForCausalLM
+
+    gemma = GemmaForCausalLM(GemmaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=4, head_dim=8,
+                                         num_attention_heads=4, num_key_value_heads=2, vocab_size=VOCAB))
+    with pytest.raises(GorgonError, match=r"scale by 1 \+ weight \(a Gemma-style layer\)"):
+        export_head(EagleHead.for_target(gemma, feature_layers=[1, 2, 3]), "eagle3", tmp_path / "x")
 
 
 def test_cli_draft_depth_and_topk_shape_the_search(tmp_path, capsys):

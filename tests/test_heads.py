@@ -26,6 +26,9 @@ def test_save_load_round_trip_gives_identical_logits(tmp_path, arch, shared):
     assert loaded.trees == heads.trees and loaded.config == heads.config
     # distinct modules per layer and per head
     assert len({id(b) for head in heads.blocks for b in head}) == 6
+    fresh = MedusaHeads.for_target(model, num_heads=2)  # no trees: the folder's old ones must not pass for its
+    fresh.save_pretrained(tmp_path)
+    assert MedusaHeads.from_pretrained(tmp_path, target=model).trees == fresh.trees
 
 
 def test_untrained_heads_start_from_the_target_prediction():

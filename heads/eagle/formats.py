@@ -70,7 +70,7 @@ def export_head(head, fmt: str, out: str | Path, base_model: str | None = None) 
     state = {k: v for k, v in head.state_dict().items() if k != "token_map"}
     if attn.q_proj.bias is not None and attn.o_proj.bias is None:  # Llama's attention_bias covers o_proj too
         state["midlayer.self_attn.o_proj.bias"] = torch.zeros(attn.o_proj.out_features)
-    layer = engine_layer(head, state)
+    layer = with_top_level_rope(engine_layer(head, state))
     vocab, draft = head.config.vocab_size, head.config.draft_vocab_size or head.config.vocab_size
     if head.token_map is not None:
         state["d2t"] = (head.token_map.cpu() - torch.arange(draft)).long()
@@ -107,6 +107,26 @@ def export_head(head, fmt: str, out: str | Path, base_model: str | None = None) 
     return out
 
 
+def with_top_level_rope(config: dict) -> dict:
+    """transformers 5 keeps the rotary settings in `rope_parameters` only; SGLang's layers read `rope_theta`
+    (default 10000) and `rope_scaling` from the top level, so both are written there too."""
+    rope = config.get("rope_parameters") or {}
+    extra = {}
+    if "rope_theta" not in config and "rope_theta" in rope:
+        extra["rope_theta"] = rope["rope_theta"]
+    if config.get("rope_scaling") is None and rope.get("rope_type", "default") != "default":
+        extra["rope_scaling"] = {k: v for k, v in rope.items() if k != "rope_theta"}
+    return {**config, **extra}
+
+
+def scales_by_weight(norm: torch.nn.Module) -> bool:
+    """Whether an RMS norm computes x / rms(x) * weight, as the engines' layers do (Gemma's: * (1 + weight))."""
+    x = torch.randn(3, norm.weight.numel(), dtype=norm.weight.dtype, device=norm.weight.device)
+    with torch.no_grad():
+        plain = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + 1e-6) * norm.weight.float()
+        return torch.allclose(norm(x).float(), plain, atol=1e-2, rtol=1e-2)
+
+
 def check_exportable_layers(config) -> None:
     """The target layers must be ones the engines capture, in the order they concatenate them."""
     layers, count = list(config.feature_layers), config.layer_config["num_hidden_layers"]
@@ -127,6 +147,10 @@ def engine_layer(head, state: dict) -> dict:
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer
     from transformers.models.qwen3.modeling_qwen3 import Qwen3DecoderLayer
 
+    if not all(scales_by_weight(norm) for norm in (head.midlayer.input_layernorm, head.norm)):
+        raise GorgonError("this head's norms scale by 1 + weight (a Gemma-style layer) and the engines' Llama and "
+                          "Qwen3 layers by the weight alone: use it in gorgon's decoder, or train it on a Llama- or "
+                          "Qwen3-shaped target to export")
     ours = {k for k in state if k.startswith("midlayer.")}
     expected = {}
     for model_type, config_cls, layer_cls in (("llama", LlamaConfig, LlamaDecoderLayer),

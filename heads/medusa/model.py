@@ -208,6 +208,8 @@ class MedusaHeads(PushToHubMixin, nn.Module):
         atomic_write_text(path / CONFIG_NAME, json.dumps(self.config.to_dict(), indent=2) + "\n")
         if self.trees:
             atomic_write_text(path / TREES_NAME, json.dumps(self.trees, indent=1) + "\n")
+        else:  # the trees of heads saved here before would be read as these heads'
+            (path / TREES_NAME).unlink(missing_ok=True)
 
     @classmethod
     def from_pretrained(cls, name_or_path: str | os.PathLike, target=None, device=None,
