@@ -24,7 +24,7 @@ import contextlib
 
 import torch
 
-from gorgon.heads.target import lm_logits
+from gorgon.heads.target import lm_logits, logit_softcap
 
 from .onednn import pack, packed_linear
 
@@ -75,9 +75,7 @@ def use_bf16_screen(model: torch.nn.Module, on: bool, packed: bool = True) -> bo
         return False
     was_on = _ATTR in head.__dict__
     head.__dict__.pop(_ATTR, None)
-    capped = (getattr(model.config, "final_logit_softcapping", None)
-              or getattr(model.config.get_text_config(), "final_logit_softcapping", None))
-    if on and head.weight.dtype == torch.float32 and head.bias is None and not capped:
+    if on and head.weight.dtype == torch.float32 and head.bias is None and not logit_softcap(model):
         head.__dict__[_ATTR] = _Screen(packed)
     return was_on
 

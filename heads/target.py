@@ -266,11 +266,16 @@ def lm_logits(model: torch.nn.Module, hidden: torch.Tensor, rows: torch.Tensor |
         logits = head(hidden.to(head.weight.dtype))
     else:
         logits = torch.nn.functional.linear(hidden.to(head.weight.dtype), head.weight[rows])
-    cap = (getattr(model.config, "final_logit_softcapping", None)
-           or getattr(model.config.get_text_config(), "final_logit_softcapping", None))
+    cap = logit_softcap(model)
     if cap:
         logits = torch.tanh(logits / cap) * cap
     return logits
+
+
+def logit_softcap(model: torch.nn.Module) -> float | None:
+    """The model's final logit soft-capping (Gemma 2), on its config or a composite config's text config."""
+    return (getattr(model.config, "final_logit_softcapping", None)
+            or getattr(model.config.get_text_config(), "final_logit_softcapping", None))
 
 
 def base_model(model: torch.nn.Module) -> torch.nn.Module:

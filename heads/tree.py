@@ -120,9 +120,9 @@ def tree_from_token_paths(root: torch.Tensor, chains: list[list[int]]) -> tuple[
 
 def cut_tree(tokens: torch.Tensor, tree: Tree, max_depth: int) -> tuple[torch.Tensor, Tree]:
     """The proposed tree without its nodes deeper than `max_depth` (a prefix: nodes are sorted by depth)."""
-    keep = 1 + sum(len(p) <= max_depth for p in tree.paths)
-    if keep == tree.size:
+    if not tree.paths or len(tree.paths[-1]) <= max_depth:  # the last node is the deepest: nothing to cut
         return tokens, tree
+    keep = 1 + sum(len(p) <= max_depth for p in tree.paths)
     if keep == 1:
         return tokens[:1], root_only_tree(tokens.device)
     return tokens[:keep], build_tree([list(p) for p in tree.paths[:keep - 1]]).to(tokens.device)
