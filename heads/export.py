@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import shutil
 from pathlib import Path
 
@@ -13,7 +15,7 @@ from .files import atomic_write_text, check_output
 from .loading import load_heads
 from .medusa import formats as medusa_formats
 
-EXPORT_MARKER = ".gorgon-export"  # written into an export folder once it is complete: only such a folder is replaced
+EXPORT_MARKER = ".gorgon-export"  # written into a complete export: the files it wrote, which --overwrite replaces
 
 
 def is_export(folder: Path) -> bool:
@@ -51,10 +53,40 @@ def main(argv=None) -> int:
         kind, formats = ("a feature-level head", eagle_formats.FORMATS) if eagle else \
             ("Medusa heads", medusa_formats.FORMATS)
         raise GorgonError(f"{args.heads} holds {kind}, which export as {' or '.join(formats)}, not {args.format}")
-    if replace:
-        shutil.rmtree(out)  # an earlier export, perhaps in the other format: none of its files may linger
+    # Written whole beside --out first, so a killed export leaves no half-written folder behind.
+    staging = out.parent / f".{out.name}.exporting"
+    shutil.rmtree(staging, ignore_errors=True)  # a killed export's own
     write = eagle_formats.export_head if eagle else medusa_formats.export_heads
-    out = write(heads, args.format, out, args.base_model or target.name)
-    atomic_write_text(out / EXPORT_MARKER, "")
+    write(heads, args.format, staging, args.base_model or target.name)
+    written = sorted(str(f.relative_to(staging)) for f in staging.rglob("*") if f.is_file())
+    atomic_write_text(staging / EXPORT_MARKER, json.dumps(written))
+    if replace:
+        replace_export(staging, out, written)
+    else:
+        os.replace(staging, out)  # onto a missing or empty folder
     print(f"gorgon export: wrote {args.format} heads to {out}")
     return 0
+
+
+def replace_export(staging: Path, out: Path, written: list[str]) -> None:
+    """Put a new export's files in place of the earlier export's at `out`, and remove the earlier ones
+    the new export does not write (it may be in the other format); any other file there is the
+    user's (a README, a serving config) and stays. The marker lists both until the swap is done,
+    so a killed swap is replaced again by the next --overwrite."""
+    try:
+        earlier = json.loads((out / EXPORT_MARKER).read_text())
+    except ValueError:  # an older gorgon's empty marker, which meant the whole folder was the export
+        earlier = [str(f.relative_to(out)) for f in out.rglob("*") if f.is_file() and f.name != EXPORT_MARKER]
+    clashes = [name for name in written if (out / name).exists() and name not in earlier]
+    if clashes:
+        shutil.rmtree(staging)
+        raise GorgonError(f"--out {out} holds {clashes[0]}, which the earlier export did not write: move it away or "
+                          "choose another --out")
+    atomic_write_text(out / EXPORT_MARKER, json.dumps(sorted({*earlier, *written})))
+    for name in written:
+        (out / name).parent.mkdir(parents=True, exist_ok=True)
+        os.replace(staging / name, out / name)
+    for name in set(earlier) - set(written):
+        (out / name).unlink(missing_ok=True)
+    os.replace(staging / EXPORT_MARKER, out / EXPORT_MARKER)
+    shutil.rmtree(staging)

@@ -6,6 +6,7 @@ import contextlib
 import errno
 import json
 import os
+import secrets
 import tempfile
 from pathlib import Path
 
@@ -41,19 +42,31 @@ def not_found_locally_or_on_hub(what: str, text: str, err: Exception) -> GorgonE
                        f"({err.__class__.__name__}): check the path or the hub id")
 
 
+def new_temp(folder: Path, prefix: str, is_dir: bool = False) -> Path:
+    """A new, uniquely named file (or folder) in `folder` with the mode any new one gets (0666, or
+    0777, less the umask), so another user (a serving engine) can read what is renamed from it:
+    tempfile's are private (0600, 0700), and reading the umask means setting it, which other threads see."""
+    while True:
+        path = folder / f"{prefix}{secrets.token_hex(4)}"
+        try:
+            if is_dir:
+                os.mkdir(path, 0o777)
+            else:
+                os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
+            return path
+        except FileExistsError:
+            continue
+
+
 def atomic_write(path: Path, write) -> None:
     """Call write(tmp_path) then rename over `path`, so readers never see a half-written file.
-
-    mkstemp makes the file 0600; it gets the mode any new file would (0666 less the umask), so
-    another user (a serving engine) can read what gorgon wrote. Missing parent folders are made."""
+    Missing parent folders are made."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    os.close(fd)
+    tmp = new_temp(path.parent, f".{path.name}.")
+    mode = tmp.stat().st_mode & 0o777  # a writer may replace the file with a private one (safetensors does)
     try:
-        write(tmp)
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)
+        write(str(tmp))
+        os.chmod(tmp, mode)
         os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):

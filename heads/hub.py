@@ -10,6 +10,10 @@ from .errors import GorgonError
 from .files import local_path_problem, looks_like_path, not_found_locally_or_on_hub
 
 CONFIG_NAME = "config.json"
+# Files a loader reads: an earlier push's that this upload does not replace are deleted in the same
+# commit, so a stale one (a Medusa-2 adapter, a shard of other weights) cannot change what loads.
+# The repo's other files (the user's own) stay.
+LOADED_FILES = ["*.safetensors", "*.safetensors.index.json", "medusa_lm_head.pt", "trees.json", "adapter/*"]
 
 
 def resolve_folder(name_or_path: str | os.PathLike, what: str, patterns: list[str]) -> Path:
@@ -37,7 +41,8 @@ def resolve_folder(name_or_path: str | os.PathLike, what: str, patterns: list[st
 
 def upload_folder(folder: str | os.PathLike, repo_id: str, private: bool = False, revision: str | None = None,
                   commit_message: str = "Upload gorgon heads") -> str:
-    """Create the repo if needed and upload a folder in one commit (training checkpoints left out)."""
+    """Create the repo if needed and upload a folder in one commit (training checkpoints left out),
+    removing the repo's `LOADED_FILES` that the folder does not have."""
     from huggingface_hub import HfApi
 
     api = HfApi()
@@ -46,7 +51,8 @@ def upload_folder(folder: str | os.PathLike, repo_id: str, private: bool = False
         if revision:
             api.create_branch(repo_id, branch=revision, exist_ok=True)
         info = api.upload_folder(folder_path=str(folder), repo_id=repo_id, revision=revision,
-                                 commit_message=commit_message, ignore_patterns=["checkpoints/*", ".*"])
+                                 commit_message=commit_message, ignore_patterns=["checkpoints/*", ".*"],
+                                 delete_patterns=LOADED_FILES)
     except Exception as err:
         reason = str(err).strip().split("\n")[0] or err.__class__.__name__
         raise GorgonError(f"upload to {repo_id} failed ({reason}); the local folder {folder} is unchanged: "

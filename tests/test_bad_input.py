@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 from helpers import QUESTIONS, ROOT, env, tiny_chat_target, tiny_model, toy_data
+from transformers import AutoModelForCausalLM
 
 import gorgon.train.recipe as recipe
 from gorgon.decode import Sampling
@@ -18,7 +19,7 @@ from gorgon.decode.bench import load_questions, run_bench
 from gorgon.heads import DraftModelDrafter, GorgonError, HeadsDrafter, MedusaHeads, load_target
 from gorgon.heads.cli import main as gorgon
 from gorgon.heads.errors import run_script
-from gorgon.heads.files import atomic_write_text, check_output
+from gorgon.heads.files import atomic_write_text, check_output, new_temp
 from gorgon.heads.target import resolve_device
 from gorgon.heads.tree import build_tree, tree_from_accuracies
 from gorgon.train.data import DataSettings, make_dataset
@@ -83,6 +84,27 @@ def test_a_checkpoint_in_an_engines_layout_is_not_taken_for_an_export(tmp_path, 
     assert gorgon(["export", "--heads", str(tmp_path / "nowhere"), "--format", "vllm",
                    "--out", str(tmp_path / "new" / "v")]) == 2
     assert "nowhere" in capsys.readouterr().err and not (tmp_path / "new").exists()
+
+
+def test_export_overwrite_replaces_the_earlier_exports_files_only(tmp_path, capsys):
+    """--overwrite swaps an earlier export for a new one, in the other format too, and keeps the files
+    the user put beside it; a file the new export would write over is refused."""
+    target = tiny_chat_target(tmp_path)
+    heads = tmp_path / "heads"
+    MedusaHeads.for_target(AutoModelForCausalLM.from_pretrained(target), shared_lm_head=False).save_pretrained(heads)
+    out = tmp_path / "export"
+    export = ["export", "--heads", str(heads), "--target", str(target), "--out", str(out)]
+    assert gorgon(export + ["--format", "medusa"]) == 0
+    assert not list(tmp_path.glob(".export*"))  # written beside --out, then renamed into place
+    (out / "README.md").write_text("how we serve it")
+    assert gorgon(export + ["--format", "vllm", "--overwrite"]) == 0
+    assert sorted(f.name for f in out.iterdir()) == [".gorgon-export", "README.md", "config.json", "model.safetensors"]
+    assert (out / "README.md").read_text() == "how we serve it"
+    (out / "medusa_lm_head.safetensors").write_text("mine")
+    before = snapshot(out)
+    assert gorgon(export + ["--format", "medusa", "--overwrite"]) == 2
+    assert "holds medusa_lm_head.safetensors, which the earlier export did not write" in capsys.readouterr().err
+    assert snapshot(out) == before and not list(tmp_path.glob(".export*"))
 
 
 def test_a_report_named_like_its_plot_is_refused(tmp_path, capsys):
@@ -199,15 +221,19 @@ def test_arguments_are_range_checked(tmp_path, capsys):
     assert "--limit: must be at least 1, not 0" in capsys.readouterr().err
 
 
-def test_written_files_follow_the_umask(tmp_path):
-    old = os.umask(0o022)
+@pytest.mark.parametrize("umask", [0o022, 0o027])
+def test_written_files_follow_the_umask(tmp_path, umask):
+    old = os.umask(umask)
     try:
         atomic_write_text(tmp_path / "a.json", "{}")
         MedusaHeads.for_target(tiny_model()).save_pretrained(tmp_path / "heads")
+        folder = new_temp(tmp_path, ".converting-", is_dir=True)  # as the embedded target's copy is written
+        assert os.umask(umask) == umask  # and the umask was never changed on the way
     finally:
         os.umask(old)
     for path in [tmp_path / "a.json", tmp_path / "heads" / "config.json", tmp_path / "heads" / "model.safetensors"]:
-        assert path.stat().st_mode & 0o777 == 0o644, path
+        assert path.stat().st_mode & 0o777 == 0o666 & ~umask, path
+    assert folder.stat().st_mode & 0o777 == 0o777 & ~umask
 
 
 def test_one_line_errors_instead_of_tracebacks(tmp_path, capsys):

@@ -2,6 +2,7 @@
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -222,10 +223,15 @@ def test_resume_with_other_settings_is_refused(tmp_path):
     src = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "a"}])
     (tmp_path / "o.partial").mkdir()
     settings = DataSettings(prompts=src, target=str(target), max_new_tokens=4)
-    (tmp_path / "o.partial" / "settings.json").write_text(json.dumps({"settings": {**settings.__dict__, "seed": 9},
-                                                                      "fingerprint": "x"}))
-    with pytest.raises(GorgonError, match=r"other settings \(seed, target fingerprint\): rerun with the same options "
+    record = {"settings": {**settings.__dict__, "seed": 9}, "fingerprint": "x"}
+    (tmp_path / "o.partial" / "settings.json").write_text(json.dumps(record))
+    # Refused before the target loads: a target that cannot load would fail otherwise.
+    elsewhere = DataSettings(**{**settings.__dict__, "target": str(tmp_path / "missing")})
+    with pytest.raises(GorgonError, match=r"other settings \(seed, target\): rerun with the same options "
                                           r"to resume it, or pass --overwrite to start over"):
+        make_dataset(elsewhere, tmp_path / "o", progress=False)
+    (tmp_path / "o.partial" / "settings.json").write_text(json.dumps({**record, "settings": settings.__dict__}))
+    with pytest.raises(GorgonError, match=r"other settings \(target fingerprint\)"):
         make_dataset(settings, tmp_path / "o", progress=False)
     out = make_dataset(settings, tmp_path / "o", progress=False, overwrite=True)  # the old run is started over
     assert read_metadata(out)["settings"]["seed"] == settings.seed and not (tmp_path / "o.partial").exists()
@@ -233,6 +239,34 @@ def test_resume_with_other_settings_is_refused(tmp_path):
     with pytest.raises(GorgonError, match=r"o holds a dataset made with other settings \(max_new_tokens\): pass "
                                           r"--overwrite to regenerate it"):
         make_dataset(DataSettings(prompts=src, target=str(target), max_new_tokens=5), out, progress=False)
+
+
+def test_an_edited_prompts_file_is_not_taken_for_the_one_a_run_used(tmp_path):
+    target = tiny_chat_target(tmp_path)
+    src = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "a"}, {"prompt": "b"}])
+    settings = DataSettings(prompts=src, target=str(target), max_new_tokens=4, shard_size=1)
+    out = make_dataset(settings, tmp_path / "o", progress=False)
+    old = read_metadata(out)
+    write_jsonl(tmp_path / "p.jsonl", [{"prompt": "a"}, {"prompt": "c"}])
+    with pytest.raises(GorgonError, match=r"o holds a dataset made with other settings \(prompts_sha256 \(the "
+                                          r"prompts' contents\)\)"):
+        make_dataset(settings, tmp_path / "o", progress=False)
+    # An unfinished run of the old prompts, resumed after the file changed.
+    shutil.rmtree(out)
+    (tmp_path / "o.partial").mkdir()
+    (tmp_path / "o.partial" / "settings.json").write_text(json.dumps({**old, "fingerprint": old["target_fingerprint"]}))
+    with pytest.raises(GorgonError, match=r"o.partial holds an unfinished run with other settings \(prompts_sha256"):
+        make_dataset(settings, tmp_path / "o", progress=False)
+
+
+def test_a_prompt_cap_is_at_least_one_token_and_named_when_it_skips_everything(tmp_path):
+    target = tiny_chat_target(tmp_path)
+    src = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "a long enough prompt"}])
+    with pytest.raises(GorgonError, match="--max-prompt-tokens must be at least 1, not 0"):
+        make_dataset(DataSettings(prompts=src, target=str(target), max_prompt_tokens=0), tmp_path / "o", progress=False)
+    with pytest.raises(GorgonError, match="no prompt fit --max-prompt-tokens 2 and the context of 512 tokens"):
+        make_dataset(DataSettings(prompts=src, target=str(target), max_new_tokens=4, max_prompt_tokens=2),
+                     tmp_path / "o", progress=False)
 
 
 def test_a_partial_folder_gorgon_did_not_write_is_left_alone(tmp_path):

@@ -136,3 +136,9 @@ def test_draft_vocabulary_restricts_drafts_and_survives_save_load(tmp_path):
         heads.save_pretrained(tmp_path / str(shared))
         back = MedusaHeads.from_pretrained(tmp_path / str(shared), target=model)
         assert back.config.draft_vocab_size == 8 and torch.equal(back.draft_topk(hidden, 3), top)
+        # A training step (or a load) changes the LM head after drafting: drafts follow the new weights.
+        with torch.no_grad():
+            for k in range(3):
+                back.lm_head_weight(k).add_(torch.randn_like(back.lm_head_weight(k)))
+        expected = vocab[back(hidden)[..., vocab].topk(3, dim=-1).indices]
+        assert torch.equal(back.draft_topk(hidden, 3), expected) and not torch.equal(expected, top)

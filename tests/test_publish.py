@@ -87,6 +87,43 @@ def test_exported_key_names_and_shapes(tmp_path):
     assert {k: tuple(v.shape) for k, v in weights.items()} == expected
 
 
+def test_a_hub_download_fetches_every_layout_the_loader_reads(tmp_path, monkeypatch):
+    """The download's file patterns against each layout: gorgon's, vLLM's (its weights sharded, as an
+    engine's checkpoint may be), FasterDecoding's safetensors and legacy .pt."""
+    import huggingface_hub
+    from huggingface_hub.utils import filter_repo_objects
+    from safetensors.torch import save_file
+
+    def snapshot_download(repo_id, allow_patterns):  # the hub: copies only the files the patterns match
+        repo, cache = tmp_path / repo_id, tmp_path / "cache" / repo_id
+        for name in filter_repo_objects([str(f.relative_to(repo)) for f in repo.rglob("*") if f.is_file()],
+                                        allow_patterns=allow_patterns):
+            (cache / name).parent.mkdir(parents=True, exist_ok=True)
+            (cache / name).write_bytes((repo / name).read_bytes())
+        return str(cache)
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", snapshot_download)
+    model = tiny_model("llama")
+    heads = trained_like(model, shared=False)
+    heads.save_pretrained(tmp_path / "user" / "gorgon")
+    export_heads(heads, "vllm", tmp_path / "user" / "vllm")
+    shards = tmp_path / "user" / "vllm"
+    weights = load_file(shards / "model.safetensors")
+    (shards / "model.safetensors").unlink()
+    names = sorted(weights)
+    save_file({k: weights[k] for k in names[::2]}, shards / "model-00001-of-00002.safetensors")
+    save_file({k: weights[k] for k in names[1::2]}, shards / "model-00002-of-00002.safetensors")
+    export_heads(heads, "medusa", tmp_path / "user" / "medusa")
+    legacy = tmp_path / "user" / "legacy"
+    export_heads(heads, "medusa", legacy)
+    torch.save(load_file(legacy / "medusa_lm_head.safetensors"), legacy / "medusa_lm_head.pt")
+    (legacy / "medusa_lm_head.safetensors").unlink()
+    hidden = torch.randn(2, 32)
+    for repo in ("gorgon", "vllm", "medusa", "legacy"):
+        back = MedusaHeads.from_pretrained(f"user/{repo}", target=model)
+        torch.testing.assert_close(back(hidden), heads(hidden), rtol=0, atol=0)
+
+
 class Evil:
     def __reduce__(self):
         return (os.system, ("echo pwned",))
@@ -152,6 +189,8 @@ class FakeHub(BaseHTTPRequestHandler):
                 item = json.loads(line)
                 if item["key"] == "file":
                     self.files[item["value"]["path"]] = base64.b64decode(item["value"]["content"])
+                if item["key"] == "deletedFile":
+                    del self.files[item["value"]["path"]]
             repo = self.path.split("/api/models/")[1].split("/commit/")[0]
             return self.reply(200, {"commitUrl": f"http://{self.headers['Host']}/{repo}/commit/{'1' * 40}",
                                     "commitOid": "1" * 40})
@@ -159,6 +198,9 @@ class FakeHub(BaseHTTPRequestHandler):
 
     def do_GET(self):
         self.calls.append(("GET", self.path))
+        if "/tree/" in self.path:  # the repo's files, which the client lists to find the ones to delete
+            return self.reply(200, [{"type": "file", "path": path, "oid": "0" * 40, "size": len(data)}
+                                    for path, data in self.files.items()])
         self.reply(404, {"error": f"unexpected {self.path}"})
 
 
@@ -199,6 +241,16 @@ def test_push_creates_the_repo_and_uploads_in_one_commit(tmp_path, hub):
     assert set(FakeHub.files) == {"config.json", "model.safetensors", "README.md"}  # no checkpoints
     assert FakeHub.files["model.safetensors"] == (folder / "model.safetensors").read_bytes()
     assert b"tags:\n- medusa" in FakeHub.files["README.md"]
+
+
+def test_a_push_removes_what_an_earlier_push_left_that_would_change_what_loads(tmp_path, hub):
+    """Medusa-2 heads pushed, then Medusa-1 heads to the same repo: the old LoRA adapter would merge into the
+    target of whoever loads the repo. It goes in the same commit; the repo's other files stay."""
+    FakeHub.files.update({"adapter/adapter_model.safetensors": b"lora", "adapter/adapter_config.json": b"{}",
+                          "trees.json": b"{}", "notes.txt": b"the user's"})
+    run = push(hub, heads_folder(tmp_path))
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert set(FakeHub.files) == {"config.json", "model.safetensors", "README.md", "notes.txt"}
 
 
 def test_failed_upload_leaves_the_folder_and_says_why(tmp_path, hub):

@@ -194,24 +194,35 @@ def changed_settings(old: dict, new: dict) -> list[str]:
     return sorted(k for k in new if k in old and old[k] != new[k])
 
 
-def check_settings(partial: Path, settings: DataSettings, fingerprint: str, restart: bool) -> None:
+def check_settings(partial: Path, record: dict, restart: bool) -> None:
     """A resumed run must match the one that wrote the shards, otherwise the shards would mix: an
-    unfinished run with other settings is an error, or with `restart` (--overwrite) is started over."""
-    record = {"settings": asdict(settings), "fingerprint": fingerprint}
+    unfinished run with other settings is an error, or with `restart` (--overwrite) is started over.
+
+    `record` holds the settings and the prompts' hash, and the target's fingerprint once it has
+    loaded: the first call, before the target loads, fails fast; the one after records the run."""
     path = partial / "settings.json"
     if path.exists():
         old = json.loads(path.read_text())
         diff = changed_settings(old["settings"], record["settings"])
-        if old["fingerprint"] != fingerprint:
-            diff.append("target fingerprint")
+        diff += [f"{name} (the prompts' contents)" if name == "prompts_sha256" else "target fingerprint"
+                 for name in ("prompts_sha256", "fingerprint")
+                 if name in record and old.get(name, record[name]) != record[name]]
         if diff and not restart:
             raise GorgonError(f"{partial} holds an unfinished run with other settings ({', '.join(diff)}): rerun "
                               "with the same options to resume it, or pass --overwrite to start over")
         if diff:
             shutil.rmtree(partial)
             partial.mkdir()
-    if not path.exists():  # a new run, or one started over
+    if not path.exists() and "fingerprint" in record:  # a new run, or one started over
         atomic_write_text(path, json.dumps(record, indent=1))
+
+
+def prompts_hash(convs: list[dict] | None) -> str | None:
+    """The prompts' contents, so an edited prompts file is not mistaken for the one a run started
+    from; None for prompts the target writes (kept in the unfinished run itself)."""
+    if convs is None:
+        return None
+    return hashlib.sha256(json.dumps(convs, sort_keys=True).encode()).hexdigest()
 
 
 def is_dataset(out: Path) -> bool:
@@ -251,11 +262,19 @@ def make_dataset(settings: DataSettings, out: str | os.PathLike, target: Target 
         raise GorgonError(f"--turns must be 'first' or 'all', not {settings.turns!r}")
     if min(settings.batch_size, settings.shard_size, settings.max_new_tokens, settings.batch_tokens) < 1:
         raise GorgonError("--batch-size, --shard-size, --batch-tokens and --max-new-tokens must be at least 1")
-    if settings.limit is not None and settings.limit < 1:
-        raise GorgonError(f"--limit must be at least 1, not {settings.limit}")
+    for name in ("limit", "max_prompt_tokens"):
+        if getattr(settings, name) is not None and getattr(settings, name) < 1:
+            raise GorgonError(f"--{name.replace('_', '-')} must be at least 1, not {getattr(settings, name)}")
     Sampling(settings.temperature, 0, settings.top_p)  # the range check of temperature and top-p
+    if settings.prompts == "self" and not settings.limit:
+        raise GorgonError("--prompts self needs --limit N: how many prompts the target should write")
+    convs = None if settings.prompts == "self" else load_conversations(settings.prompts, settings.limit)
+    record = {"settings": asdict(settings), "prompts_sha256": prompts_hash(convs)}
     if is_dataset(out) and not overwrite:
-        diff = changed_settings(read_metadata(out)["settings"], asdict(settings))
+        meta = read_metadata(out)
+        diff = changed_settings(meta["settings"], record["settings"])
+        if meta.get("prompts_sha256", record["prompts_sha256"]) != record["prompts_sha256"]:
+            diff.append("prompts_sha256 (the prompts' contents)")
         if diff:
             raise GorgonError(f"{out} holds a dataset made with other settings ({', '.join(diff)}): pass --overwrite "
                               "to regenerate it, or choose another --out")
@@ -266,14 +285,12 @@ def make_dataset(settings: DataSettings, out: str | os.PathLike, target: Target 
     if partial.is_dir() and any(partial.iterdir()) and not (partial / "settings.json").is_file():
         raise GorgonError(f"{partial} holds files gorgon did not write, where it keeps an unfinished run: move them "
                           "away or choose another --out")
-    if settings.prompts == "self" and not settings.limit:
-        raise GorgonError("--prompts self needs --limit N: how many prompts the target should write")
+    check_settings(partial, record, restart=overwrite)
     template = None
     if settings.chat_template:
         if not Path(settings.chat_template).is_file():
             raise GorgonError(f"chat template {settings.chat_template} not found: pass a Jinja file")
         template = Path(settings.chat_template).read_text()
-    convs = None if settings.prompts == "self" else load_conversations(settings.prompts, settings.limit)
     target = target or load_target(settings.target)
     tok = target.tokenizer
     if template is None and not getattr(tok, "chat_template", None):
@@ -282,7 +299,7 @@ def make_dataset(settings: DataSettings, out: str | os.PathLike, target: Target 
     engine = (VllmEngine(target, engine_settings) if settings.engine == "vllm"
               else Engine(target, engine_settings, cpu_kernels))
     partial.mkdir(parents=True, exist_ok=True)
-    check_settings(partial, settings, target.fingerprint, restart=overwrite)
+    check_settings(partial, {**record, "fingerprint": target.fingerprint}, restart=overwrite)
     if convs is None:
         prompts_file = partial / "self_prompts.jsonl"
         if not prompts_file.exists():
@@ -329,9 +346,13 @@ def make_dataset(settings: DataSettings, out: str | os.PathLike, target: Target 
         skipped += header["skipped"]
         rows += records
     if not rows:
+        if settings.max_prompt_tokens:
+            raise GorgonError(f"no prompt fit --max-prompt-tokens {settings.max_prompt_tokens} and the context of "
+                              f"{context} tokens with --max-new-tokens {settings.max_new_tokens}: raise "
+                              "--max-prompt-tokens, lower --max-new-tokens or use shorter prompts")
         raise GorgonError(f"no prompt fit the context of {context} tokens with --max-new-tokens "
                           f"{settings.max_new_tokens}: lower --max-new-tokens or use shorter prompts")
-    metadata = {"target": target.name, "target_fingerprint": target.fingerprint, "settings": asdict(settings),
+    metadata = {"target": target.name, "target_fingerprint": target.fingerprint, **record,
                 "conversations": len(rows), "skipped_turns_too_long": skipped}
     tmp = out.parent / f".{out.name}.writing"
     shutil.rmtree(tmp, ignore_errors=True)
@@ -366,7 +387,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-tokens", type=int, default=32768,
                    help="most cache slots (rows x (longest prompt + answer)) in the batch, so long prompts run "
                         "with fewer rows")
-    p.add_argument("--max-prompt-tokens", type=int, default=None,
+    p.add_argument("--max-prompt-tokens", type=int_at_least(1), default=None,
                    help="skip prompts longer than this (and count them): match your training max_length")
     p.add_argument("--temperature", type=float, default=0.0, help="0 (default) is greedy")
     p.add_argument("--top-p", type=float, default=1.0, help="with --temperature: nucleus sampling (1, the default, "

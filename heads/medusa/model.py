@@ -21,7 +21,7 @@ from ..files import atomic_write, atomic_write_text, reading_weights
 from ..hub import CONFIG_NAME, PushToHubMixin, resolve_folder
 from ..target import Target, attach_to_target, check_fits, lm_logits
 from ..tree import expected_accepted, tree_from_accuracies
-from .formats import foreign_format, import_heads
+from .formats import MEDUSA_LEGACY, foreign_format, import_heads
 
 WEIGHTS_NAME = "model.safetensors"
 TREES_NAME = "trees.json"
@@ -89,14 +89,13 @@ class MedusaHeads(PushToHubMixin, nn.Module):
         # acceptance still checks every draft against the target, so output is unchanged.
         size = config.draft_vocab_size
         self.register_buffer("token_map", torch.zeros(size, dtype=torch.long) if size else None)
-        object.__setattr__(self, "_draft_weights", None)
+        object.__setattr__(self, "_draft_rows", (None, None))  # (what they were sliced from, the rows)
 
     def set_draft_vocab(self, token_ids: torch.Tensor) -> None:
         """Draft from these token ids only (e.g. the most frequent in the training data)."""
         ids = torch.as_tensor(token_ids, dtype=torch.long).sort().values
         self.config.draft_vocab_size = int(ids.numel())
         self.token_map = ids.to(self.blocks[0][0].linear.weight.device)
-        object.__setattr__(self, "_draft_weights", None)
 
     # -- the target ---------------------------------------------------------------------------
     @classmethod
@@ -120,7 +119,6 @@ class MedusaHeads(PushToHubMixin, nn.Module):
         """Check these heads fit `target_model` and bind its lm_head. Refuses another target."""
         check_fits(self.config, target_model, fingerprint)
         object.__setattr__(self, "_target", target_model)
-        object.__setattr__(self, "_draft_weights", None)
         return self
 
     # -- trees.json: decoding trees built from the heads' measured accuracies ----------------
@@ -173,17 +171,23 @@ class MedusaHeads(PushToHubMixin, nn.Module):
         """Each head's k most likely token ids (num_heads, ..., k), from the draft vocabulary."""
         if self.token_map is None:
             return self(hidden).topk(k, dim=-1).indices
-        if self._draft_weights is None:  # the LM head rows of the draft vocabulary, sliced once
-            heads = range(self.config.num_heads) if self.lm_heads is not None else [0]  # shared: one weight
-            object.__setattr__(self, "_draft_weights",
-                               torch.stack([self.lm_head_weight(k)[self.token_map] for k in heads]))
         states = torch.stack([block(hidden) for block in self.blocks])         # (K, ..., H)
-        weights = self._draft_weights.to(states.dtype)
+        weights = self.draft_rows().to(states.dtype)
         if weights.shape[0] == 1:
             logits = states @ weights[0].T
         else:
             logits = torch.einsum("k...h,kvh->k...v", states, weights)
         return self.token_map[logits.topk(k, dim=-1).indices]
+
+    def draft_rows(self) -> torch.Tensor:
+        """The LM head rows of the draft vocabulary (one per head, or one shared), sliced once and sliced
+        again only when their source changed: other weights (a move, another target) or new values
+        (a training step, a load: in-place writes bump a tensor's version; an inference tensor has none)."""
+        sources = [self.lm_head_weight(k) for k in (range(self.config.num_heads) if self.lm_heads is not None else [0])]
+        key = [(t.data_ptr(), t.device, None if t.is_inference() else t._version) for t in (*sources, self.token_map)]
+        if self._draft_rows[0] != key:
+            object.__setattr__(self, "_draft_rows", (key, torch.stack([w[self.token_map] for w in sources])))
+        return self._draft_rows[1]
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         """Head logits for hidden states (..., H): shape (num_heads, ..., V)."""
@@ -269,5 +273,7 @@ def read_trees(path: Path) -> dict:
 
 
 def resolve_heads_folder(name_or_path: str | os.PathLike) -> Path:
-    """A local heads folder, or a hub repo id fetched to the hub cache."""
-    return resolve_folder(name_or_path, "heads", [CONFIG_NAME, WEIGHTS_NAME, TREES_NAME, "*.md", f"{ADAPTER_DIR}/*"])
+    """A local heads folder, or a hub repo id fetched to the hub cache: the files any heads folder
+    gorgon reads may hold (its own, an engine's layout with sharded weights, FasterDecoding's .pt)."""
+    return resolve_folder(name_or_path, "heads", [CONFIG_NAME, "*.safetensors", MEDUSA_LEGACY, TREES_NAME, "*.md",
+                                                  f"{ADAPTER_DIR}/*"])
