@@ -37,7 +37,8 @@ class Tree:
         return int(self.depth.max())
 
     @property
-    def max_rank(self) -> int:
+    def topk_needed(self) -> int:
+        """How many ranked tokens each head must supply: one more than the deepest rank the tree uses."""
         return int(self.rank.max()) + 1
 
     def to(self, device) -> "Tree":
@@ -47,7 +48,7 @@ class Tree:
     def tokens(self, root: torch.Tensor, topk: torch.Tensor) -> torch.Tensor:
         """The token at each node: the root, then topk[head, rank] with head = depth - 1.
 
-        `topk` is (num_heads, k) token ids sorted by rank, k >= max_rank.
+        `topk` is (num_heads, k) token ids sorted by rank, k >= topk_needed.
         """
         heads = (self.depth[1:] - 1).clamp(min=0)
         return torch.cat([root.reshape(1), topk[heads, self.rank[1:]]])

@@ -194,7 +194,7 @@ class OracleDrafter:
 
     def propose(self, root, features, context):
         i = context.numel() - self.prompt_len               # index of root in the continuation
-        depth, width = self.tree.max_depth, self.tree.max_rank
+        depth, width = self.tree.max_depth, self.tree.topk_needed
         topk = torch.empty(depth, width, dtype=torch.long)
         for d in range(depth):
             row = torch.randperm(self.vocab, generator=self.gen)[:width]
@@ -228,7 +228,7 @@ class TargetRolloutDrafter:
         rows = []
         for _ in range(self.tree.max_depth):
             logits = self.model(seq[None]).logits[0, -1]
-            top = logits.topk(self.tree.max_rank).indices
+            top = logits.topk(self.tree.topk_needed).indices
             rows.append(top)
             seq = torch.cat([seq, top[:1]])
         return self.tree.tokens(root, torch.stack(rows)), self.tree

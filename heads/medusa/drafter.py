@@ -25,8 +25,8 @@ class HeadsDrafter:
         accuracies = heads.accuracies or REFERENCE_ACCURACIES
         self.chances = [path_chance(accuracies, ranks) for ranks in self.tree.paths]
         choices = heads.config.draft_vocab_size or heads.config.vocab_size
-        if self.tree.max_rank > choices:
-            raise GorgonError(f"the tree asks for rank {self.tree.max_rank - 1} but the heads draft from {choices} "
+        if self.tree.topk_needed > choices:
+            raise GorgonError(f"the tree asks for rank {self.tree.topk_needed - 1} but the heads draft from {choices} "
                               f"tokens: use ranks below {choices}")
 
     @property
@@ -35,7 +35,7 @@ class HeadsDrafter:
 
     def propose(self, root: torch.Tensor, features: torch.Tensor, context: torch.Tensor):
         """The heads read the hidden state at the last accepted token only."""
-        return self.tree.tokens(root, self.heads.draft_topk(features[-1], self.tree.max_rank)), self.tree
+        return self.tree.tokens(root, self.heads.draft_topk(features[-1], self.tree.topk_needed)), self.tree
 
     def scored_paths(self, root: torch.Tensor, features: torch.Tensor,
                      context: torch.Tensor) -> list[tuple[list[int], float]]:
