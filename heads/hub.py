@@ -39,6 +39,19 @@ def resolve_folder(name_or_path: str | os.PathLike, what: str, patterns: list[st
         raise not_found_locally_or_on_hub(what, text, err) from err
 
 
+def check_repo_id(repo_id: str, setting: str) -> None:
+    """The Hub's rules for a repo id, checked without the network: a training run that uploads at the end
+    learns of a malformed one before it trains, not after."""
+    from huggingface_hub.errors import HFValidationError
+    from huggingface_hub.utils import validate_repo_id
+
+    try:
+        validate_repo_id(repo_id)
+    except HFValidationError as err:
+        raise GorgonError(f"{setting} {repo_id!r} is not a Hub repo id: pass user/name (or org/name) of letters, "
+                          "digits, -, _ and .") from err
+
+
 def upload_folder(folder: str | os.PathLike, repo_id: str, private: bool = False, revision: str | None = None,
                   commit_message: str = "Upload gorgon heads") -> str:
     """Create the repo if needed and upload a folder in one commit (training checkpoints left out),

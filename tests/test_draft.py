@@ -1,6 +1,8 @@
 """Draft-model distillation: the truncated start, lower held-out KL, transformers interop, resume, bad input."""
 
+import dataclasses
 import json
+import re
 import subprocess
 import sys
 
@@ -187,3 +189,18 @@ def test_resume_reads_optimizer_state_saved_for_an_indexed_cpu(tmp_path):
     read_indexed_cpu_locations()
     state = torch.load(tmp_path / "optimizer.pt", map_location="cpu:1", weights_only=True)
     assert torch.equal(state["exp_avg"], torch.ones(2)) and state["exp_avg"].device.type == "cpu"
+
+
+def test_a_resume_with_another_data_order_is_refused(tmp_path):
+    """The rule the heads follow (test_train.py), on the trainer's checkpoints; more steps may be added."""
+    cfg = DraftTrainConfig(data=toy_data(tmp_path / "toy.jsonl", n=16), out=str(tmp_path / "draft"),
+                           target=str(tiny_chat_target(tmp_path)), student_layers=1, max_steps=2, batch_size=4,
+                           save_every=1, report_to="none")
+    train(cfg)
+    checkpoint = tmp_path / "draft" / "checkpoints" / "checkpoint-1"
+    with pytest.raises(GorgonError, match=rf"^{re.escape(str(checkpoint))} was trained with other settings "
+                                          r"\(batch_size 4 -> 2, seed 0 -> 1\): resume with the same ones, or train "
+                                          r"into a new --out$"):
+        train(dataclasses.replace(cfg, resume=True, batch_size=2, seed=1))
+    train(dataclasses.replace(cfg, resume=True, max_steps=3, log_every=1))
+    assert json.loads((tmp_path / "draft" / "metrics.json").read_text())["steps"] == 3

@@ -1,6 +1,8 @@
 """Head training: a real `accelerate launch`, learning, Medusa-2's preserved outputs, kill and resume."""
 
+import dataclasses
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -134,14 +136,20 @@ def test_kill_and_resume_continues_exactly(tmp_path):
     target = tiny_chat_target(tmp_path)
     data = toy_data(tmp_path / "toy.jsonl", n=64)
     common = [sys.executable, str(ROOT / "train/heads.py"), "--data", data, "--target", str(target),
-              "--max-steps", "40", "--batch-size", "4", "--save-every", "5", "--report-to", "none",
-              "--keep-checkpoints", "2"]
+              "--max-steps", "40", "--batch-size", "4", "--save-every", "5", "--log-every", "5",
+              "--report-to", "none", "--keep-checkpoints", "2"]
     killed = tmp_path / "killed"
     kill_after_a_checkpoint(common + ["--out", str(killed)], killed / "checkpoints", "step-*", tmp_path)
     # A checkpoint only ever appears whole: each step-N folder was renamed into place complete.
-    assert all((c / "gorgon_state.json").is_file() and (c / "optimizer.bin").is_file()
-               for c in (killed / "checkpoints").glob("step-*"))
+    checkpoints = list((killed / "checkpoints").glob("step-*"))
+    assert all((c / "gorgon_state.json").is_file() and (c / "optimizer.bin").is_file() for c in checkpoints)
+    states = [json.loads((c / "gorgon_state.json").read_text()) for c in checkpoints]
     resume_equals_a_whole_run(common, killed, tmp_path / "whole", "resumed from")
+    # The metrics cover the whole run, the part before the kill included.
+    resumed, whole = (json.loads((folder / "metrics.json").read_text()) for folder in (killed, tmp_path / "whole"))
+    assert [step for step, _ in resumed["loss_curve"]] == list(range(5, 41, 5))
+    assert resumed["loss_curve"] == whole["loss_curve"]
+    assert resumed["train_seconds"] > max(state["train_seconds"] for state in states) > 0
 
 
 @pytest.mark.slow
@@ -211,3 +219,65 @@ def test_resume_without_a_checkpoint_is_refused(tmp_path):
         with pytest.raises(GorgonError, match=r"^--resume: no complete checkpoint in .*checkpoints: run without "
                                               r"--resume to start$"):
             run(cfg)
+
+
+def first_checkpoint(tmp_path, **settings) -> HeadsTrainConfig:
+    """A finished two-step run with a checkpoint at step 1; returns its recipe."""
+    cfg = HeadsTrainConfig(data=toy_data(tmp_path / "toy.jsonl"), out=str(tmp_path / "h"),
+                           target=str(tiny_chat_target(tmp_path)), max_steps=2, batch_size=4, save_every=1,
+                           report_to="none", **settings)
+    train(cfg)
+    assert (tmp_path / "h" / "checkpoints" / "step-1").is_dir()
+    return cfg
+
+
+def test_a_resume_with_another_data_order_is_refused(tmp_path):
+    """A checkpoint's step stands for the batches its settings drew: other ones would silently train on
+    some conversations twice and others never. Settings that leave the order alone may change."""
+    cfg = first_checkpoint(tmp_path)
+    checkpoint = tmp_path / "h" / "checkpoints" / "step-1"
+    other = tmp_path / "other.jsonl"
+    other.write_text((tmp_path / "toy.jsonl").read_text())
+    changes = [({"batch_size": 8}, "batch_size 4 -> 8"), ({"grad_accum": 2}, "grad_accum 1 -> 2"),
+               ({"seed": 1}, "seed 0 -> 1"), ({"data": str(other)}, "data "),
+               ({"train_conversations": 20}, "train_conversations None -> 20"),
+               ({"eval_fraction": 0.1, "max_length": 64}, "eval_fraction 0.05 -> 0.1, max_length 1024 -> 64")]
+    for change, named in changes:
+        with pytest.raises(GorgonError, match=rf"^{re.escape(str(checkpoint))} was trained with other settings "
+                                              rf"\({named}.*\): resume with the same ones, or train into a new "
+                                              r"--out$"):
+            train(dataclasses.replace(cfg, resume=True, **change))
+    state = checkpoint / "gorgon_state.json"
+    recorded = json.loads(state.read_text())
+    state.write_text(json.dumps({**recorded, "settings": {**recorded["settings"], "processes": 2}}))
+    with pytest.raises(GorgonError, match=r"\(processes 2 -> 1\)"):
+        train(dataclasses.replace(cfg, resume=True))
+    state.write_text(json.dumps(recorded))
+    out = train(dataclasses.replace(cfg, resume=True, max_steps=3, log_every=1, save_every=0, keep_checkpoints=1,
+                                    eval_every=1, tree_topk=5))
+    assert json.loads((out / "metrics.json").read_text())["steps"] == 3
+
+
+def test_a_checkpoint_cut_short_while_being_written_is_removed_on_resume(tmp_path):
+    """A kill during save_state leaves the temporary folder that would have been renamed into place."""
+    cfg = first_checkpoint(tmp_path)
+    checkpoints = tmp_path / "h" / "checkpoints"
+    (checkpoints / ".step-7.tmp").mkdir()
+    (checkpoints / ".step-7.tmp" / "optimizer.bin").write_text("half")
+    (checkpoints / ".step-best.tmp").mkdir()  # not a name gorgon writes
+    train(dataclasses.replace(cfg, resume=True, max_steps=3))
+    assert sorted(p.name for p in checkpoints.iterdir()) == [".step-best.tmp", "step-1", "step-2"]
+
+
+def test_a_malformed_hub_repo_id_is_refused_before_training(tmp_path):
+    from gorgon.train.draft import DraftTrainConfig
+    from gorgon.train.draft import train as train_draft
+
+    for bad in ("someone/heads/v2", "someone/my heads", "https://huggingface.co/someone/heads"):
+        for run, config in [(train, HeadsTrainConfig), (train_draft, DraftTrainConfig)]:
+            with pytest.raises(GorgonError, match=rf"^push_to_hub {re.escape(repr(bad))} is not a Hub repo id: pass "
+                                                  r"user/name \(or org/name\) of letters, digits, -, _ and \.$"):
+                run(config(data="x", out=str(tmp_path / "o"), push_to_hub=bad, report_to="none"))
+    assert not (tmp_path / "o").exists()
+    for good in ("someone/tiny-heads", "tiny_heads.v2"):
+        HeadsTrainConfig(data="x", out="o", push_to_hub=good).check()

@@ -14,9 +14,10 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import shutil
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
@@ -25,7 +26,7 @@ from gorgon.heads.errors import GorgonError
 from gorgon.heads.files import atomic_write_text
 from gorgon.heads.medusa.model import ADAPTER_DIR
 from gorgon.heads.tree import DEVICE_TREE_SIZE
-from gorgon.train.recipe import TrainingSettings, setting
+from gorgon.train.recipe import STATE_NAME, TrainingSettings, check_resume, data_order, setting
 
 
 @dataclass
@@ -141,30 +142,36 @@ def schedule(warmup: int, total: int, delay: int = 0):
 
 def save_checkpoint(accelerator, out: Path, progress: dict, keep: int) -> None:
     """accelerate's save_state into a temporary folder, renamed into place: never half-written.
-    `progress` (the step, the examples trained on) goes beside it in gorgon_state.json."""
+    `progress` (the step, the examples trained on, the loss curve and time so far, the data order)
+    goes beside it in STATE_NAME, written last."""
     step = progress["step"]
     final = out / "checkpoints" / f"step-{step}"
-    tmp = out / "checkpoints" / f".step-{step}.tmp"
+    tmp = out / "checkpoints" / f".step-{step}.tmp"  # one a kill leaves behind is removed on resume (TMP_NAME)
     if accelerator.is_main_process:
         shutil.rmtree(tmp, ignore_errors=True)
     accelerator.wait_for_everyone()
     accelerator.save_state(str(tmp))
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
-        (tmp / PROGRESS_NAME).write_text(json.dumps(progress))
+        (tmp / STATE_NAME).write_text(json.dumps(progress))
         os.replace(tmp, final)
         for old in sorted((out / "checkpoints").glob("step-*"), key=lambda p: int(p.name.split("-")[1]))[:-keep]:
             shutil.rmtree(old)
     accelerator.wait_for_everyone()
 
 
-PROGRESS_NAME = "gorgon_state.json"  # written last into a checkpoint
+TMP_NAME = re.compile(r"\.step-\d+\.tmp")  # a checkpoint being written by save_checkpoint
 
 
 def latest_heads_checkpoint(out: Path) -> Path | None:
+    """The newest complete checkpoint in a run's own --out. The temporary folder that a kill during a save
+    left behind is removed first (otherwise only a later save of the same step would replace it)."""
     from gorgon.train.recipe import latest_checkpoint
 
-    return latest_checkpoint(out / "checkpoints", "step", PROGRESS_NAME)
+    for tmp in (out / "checkpoints").glob(".step-*.tmp"):
+        if TMP_NAME.fullmatch(tmp.name):
+            shutil.rmtree(tmp)
+    return latest_checkpoint(out / "checkpoints", "step", STATE_NAME)
 
 
 def frequent_tokens(examples: list[dict], size: int, vocab_size: int) -> tuple[torch.Tensor, float]:
@@ -209,6 +216,8 @@ class Run:
     total: int                        # optimizer steps of the whole run
     step: int = 0                     # steps done (after a resume: from the checkpoint)
     trained: int = 0                  # conversations this process trained on (the main one: with the resumed)
+    loss_curve: list = field(default_factory=list)  # [step, per-head losses] at every log (with the resumed)
+    train_seconds: float = 0.0        # time in the training loop (with the resumed run's)
     draft_vocab_coverage: float | None = None
 
 
@@ -275,6 +284,8 @@ def setup(cfg: HeadsTrainConfig) -> Run:
     accelerator = Accelerator(gradient_accumulation_steps=cfg.grad_accum, project_dir=str(out),
                               log_with="wandb" if cfg.report_to == "wandb" else None,
                               step_scheduler_with_optimizer=False, kwargs_handlers=[unused])
+    if resume_from is not None:  # before the target and data load
+        check_resume(resume_from, data_order(cfg, accelerator.num_processes))
     set_seed(cfg.seed)
     target = load_target(cfg.target, device=str(accelerator.device), dtype=cfg.dtype)
     target.model.requires_grad_(False)
@@ -309,11 +320,13 @@ def setup(cfg: HeadsTrainConfig) -> Run:
               len(train_ex), len(eval_ex), total, draft_vocab_coverage=coverage)
     if resume_from is not None:
         accelerator.load_state(str(resume_from))
-        progress = json.loads((resume_from / PROGRESS_NAME).read_text())
+        progress = json.loads((resume_from / STATE_NAME).read_text())
         run.step = progress["step"]
         # checkpoints from before the count was kept: every step so far took one global batch
         resumed = progress.get("examples", run.step * cfg.batch_size * cfg.grad_accum * world)
         run.trained = resumed if accelerator.is_main_process else 0
+        run.loss_curve = progress.get("loss_curve", [])  # absent from checkpoints of older versions
+        run.train_seconds = progress.get("train_seconds", 0.0)
         accelerator.print(f"gorgon train: resumed from {resume_from} at step {run.step}")
     accelerator.init_trackers(cfg.project, config=asdict(cfg))
     method = cfg.mode if cfg.arch == "medusa" else "eagle"
@@ -322,16 +335,17 @@ def setup(cfg: HeadsTrainConfig) -> Run:
     return run
 
 
-def train_steps(run: Run) -> list:
+def train_steps(run: Run) -> None:
     """Step until the run's total: accumulate, clip, step the optimizer and schedule, log, checkpoint.
-    Returns the loss curve ([step, per-head loss] at every log, over all processes)."""
+    The loss curve (per-head losses over all processes) and the time grow in `run`; each checkpoint
+    keeps them, so a resumed run reports the whole of both."""
     from tqdm.auto import tqdm
 
     cfg, accelerator, objective = run.cfg, run.accelerator, run.objective
+    started = time.perf_counter() - run.train_seconds
     bar = tqdm(total=run.total, initial=run.step, desc="gorgon train", disable=not accelerator.is_main_process,
                dynamic_ncols=True)
     window = new_window(cfg.rows)
-    loss_curve = []
     # accelerate ends an accumulation at the end of the data: an epoch is ceil(batches / grad_accum) steps
     steps_per_epoch = math.ceil(len(run.loader) / cfg.grad_accum)  # len: this process's share
     while run.step < run.total:
@@ -362,18 +376,21 @@ def train_steps(run: Run) -> list:
             run.step += 1
             bar.update(1)
             if run.step % cfg.log_every == 0 or run.step == run.total:
-                loss_curve.append([run.step, log_window(accelerator, window, run.step, run.scheduler, bar)])
+                run.loss_curve.append([run.step, log_window(accelerator, window, run.step, run.scheduler, bar)])
                 window = new_window(cfg.rows)
             if cfg.eval_every and run.step % cfg.eval_every == 0:
                 eval_loss, _, _ = evaluate(run)
                 accelerator.log({"eval/loss": eval_loss}, step=run.step)
             if cfg.save_every and run.step % cfg.save_every == 0 and run.step < run.total:
-                progress = {"step": run.step, "examples": count_all(accelerator, run.trained)}
+                run.train_seconds = time.perf_counter() - started
+                progress = {"step": run.step, "examples": count_all(accelerator, run.trained),
+                            "loss_curve": run.loss_curve, "train_seconds": run.train_seconds,
+                            "settings": data_order(cfg, accelerator.num_processes)}
                 save_checkpoint(accelerator, run.out, progress, cfg.keep_checkpoints)
             if run.step >= run.total:
                 break
+    run.train_seconds = time.perf_counter() - started
     bar.close()
-    return loss_curve
 
 
 def evaluate(run: Run) -> tuple[float, torch.Tensor, int]:
@@ -395,7 +412,7 @@ def evaluate(run: Run) -> tuple[float, torch.Tensor, int]:
     return loss_sum / max(1, batches), counts, int(conversations)
 
 
-def save(run: Run, loss_curve: list, train_seconds: float) -> dict:
+def save(run: Run) -> dict:
     """Measure the heads on held-out data, choose their trees, and write the heads folder (weights, trees,
     Medusa-2's adapter, metrics, recipe, plot, card) from the main process; returns the metrics."""
     from gorgon.heads.card import plot_head_accuracy, write_model_card
@@ -417,7 +434,7 @@ def save(run: Run, loss_curve: list, train_seconds: float) -> dict:
         "steps": run.total, "train_conversations": run.train_conversations,
         "eval_conversations": run.eval_conversations, "processes": accelerator.num_processes,
         "conversations_trained": trained, "conversations_evaluated": evaluated,
-        "loss_curve": loss_curve, "train_seconds": train_seconds, "target_name": run.target.name,
+        "loss_curve": run.loss_curve, "train_seconds": run.train_seconds, "target_name": run.target.name,
         "data": describe(cfg.data), "draft_vocab_size": cfg.draft_vocab_size,
         "draft_vocab_coverage": run.draft_vocab_coverage,
     }
@@ -441,10 +458,8 @@ def save(run: Run, loss_curve: list, train_seconds: float) -> dict:
 def train(cfg: HeadsTrainConfig) -> Path:
     """The whole run: setup, the steps, then evaluation and the saved heads folder (pushed when asked)."""
     run = setup(cfg)
-    started = time.perf_counter()
-    loss_curve = train_steps(run)
-    seconds = time.perf_counter() - started  # this run's loop (after a resume: since the resume)
-    metrics = save(run, loss_curve, seconds)
+    train_steps(run)
+    metrics = save(run)
     if run.accelerator.is_main_process:
         row = "step" if cfg.arch == "eagle" else "head"
         summary = ", ".join(f"{row} {k}: top-1 {a:.3f} top-5 {b:.3f}"

@@ -94,8 +94,9 @@ def _convert(value, annotation, key: str):
 
 
 def check_optimisation(cfg) -> None:
-    """The settings both training scripts share, each in range: a negative learning rate or no held-out
-    data would otherwise train (or stop later with a misleading error) instead of failing here."""
+    """The settings both training scripts share, each in range: a negative learning rate, no held-out
+    data or a malformed Hub repo id would otherwise train (or stop later, even after training, with a
+    misleading error) instead of failing here."""
     for key in ("learning_rate", "backbone_learning_rate", "max_grad_norm"):  # the second: Medusa-2's adapters
         if hasattr(cfg, key) and not getattr(cfg, key) > 0:
             raise GorgonError(f"{key} must be above 0, not {getattr(cfg, key)}")
@@ -112,6 +113,10 @@ def check_optimisation(cfg) -> None:
     if cfg.max_length < 2:
         raise GorgonError(f"max_length is the most tokens per training conversation: use 2 or more (default 1024), "
                           f"not {cfg.max_length}")
+    if cfg.push_to_hub is not None:
+        from gorgon.heads.hub import check_repo_id
+
+        check_repo_id(cfg.push_to_hub, "push_to_hub")
 
 
 def parse_overrides(argv: list[str]) -> dict[str, str | bool]:
@@ -183,6 +188,34 @@ def resume_point(latest: Path | None, resume: bool, out: Path) -> Path | None:
     if resume and latest is None:
         raise GorgonError(f"--resume: no complete checkpoint in {out / 'checkpoints'}: run without --resume to start")
     return latest
+
+
+STATE_NAME = "gorgon_state.json"  # gorgon's own record in a checkpoint: the data order (heads: the progress too)
+# The settings that decide which conversations each optimizer step trains on (with the number of processes):
+# the data and its tokens, the held-out split, the shuffling and the batches. train_conversations: heads only.
+DATA_ORDER = ("data", "target", "max_length", "eval_fraction", "train_conversations", "seed", "batch_size",
+              "grad_accum")
+
+
+def data_order(cfg, processes: int) -> dict:
+    """What a checkpoint records under "settings" in its STATE_NAME, for `check_resume`."""
+    return {**{key: getattr(cfg, key) for key in DATA_ORDER if hasattr(cfg, key)}, "processes": processes}
+
+
+def check_resume(checkpoint: Path, current: dict) -> None:
+    """A resume must keep the data order recorded in its checkpoint: the checkpoint's step stands for the
+    batches that order drew, and another would silently train on some conversations twice and others never.
+    The other settings (more epochs or steps, logging, checkpointing, wandb, the Hub) may change. A
+    checkpoint from before the order was recorded is not checked."""
+    from gorgon.train.data import changed_settings
+
+    path = checkpoint / STATE_NAME
+    recorded = json.loads(path.read_text()).get("settings", {}) if path.is_file() else {}
+    changed = changed_settings(recorded, current)
+    if changed:
+        raise GorgonError(f"{checkpoint} was trained with other settings ("
+                          + ", ".join(f"{key} {recorded[key]} -> {current[key]}" for key in changed)
+                          + "): resume with the same ones, or train into a new --out")
 
 
 RUN_MARKER = ".gorgon-run"  # written into a training --out when the run starts: this folder is gorgon's
