@@ -37,7 +37,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--target", default=None, help="the target (default: the embedded SmolLM2); its lm_head is "
                    "written out when the heads share it")
     p.add_argument("--base-model", default=None, help="base_model_name_or_path to record (default: the target name)")
-    p.add_argument("--overwrite", action="store_true", help="replace the files of an earlier export at --out (other files there stay)")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace the files of an earlier export at --out (other files there stay)")
     return p
 
 
