@@ -231,9 +231,9 @@ def first_checkpoint(tmp_path, **settings) -> HeadsTrainConfig:
     return cfg
 
 
-def test_a_resume_with_another_data_order_is_refused(tmp_path):
+def test_a_resume_with_another_data_order_or_shape_is_refused(tmp_path):
     """A checkpoint's step stands for the batches its settings drew: other ones would silently train on
-    some conversations twice and others never. Settings that leave the order alone may change."""
+    some conversations twice and others never; another shape would not load. Other settings may change."""
     cfg = first_checkpoint(tmp_path)
     checkpoint = tmp_path / "h" / "checkpoints" / "step-1"
     other = tmp_path / "other.jsonl"
@@ -241,7 +241,8 @@ def test_a_resume_with_another_data_order_is_refused(tmp_path):
     changes = [({"batch_size": 8}, "batch_size 4 -> 8"), ({"grad_accum": 2}, "grad_accum 1 -> 2"),
                ({"seed": 1}, "seed 0 -> 1"), ({"data": str(other)}, "data "),
                ({"train_conversations": 20}, "train_conversations None -> 20"),
-               ({"eval_fraction": 0.1, "max_length": 64}, "eval_fraction 0.05 -> 0.1, max_length 1024 -> 64")]
+               ({"eval_fraction": 0.1, "max_length": 64}, "eval_fraction 0.05 -> 0.1, max_length 1024 -> 64"),
+               ({"num_heads": 2}, "num_heads 4 -> 2"), ({"arch": "eagle"}, "arch medusa -> eagle")]
     for change, named in changes:
         with pytest.raises(GorgonError, match=rf"^{re.escape(str(checkpoint))} was trained with other settings "
                                               rf"\({named}.*\): resume with the same ones, or train into a new "

@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 from gorgon.heads.errors import GorgonError
-from gorgon.train.recipe import STATE_NAME, TrainingSettings, check_resume, data_order, setting
+from gorgon.train.recipe import STATE_NAME, TrainingSettings, check_resume, resume_settings, setting
 
 
 @dataclass
@@ -109,10 +109,10 @@ def gkd_trainer(cfg: DraftTrainConfig, student, target, train_ex: list[dict], ck
         def _save_rng_state(self, output_dir):
             """Each process writes its own RNG state, and the main process trainer_state.json right after its
             own, which marks the checkpoint whole for a resume: the others must have finished first. The
-            data order goes in before it too, for the resume's check (recipe.check_resume)."""
+            settings a resume must keep go in before it too, for its check (recipe.check_resume)."""
             super()._save_rng_state(output_dir)
             if self.accelerator.is_main_process:
-                state = {"settings": data_order(cfg, self.accelerator.num_processes)}
+                state = {"settings": resume_settings(cfg, self.accelerator.num_processes)}
                 (Path(output_dir) / STATE_NAME).write_text(json.dumps(state))
             self.accelerator.wait_for_everyone()
 
@@ -183,7 +183,7 @@ def train(cfg: DraftTrainConfig) -> Path:
     os.environ.setdefault("WANDB_PROJECT", cfg.project)
     state = PartialState()
     if resume_from is not None:
-        check_resume(resume_from, data_order(cfg, state.num_processes))
+        check_resume(resume_from, resume_settings(cfg, state.num_processes))
     sharded = state.distributed_type == DistributedType.FSDP or os.environ.get("ACCELERATE_DEEPSPEED_ZERO_STAGE") == "3"
     if cfg.lora and sharded:
         raise GorgonError("lora: true merges the adapters into the draft's whole weights at the end, which FSDP and "

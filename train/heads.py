@@ -26,7 +26,7 @@ from gorgon.heads.errors import GorgonError
 from gorgon.heads.files import atomic_write_text
 from gorgon.heads.medusa.model import ADAPTER_DIR
 from gorgon.heads.tree import DEVICE_TREE_SIZE
-from gorgon.train.recipe import STATE_NAME, TrainingSettings, check_resume, data_order, setting
+from gorgon.train.recipe import STATE_NAME, TrainingSettings, check_resume, resume_settings, setting
 
 
 @dataclass
@@ -142,7 +142,7 @@ def schedule(warmup: int, total: int, delay: int = 0):
 
 def save_checkpoint(accelerator, out: Path, progress: dict, keep: int) -> None:
     """accelerate's save_state into a temporary folder, renamed into place: never half-written.
-    `progress` (the step, the examples trained on, the loss curve and time so far, the data order)
+    `progress` (the step, the examples trained on, the loss curve and time so far, the resume_settings)
     goes beside it in STATE_NAME, written last."""
     step = progress["step"]
     final = out / "checkpoints" / f"step-{step}"
@@ -285,7 +285,7 @@ def setup(cfg: HeadsTrainConfig) -> Run:
                               log_with="wandb" if cfg.report_to == "wandb" else None,
                               step_scheduler_with_optimizer=False, kwargs_handlers=[unused])
     if resume_from is not None:  # before the target and data load
-        check_resume(resume_from, data_order(cfg, accelerator.num_processes))
+        check_resume(resume_from, resume_settings(cfg, accelerator.num_processes))
     set_seed(cfg.seed)
     target = load_target(cfg.target, device=str(accelerator.device), dtype=cfg.dtype)
     target.model.requires_grad_(False)
@@ -385,7 +385,7 @@ def train_steps(run: Run) -> None:
                 run.train_seconds = time.perf_counter() - started
                 progress = {"step": run.step, "examples": count_all(accelerator, run.trained),
                             "loss_curve": run.loss_curve, "train_seconds": run.train_seconds,
-                            "settings": data_order(cfg, accelerator.num_processes)}
+                            "settings": resume_settings(cfg, accelerator.num_processes)}
                 save_checkpoint(accelerator, run.out, progress, cfg.keep_checkpoints)
             if run.step >= run.total:
                 break

@@ -190,23 +190,27 @@ def resume_point(latest: Path | None, resume: bool, out: Path) -> Path | None:
     return latest
 
 
-STATE_NAME = "gorgon_state.json"  # gorgon's own record in a checkpoint: the data order (heads: the progress too)
+STATE_NAME = "gorgon_state.json"  # gorgon's own record in a checkpoint: its settings (heads: the progress too)
 # The settings that decide which conversations each optimizer step trains on (with the number of processes):
 # the data and its tokens, the held-out split, the shuffling and the batches. train_conversations: heads only.
 DATA_ORDER = ("data", "target", "max_length", "eval_fraction", "train_conversations", "seed", "batch_size",
               "grad_accum")
+# The settings that shape what a checkpoint holds (heads, adapters, a draft): another would not load into it.
+SHAPE = ("arch", "mode", "num_heads", "num_layers", "shared_lm_head", "feature_layers", "draft_vocab_size",
+         "train_lm_head", "student", "student_layers", "lora", "lora_r", "lora_target_modules")
 
 
-def data_order(cfg, processes: int) -> dict:
+def resume_settings(cfg, processes: int) -> dict:
     """What a checkpoint records under "settings" in its STATE_NAME, for `check_resume`."""
-    return {**{key: getattr(cfg, key) for key in DATA_ORDER if hasattr(cfg, key)}, "processes": processes}
+    return {**{key: getattr(cfg, key) for key in DATA_ORDER + SHAPE if hasattr(cfg, key)}, "processes": processes}
 
 
 def check_resume(checkpoint: Path, current: dict) -> None:
     """A resume must keep the data order recorded in its checkpoint: the checkpoint's step stands for the
-    batches that order drew, and another would silently train on some conversations twice and others never.
-    The other settings (more epochs or steps, logging, checkpointing, wandb, the Hub) may change. A
-    checkpoint from before the order was recorded is not checked."""
+    batches that order drew, and another would silently train on some conversations twice and others never;
+    and its shape, which would otherwise fail in the state's load with a size mismatch. The other settings
+    (more epochs or steps, logging, checkpointing, wandb, the Hub) may change. A checkpoint from before a
+    setting was recorded is not checked for it."""
     from gorgon.train.data import changed_settings
 
     path = checkpoint / STATE_NAME
