@@ -12,8 +12,9 @@ from safetensors.torch import load_file
 
 from gorgon.decode import speculative_generate
 from gorgon.decode.kernels import draft_dtype, fast_kernels_unavailable, use_cpu_kernels
-from gorgon.heads import EagleDrafter, EagleHead, GorgonError, Target, fingerprint, load_target
-from gorgon.heads.eagle.formats import export_head
+from gorgon.heads import EagleConfig, EagleDrafter, EagleHead, GorgonError, Target, fingerprint, load_target
+from gorgon.heads.eagle.formats import check_exportable_layers, export_head
+from gorgon.heads.eagle.model import default_feature_layers
 from gorgon.train.data import DataSettings, make_dataset
 
 FAMILIES = ["llama", "qwen2"]
@@ -25,13 +26,24 @@ def reference(model, ids, n):
     return out[0, ids.shape[1]:].tolist()
 
 
-def head_for(model, vocab=VOCAB, draft=None, seed=0):
+def head_for(model, vocab=VOCAB, draft=None, seed=0, **settings):
     torch.manual_seed(seed)
-    head = EagleHead.for_target(model, draft_tokens=draft)
+    head = EagleHead.for_target(model, draft_tokens=draft, **settings)
     with torch.no_grad():  # not the starting point: every weight matters in the checks below
         for p in head.parameters():
             p.add_(torch.randn_like(p) * 0.05)
     return head
+
+
+def draft_logits(head):
+    """The head's logits over 5 positions of fixed random features and tokens, drafting causally."""
+    generator = torch.Generator().manual_seed(0)
+    width = len(head.feature_layers) * head.config.hidden_size
+    features = torch.randn(1, 5, width, generator=generator)
+    tokens = torch.randint(0, VOCAB, (1, 5), generator=generator)
+    mask = torch.zeros(1, 1, 5, 5).masked_fill_(~torch.ones(5, 5, dtype=torch.bool).tril(), float("-inf"))
+    with torch.no_grad():
+        return head.logits(head.layer(head.fc(features), tokens, torch.arange(5)[None], mask))
 
 
 @pytest.mark.parametrize("arch", FAMILIES)
@@ -39,7 +51,7 @@ def test_greedy_equals_generate_with_dynamic_trees(arch):
     model = tiny_model(arch, vocab=8, layers=4)  # a small vocabulary: drafts are often right, so paths go deep
     with torch.no_grad():
         model.lm_head.weight.mul_(10)
-    head = head_for(model)
+    head = head_for(model, seed=1)  # random heads differ in how deep their drafts get accepted: this one's go deep
     accepted = []
     for nodes, depth, topk in [(8, 3, 2), (16, 5, 4), (40, 3, 8), (2, 1, 1)]:
         drafter = EagleDrafter(head, nodes=nodes, depth=depth, topk=topk)
@@ -182,11 +194,7 @@ def test_export_key_names_shapes_and_import_with_identical_drafts(tmp_path, arch
     model = tiny_model(arch, layers=6)
     model.config.dtype = torch.bfloat16  # as a target loaded from a bfloat16 checkpoint says
     head = head_for(model, draft=torch.arange(0, VOCAB, 2))
-    assert head.feature_layers == (2, 3)  # (2, 6 // 2, 6 - 3) deduplicated: default_feature_layers(6)
-    head = EagleHead.for_target(model, feature_layers=[1, 3, 5], draft_tokens=torch.arange(0, VOCAB, 2))
-    with torch.no_grad():
-        for p in head.parameters():
-            p.add_(torch.randn_like(p) * 0.05)
+    assert head.feature_layers == (1, 3, 5)  # default_feature_layers(6)
     out = export_head(head, fmt, tmp_path / fmt, "tiny/target")
     state, config = load_file(out / "model.safetensors"), json.loads((out / "config.json").read_text())
     H, kv = 32, 2 * 8  # hidden 32; 2 key-value heads of 8
@@ -227,14 +235,119 @@ def test_export_key_names_shapes_and_import_with_identical_drafts(tmp_path, arch
         assert spec["default_proposal_method"] == spec["proposal_methods"][0]["proposal_type"] == "greedy"
         assert spec["verifier"]["name_or_path"] == "tiny/target"
     back = EagleHead.from_pretrained(out, target=model)
-    features, tokens = torch.randn(1, 5, 3 * H), torch.randint(0, VOCAB, (1, 5))
-    positions = torch.arange(5)[None]
-    mask = torch.zeros(1, 1, 5, 5).masked_fill_(~torch.ones(5, 5, dtype=torch.bool).tril(), float("-inf"))
-    with torch.no_grad():
-        mine = head.logits(head.layer(head.fc(features), tokens, positions, mask))
-        theirs = back.logits(back.layer(back.fc(features), tokens, positions, mask))
-    torch.testing.assert_close(mine, theirs)
+    torch.testing.assert_close(draft_logits(back), draft_logits(head))
     assert torch.equal(back.token_map, head.token_map)
+
+
+@pytest.mark.parametrize("arch", LAYOUTS)
+@pytest.mark.parametrize("fmt", ["eagle3", "speculators"])
+def test_an_imported_head_exports_again_as_it_was_exported(tmp_path, arch, fmt):
+    """Import used to keep the draft's one layer as the target's layer count, and the export refused the layers."""
+    model = tiny_model(arch, layers=6)
+    head = head_for(model, draft=torch.arange(0, VOCAB, 2), feature_layers=[1, 3, 5], target_name="tiny/target")
+    first = export_head(head, fmt, tmp_path / "first")
+    back = EagleHead.from_pretrained(first, target=model)
+    second = export_head(back, fmt, tmp_path / "second")
+    assert json.loads((second / "config.json").read_text()) == json.loads((first / "config.json").read_text())
+    before, after = load_file(first / "model.safetensors"), load_file(second / "model.safetensors")
+    assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
+    assert torch.equal(draft_logits(EagleHead.from_pretrained(second, target=model)), draft_logits(back))
+    torch.testing.assert_close(draft_logits(back), draft_logits(head))
+
+
+def saved_settings(config):
+    return {k: getattr(config, k) for k in ("target_fingerprint", "depth", "topk", "nodes", "accuracies")}
+
+
+def test_an_imported_head_keeps_its_fingerprint_and_search_settings(tmp_path):
+    """They travel in config.json's `gorgon` entry; a folder written elsewhere has none and gets the defaults."""
+    model = tiny_model("llama", layers=6)
+    head = EagleHead.for_target(model, feature_layers=[1, 2, 4], target_name="tiny", depth=3, topk=4,
+                                target_fingerprint=fingerprint(model))
+    head.set_trees([[0.5, 0.25], [0.4, 0.2]], {"cpu": 6, "cuda": 20})
+    other = Target(tiny_model("llama", layers=6, seed=1), tokenizer=None, name="other")
+    for fmt in ("eagle3", "speculators"):
+        out = export_head(head, fmt, tmp_path / fmt)
+        back = EagleHead.from_pretrained(out, target=Target(model, tokenizer=None, name="tiny"))
+        assert saved_settings(back.config) == saved_settings(head.config)
+        assert back.config.target_name == "tiny" and back.config.layer_config["num_hidden_layers"] == 6
+        with pytest.raises(GorgonError, match="fingerprint"):
+            EagleHead.from_pretrained(out, target=other)
+        config = json.loads((out / "config.json").read_text())
+        del config["gorgon"]
+        (out / "config.json").write_text(json.dumps(config))
+        foreign = EagleHead.from_pretrained(out, target=other)  # checked by shape only
+        defaults = EagleConfig(hidden_size=32, vocab_size=VOCAB, layer_config={}, feature_layers=[1, 2, 4])
+        assert saved_settings(foreign.config) == saved_settings(defaults)
+        assert foreign.config.layer_config["num_hidden_layers"] == 5  # the fewest layers that have a layer 4 to read
+        export_head(foreign, fmt, tmp_path / f"{fmt}-again")
+
+
+def test_a_head_refuses_a_target_too_shallow_for_its_layers(tmp_path):
+    """A head without a fingerprint is checked by shape: reading layer 6 of 4 used to fail mid-decode."""
+    head = EagleHead.for_target(tiny_model("llama", layers=6), feature_layers=[1, 3, 6])
+    head.save_pretrained(tmp_path)
+    message = r"reads the target's hidden states \[1, 3, 6\] and this target has 4 layers \(hidden states 0 to 4\)"
+    with pytest.raises(GorgonError, match=message):
+        EagleHead.from_pretrained(tmp_path, target=tiny_model("llama", layers=4))
+    with pytest.raises(GorgonError, match="this target has 5 layers"):
+        head.attach(tiny_model("llama", layers=5))
+    assert EagleHead.from_pretrained(tmp_path, target=tiny_model("llama", layers=6, seed=1)).target is not None
+
+
+def test_a_hand_edited_or_foreign_config_is_one_line(tmp_path):
+    """A missing field or an unknown model_type was a TypeError, KeyError or transformers' list of every model."""
+    model = tiny_model("llama", layers=6)
+    head = EagleHead.for_target(model, feature_layers=[1, 3, 5])
+    head.save_pretrained(tmp_path / "gorgon")
+    for fmt in ("eagle3", "speculators"):
+        export_head(head, fmt, tmp_path / fmt)
+
+    def drop(key, within=None):
+        return lambda config: (config[within] if within else config).pop(key)
+
+    def rename(within=None):
+        return lambda config: (config[within] if within else config).update(model_type="llamax")
+
+    layer = "transformer_layer_config"
+    for n, (layout, edit, message) in enumerate([
+            ("gorgon", drop("hidden_size"), r"config.json lacks hidden_size: it is not a gorgon"),
+            ("gorgon", drop("rms_norm_eps", "layer_config"), r"config.json's layer_config lacks rms_norm_eps"),
+            ("gorgon", rename("layer_config"), r"config.json's layer_config has model_type 'llamax', which"),
+            ("eagle3", drop("vocab_size"), r"config.json lacks vocab_size: copy them from the target's"),
+            ("eagle3", drop("model_type"), r"config.json lacks model_type"),
+            ("eagle3", rename(), r"config.json has model_type 'llamax', which transformers .* does not know"),
+            ("speculators", drop(layer), r"config.json lacks transformer_layer_config"),
+            ("speculators", drop("hidden_size", layer), r"config.json's transformer_layer_config lacks hidden_size"),
+            ("speculators", rename(layer), r"config.json's transformer_layer_config has model_type 'llamax'")]):
+        config = json.loads((tmp_path / layout / "config.json").read_text())
+        edit(config)
+        edited = tmp_path / f"edited-{n}"
+        edited.mkdir()
+        (edited / "config.json").write_text(json.dumps(config))
+        for weights in (tmp_path / layout).glob("*.safetensors"):
+            (edited / weights.name).write_bytes(weights.read_bytes())
+        with pytest.raises(GorgonError, match=message):
+            EagleHead.from_pretrained(edited, target=model)
+    (edited / "config.json").write_text("{")
+    with pytest.raises(GorgonError, match=r"cannot read .*config.json \(JSONDecodeError\)"):
+        EagleHead.from_pretrained(edited)
+
+
+def test_default_feature_layers_are_three_valid_layers_for_any_depth():
+    """Below 7 layers EAGLE-3's (2, L // 2, L - 3) repeat: 6 layers gave 2 ([2, 3]), 5 layers 1, 1 layer the
+    embeddings (0)."""
+    for count in range(1, 9):
+        layers = default_feature_layers(count)
+        assert len(layers) == 3 and layers == sorted(layers) and all(1 <= i <= count for i in layers), count
+        assert len(set(layers)) == 3 or count < 3, count
+        if count >= 4:  # ones the engines read: the export takes them
+            check_exportable_layers(EagleConfig(hidden_size=32, vocab_size=VOCAB, feature_layers=layers,
+                                                layer_config={"num_hidden_layers": count}))
+        if count >= 7:
+            assert layers == [2, count // 2, count - 3]  # the engines' own choice
+        head = EagleHead.for_target(tiny_model("llama", layers=count))
+        assert head.feature_layers == tuple(layers) and head.fc.weight.shape == (32, 3 * 32)
 
 
 def test_bad_input_is_one_line(tmp_path):

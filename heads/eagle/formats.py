@@ -12,8 +12,18 @@
 - speculators: the `speculators` library's Eagle3 layout, which vLLM also reads: the same weights
   with `layers.0.` for `midlayer.` and the embedding included, and a config.json with
   `speculators_model_type: "eagle3"`, `transformer_layer_config` (its `model_type`, llama or qwen3,
-  picks vLLM's class), and `speculators_config` (`proposal_methods`, `default_proposal_method`,
-  `verifier`).
+  picks vLLM's class: in the change that added `Eagle3Qwen3ForCausalLM`, vLLM PR #43132; older
+  releases build every speculators draft as Llama and fail loading a Qwen3 head's q/k norms, as they
+  fail on the eagle3 layout's unknown class), and `speculators_config` (`proposal_methods`,
+  `default_proposal_method`, `verifier`).
+
+Both also carry a `gorgon` entry, which the engines' configs (transformers' PretrainedConfig, and the
+speculators library's, which allows extra fields) keep without reading: the target's layer count, its
+fingerprint and the drafting settings (`SAVED_SETTINGS`), so that an imported head is checked against its
+target and exports again exactly as it was exported. A folder written elsewhere has none: its head gets
+`EagleConfig`'s defaults and no fingerprint (checked against a target by shape only), and for the target's
+layer count the fewest its layers allow (one more than the highest: the engines read no state after the
+last layer), which the export's checks need; attaching it checks its layers against the real target.
 
 Which target layers feed `fc`: vLLM reads explicit ids from the top level and uses them as the
 input of layer k (our hidden_states index k); SGLang reads `eagle_config` ids and adds one. Both
@@ -35,7 +45,7 @@ from pathlib import Path
 
 import torch
 
-from ..errors import GorgonError
+from ..errors import GorgonError, check_keys
 from ..files import atomic_write, atomic_write_text, read_safetensors_folder
 
 FORMATS = ("eagle3", "speculators")
@@ -46,6 +56,8 @@ EAGLE3_ARCHITECTURES = (*ENGINE_LAYERS.values(), "Eagle3LlamaForCausalLM")
 LAYER_FIELDS = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
                 "hidden_act", "rms_norm_eps", "max_position_embeddings", "rope_theta", "rope_scaling",
                 "rope_parameters", "attention_bias", "mlp_bias", "dtype")
+GORGON_KEY = "gorgon"  # config.json's entry for what gorgon needs back on import and the engines ignore
+SAVED_SETTINGS = ("target_fingerprint", "depth", "topk", "nodes", "accuracies")  # EagleConfig fields kept there
 
 
 def engine_layer_config(head, model_type: str) -> dict:
@@ -78,7 +90,9 @@ def export_head(head, fmt: str, out: str | Path, base_model: str | None = None) 
     layers = list(head.config.feature_layers)
     base = base_model or head.config.target_name
     common = {"draft_vocab_size": draft, "target_hidden_size": head.config.hidden_size,
-              "norm_before_residual": False, "eagle_aux_hidden_state_layer_ids": layers}
+              "norm_before_residual": False, "eagle_aux_hidden_state_layer_ids": layers,
+              GORGON_KEY: {"target_num_hidden_layers": head.config.layer_config["num_hidden_layers"],
+                           **{k: getattr(head.config, k) for k in SAVED_SETTINGS}}}
     if fmt == "eagle3":
         config = {**layer, "architectures": [ENGINE_LAYERS[layer["model_type"]]], **common,
                   "eagle_config": {"use_aux_hidden_state": True,
@@ -176,16 +190,37 @@ def foreign_format(config: dict) -> str | None:
     return None
 
 
+def check_layer_fields(layer: dict, needed: tuple[str, ...], where: str) -> None:
+    """A hand-edited or foreign config.json: a missing field, or a model_type this transformers cannot build,
+    is one line naming the file and the field, not a KeyError or transformers' list of every model type."""
+    from transformers import CONFIG_MAPPING, __version__
+
+    missing = [k for k in needed if k not in layer]
+    if missing:
+        raise GorgonError(f"{where} lacks {', '.join(missing)}: copy them from the target's config.json")
+    if layer["model_type"] not in CONFIG_MAPPING:
+        raise GorgonError(f"{where} has model_type {layer['model_type']!r}, which transformers {__version__} does not "
+                          "know: upgrade transformers, or correct it to the target's family (llama, qwen3, ...)")
+
+
 def import_head(folder: Path, config: dict, fmt: str):
-    """Our (EagleConfig fields, state dict) from an EAGLE-3 or speculators folder."""
-    raw = read_safetensors_folder(folder, fmt)
+    """Our (EagleConfig fields, state dict) from an EAGLE-3 or speculators folder; what its `gorgon` entry
+    saved, else the defaults (module docstring)."""
+    where = folder / "config.json"
+    if fmt == "speculators" and not isinstance(config.get("transformer_layer_config"), dict):
+        raise GorgonError(f"{where} lacks transformer_layer_config (the draft's layer): re-export the head")
     layer = dict(config["transformer_layer_config"] if fmt == "speculators" else config)
+    check_layer_fields(layer, ("model_type", "hidden_size", "vocab_size", "rms_norm_eps"),
+                       f"{where}'s transformer_layer_config" if fmt == "speculators" else str(where))
     layers = config.get("eagle_aux_hidden_state_layer_ids")
-    if layers is None and config.get("eagle_config", {}).get("eagle_aux_hidden_state_layer_ids") is not None:
+    if not layers and config.get("eagle_config", {}).get("eagle_aux_hidden_state_layer_ids"):
         layers = [i + 1 for i in config["eagle_config"]["eagle_aux_hidden_state_layer_ids"]]  # SGLang's count
-    if layers is None:
+    if not layers:  # vLLM too takes an empty list for none
         raise GorgonError(f"{folder} does not name the target layers it reads (eagle_aux_hidden_state_layer_ids): "
                           "add them to its config.json")
+    saved = dict(config.get(GORGON_KEY) or {})
+    check_keys(saved, {"target_num_hidden_layers", *SAVED_SETTINGS}, f"in {where}'s {GORGON_KEY} entry")
+    raw = read_safetensors_folder(folder, fmt)
     state = {}
     for key, value in raw.items():
         key = key.replace("layers.0.", "midlayer.", 1).removeprefix("model.")
@@ -197,9 +232,9 @@ def import_head(folder: Path, config: dict, fmt: str):
     if d2t is not None and draft < vocab:
         state["token_map"] = (d2t.long() + torch.arange(draft)).long()
     fields = {k: layer[k] for k in LAYER_FIELDS + ("model_type", "vocab_size") if layer.get(k) is not None}
-    fields["num_hidden_layers"] = 1
+    fields["num_hidden_layers"] = saved.pop("target_num_hidden_layers", max(layers) + 1)  # the target's, as ours
     eagle = dict(hidden_size=layer["hidden_size"], vocab_size=vocab, layer_config=fields, feature_layers=list(layers),
                  draft_vocab_size=draft if draft < vocab else None,
                  target_name=config.get("base_model_name_or_path")
-                 or config.get("speculators_config", {}).get("verifier", {}).get("name_or_path"))
+                 or config.get("speculators_config", {}).get("verifier", {}).get("name_or_path"), **saved)
     return eagle, state

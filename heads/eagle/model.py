@@ -8,7 +8,7 @@ of its own, so every draft knows the drafts before it (EAGLE, Li et al. 2024).
 The computation is EAGLE-3's, so that its checkpoints load in vLLM and SGLang unchanged
 (heads/eagle/formats.py):
 - features: the target's hidden states at `feature_layers` (by default a low, a middle and a
-  high one, (2, L // 2, L - 3) as both engines take them), concatenated and mixed by `fc`;
+  high one: `default_feature_layers`), concatenated and mixed by `fc`;
 - `midlayer`: the target's decoder layer class, built from its config, whose attention reads
   cat(input_layernorm(embedding), hidden_norm(features)) (its q/k/v take twice the width); the
   residual is the features, as vLLM's `norm_before_residual: false` and SGLang compute;
@@ -33,7 +33,7 @@ from ..errors import GorgonError, check_keys
 from ..files import atomic_write, atomic_write_text, reading_weights
 from ..hub import CONFIG_NAME, PushToHubMixin, resolve_folder
 from ..target import Target, attach_to_target, check_fits, with_cache
-from .formats import foreign_format, import_head
+from .formats import check_layer_fields, foreign_format, import_head
 
 WEIGHTS_NAME = "model.safetensors"
 ARCH = "eagle"  # config.json's "arch": how a heads folder says it holds feature-level heads
@@ -58,7 +58,17 @@ class EagleConfig:
 
     @classmethod
     def from_dict(cls, data: dict, source: str = "config") -> "EagleConfig":
-        check_keys(data, {f.name for f in dataclasses.fields(cls)}, f"in {source}")
+        """A config.json's fields, checked so that a hand-edited or foreign one fails in one line naming
+        the field, not with a TypeError here or transformers' error when the layer is built."""
+        fields = dataclasses.fields(cls)
+        check_keys(data, {f.name for f in fields}, f"in {source}")
+        missing = [f.name for f in fields if f.name not in data
+                   and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
+        if missing:
+            raise GorgonError(f"{source} lacks {', '.join(missing)}: it is not a gorgon feature-level head's config "
+                              "(re-save the head)")
+        check_layer_fields(data["layer_config"], ("model_type", "rms_norm_eps", "num_hidden_layers"),
+                           f"{source}'s layer_config")
         return cls(**data)
 
     def to_dict(self) -> dict:
@@ -66,8 +76,16 @@ class EagleConfig:
 
 
 def default_feature_layers(num_layers: int) -> list[int]:
-    """EAGLE-3's low, middle and high layers, as vLLM and SGLang choose them by default."""
-    return sorted({min(2, num_layers - 1), num_layers // 2, max(1, num_layers - 3)})
+    """EAGLE-3's low, middle and high layers: (2, L // 2, L - 3) as vLLM and SGLang choose them by default.
+
+    Below 7 layers those repeat, so 4 to 6 layers give the lowest, middle and highest the engines read
+    (1 to L - 1: never the last, normed state). Always 3, since `fc` and the export expect 3: below 4 layers
+    no 3 distinct ones export, so the last is taken too (3 layers) and repeated (1 or 2)."""
+    if num_layers >= 7:
+        return [2, num_layers // 2, num_layers - 3]
+    if num_layers >= 4:
+        return [1, num_layers // 2, num_layers - 1]
+    return [1, min(2, num_layers), num_layers]
 
 
 def check_search(depth: int, topk: int, nodes: int) -> None:
@@ -178,8 +196,15 @@ class EagleHead(PushToHubMixin, nn.Module):
         return head.attach(target_model, target_fingerprint)
 
     def attach(self, target_model: nn.Module, fingerprint: str | None = None) -> "EagleHead":
-        """Check this head fits `target_model` and bind its embedding. Refuses another target."""
+        """Check this head fits `target_model` and bind its embedding. Refuses another target, and one too
+        shallow for the layers it reads (a head without a fingerprint is otherwise checked by shape only,
+        and would fail indexing the target's hidden states mid-decode)."""
         check_fits(self.config, target_model, fingerprint)
+        count = target_model.config.get_text_config().num_hidden_layers
+        if max(self.feature_layers) > count:
+            raise GorgonError(f"this head reads the target's hidden states {list(self.feature_layers)} and this "
+                              f"target has {count} layers (hidden states 0 to {count}): use the head with the "
+                              "target it was trained for, or train one for this target")
         object.__setattr__(self, "_target", target_model)
         return self
 
@@ -267,15 +292,20 @@ class EagleHead(PushToHubMixin, nn.Module):
         from safetensors.torch import load_file
 
         folder = resolve_folder(name_or_path, "heads", [CONFIG_NAME, "*.safetensors", "*.md"])
-        data = json.loads((folder / CONFIG_NAME).read_text())
+        config_path = folder / CONFIG_NAME
+        try:
+            data = json.loads(config_path.read_text())
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+            raise GorgonError(f"cannot read {config_path} ({err.__class__.__name__}): re-save or re-download the "
+                              "head") from err
         model = target.model if isinstance(target, Target) else target
         with reading_weights(folder, WEIGHTS_NAME):
             fmt = foreign_format(data)
             if fmt:
                 fields, state = import_head(folder, data, fmt)
-                config = EagleConfig(**fields)
+                config = EagleConfig.from_dict(fields, str(config_path))
             else:
-                config, state = EagleConfig.from_dict(data, str(folder / CONFIG_NAME)), load_file(folder / WEIGHTS_NAME)
+                config, state = EagleConfig.from_dict(data, str(config_path)), load_file(folder / WEIGHTS_NAME)
             attn = getattr(model.config, "_attn_implementation", None) if model is not None else None
             head = cls(config, attn or "sdpa")
             head.load_state_dict(state)
