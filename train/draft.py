@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 
 from gorgon.heads.errors import GorgonError
+from gorgon.heads.files import atomic_write_text
 from gorgon.train.recipe import STATE_NAME, TrainingSettings, check_resume, resume_settings, setting
 
 
@@ -113,7 +114,7 @@ def gkd_trainer(cfg: DraftTrainConfig, student, target, train_ex: list[dict], ck
             super()._save_rng_state(output_dir)
             if self.accelerator.is_main_process:
                 state = {"settings": resume_settings(cfg, self.accelerator.num_processes)}
-                (Path(output_dir) / STATE_NAME).write_text(json.dumps(state))
+                atomic_write_text(Path(output_dir) / STATE_NAME, json.dumps(state))
             self.accelerator.wait_for_everyone()
 
     # transformers >= 5.23 renames gradient_checkpointing, but trl's configs still set it (True by default)
@@ -161,7 +162,6 @@ def train(cfg: DraftTrainConfig) -> Path:
     from gorgon.heads.card import write_draft_card
     from gorgon.heads.draft_model.model import load_student, save_draft
     from gorgon.heads.draft_model.objective import agreement, expected_tau
-    from gorgon.heads.files import atomic_write_text
     from gorgon.train.data import describe
     from gorgon.train.examples import collate, load_examples, split
     from gorgon.train.recipe import (
