@@ -10,9 +10,9 @@ from .errors import GorgonError
 from .files import local_path_problem, looks_like_path, not_found_locally_or_on_hub
 
 CONFIG_NAME = "config.json"
-# Files a loader reads: an earlier push's that this upload does not replace are deleted in the same
-# commit, so a stale one (a Medusa-2 adapter, a shard of other weights) cannot change what loads.
-# The repo's other files (the user's own) stay.
+# Files a heads loader reads besides config.json (Medusa's and engines' weights, trees.json, Medusa-2's
+# adapter/): a download fetches them, and an upload deletes an earlier push's that it does not replace in
+# the same commit, so a stale one cannot change what loads. The repo's other files (the user's) stay.
 LOADED_FILES = ["*.safetensors", "*.safetensors.index.json", "medusa_lm_head.pt", "trees.json", "adapter/*"]
 
 

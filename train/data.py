@@ -30,6 +30,7 @@ from gorgon.heads.files import atomic_write_text, check_output, read_jsonl
 from gorgon.heads.target import Target, load_target
 
 from .batching import continuous_generate
+from .recipe import changed_settings
 from .records import load_conversations
 
 METADATA_NAME = "gorgon_data.json"
@@ -189,11 +190,6 @@ def self_prompts(engine: Engine, settings: DataSettings, count: int) -> list[dic
     return convs[:count]
 
 
-def changed_settings(old: dict, new: dict) -> list[str]:
-    """The settings that differ from a recorded run's (one recorded before a setting existed had its default)."""
-    return sorted(k for k in new if k in old and old[k] != new[k])
-
-
 def check_settings(partial: Path, record: dict, restart: bool) -> None:
     """A resumed run must match the one that wrote the shards, otherwise the shards would mix: an
     unfinished run with other settings is an error, or with `restart` (--overwrite) is started over.
@@ -202,11 +198,7 @@ def check_settings(partial: Path, record: dict, restart: bool) -> None:
     loaded: the first call, before the target loads, fails fast; the one after records the run."""
     path = partial / "settings.json"
     if path.exists():
-        old = json.loads(path.read_text())
-        diff = changed_settings(old["settings"], record["settings"])
-        diff += [f"{name} (the prompts' contents)" if name == "prompts_sha256" else "target fingerprint"
-                 for name in ("prompts_sha256", "fingerprint")
-                 if name in record and old.get(name, record[name]) != record[name]]
+        diff = record_changes(json.loads(path.read_text()), record)
         if diff and not restart:
             raise GorgonError(f"{partial} holds an unfinished run with other settings ({', '.join(diff)}): rerun "
                               "with the same options to resume it, or pass --overwrite to start over")
@@ -215,6 +207,17 @@ def check_settings(partial: Path, record: dict, restart: bool) -> None:
             partial.mkdir()
     if not path.exists() and "fingerprint" in record:  # a new run, or one started over
         atomic_write_text(path, json.dumps(record, indent=1))
+
+
+def record_changes(old: dict, new: dict) -> list[str]:
+    """How a run's record differs from one written earlier: its settings, the prompts' hash and, where
+    both have it, the target's fingerprint (a record from before a key existed is not checked for it)."""
+    diff = changed_settings(old["settings"], new["settings"])
+    if old.get("prompts_sha256", new["prompts_sha256"]) != new["prompts_sha256"]:
+        diff.append("prompts_sha256 (the prompts' contents)")
+    if "fingerprint" in old and "fingerprint" in new and old["fingerprint"] != new["fingerprint"]:
+        diff.append("target fingerprint")
+    return diff
 
 
 def prompts_hash(convs: list[dict] | None) -> str | None:
@@ -271,10 +274,7 @@ def make_dataset(settings: DataSettings, out: str | os.PathLike, target: Target 
     convs = None if settings.prompts == "self" else load_conversations(settings.prompts, settings.limit)
     record = {"settings": asdict(settings), "prompts_sha256": prompts_hash(convs)}
     if is_dataset(out) and not overwrite:
-        meta = read_metadata(out)
-        diff = changed_settings(meta["settings"], record["settings"])
-        if meta.get("prompts_sha256", record["prompts_sha256"]) != record["prompts_sha256"]:
-            diff.append("prompts_sha256 (the prompts' contents)")
+        diff = record_changes(read_metadata(out), record)
         if diff:
             raise GorgonError(f"{out} holds a dataset made with other settings ({', '.join(diff)}): pass --overwrite "
                               "to regenerate it, or choose another --out")

@@ -190,6 +190,11 @@ def resume_point(latest: Path | None, resume: bool, out: Path) -> Path | None:
     return latest
 
 
+def changed_settings(old: dict, new: dict) -> list[str]:
+    """The settings that differ from a recorded run's (one recorded before a setting existed had its default)."""
+    return sorted(k for k in new if k in old and old[k] != new[k])
+
+
 STATE_NAME = "gorgon_state.json"  # gorgon's own record in a checkpoint: its settings (heads: the progress too)
 # The settings that decide which conversations each optimizer step trains on (with the number of processes):
 # the data and its tokens, the held-out split, the shuffling and the batches. train_conversations: heads only.
@@ -211,8 +216,6 @@ def check_resume(checkpoint: Path, current: dict) -> None:
     and its shape, which would otherwise fail in the state's load with a size mismatch. The other settings
     (more epochs or steps, logging, checkpointing, wandb, the Hub) may change. A checkpoint from before a
     setting was recorded is not checked for it."""
-    from gorgon.train.data import changed_settings
-
     path = checkpoint / STATE_NAME
     recorded = json.loads(path.read_text()).get("settings", {}) if path.is_file() else {}
     changed = changed_settings(recorded, current)

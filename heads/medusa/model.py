@@ -18,10 +18,10 @@ from torch import nn
 
 from ..errors import GorgonError, check_keys
 from ..files import atomic_write, atomic_write_text, reading_weights
-from ..hub import CONFIG_NAME, PushToHubMixin, resolve_folder
+from ..hub import CONFIG_NAME, LOADED_FILES, PushToHubMixin, resolve_folder
 from ..target import Target, attach_to_target, check_fits, lm_logits
 from ..tree import expected_accepted, tree_from_accuracies
-from .formats import MEDUSA_LEGACY, foreign_format, import_heads
+from .formats import foreign_format, import_heads
 
 WEIGHTS_NAME = "model.safetensors"
 TREES_NAME = "trees.json"
@@ -275,5 +275,4 @@ def read_trees(path: Path) -> dict:
 def resolve_heads_folder(name_or_path: str | os.PathLike) -> Path:
     """A local heads folder, or a hub repo id fetched to the hub cache: the files any heads folder
     gorgon reads may hold (its own, an engine's layout with sharded weights, FasterDecoding's .pt)."""
-    return resolve_folder(name_or_path, "heads", [CONFIG_NAME, "*.safetensors", MEDUSA_LEGACY, TREES_NAME, "*.md",
-                                                  f"{ADAPTER_DIR}/*"])
+    return resolve_folder(name_or_path, "heads", [CONFIG_NAME, "*.md", *LOADED_FILES])
