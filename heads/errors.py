@@ -1,8 +1,11 @@
 """The one exception type users see: a single line that names the problem and the fix."""
 
+import dataclasses
 import difflib
 import errno
 import sys
+import types
+import typing
 
 
 class GorgonError(Exception):
@@ -50,6 +53,38 @@ def check_keys(keys, known, where: str) -> None:
             close = difflib.get_close_matches(key, known, n=3, cutoff=0.5)
             hint = f"did you mean {', '.join(close)}?" if close else f"known keys: {', '.join(sorted(known))}"
             raise GorgonError(f"unknown key {key!r} {where}: {hint}")
+
+
+def config_from_dict(cls, data: dict, source: str, what: str):
+    """A dataclass config from a config.json's fields. A hand-edited or foreign file fails here in one line
+    naming the field (unknown, missing, or of the wrong JSON type), not in a TypeError while the model is
+    built or a size mismatch when its weights load."""
+    fields = dataclasses.fields(cls)
+    check_keys(data, {f.name for f in fields}, f"in {source}")
+    missing = [f.name for f in fields if f.name not in data
+               and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
+    if missing:
+        raise GorgonError(f"{source} lacks {', '.join(missing)}: it is not {what} (re-save the heads)")
+    hints = typing.get_type_hints(cls)
+    for key, value in data.items():
+        if not _fits(value, hints[key]):
+            name = hints[key].__name__ if type(hints[key]) is type else str(hints[key])
+            raise GorgonError(f"{source} has {key} = {value!r}, which is not {name}: correct it, or re-save the heads")
+    return cls(**data)
+
+
+def _fits(value, hint) -> bool:
+    """Whether a JSON value has a field's type (a bool is no number; an int is a float)."""
+    args = typing.get_args(hint)
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        return any(_fits(value, a) for a in args)
+    if typing.get_origin(hint) is list:
+        return isinstance(value, list) and all(_fits(v, args[0]) for v in value)
+    if hint in (int, float) and isinstance(value, bool):
+        return False
+    if hint is float:
+        return isinstance(value, (int, float))
+    return isinstance(value, typing.get_origin(hint) or hint)
 
 
 def run_script(main, name: str) -> None:

@@ -277,7 +277,9 @@ def test_an_imported_head_keeps_its_fingerprint_and_search_settings(tmp_path):
         del config["gorgon"]
         (out / "config.json").write_text(json.dumps(config))
         foreign = EagleHead.from_pretrained(out, target=other)  # checked by shape only
-        defaults = EagleConfig(hidden_size=32, vocab_size=VOCAB, layer_config={}, feature_layers=[1, 2, 4])
+        # the defaults, but the depth a speculators config proposes (speculative_tokens)
+        depth = 3 if fmt == "speculators" else EagleConfig.depth
+        defaults = EagleConfig(hidden_size=32, vocab_size=VOCAB, layer_config={}, feature_layers=[1, 2, 4], depth=depth)
         assert saved_settings(foreign.config) == saved_settings(defaults)
         assert foreign.config.layer_config["num_hidden_layers"] == 5  # the fewest layers that have a layer 4 to read
         export_head(foreign, fmt, tmp_path / f"{fmt}-again")
@@ -309,6 +311,9 @@ def test_a_hand_edited_or_foreign_config_is_one_line(tmp_path):
     def rename(within=None):
         return lambda config: (config[within] if within else config).update(model_type="llamax")
 
+    def retype(key, value, within=None):
+        return lambda config: (config[within] if within else config).update({key: value})
+
     layer = "transformer_layer_config"
     for n, (layout, edit, message) in enumerate([
             ("gorgon", drop("hidden_size"), r"config.json lacks hidden_size: it is not a gorgon"),
@@ -319,7 +324,12 @@ def test_a_hand_edited_or_foreign_config_is_one_line(tmp_path):
             ("eagle3", rename(), r"config.json has model_type 'llamax', which transformers .* does not know"),
             ("speculators", drop(layer), r"config.json lacks transformer_layer_config"),
             ("speculators", drop("hidden_size", layer), r"config.json's transformer_layer_config lacks hidden_size"),
-            ("speculators", rename(layer), r"config.json's transformer_layer_config has model_type 'llamax'")]):
+            ("speculators", rename(layer), r"config.json's transformer_layer_config has model_type 'llamax'"),
+            ("gorgon", retype("hidden_size", "32"), r"config.json has hidden_size = '32', which is not int: correct"),
+            ("gorgon", retype("feature_layers", [1, "3", 5]), r"has feature_layers = \[1, '3', 5\], which is not list"),
+            ("gorgon", retype("nodes", 8), r"config.json has nodes = 8, which is not dict"),
+            ("eagle3", retype("vocab_size", 64.0), r"config.json has vocab_size = 64.0, which is not int"),
+            ("speculators", retype("hidden_size", "32", layer), r"config.json has hidden_size = '32', which is not int")]):
         config = json.loads((tmp_path / layout / "config.json").read_text())
         edit(config)
         edited = tmp_path / f"edited-{n}"

@@ -101,6 +101,11 @@ def test_bad_checkpoints(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({**cfg, "num_head": 3}))
     with pytest.raises(GorgonError, match="unknown key 'num_head'.*num_heads"):
         MedusaHeads.from_pretrained(tmp_path)
+    for key, value, kind in [("num_heads", "3", "int"), ("shared_lm_head", 1, "bool"), ("hidden_size", True, "int"),
+                             ("draft_vocab_size", 8.0, "int | None")]:
+        (tmp_path / "config.json").write_text(json.dumps({**cfg, key: value}))
+        with pytest.raises(GorgonError, match=rf"config.json has {key} = {value!r}, which is not {kind}: correct it"):
+            MedusaHeads.from_pretrained(tmp_path)
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     (tmp_path / "model.safetensors").write_bytes(b"\x00garbage")
     with pytest.raises(GorgonError, match="corrupt"):

@@ -20,10 +20,11 @@
 Both also carry a `gorgon` entry, which the engines' configs (transformers' PretrainedConfig, and the
 speculators library's, which allows extra fields) keep without reading: the target's layer count, its
 fingerprint and the drafting settings (`SAVED_SETTINGS`), so that an imported head is checked against its
-target and exports again exactly as it was exported. A folder written elsewhere has none: its head gets
-`EagleConfig`'s defaults and no fingerprint (checked against a target by shape only), and for the target's
-layer count the fewest its layers allow (one more than the highest: the engines read no state after the
-last layer), which the export's checks need; attaching it checks its layers against the real target.
+target and exports again exactly as it was exported. A folder written elsewhere has none: its head drafts
+as deep as its `speculative_tokens` (speculators), gets `EagleConfig`'s other defaults and no fingerprint
+(checked against a target by shape only), and for the target's layer count the fewest its layers allow
+(one more than the highest: the engines read no state after the last layer), which the export's checks
+need; attaching it checks its layers against the real target.
 
 Which target layers feed `fc`: vLLM reads explicit ids from the top level and uses them as the
 input of layer k (our hidden_states index k); SGLang reads `eagle_config` ids and adds one. Both
@@ -220,6 +221,9 @@ def import_head(folder: Path, config: dict, fmt: str):
                           "add them to its config.json")
     saved = dict(config.get(GORGON_KEY) or {})
     check_keys(saved, {"target_num_hidden_layers", *SAVED_SETTINGS}, f"in {where}'s {GORGON_KEY} entry")
+    proposed = (config.get("speculators_config") or {}).get("proposal_methods") or [{}]
+    if "depth" not in saved and isinstance(proposed[0], dict) and "speculative_tokens" in proposed[0]:
+        saved["depth"] = proposed[0]["speculative_tokens"]  # how deep it drafts elsewhere (vLLM reads the first)
     raw = read_safetensors_folder(folder, fmt)
     state = {}
     for key, value in raw.items():

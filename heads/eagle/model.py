@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ..errors import GorgonError, check_keys
+from ..errors import GorgonError, config_from_dict
 from ..files import atomic_write, atomic_write_text, reading_weights
 from ..hub import CONFIG_NAME, PushToHubMixin, resolve_folder
 from ..target import Target, attach_to_target, check_fits, with_cache
@@ -60,16 +60,10 @@ class EagleConfig:
     def from_dict(cls, data: dict, source: str = "config") -> "EagleConfig":
         """A config.json's fields, checked so that a hand-edited or foreign one fails in one line naming
         the field, not with a TypeError here or transformers' error when the layer is built."""
-        fields = dataclasses.fields(cls)
-        check_keys(data, {f.name for f in fields}, f"in {source}")
-        missing = [f.name for f in fields if f.name not in data
-                   and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
-        if missing:
-            raise GorgonError(f"{source} lacks {', '.join(missing)}: it is not a gorgon feature-level head's config "
-                              "(re-save the head)")
+        config = config_from_dict(cls, data, source, "a gorgon feature-level head's config")
         check_layer_fields(data["layer_config"], ("model_type", "rms_norm_eps", "num_hidden_layers"),
                            f"{source}'s layer_config")
-        return cls(**data)
+        return config
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ..errors import GorgonError, check_keys
+from ..errors import GorgonError, config_from_dict
 from ..files import atomic_write, atomic_write_text, reading_weights
 from ..hub import CONFIG_NAME, LOADED_FILES, PushToHubMixin, resolve_folder
 from ..target import Target, attach_to_target, check_fits, lm_logits
@@ -46,12 +46,7 @@ class HeadsConfig:
 
     @classmethod
     def from_dict(cls, data: dict, source: str = "config") -> "HeadsConfig":
-        check_keys(data, {f.name for f in dataclasses.fields(cls)}, f"in {source}")
-        missing = [f.name for f in dataclasses.fields(cls)
-                   if f.default is dataclasses.MISSING and f.name not in data]
-        if missing:
-            raise GorgonError(f"{source} lacks {', '.join(missing)}: it is not a gorgon heads config")
-        return cls(**data)
+        return config_from_dict(cls, data, source, "a gorgon heads config")
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
