@@ -4,9 +4,13 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import glob
 import json
 import os
+import re
 import secrets
+import shutil
+import socket
 import tempfile
 from pathlib import Path
 
@@ -45,9 +49,10 @@ def not_found_locally_or_on_hub(what: str, text: str, err: Exception) -> GorgonE
 def new_temp(folder: Path, prefix: str, is_dir: bool = False) -> Path:
     """A new, uniquely named file (or folder) in `folder` with the mode any new one gets (0666, or
     0777, less the umask), so another user (a serving engine) can read what is renamed from it:
-    tempfile's are private (0600, 0700), and reading the umask means setting it, which other threads see."""
+    tempfile's are private (0600, 0700), and reading the umask means setting it, which other threads see.
+    Its name says which machine and process made it, so `remove_stale_temps` can tell a killed writer's."""
     while True:
-        path = folder / f"{prefix}{secrets.token_hex(4)}"
+        path = folder / f"{prefix}{_host()}-{os.getpid()}-{secrets.token_hex(4)}.tmp"
         try:
             if is_dir:
                 os.mkdir(path, 0o777)
@@ -58,10 +63,40 @@ def new_temp(folder: Path, prefix: str, is_dir: bool = False) -> Path:
             continue
 
 
+def remove_stale_temps(folder: Path, prefix: str) -> None:
+    """Remove the `new_temp(folder, prefix)` files and folders whose process, on this machine, is gone (a kill
+    during a write leaves them; an 8B model's weights would stay behind as a hidden copy). Another machine's
+    (a shared disk) and a live process's are kept."""
+    name = re.compile(re.escape(prefix) + re.escape(_host()) + r"-(\d+)-[0-9a-f]{8}\.tmp")
+    for path in Path(folder).glob(f"{glob.escape(prefix)}*.tmp"):
+        match = name.fullmatch(path.name)
+        if match and not _alive(int(match[1])):
+            if path.is_dir() and not path.is_symlink():
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                with contextlib.suppress(FileNotFoundError):
+                    path.unlink()
+
+
+def _host() -> str:
+    return re.sub(r"[^A-Za-z0-9]", "_", socket.gethostname())[:40] or "host"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # another user's process (EPERM): alive
+        pass
+    return True
+
+
 def atomic_write(path: Path, write) -> None:
     """Call write(tmp_path) then rename over `path`, so readers never see a half-written file.
-    Missing parent folders are made."""
+    Missing parent folders are made; what a killed earlier write of `path` left is removed."""
     path.parent.mkdir(parents=True, exist_ok=True)
+    remove_stale_temps(path.parent, f".{path.name}.")
     tmp = new_temp(path.parent, f".{path.name}.")
     mode = tmp.stat().st_mode & 0o777  # a writer may replace the file with a private one (safetensors does)
     try:

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from .errors import GorgonError
-from .files import local_path_problem, looks_like_path, new_temp, not_found_locally_or_on_hub
+from .files import local_path_problem, looks_like_path, new_temp, not_found_locally_or_on_hub, remove_stale_temps
 
 EMBEDDED_NAME = "SmolLM2-135M-Instruct"
 EMBEDDED_HUB_ID = f"HuggingFaceTB/{EMBEDDED_NAME}"  # the same model on the Hub, named in model cards
@@ -96,6 +96,7 @@ def embedded_target_dir() -> Path:
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
     out.parent.mkdir(parents=True, exist_ok=True)
+    remove_stale_temps(out.parent, f".{EMBEDDED_NAME}-")
     tmp = new_temp(out.parent, f".{EMBEDDED_NAME}-", is_dir=True)
     try:
         model.save_pretrained(tmp)

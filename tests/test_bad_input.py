@@ -236,6 +236,26 @@ def test_written_files_follow_the_umask(tmp_path, umask):
     assert folder.stat().st_mode & 0o777 == 0o777 & ~umask
 
 
+def test_a_write_killed_midway_leaves_nothing_behind_the_next_one(tmp_path):
+    """A kill during an atomic write left its hidden temp file for good (an 8B model's weights, say);
+    the next write of that file removes it, and keeps a live writer's, another machine's and the user's."""
+    writer = subprocess.Popen([sys.executable, "-c", (
+        "import sys, time; from pathlib import Path; from gorgon.heads.files import atomic_write\n"
+        "atomic_write(Path(sys.argv[1]), lambda tmp: (Path(tmp).write_text('half'), print(flush=True), "
+        "time.sleep(60)))"), str(tmp_path / "w.safetensors")], stdout=subprocess.PIPE)
+    writer.stdout.readline()  # the temp file is written
+    writer.kill()
+    writer.wait()
+    left = [p.name for p in tmp_path.iterdir()]
+    assert len(left) == 1 and left[0].startswith(".w.safetensors.") and left[0].endswith(".tmp")
+    live = new_temp(tmp_path, ".w.safetensors.")  # this process's, as if it were writing now
+    kept = [tmp_path / ".w.safetensors.otherhost-1-0123abcd.tmp", tmp_path / ".w.safetensors.mine.tmp"]
+    for path in kept:
+        path.write_text("keep")
+    atomic_write_text(tmp_path / "w.safetensors", "whole")
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["w.safetensors", live.name, *(p.name for p in kept)])
+
+
 def test_one_line_errors_instead_of_tracebacks(tmp_path, capsys):
     binary = tmp_path / "prompts.jsonl"
     binary.write_bytes(b"\x89PNG\r\n\x1a\n\xff\xfe")
