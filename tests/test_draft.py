@@ -204,3 +204,22 @@ def test_a_resume_with_another_data_order_is_refused(tmp_path):
         train(dataclasses.replace(cfg, resume=True, batch_size=2, seed=1))
     train(dataclasses.replace(cfg, resume=True, max_steps=3, log_every=1))
     assert json.loads((tmp_path / "draft" / "metrics.json").read_text())["steps"] == 3
+
+
+def test_a_resume_on_other_data_at_the_same_path_is_refused(tmp_path):
+    """The heads' check of the data's contents (test_train.py), on the trainer's checkpoints."""
+    data = tmp_path / "toy.jsonl"
+    cfg = DraftTrainConfig(data=toy_data(data, n=16), out=str(tmp_path / "draft"),
+                           target=str(tiny_chat_target(tmp_path)), student_layers=1, max_steps=2, batch_size=4,
+                           save_every=1, report_to="none")
+    train(cfg)
+    original = data.read_text()
+    data.write_text(original.replace("count from 3", "count from 9", 1))
+    checkpoint = tmp_path / "draft" / "checkpoints" / "checkpoint-1"
+    with pytest.raises(GorgonError, match=rf"^the data at {re.escape(str(data))} changed since "
+                                          rf"{re.escape(str(checkpoint))} was written: restore it, or train into a "
+                                          r"new --out$"):
+        train(dataclasses.replace(cfg, resume=True))
+    data.write_text(original)
+    train(dataclasses.replace(cfg, resume=True, max_steps=3))
+    assert json.loads((tmp_path / "draft" / "metrics.json").read_text())["steps"] == 3

@@ -259,6 +259,28 @@ def test_a_resume_with_another_data_order_or_shape_is_refused(tmp_path):
     assert json.loads((out / "metrics.json").read_text())["steps"] == 3
 
 
+def test_a_resume_on_other_data_at_the_same_path_is_refused(tmp_path):
+    """Data regenerated or edited at its path would silently resume on other conversations: its contents'
+    hash is recorded and checked. The same data resumes, and a checkpoint without the hash is not checked."""
+    cfg = first_checkpoint(tmp_path)
+    checkpoint = tmp_path / "h" / "checkpoints" / "step-1"
+    data = Path(cfg.data)
+    original = data.read_text()
+    data.write_text(original.replace("count from 3", "count from 9", 1))
+    with pytest.raises(GorgonError, match=rf"^the data at {re.escape(cfg.data)} changed since "
+                                          rf"{re.escape(str(checkpoint))} was written: restore it, or train into a "
+                                          r"new --out$"):
+        train(dataclasses.replace(cfg, resume=True))
+    data.write_text(original)
+    out = train(dataclasses.replace(cfg, resume=True))
+    state = checkpoint / "gorgon_state.json"
+    recorded = json.loads(state.read_text())
+    assert json.loads((out / "metrics.json").read_text())["data_sha256"] == recorded["settings"].pop("data_sha256")
+    state.write_text(json.dumps(recorded))  # as a version from before the hash wrote it
+    data.write_text(original.replace("count from 3", "count from 9", 1))
+    train(dataclasses.replace(cfg, resume=True))
+
+
 def test_a_checkpoint_cut_short_while_being_written_is_removed_on_resume(tmp_path):
     """A kill during save_state leaves the temporary folder that would have been renamed into place."""
     cfg = first_checkpoint(tmp_path)

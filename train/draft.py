@@ -27,7 +27,7 @@ import torch
 
 from gorgon.heads.errors import GorgonError
 from gorgon.heads.files import atomic_write_text
-from gorgon.train.recipe import STATE_NAME, TrainingSettings, check_resume, resume_settings, setting
+from gorgon.train.recipe import STATE_NAME, TrainingSettings, check_resume, data_sha256, resume_settings, setting
 
 
 @dataclass
@@ -72,8 +72,9 @@ class DraftTrainConfig(TrainingSettings):
 
 
 def gkd_trainer(cfg: DraftTrainConfig, student, target, train_ex: list[dict], ckpt_dir: Path, device: torch.device,
-                resume_from: Path | None = None):
-    """trl's GKD trainer set up from the recipe: the draft as student, the frozen target as teacher."""
+                settings: dict, resume_from: Path | None = None):
+    """trl's GKD trainer set up from the recipe: the draft as student, the frozen target as teacher;
+    each checkpoint records `settings` (resume_settings) for a resume's check."""
     from datasets import Dataset
 
     os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")  # GKD lives in trl.experimental; chosen knowingly
@@ -113,7 +114,7 @@ def gkd_trainer(cfg: DraftTrainConfig, student, target, train_ex: list[dict], ck
             settings a resume must keep go in before it too, for its check (recipe.check_resume)."""
             super()._save_rng_state(output_dir)
             if self.accelerator.is_main_process:
-                state = {"settings": resume_settings(cfg, self.accelerator.num_processes)}
+                state = {"settings": settings}
                 atomic_write_text(Path(output_dir) / STATE_NAME, json.dumps(state))
             self.accelerator.wait_for_everyone()
 
@@ -182,7 +183,7 @@ def train(cfg: DraftTrainConfig) -> Path:
     wandb_offline_without_key(cfg.report_to)
     os.environ.setdefault("WANDB_PROJECT", cfg.project)
     state = PartialState()
-    if resume_from is not None:
+    if resume_from is not None:  # the settings, before the target and data load
         check_resume(resume_from, resume_settings(cfg, state.num_processes))
     sharded = state.distributed_type == DistributedType.FSDP or os.environ.get("ACCELERATE_DEEPSPEED_ZERO_STAGE") == "3"
     if cfg.lora and sharded:
@@ -196,6 +197,9 @@ def train(cfg: DraftTrainConfig) -> Path:
         tokenizer.pad_token_id = 0  # trl's trainer insists on one; padded positions are masked anyway
     pad = tokenizer.pad_token_id
     examples = load_examples(cfg.data, tokenizer, cfg.max_length, target.fingerprint)
+    settings = resume_settings(cfg, state.num_processes, data_sha256(examples))
+    if resume_from is not None:  # again, now with the data's contents
+        check_resume(resume_from, settings)
     train_ex, eval_ex = split(examples, cfg.eval_fraction, cfg.seed)
     if not train_ex or not eval_ex:
         raise GorgonError(f"{cfg.data} has too few conversations to train on and hold out an eval split: add data "
@@ -211,7 +215,7 @@ def train(cfg: DraftTrainConfig) -> Path:
                 f"before distillation: held-out KL {before['kl']:.3f}, top-1 agreement {before['top1']:.3f}")
     steps, trainer, weights = 0, None, None
     if cfg.max_steps != 0:
-        trainer = gkd_trainer(cfg, student, target, train_ex, ckpt_dir, state.device, resume_from)
+        trainer = gkd_trainer(cfg, student, target, train_ex, ckpt_dir, state.device, settings, resume_from)
         if resume_from is not None:
             state.print(f"gorgon draft: resuming from {resume_from}")
             read_indexed_cpu_locations()
@@ -240,7 +244,7 @@ def train(cfg: DraftTrainConfig) -> Path:
         "steps": steps, "train_conversations": len(train_ex), "eval_conversations": len(eval_ex),
         "processes": state.num_processes,
         "eval_tokens": after["tokens"], "before": before, "after": after, "draft_tokens": cfg.draft_tokens,
-        "data": describe(cfg.data),
+        "data": describe(cfg.data), "data_sha256": settings["data_sha256"],
         "expected_tau": {"before": expected_tau(before["top1"], cfg.draft_tokens),
                          "after": expected_tau(after["top1"], cfg.draft_tokens)},
     }

@@ -26,7 +26,7 @@ from gorgon.heads.errors import GorgonError
 from gorgon.heads.files import atomic_write_text
 from gorgon.heads.medusa.model import ADAPTER_DIR
 from gorgon.heads.tree import DEVICE_TREE_SIZE
-from gorgon.train.recipe import STATE_NAME, TrainingSettings, check_resume, resume_settings, setting
+from gorgon.train.recipe import STATE_NAME, TrainingSettings, check_resume, data_sha256, resume_settings, setting
 
 
 @dataclass
@@ -214,6 +214,7 @@ class Run:
     train_conversations: int
     eval_conversations: int
     total: int                        # optimizer steps of the whole run
+    settings: dict                    # what each checkpoint records for a resume's check (resume_settings)
     step: int = 0                     # steps done (after a resume: from the checkpoint)
     trained: int = 0                  # conversations this process trained on (the main one: with the resumed)
     loss_curve: list = field(default_factory=list)  # [step, per-head losses] at every log (with the resumed)
@@ -284,18 +285,21 @@ def setup(cfg: HeadsTrainConfig) -> Run:
     accelerator = Accelerator(gradient_accumulation_steps=cfg.grad_accum, project_dir=str(out),
                               log_with="wandb" if cfg.report_to == "wandb" else None,
                               step_scheduler_with_optimizer=False, kwargs_handlers=[unused])
-    if resume_from is not None:  # before the target and data load
+    if resume_from is not None:  # the settings, before the target and data load
         check_resume(resume_from, resume_settings(cfg, accelerator.num_processes))
     set_seed(cfg.seed)
     target = load_target(cfg.target, device=str(accelerator.device), dtype=cfg.dtype)
     target.model.requires_grad_(False)
     examples = load_examples(cfg.data, target.tokenizer, cfg.max_length, target.fingerprint)
+    world = accelerator.num_processes
+    settings = resume_settings(cfg, world, data_sha256(examples))
+    if resume_from is not None:  # again, now with the data's contents
+        check_resume(resume_from, settings)
     train_ex, eval_ex = split(examples, cfg.eval_fraction, cfg.seed)
     train_ex = train_ex[:cfg.train_conversations]  # the held-out split stays the same whatever the share
     if not train_ex:
         raise GorgonError(f"{cfg.data} has too few examples to train on after holding out the eval split: add data "
                           "or lower eval_fraction")
-    world = accelerator.num_processes
     sampler = EpochSampler(len(train_ex), cfg.seed)
     train_batches = RankBatches(sampler, cfg.batch_size, world, "training conversations")
     eval_batches = RankBatches(EpochSampler(len(eval_ex), None), cfg.batch_size, world,
@@ -317,7 +321,7 @@ def setup(cfg: HeadsTrainConfig) -> Run:
     objective, optimizer, loader, eval_loader, scheduler = accelerator.prepare(
         objective, optimizer, loader, eval_loader, scheduler)
     run = Run(cfg, out, accelerator, target, objective, optimizer, scheduler, loader, eval_loader, sampler,
-              len(train_ex), len(eval_ex), total, draft_vocab_coverage=coverage)
+              len(train_ex), len(eval_ex), total, settings, draft_vocab_coverage=coverage)
     if resume_from is not None:
         accelerator.load_state(str(resume_from))
         progress = json.loads((resume_from / STATE_NAME).read_text())
@@ -385,7 +389,7 @@ def train_steps(run: Run) -> None:
                 run.train_seconds = time.perf_counter() - started
                 progress = {"step": run.step, "examples": count_all(accelerator, run.trained),
                             "loss_curve": run.loss_curve, "train_seconds": run.train_seconds,
-                            "settings": resume_settings(cfg, accelerator.num_processes)}
+                            "settings": run.settings}
                 save_checkpoint(accelerator, run.out, progress, cfg.keep_checkpoints)
             if run.step >= run.total:
                 break
@@ -435,8 +439,8 @@ def save(run: Run) -> dict:
         "eval_conversations": run.eval_conversations, "processes": accelerator.num_processes,
         "conversations_trained": trained, "conversations_evaluated": evaluated,
         "loss_curve": run.loss_curve, "train_seconds": run.train_seconds, "target_name": run.target.name,
-        "data": describe(cfg.data), "draft_vocab_size": cfg.draft_vocab_size,
-        "draft_vocab_coverage": run.draft_vocab_coverage,
+        "data": describe(cfg.data), "data_sha256": run.settings["data_sha256"],
+        "draft_vocab_size": cfg.draft_vocab_size, "draft_vocab_coverage": run.draft_vocab_coverage,
     }
     accelerator.log({f"eval/top1_head{k}": a for k, a in enumerate(metrics["top1"])}, step=run.total)
     trained_weights = full_state_dict(accelerator, run.objective)  # every process: it gathers shards

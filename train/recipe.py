@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import hashlib
 import json
 import os
 import shutil
@@ -205,24 +206,44 @@ SHAPE = ("arch", "mode", "num_heads", "num_layers", "shared_lm_head", "feature_l
          "train_lm_head", "student", "student_layers", "lora", "lora_r", "lora_target_modules")
 
 
-def resume_settings(cfg, processes: int) -> dict:
-    """What a checkpoint records under "settings" in its STATE_NAME, for `check_resume`."""
-    return {**{key: getattr(cfg, key) for key in DATA_ORDER + SHAPE if hasattr(cfg, key)}, "processes": processes}
+def data_sha256(examples: list[dict]) -> str:
+    """The training examples' contents (token ids and loss masks, as the batches draw them): the data's
+    path alone would let a dataset regenerated or edited there resume on other conversations. Hashed one
+    example at a time, so 100k conversations take seconds and no second copy in memory."""
+    digest = hashlib.sha256()
+    for example in examples:
+        digest.update(json.dumps(example, sort_keys=True).encode())
+    return digest.hexdigest()
+
+
+def resume_settings(cfg, processes: int, data_hash: str | None = None) -> dict:
+    """What a checkpoint records under "settings" in its STATE_NAME, for `check_resume`. `data_hash` (the
+    loaded examples' data_sha256) is known only once the data has loaded: the check before then, without
+    it, compares the settings alone."""
+    settings = {key: getattr(cfg, key) for key in DATA_ORDER + SHAPE if hasattr(cfg, key)}
+    settings["processes"] = processes
+    if data_hash is not None:
+        settings["data_sha256"] = data_hash
+    return settings
 
 
 def check_resume(checkpoint: Path, current: dict) -> None:
     """A resume must keep the data order recorded in its checkpoint: the checkpoint's step stands for the
-    batches that order drew, and another would silently train on some conversations twice and others never;
-    and its shape, which would otherwise fail in the state's load with a size mismatch. The other settings
-    (more epochs or steps, logging, checkpointing, wandb, the Hub) may change. A checkpoint from before a
-    setting was recorded is not checked for it."""
+    batches that order drew, and another (or other data at the same path) would silently train on some
+    conversations twice and others never; and its shape, which would otherwise fail in the state's load
+    with a size mismatch. The other settings (more epochs or steps, logging, checkpointing, wandb, the Hub)
+    may change. A checkpoint from before a setting was recorded is not checked for it."""
     path = checkpoint / STATE_NAME
     recorded = json.loads(path.read_text()).get("settings", {}) if path.is_file() else {}
     changed = changed_settings(recorded, current)
-    if changed:
+    settings = [key for key in changed if key != "data_sha256"]
+    if settings:
         raise GorgonError(f"{checkpoint} was trained with other settings ("
-                          + ", ".join(f"{key} {recorded[key]} -> {current[key]}" for key in changed)
+                          + ", ".join(f"{key} {recorded[key]} -> {current[key]}" for key in settings)
                           + "): resume with the same ones, or train into a new --out")
+    if changed:
+        raise GorgonError(f"the data at {current['data']} changed since {checkpoint} was written: restore it, or "
+                          "train into a new --out")
 
 
 RUN_MARKER = ".gorgon-run"  # written into a training --out when the run starts: this folder is gorgon's
