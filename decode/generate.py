@@ -20,7 +20,7 @@ import torch
 from gorgon.heads.drafter import Drafter
 from gorgon.heads.errors import GorgonError
 from gorgon.heads.target import base_model, lm_logits, with_cache
-from gorgon.heads.tree import cut_tree
+from gorgon.heads.tree import cut_tree, host_to_device
 
 from .acceptance import Sampling, accept_greedy, accept_sampled, accept_typical, target_probs
 from .argmax import target_argmax
@@ -187,7 +187,7 @@ def speculative_generate(model, drafter: Drafter, input_ids: torch.Tensor, max_n
         else:
             accept = accept_typical if acceptance == "typical" else accept_sampled
             path, emitted = accept(tree, tokens, target_probs(lm_logits(model, hidden), sampling), generator)
-        nodes = torch.tensor(path, device=tokens.device)
+        nodes = host_to_device(torch.tensor(path), tokens.device)
         keep_path(cache, past_len, nodes)
         context = torch.cat([context, tokens[nodes]])
         before = len(new)
@@ -198,7 +198,7 @@ def speculative_generate(model, drafter: Drafter, input_ids: torch.Tensor, max_n
         if streamer:
             streamer(new[before:keep])
         fresh = features(out, layers)[nodes]
-        root = torch.tensor(emitted[-1], device=tokens.device)
+        root = host_to_device(torch.tensor(emitted[-1]), tokens.device)
     del new[keep:]
     result.seconds = time.perf_counter() - start
     return result

@@ -42,8 +42,8 @@ class Tree:
         return int(self.rank.max()) + 1
 
     def to(self, device) -> "Tree":
-        return Tree(self.paths, self.depth.to(device), self.parent.to(device), self.rank.to(device),
-                    self.ancestors.to(device), self.children.to(device), self.path_to)
+        return Tree(self.paths, *(host_to_device(t, device) for t in (self.depth, self.parent, self.rank,
+                                                                     self.ancestors, self.children)), self.path_to)
 
     def tokens(self, root: torch.Tensor, topk: torch.Tensor) -> torch.Tensor:
         """The token at each node: the root, then topk[head, rank] with head = depth - 1.
@@ -52,6 +52,16 @@ class Tree:
         """
         heads = (self.depth[1:] - 1).clamp(min=0)
         return torch.cat([root.reshape(1), topk[heads, self.rank[1:]]])
+
+
+def host_to_device(tensor: torch.Tensor, device) -> torch.Tensor:
+    """A small host tensor on `device` without making the host wait for the GPU: a copy from pageable
+    memory to CUDA synchronises, and a decoding step makes a few (its tree, the accepted path), so they
+    go through pinned memory, asynchronously (torch keeps the pinned block until the copy is done)."""
+    device = torch.device(device)
+    if device.type != "cuda" or tensor.device.type != "cpu":
+        return tensor.to(device)
+    return tensor.pin_memory().to(device, non_blocking=True)
 
 
 # The most nodes a tree may have: beyond this a verify forward costs far more than the tokens it
@@ -115,8 +125,8 @@ def tree_from_token_paths(root: torch.Tensor, chains: list[list[int]]) -> tuple[
     if not token_path:
         return root.reshape(1), root_only_tree(root.device)
     tree = build_tree([list(p) for p in token_path]).to(root.device)
-    tokens = [int(root)] + [token_path[p] for p in tree.paths]
-    return torch.tensor(tokens, device=root.device), tree
+    drafted = host_to_device(torch.tensor([token_path[p] for p in tree.paths]), root.device)
+    return torch.cat([root.reshape(1).to(drafted.dtype), drafted]), tree
 
 
 def cut_tree(tokens: torch.Tensor, tree: Tree, max_depth: int) -> tuple[torch.Tensor, Tree]:

@@ -329,7 +329,7 @@ def test_a_hand_edited_or_foreign_config_is_one_line(tmp_path):
             ("gorgon", retype("feature_layers", [1, "3", 5]), r"has feature_layers = \[1, '3', 5\], which is not list"),
             ("gorgon", retype("nodes", 8), r"config.json has nodes = 8, which is not dict"),
             ("eagle3", retype("vocab_size", 64.0), r"config.json has vocab_size = 64.0, which is not int"),
-            ("speculators", retype("hidden_size", "32", layer), r"config.json has hidden_size = '32', which is not int")]):
+            ("speculators", retype("hidden_size", "32", layer), r"has hidden_size = '32', which is not int")]):
         config = json.loads((tmp_path / layout / "config.json").read_text())
         edit(config)
         edited = tmp_path / f"edited-{n}"

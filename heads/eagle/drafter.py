@@ -21,7 +21,7 @@ import torch
 
 from ..errors import GorgonError
 from ..target import additive_mask, crop_cache
-from ..tree import tree_from_token_paths
+from ..tree import host_to_device, tree_from_token_paths
 from .model import EagleHead, check_search
 
 
@@ -74,7 +74,8 @@ class EagleDrafter:
         score, token = logp.topk(min(self.topk, logp.numel()))
         token = head.to_target_ids(token)  # nodes hold target ids: the head embeds them as the target does
         parents = [-1] * score.numel()
-        frontier = torch.arange(score.numel(), device=device)           # node ids to expand next
+        frontier_ids = list(range(score.numel()))                         # node ids to expand next
+        frontier = torch.arange(score.numel(), device=device)           # the same, to index the node tensors
         frontier_feature = out[-1:].expand(score.numel(), -1)           # the feature each frontier node reads
         slot: dict[int, int] = {}                                        # cache position of each expanded node
         node_tokens, node_scores = token, score
@@ -82,10 +83,11 @@ class EagleDrafter:
             if not can_grow(node_scores[frontier], node_scores, self.nodes - 1):
                 break
             k = frontier.numel()
-            # A fed node sees the committed context, its expanded ancestors, and itself.
-            seen = torch.zeros(k, n + len(slot) + k, dtype=torch.bool, device=device)
+            # A fed node sees the committed context, its expanded ancestors, and itself. Built on the host,
+            # where it is known, and copied once (element by element it would be a GPU kernel per write).
+            seen = torch.zeros(k, n + len(slot) + k, dtype=torch.bool)
             seen[:, :n] = True
-            for i, node in enumerate(frontier.tolist()):
+            for i, node in enumerate(frontier_ids):
                 a = parents[node]
                 while a >= 0:
                     seen[i, slot[a]] = True
@@ -94,12 +96,14 @@ class EagleDrafter:
                 seen[i, slot[node]] = True
             positions = torch.full((k,), n + level - 1, device=device)
             out = head.layer(frontier_feature[None], node_tokens[frontier][None], positions[None],
-                             additive_mask(seen, head.fc.weight.dtype)[None, None], self.cache)[0]
+                             additive_mask(host_to_device(seen, device), head.fc.weight.dtype)[None, None],
+                             self.cache)[0]
             child = head.logits(out).float().log_softmax(-1)                              # (k, V_draft)
             best, ids = child.topk(min(self.topk, child.shape[-1]), dim=-1)
             total = (node_scores[frontier][:, None] + best).flatten()
             keep = total.topk(min(self.topk, total.numel())).indices
             new = len(parents) + torch.arange(keep.numel(), device=device)
+            frontier_ids = list(range(len(parents), len(parents) + keep.numel()))
             parents += frontier[keep // best.shape[1]].tolist()
             node_tokens = torch.cat([node_tokens, head.to_target_ids(ids.flatten()[keep])])
             node_scores = torch.cat([node_scores, total[keep]])
