@@ -54,12 +54,15 @@ class StopRule:
     text only: `generate` also ends on one that begins in the prompt.)"""
 
     def __init__(self, max_new_tokens: int, eos_token_id=None, stop_strings=(), tokenizer=None):
-        if stop_strings and tokenizer is None:
+        self.stop_strings = [stop_strings] if isinstance(stop_strings, str) else list(stop_strings or ())
+        if self.stop_strings and tokenizer is None:
             raise GorgonError("stop strings need the tokenizer: pass tokenizer=...")
+        if "" in self.stop_strings:
+            raise GorgonError("an empty stop string would end the output at its first token: drop it, or give "
+                              "the text to stop at")
         self.max_new_tokens = max_new_tokens
         eos = eos_token_id if isinstance(eos_token_id, (list, tuple, set)) else [eos_token_id]
         self.eos = {int(e) for e in eos if e is not None}
-        self.stop_strings = [stop_strings] if isinstance(stop_strings, str) else list(stop_strings or ())
         self.tokenizer = tokenizer
 
     def cut(self, tokens: list[int], start: int) -> int | None:

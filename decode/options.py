@@ -18,6 +18,7 @@ from gorgon.heads import (
     MergedDrafter,
     load_target,
 )
+from gorgon.heads.draft_model.drafter import MAX_DRAFT_TOKENS
 from gorgon.heads.errors import int_at_least
 from gorgon.heads.files import read_text
 from gorgon.heads.loading import drafter_for, load_heads, load_heads_for
@@ -39,8 +40,8 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
     group = p.add_mutually_exclusive_group()
     group.add_argument("--heads", help="heads folder or hub id (from train/heads.py or save_pretrained)")
     group.add_argument("--draft", help="a small draft model (hub id or path) sharing the target's tokenizer")
-    p.add_argument("--draft-tokens", type=int_at_least(1), default=4,
-                   help="tokens a --draft model proposes per step (default 4)")
+    p.add_argument("--draft-tokens", type=int_at_least(1, MAX_DRAFT_TOKENS), default=4,
+                   help=f"tokens a --draft model proposes per step, 1 to {MAX_DRAFT_TOKENS} (default 4)")
     p.add_argument("--context-draft", action="store_true",
                    help="also draft from the context (prompt lookup: the tokens that followed the latest earlier "
                         "occurrence of the text's last n-gram), in the same tree as --heads or --draft, or alone")
@@ -174,11 +175,12 @@ def read_tree(value: str):
     """'auto', a node count, or a JSON file of rank paths."""
     if value == "auto":
         return "auto"
-    if value.isdigit():
-        return int(value)
+    if value.lstrip("+-").isdigit():
+        return int(value)  # its range is checked where the tree is sized
     path = Path(value)
     if not path.is_file():
-        raise GorgonError(f"tree file {value} not found: pass 'auto' or a JSON file with a list of rank paths")
+        raise GorgonError(f"tree file {value} not found: pass 'auto', a node count or a JSON file with a list of "
+                          "rank paths")
     try:
         paths = json.loads(read_text(path))
     except json.JSONDecodeError as err:

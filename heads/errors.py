@@ -29,8 +29,9 @@ def user_error_line(err: Exception) -> str | None:
     return None
 
 
-def int_at_least(low: int):
-    """An argparse type: a whole number >= `low` (so --limit 0 or --max-new-tokens -1 fail as they are parsed)."""
+def int_at_least(low: int, high: int | None = None):
+    """An argparse type: a whole number >= `low` (and <= `high`), so --limit 0 or --max-new-tokens -1 fail
+    as they are parsed, before any model loads."""
     def parse(text: str) -> int:
         import argparse
 
@@ -40,8 +41,10 @@ def int_at_least(low: int):
             raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
         if value < low:
             raise argparse.ArgumentTypeError(f"must be at least {low}, not {value}")
+        if high is not None and value > high:
+            raise argparse.ArgumentTypeError(f"must be at most {high}, not {value}")
         return value
-    parse.__name__ = f"int >= {low}"
+    parse.__name__ = f"int >= {low}" if high is None else f"int from {low} to {high}"
     return parse
 
 

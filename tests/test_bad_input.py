@@ -10,12 +10,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import QUESTIONS, ROOT, env, tiny_chat_target, tiny_model, toy_data
+from helpers import QUESTIONS, ROOT, env, tiny_chat_target, tiny_model, tiny_tokenizer, toy_data
 from transformers import AutoModelForCausalLM
 
 import gorgon.train.recipe as recipe
-from gorgon.decode import Sampling
+from gorgon.decode import Sampling, speculative_generate
 from gorgon.decode.bench import load_questions, run_bench
+from gorgon.decode.options import read_tree
 from gorgon.heads import DraftModelDrafter, GorgonError, HeadsDrafter, MedusaHeads, load_target
 from gorgon.heads.cli import main as gorgon
 from gorgon.heads.errors import run_script
@@ -219,6 +220,15 @@ def test_arguments_are_range_checked(tmp_path, capsys):
     with pytest.raises(SystemExit):
         gorgon(["bench", "--heads", "x", "--questions", "q", "--limit", "0"])
     assert "--limit: must be at least 1, not 0" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        gorgon(["generate", "--draft", "x", "--prompt", "hi", "--draft-tokens", "65"])
+    assert "--draft-tokens: must be at most 64, not 65" in capsys.readouterr().err
+    assert read_tree("-3") == -3  # a node count, checked where the tree is sized (it was "tree file -3 not found")
+    with pytest.raises(GorgonError, match="from 2 .* to 256, not -3"):
+        HeadsDrafter(heads, tree=-3)
+    with pytest.raises(GorgonError, match="an empty stop string would end the output at its first token"):
+        speculative_generate(tiny_model(), HeadsDrafter(heads), torch.tensor([[1, 2, 3]]), stop_strings=["", "."],
+                             tokenizer=tiny_tokenizer())
 
 
 @pytest.mark.parametrize("umask", [0o022, 0o027])
