@@ -37,13 +37,19 @@ class Target:
     model: torch.nn.Module
     tokenizer: object
     name: str
-    _fingerprint: str | None = field(default=None, repr=False)
+    _fingerprints: tuple[str, str] | None = field(default=None, repr=False)
 
     @property
     def fingerprint(self) -> str:
-        if self._fingerprint is None:
-            self._fingerprint = fingerprint(self.model)
-        return self._fingerprint
+        """What heads, data and drafts trained on this target record."""
+        return self.fingerprints[0]
+
+    @property
+    def fingerprints(self) -> tuple[str, str]:
+        """Every fingerprint this target answers to: the current one and the one gorgon recorded before."""
+        if self._fingerprints is None:
+            self._fingerprints = (fingerprint(self.model), legacy_fingerprint(self.model))
+        return self._fingerprints
 
     def chat_ids(self, messages: list[dict]) -> torch.Tensor:
         """The (1, n) prompt ids of chat messages under the tokenizer's template, ready for the next
@@ -164,9 +170,9 @@ def load_target(name_or_path: str | None = None, device: str = "auto", dtype: st
     if adapter is not None:
         from peft import PeftModel
 
-        base_fingerprint = target.fingerprint
+        base_fingerprints = target.fingerprints
         target.model = PeftModel.from_pretrained(model, str(adapter)).merge_and_unload().eval()
-        target._fingerprint = base_fingerprint
+        target._fingerprints = base_fingerprints
     return target
 
 
@@ -213,37 +219,53 @@ def check_vocab(mine: int, theirs: int, what: str) -> None:
                           "target (the same tokenizer)")
 
 
-def check_fits(config, target_model: torch.nn.Module, fingerprint: str | None = None) -> None:
+def check_fits(config, target_model: torch.nn.Module, fingerprints: tuple[str, ...] = ()) -> None:
     """Refuse a target that a drafter's `config` (hidden_size, vocab_size, target_name, target_fingerprint)
-    was not trained for: its shapes, and its fingerprint when both sides have one."""
+    was not trained for: its shapes, and its fingerprint when both sides have one (`fingerprints`: those
+    the target answers to, `Target.fingerprints`)."""
     cfg = target_model.config.get_text_config()
     trained_for = config.target_name or "another target"
     if cfg.hidden_size != config.hidden_size:
         raise GorgonError(f"these heads were trained for hidden size {config.hidden_size} but the target has "
                           f"{cfg.hidden_size}: use heads trained for {trained_for}")
     check_vocab(config.vocab_size, cfg.vocab_size, f"heads trained for {trained_for}")
-    if fingerprint and config.target_fingerprint and fingerprint != config.target_fingerprint:
+    if fingerprints and config.target_fingerprint and config.target_fingerprint not in fingerprints:
         raise GorgonError(f"these heads were trained for target {config.target_name!r} (fingerprint "
-                          f"{config.target_fingerprint}) but this target's fingerprint is {fingerprint}: "
+                          f"{config.target_fingerprint}) but this target's fingerprint is {fingerprints[0]}: "
                           "train heads for this target, or load the target they were trained for")
 
 
 def fingerprint(model: torch.nn.Module) -> str:
     """A short hash identifying a model independent of its device and dtype.
 
-    It covers the shapes that heads depend on and an evenly spaced sample of the output
-    embedding, rounded to bf16 so that fp32, bf16 and fp16 copies of one checkpoint agree.
+    It covers the shapes that heads depend on and the signs of an evenly spaced sample of the output
+    embedding. Rounding to another float type keeps every sign (a value too small for it becomes a signed
+    zero), so fp32, bf16 and fp16 copies of one checkpoint agree, where any rounding of the values parts
+    some of them at ties; a model trained or fine-tuned apart flips some of 65,536 signs.
     """
+    shape, sample = _fingerprint_sample(model)
+    digest = hashlib.sha256(json.dumps(shape, sort_keys=True).encode())
+    digest.update(torch.signbit(sample).numpy().tobytes())
+    return digest.hexdigest()[:16]
+
+
+def legacy_fingerprint(model: torch.nn.Module) -> str:
+    """The fingerprint gorgon recorded before `fingerprint` (the sample rounded to bf16), still accepted for
+    what it was recorded for: an fp16 copy of an fp32 or bf16 checkpoint does not reproduce it."""
+    shape, sample = _fingerprint_sample(model)
+    digest = hashlib.sha256(json.dumps(shape, sort_keys=True).encode())
+    digest.update(sample.to(torch.bfloat16).view(torch.int16).numpy().tobytes())
+    return digest.hexdigest()[:16]
+
+
+def _fingerprint_sample(model: torch.nn.Module) -> tuple[dict, torch.Tensor]:
+    """The shapes heads depend on, and an evenly spaced sample of the output embedding (float32, on the CPU)."""
     cfg = model.config
     text_cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
     shape = {k: getattr(text_cfg, k, None) for k in ("model_type", "vocab_size", "hidden_size", "num_hidden_layers")}
-    weight = model.get_output_embeddings().weight.detach()
-    flat = weight.reshape(-1)
+    flat = model.get_output_embeddings().weight.detach().reshape(-1)
     step = max(1, flat.numel() // _FINGERPRINT_SAMPLES)
-    sample = flat[::step][:_FINGERPRINT_SAMPLES].to("cpu", torch.float32).to(torch.bfloat16)
-    digest = hashlib.sha256(json.dumps(shape, sort_keys=True).encode())
-    digest.update(sample.view(torch.int16).numpy().tobytes())
-    return digest.hexdigest()[:16]
+    return shape, flat[::step][:_FINGERPRINT_SAMPLES].to("cpu", torch.float32)
 
 
 def check_same_tokenizer(target_tokenizer, draft_tokenizer, draft_name: str) -> None:
@@ -314,8 +336,8 @@ def attach_to_target(module: torch.nn.Module, target, device=None, dtype=None) -
     """Check a loaded drafter fits `target` and bind it (a `Target` is checked by fingerprint, a bare model by
     shape only), then place it on the target's device and dtype unless others are given; in eval mode."""
     if target is not None:
-        model, fp = (target.model, target.fingerprint) if isinstance(target, Target) else (target, None)
+        model, known = (target.model, target.fingerprints) if isinstance(target, Target) else (target, ())
         device = device or model.get_output_embeddings().weight.device
         dtype = dtype or model.get_output_embeddings().weight.dtype
-        module.attach(model, fp)
+        module.attach(model, known)
     return module.to(device=device, dtype=dtype).eval()

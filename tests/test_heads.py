@@ -6,6 +6,7 @@ from helpers import VOCAB, assert_feature_cache_is_exact, tiny_model
 
 from gorgon.heads import GorgonError, HeadsConfig, MedusaHeads, Target, fingerprint
 from gorgon.heads.medusa.objective import HeadsObjective
+from gorgon.heads.target import legacy_fingerprint
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
@@ -66,11 +67,25 @@ def test_the_feature_cache_skips_the_frozen_target_and_keeps_the_loss():
                                   [p for p in heads.parameters() if p.requires_grad])
 
 
-def test_fingerprint_ignores_dtype_but_not_weights():
+def test_fingerprint_ignores_dtype_but_not_weights(tmp_path):
     model = tiny_model("llama")
     fp = fingerprint(model)
-    assert fingerprint(tiny_model("llama").to(torch.bfloat16)) == fp
+    for dtype in (torch.bfloat16, torch.float16):
+        assert fingerprint(tiny_model("llama").to(dtype)) == fp
     assert fingerprint(tiny_model("llama", seed=1)) != fp
+    # The earlier fingerprint rounded to bf16, which an fp16 copy does not reproduce at ties: fp32-trained
+    # heads were refused on an fp16 target. They load now.
+    assert legacy_fingerprint(tiny_model("llama").half()) != legacy_fingerprint(model)
+    MedusaHeads.for_target(model, target_fingerprint=fp).save_pretrained(tmp_path)
+    MedusaHeads.from_pretrained(tmp_path, target=Target(tiny_model("llama").half(), tokenizer=None, name="fp16"))
+
+
+def test_heads_that_recorded_the_earlier_fingerprint_still_load(tmp_path):
+    model = tiny_model("llama")
+    MedusaHeads.for_target(model, target_fingerprint=legacy_fingerprint(model)).save_pretrained(tmp_path)
+    MedusaHeads.from_pretrained(tmp_path, target=Target(model, tokenizer=None, name="a"))
+    with pytest.raises(GorgonError, match="fingerprint"):
+        MedusaHeads.from_pretrained(tmp_path, target=Target(tiny_model("llama", seed=1), tokenizer=None, name="b"))
 
 
 def test_heads_refuse_another_target(tmp_path):

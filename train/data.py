@@ -190,15 +190,16 @@ def self_prompts(engine: Engine, settings: DataSettings, count: int) -> list[dic
     return convs[:count]
 
 
-def check_settings(partial: Path, record: dict, restart: bool) -> None:
+def check_settings(partial: Path, record: dict, restart: bool, fingerprints: tuple[str, ...] = ()) -> None:
     """A resumed run must match the one that wrote the shards, otherwise the shards would mix: an
     unfinished run with other settings is an error, or with `restart` (--overwrite) is started over.
 
     `record` holds the settings and the prompts' hash, and the target's fingerprint once it has
-    loaded: the first call, before the target loads, fails fast; the one after records the run."""
+    loaded (any of `fingerprints` matches it): the first call, before the target loads, fails fast; the
+    one after records the run."""
     path = partial / "settings.json"
     if path.exists():
-        diff = record_changes(json.loads(path.read_text()), record)
+        diff = record_changes(json.loads(path.read_text()), record, fingerprints)
         if diff and not restart:
             raise GorgonError(f"{partial} holds an unfinished run with other settings ({', '.join(diff)}): rerun "
                               "with the same options to resume it, or pass --overwrite to start over")
@@ -209,13 +210,14 @@ def check_settings(partial: Path, record: dict, restart: bool) -> None:
         atomic_write_text(path, json.dumps(record, indent=1))
 
 
-def record_changes(old: dict, new: dict) -> list[str]:
+def record_changes(old: dict, new: dict, fingerprints: tuple[str, ...] = ()) -> list[str]:
     """How a run's record differs from one written earlier: its settings, the prompts' hash and, where
-    both have it, the target's fingerprint (a record from before a key existed is not checked for it)."""
+    both have it, the target's fingerprint, any the target answers to (`fingerprints`) counting as its
+    own (a record from before a key existed is not checked for it)."""
     diff = changed_settings(old["settings"], new["settings"])
     if old.get("prompts_sha256", new["prompts_sha256"]) != new["prompts_sha256"]:
         diff.append("prompts_sha256 (the prompts' contents)")
-    if "fingerprint" in old and "fingerprint" in new and old["fingerprint"] != new["fingerprint"]:
+    if "fingerprint" in old and "fingerprint" in new and old["fingerprint"] not in (new["fingerprint"], *fingerprints):
         diff.append("target fingerprint")
     return diff
 
@@ -299,7 +301,8 @@ def make_dataset(settings: DataSettings, out: str | os.PathLike, target: Target 
     engine = (VllmEngine(target, engine_settings) if settings.engine == "vllm"
               else Engine(target, engine_settings, cpu_kernels))
     partial.mkdir(parents=True, exist_ok=True)
-    check_settings(partial, {**record, "fingerprint": target.fingerprint}, restart=overwrite)
+    check_settings(partial, {**record, "fingerprint": target.fingerprint}, restart=overwrite,
+                   fingerprints=target.fingerprints)
     if convs is None:
         prompts_file = partial / "self_prompts.jsonl"
         if not prompts_file.exists():

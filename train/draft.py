@@ -196,7 +196,7 @@ def train(cfg: DraftTrainConfig) -> Path:
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token_id = 0  # trl's trainer insists on one; padded positions are masked anyway
     pad = tokenizer.pad_token_id
-    examples = load_examples(cfg.data, tokenizer, cfg.max_length, target.fingerprint)
+    examples = load_examples(cfg.data, tokenizer, cfg.max_length, target.fingerprints)
     settings = resume_settings(cfg, state.num_processes, data_sha256(examples))
     if resume_from is not None:  # again, now with the data's contents
         check_resume(resume_from, settings)

@@ -290,7 +290,7 @@ def setup(cfg: HeadsTrainConfig) -> Run:
     set_seed(cfg.seed)
     target = load_target(cfg.target, device=str(accelerator.device), dtype=cfg.dtype)
     target.model.requires_grad_(False)
-    examples = load_examples(cfg.data, target.tokenizer, cfg.max_length, target.fingerprint)
+    examples = load_examples(cfg.data, target.tokenizer, cfg.max_length, target.fingerprints)
     world = accelerator.num_processes
     settings = resume_settings(cfg, world, data_sha256(examples))
     if resume_from is not None:  # again, now with the data's contents

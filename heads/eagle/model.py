@@ -187,13 +187,13 @@ class EagleHead(PushToHubMixin, nn.Module):
                         ours.zero_()
                         ours[:, param.shape[1]:].copy_(param)
         head.to(device=lm_weight.device, dtype=lm_weight.dtype)
-        return head.attach(target_model, target_fingerprint)
+        return head.attach(target_model)
 
-    def attach(self, target_model: nn.Module, fingerprint: str | None = None) -> "EagleHead":
+    def attach(self, target_model: nn.Module, fingerprints: tuple[str, ...] = ()) -> "EagleHead":
         """Check this head fits `target_model` and bind its embedding. Refuses another target, and one too
         shallow for the layers it reads (a head without a fingerprint is otherwise checked by shape only,
         and would fail indexing the target's hidden states mid-decode)."""
-        check_fits(self.config, target_model, fingerprint)
+        check_fits(self.config, target_model, fingerprints)
         count = target_model.config.get_text_config().num_hidden_layers
         if max(self.feature_layers) > count:
             raise GorgonError(f"this head reads the target's hidden states {list(self.feature_layers)} and this "

@@ -107,12 +107,12 @@ class MedusaHeads(PushToHubMixin, nn.Module):
         if heads.lm_heads is not None:
             for head in heads.lm_heads:
                 head.weight.data.copy_(lm_head.weight.data)
-        heads.attach(target_model, target_fingerprint)
+        heads.attach(target_model)
         return heads
 
-    def attach(self, target_model: nn.Module, fingerprint: str | None = None) -> "MedusaHeads":
+    def attach(self, target_model: nn.Module, fingerprints: tuple[str, ...] = ()) -> "MedusaHeads":
         """Check these heads fit `target_model` and bind its lm_head. Refuses another target."""
-        check_fits(self.config, target_model, fingerprint)
+        check_fits(self.config, target_model, fingerprints)
         object.__setattr__(self, "_target", target_model)
         return self
 
