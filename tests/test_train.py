@@ -12,9 +12,12 @@ import torch
 from helpers import ROOT, env, kill_after_a_checkpoint, resume_equals_a_whole_run, tiny_chat_target, toy_data
 from safetensors.torch import load_file
 
-from gorgon.heads import GorgonError, MedusaHeads, load_target, load_with_heads
+from gorgon.decode import speculative_generate
+from gorgon.heads import GorgonError, MedusaHeads, drafter_for, load_heads, load_target, load_with_heads
+from gorgon.train.draft import DraftTrainConfig
+from gorgon.train.draft import train as train_draft
 from gorgon.train.heads import HeadsTrainConfig, train
-from gorgon.train.recipe import load_recipe, parse_overrides
+from gorgon.train.recipe import load_recipe, parse_overrides, recipe_main
 
 
 @pytest.mark.slow
@@ -96,6 +99,25 @@ def greedy_answers(model, tok, n=8):
     return out
 
 
+@pytest.mark.parametrize("settings", [dict(loss="kl", cache_features=True), dict(mode="medusa2", lora_r=4),
+                                      dict(arch="eagle", cache_features=True, ttt_steps=2)],
+                         ids=["medusa1", "medusa2", "eagle"])
+def test_heads_train_in_float32_beside_a_bfloat16_target(tmp_path, settings):
+    """Without accelerate's autocast (plain `python train/heads.py`, or an accelerate config without mixed
+    precision) the float32 heads read a bfloat16 target's features, cached ones in the second epoch too;
+    then they load and draft beside it (greedy output equals generate's exactly in float32 only)."""
+    target_path = str(tiny_chat_target(tmp_path))
+    out = train(HeadsTrainConfig(data=toy_data(tmp_path / "toy.jsonl", n=16), out=str(tmp_path / "h"),
+                                 target=target_path, dtype="bfloat16", epochs=2, batch_size=8, report_to="none",
+                                 save_every=0, **settings))
+    assert json.loads((out / "metrics.json").read_text())["steps"] == 4
+    target, heads = load_heads(out, target_path, device="cpu", dtype="bfloat16")
+    ids = target.tokenizer.apply_chat_template([{"role": "user", "content": "count from 3"}],
+                                               add_generation_prompt=True, return_tensors="pt",
+                                               return_dict=True)["input_ids"]
+    assert len(speculative_generate(target.model, drafter_for(heads), ids, max_new_tokens=8).tokens) == 8
+
+
 def test_medusa2_keeps_the_base_models_greedy_outputs(tmp_path):
     """Trained on the target's own answers (as Medusa-2 is), with the KL term dominating."""
     from gorgon.train.data import DataSettings, make_dataset
@@ -173,6 +195,9 @@ def test_bad_config_keys_and_values(tmp_path):
     (tmp_path / "blank.yaml").write_text("data: ~/x\nout:\n")
     with pytest.raises(GorgonError, match="out needs a value"):  # nor is a blank YAML value the folder "None"
         load_recipe(HeadsTrainConfig, str(tmp_path / "blank.yaml"), {})
+    (tmp_path / "true.yaml").write_text("data: x\nout: y\nbatch_size: true\n")
+    with pytest.raises(GorgonError, match="^batch_size must be int, got True$"):  # a YAML true is a value, not 1
+        load_recipe(HeadsTrainConfig, str(tmp_path / "true.yaml"), {})
     (tmp_path / "home.yaml").write_text("data: ~/x\nout: y\n")
     cfg = load_recipe(HeadsTrainConfig, str(tmp_path / "home.yaml"), parse_overrides(["--resume"]))
     assert cfg.data == str(Path.home() / "x") and cfg.resume is True
@@ -183,6 +208,71 @@ def test_bad_config_keys_and_values(tmp_path):
                           "--mode", "medusa3"], env=env(), capture_output=True, text=True)
     assert run.returncode == 2 and run.stderr.strip().splitlines()[-1] == \
         "train/heads.py: error: mode must be one of medusa1, medusa2, not 'medusa3'"
+
+
+TREE_SIZES = "must be 2 (the root and one candidate) to 256 tree nodes"
+
+
+@pytest.mark.parametrize("script, argv, message", [
+    ("heads", ["--config"], "--config needs the path of a YAML recipe after it (gorgon's are in configs/heads and "
+                            "configs/draft)"),
+    ("draft", ["--config"], "--config needs the path of a YAML recipe after it (gorgon's are in configs/heads and "
+                            "configs/draft)"),
+    ("heads", ["--batch-size"], "batch_size needs a value: give it one (--batch-size VALUE, or batch_size: VALUE in "
+                                "the YAML), or leave the key out for its default"),
+    ("heads", ["--epochs", "inf"], "epochs must be a finite number, not inf"),
+    ("draft", ["--epochs", "inf"], "epochs must be a finite number, not inf"),
+    ("draft", ["--learning-rate", "inf"], "learning_rate must be a finite number, not inf"),
+    ("heads", ["--mode", "medusa2", "--backbone-learning-rate", "inf"],
+     "backbone_learning_rate must be a finite number, not inf"),
+    ("heads", ["--max-grad-norm", "inf"], "max_grad_norm must be a finite number, not inf"),
+    ("heads", ["--weight-decay", "-0.1"], "weight_decay must be at least 0, not -0.1"),
+    ("heads", ["--cpu-tree-size", "1"], f"cpu_tree_size {TREE_SIZES}, not 1"),
+    ("heads", ["--gpu-tree-size", "999"], f"gpu_tree_size {TREE_SIZES}, not 999"),
+    ("heads", ["--arch", "eagle", "--gpu-tree-size", "999"], f"gpu_tree_size {TREE_SIZES}, not 999"),
+    ("heads", ["--tree-topk", "40", "--draft-vocab-size", "30"],
+     "tree_topk ranks tokens of the draft vocabulary: use at most draft_vocab_size (30), not 40"),
+    ("heads", ["--mode", "medusa2", "--lora-r", "0"], "lora_r must be at least 1, not 0"),
+    ("draft", ["--lora", "true", "--lora-r", "0"], "lora_r must be at least 1, not 0"),
+    ("draft", ["--lora", "true", "--lora-alpha", "0"], "lora_alpha must be at least 1, not 0"),
+    ("draft", ["--lora", "true", "--lora-dropout", "1"],
+     "lora_dropout is a probability: use 0 or more and below 1, not 1.0"),
+    ("draft", ["--lmbda", "1", "--temperature", "0"],
+     "temperature must be above 0 with lmbda > 0: the draft samples its own answers at it (trl's GKD has no greedy "
+     "answers), not 0.0"),
+    ("draft", ["--max-new-tokens", "0"], "max_new_tokens must be at least 1 (the length of the draft's own answers "
+                                         "with lmbda > 0), not 0"),
+])
+def test_bad_settings_are_one_line_before_any_work(tmp_path, script, argv, message):
+    """Each stopped training with a traceback (or with an error after it); now the command line fails before the
+    target loads (--target nowhere would be an error of its own) and leaves no --out."""
+    config, run = {"heads": (HeadsTrainConfig, train), "draft": (DraftTrainConfig, train_draft)}[script]
+    out = tmp_path / "o"
+    with pytest.raises(GorgonError, match=f"^{re.escape(message)}$"):
+        recipe_main(config, run, "", ["--data", "nowhere", "--target", "nowhere", "--out", str(out),
+                                      "--report-to", "none"] + argv)
+    assert not out.exists()
+
+
+def test_settings_that_count_the_targets_tokens_or_name_its_layers_fail_before_training(tmp_path):
+    """Known once the model has loaded: the heads' before their data loads (--data nowhere would be an error of
+    its own), the draft's before its student trains. tree_topk failed in the held-out evaluation after training;
+    a layer name LoRA cannot find stopped in peft with a traceback (or was left out if other names matched)."""
+    target = str(tiny_chat_target(tmp_path))  # a vocabulary of 128
+    common = dict(out=str(tmp_path / "o"), target=target, report_to="none")
+    layers = "its linear layers are down_proj, gate_proj, k_proj, lm_head, o_proj, q_proj, up_proj, v_proj"
+    for run, cfg, message in [
+            (train, HeadsTrainConfig(data="nowhere", tree_topk=200, **common),
+             "tree_topk must be at most the target's vocabulary of 128 tokens, not 200"),
+            (train, HeadsTrainConfig(data="nowhere", arch="eagle", draft_vocab_size=1000, **common),
+             "draft_vocab_size must be at most the target's vocabulary of 128 tokens, not 1000"),
+            (train, HeadsTrainConfig(data="nowhere", mode="medusa2", lora_target_modules=["q_proj", "v_prj"], **common),
+             f"lora_target_modules: the target has no layer 'v_prj'; {layers}"),
+            (train_draft, DraftTrainConfig(data=toy_data(tmp_path / "toy.jsonl", n=8), student_layers=1, lora=True,
+                                           lora_target_modules=["foo_proj"], **common),
+             f"lora_target_modules: the draft has no layer 'foo_proj'; {layers}")]:
+        with pytest.raises(GorgonError, match=f"^{re.escape(message)}$"):
+            run(cfg)
 
 
 def test_a_folder_gorgon_did_not_write_is_refused_untouched(tmp_path):

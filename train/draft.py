@@ -62,11 +62,19 @@ class DraftTrainConfig(TrainingSettings):
         for key in ("beta", "lmbda"):
             if not 0.0 <= getattr(self, key) <= 1.0:
                 raise GorgonError(f"{key} must lie between 0 and 1, not {getattr(self, key)}")
-        from gorgon.train.recipe import check_optimisation
+        from gorgon.train.recipe import check_lora, check_optimisation
 
         check_optimisation(self)
         if self.batch_size < 1 or self.grad_accum < 1 or self.draft_tokens < 1:
             raise GorgonError("batch_size, grad_accum and draft_tokens must be at least 1")
+        if self.max_new_tokens < 1:  # trl's GKD builds its sampling settings even with lmbda 0
+            raise GorgonError(f"max_new_tokens must be at least 1 (the length of the draft's own answers with "
+                              f"lmbda > 0), not {self.max_new_tokens}")
+        if self.lmbda > 0 and not self.temperature > 0:
+            raise GorgonError(f"temperature must be above 0 with lmbda > 0: the draft samples its own answers at it "
+                              f"(trl's GKD has no greedy answers), not {self.temperature}")
+        if self.lora:
+            check_lora(self)
         if self.max_steps is not None and self.max_steps < 0:
             raise GorgonError(f"max_steps must be at least 0 (0 saves the untrained draft), not {self.max_steps}")
 
@@ -166,6 +174,7 @@ def train(cfg: DraftTrainConfig) -> Path:
     from gorgon.train.data import describe
     from gorgon.train.examples import collate, load_examples, split
     from gorgon.train.recipe import (
+        check_lora_targets,
         connect_cpu_processes,
         full_state_dict,
         latest_checkpoint,
@@ -205,6 +214,8 @@ def train(cfg: DraftTrainConfig) -> Path:
         raise GorgonError(f"{cfg.data} has too few conversations to train on and hold out an eval split: add data "
                           "or change eval_fraction")
     student, what = load_student(target, cfg.student, cfg.student_layers)
+    if cfg.lora:
+        check_lora_targets(student, cfg.lora_target_modules, "the draft")
 
     def held_out():  # this process's share of the held-out conversations, in batches of 8
         mine = eval_ex[state.process_index::state.num_processes]

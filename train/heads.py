@@ -25,7 +25,7 @@ import torch
 from gorgon.heads.errors import GorgonError
 from gorgon.heads.files import atomic_write_text
 from gorgon.heads.medusa.model import ADAPTER_DIR
-from gorgon.heads.tree import DEVICE_TREE_SIZE
+from gorgon.heads.tree import DEVICE_TREE_SIZE, MAX_TREE_NODES
 from gorgon.train.recipe import STATE_NAME, TrainingSettings, check_resume, data_sha256, resume_settings, setting
 
 
@@ -93,7 +93,7 @@ class HeadsTrainConfig(TrainingSettings):
         if self.loss_tokens == "all" and self.arch == "medusa" and self.loss == "ce":
             raise GorgonError("loss_tokens: all trains on the prompts' positions against the target's own "
                               "distribution there: use loss: kl (or arch: eagle), or loss_tokens: answers")
-        from gorgon.train.recipe import check_optimisation
+        from gorgon.train.recipe import check_lora, check_optimisation
 
         check_optimisation(self)
         if self.num_heads < 1 or self.num_layers < 1 or self.batch_size < 1 or self.grad_accum < 1:
@@ -104,6 +104,13 @@ class HeadsTrainConfig(TrainingSettings):
         if self.draft_vocab_size is not None and self.draft_vocab_size < 1:
             raise GorgonError(f"draft_vocab_size must be at least 1 (or unset for the whole vocabulary), not "
                               f"{self.draft_vocab_size}")
+        if self.draft_vocab_size is not None and self.tree_topk > self.draft_vocab_size:
+            raise GorgonError(f"tree_topk ranks tokens of the draft vocabulary: use at most draft_vocab_size "
+                              f"({self.draft_vocab_size}), not {self.tree_topk}")
+        for key in ("cpu_tree_size", "gpu_tree_size"):  # the trees are chosen after training: fail before it
+            if not 2 <= getattr(self, key) <= MAX_TREE_NODES:
+                raise GorgonError(f"{key} must be 2 (the root and one candidate) to {MAX_TREE_NODES} tree nodes, "
+                                  f"not {getattr(self, key)}")
         if self.train_conversations is not None and self.train_conversations < 1:
             raise GorgonError(f"train_conversations must be at least 1 (or unset for all), not "
                               f"{self.train_conversations}")
@@ -112,6 +119,8 @@ class HeadsTrainConfig(TrainingSettings):
         if self.cache_features and self.arch == "medusa" and self.mode == "medusa2":
             raise GorgonError("cache_features keeps a frozen target's outputs, but mode medusa2 trains the target "
                               "(LoRA): use mode: medusa1, or cache_features: false")
+        if self.mode == "medusa2":
+            check_lora(self)
         if self.arch == "eagle":
             if self.mode != "medusa1":
                 raise GorgonError("mode medusa2 trains LoRA on the target beside Medusa heads: use arch: medusa, or "
@@ -126,6 +135,20 @@ class HeadsTrainConfig(TrainingSettings):
         if not self.train_lm_head and self.arch != "eagle":
             raise GorgonError("train_lm_head: false keeps a feature-level head's LM head at the target's rows: use it "
                               "with arch: eagle (Medusa heads share the target's frozen one with shared_lm_head: true)")
+
+    def check_target(self, model) -> None:
+        """The settings that depend on the target, checked once it has loaded, before the data and training:
+        tree_topk and draft_vocab_size count its tokens (the held-out ranks would fail after training), and
+        Medusa-2's adapters go on its layers."""
+        from gorgon.train.recipe import check_lora_targets
+
+        vocab = model.config.get_text_config().vocab_size
+        for key in ("tree_topk", "draft_vocab_size"):
+            if (getattr(self, key) or 0) > vocab:
+                raise GorgonError(f"{key} must be at most the target's vocabulary of {vocab} tokens, not "
+                                  f"{getattr(self, key)}")
+        if self.mode == "medusa2":
+            check_lora_targets(model, self.lora_target_modules, "the target")
 
 
 def schedule(warmup: int, total: int, delay: int = 0):
@@ -289,6 +312,7 @@ def setup(cfg: HeadsTrainConfig) -> Run:
         check_resume(resume_from, resume_settings(cfg, accelerator.num_processes))
     set_seed(cfg.seed)
     target = load_target(cfg.target, device=str(accelerator.device), dtype=cfg.dtype)
+    cfg.check_target(target.model)
     target.model.requires_grad_(False)
     examples = load_examples(cfg.data, target.tokenizer, cfg.max_length, target.fingerprints)
     world = accelerator.num_processes

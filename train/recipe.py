@@ -11,6 +11,7 @@ import contextlib
 import dataclasses
 import hashlib
 import json
+import math
 import os
 import shutil
 import sys
@@ -61,6 +62,11 @@ class TrainingSettings:
     push_to_hub: str | None = setting(None, "a Hub repo id (user/name) to upload the result to at the end")
 
 
+def _needs_value(key: str) -> GorgonError:
+    return GorgonError(f"{key} needs a value: give it one (--{key.replace('_', '-')} VALUE, or {key}: VALUE in the "
+                       "YAML), or leave the key out for its default")
+
+
 def _convert(value, annotation, key: str):
     """Parse a command-line string (or check a YAML value) against a field's type."""
     origin = typing.get_origin(annotation)
@@ -70,9 +76,11 @@ def _convert(value, annotation, key: str):
             return None
         annotation = next(a for a in args if a is not type(None))
         origin, args = typing.get_origin(annotation), typing.get_args(annotation)
-    if value is None or (value is True and annotation is not bool):
-        raise GorgonError(f"{key} needs a value: give it one (--{key.replace('_', '-')} VALUE, or {key}: VALUE in the "
-                          "YAML), or leave the key out for its default")
+    name = getattr(annotation, "__name__", annotation)
+    if value is None:
+        raise _needs_value(key)
+    if isinstance(value, bool) and annotation is not bool:  # YAML's true or yes: int(True) would be 1
+        raise GorgonError(f"{key} must be {name}, got {value!r}")
     if origin is list:
         items = value if isinstance(value, list) else [v for v in str(value).split(",") if v]
         return [_convert(v, args[0], key) for v in items]
@@ -91,18 +99,23 @@ def _convert(value, annotation, key: str):
             return os.path.expanduser(str(value))  # a YAML path: the shell expands ~ on the command line only
         return annotation(value)
     except (TypeError, ValueError) as err:
-        raise GorgonError(f"{key} must be {getattr(annotation, '__name__', annotation)}, got {value!r}") from err
+        raise GorgonError(f"{key} must be {name}, got {value!r}") from err
 
 
 def check_optimisation(cfg) -> None:
     """The settings both training scripts share, each in range: a negative learning rate, no held-out
     data or a malformed Hub repo id would otherwise train (or stop later, even after training, with a
     misleading error) instead of failing here."""
+    for field in dataclasses.fields(cfg):  # inf passes the ranges below (and nan some), then fails in training
+        value = getattr(cfg, field.name)
+        if isinstance(value, float) and not math.isfinite(value):
+            raise GorgonError(f"{field.name} must be a finite number, not {value}")
     for key in ("learning_rate", "backbone_learning_rate", "max_grad_norm"):  # the second: Medusa-2's adapters
         if hasattr(cfg, key) and not getattr(cfg, key) > 0:
             raise GorgonError(f"{key} must be above 0, not {getattr(cfg, key)}")
-    if cfg.warmup_steps < 0:
-        raise GorgonError(f"warmup_steps must be at least 0, not {cfg.warmup_steps}")
+    for key in ("warmup_steps", "weight_decay"):  # a negative weight decay stops AdamW after the model loads
+        if getattr(cfg, key) < 0:
+            raise GorgonError(f"{key} must be at least 0, not {getattr(cfg, key)}")
     if not cfg.epochs > 0:
         raise GorgonError(f"epochs must be above 0 (a fraction trains on part of the data), not {cfg.epochs}")
     if not 0 < cfg.eval_fraction < 1:
@@ -118,6 +131,34 @@ def check_optimisation(cfg) -> None:
         from gorgon.heads.hub import check_repo_id
 
         check_repo_id(cfg.push_to_hub, "push_to_hub")
+
+
+def check_lora(cfg) -> None:
+    """The LoRA settings both scripts share (Medusa-2's adapters on the target, a LoRA draft), before any model
+    loads: peft stops on a rank of 0 with a traceback once the model has loaded, and an alpha of 0 would train
+    adapters that change nothing."""
+    for key in ("lora_r", "lora_alpha"):
+        if getattr(cfg, key) < 1:
+            raise GorgonError(f"{key} must be at least 1, not {getattr(cfg, key)}")
+    if not 0 <= cfg.lora_dropout < 1:
+        raise GorgonError(f"lora_dropout is a probability: use 0 or more and below 1, not {cfg.lora_dropout}")
+    if not cfg.lora_target_modules:
+        raise GorgonError("lora_target_modules needs at least one layer name, e.g. q_proj,v_proj")
+
+
+def check_lora_targets(model, modules: list[str], what: str) -> None:
+    """Each of lora_target_modules must name layers of `model` as peft matches them (a module's name, or its
+    end after a dot). peft stops with a traceback when none does, and leaves out one that does not when
+    others do: fewer adapters than asked, without a word."""
+    import torch
+
+    names = [name for name, _ in model.named_modules()]
+    for module in modules:
+        if not any(name == module or name.endswith(f".{module}") for name in names):
+            linear = sorted({name.rsplit(".", 1)[-1] for name, layer in model.named_modules()
+                             if isinstance(layer, torch.nn.Linear)})
+            raise GorgonError(f"lora_target_modules: {what} has no layer {module!r}; its linear layers are "
+                              f"{', '.join(linear)}")
 
 
 def parse_overrides(argv: list[str]) -> dict[str, str | bool]:
@@ -140,6 +181,9 @@ def parse_overrides(argv: list[str]) -> dict[str, str | bool]:
 
 def load_recipe(cls, config_path: str | None, overrides: dict[str, str]):
     """Build `cls` from a YAML file (optional) and command-line overrides, checking every key."""
+    if config_path is True or config_path == "":  # --config with no path after it
+        raise GorgonError("--config needs the path of a YAML recipe after it (gorgon's are in configs/heads and "
+                          "configs/draft)")
     fields = {f.name: f for f in dataclasses.fields(cls)}
     types_ = typing.get_type_hints(cls)
     values: dict = {}
@@ -158,6 +202,9 @@ def load_recipe(cls, config_path: str | None, overrides: dict[str, str]):
         check_keys(data, set(fields), f"in {config_path}")
         values.update({key: _convert(value, types_[key], key) for key, value in data.items()})
     check_keys(overrides, set(fields), "on the command line")
+    for key, value in overrides.items():  # a bare --key, which parse_overrides reads as True (a YAML true is a value)
+        if value is True and types_[key] is not bool:
+            raise _needs_value(key)
     values.update({key: _convert(value, types_[key], key) for key, value in overrides.items()})
     missing = [n for n, f in fields.items() if f.default is dataclasses.MISSING
                and f.default_factory is dataclasses.MISSING and n not in values]

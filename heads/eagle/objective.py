@@ -81,6 +81,7 @@ class EagleObjective(torch.nn.Module):
     def forward(self, input_ids, attention_mask, loss_mask, train_backbone: bool = False):
         head = self.heads
         features, teacher, labels = self.target_outputs(input_ids, attention_mask)
+        features = features.to(head.fc.weight.dtype)  # the head trains in its own dtype (float32 beside bfloat16)
         total = features.new_zeros((), dtype=torch.float32)
         stats, ranks = {}, []
         exact = features[:, :-1]                               # position p's features, p = 0 .. L-2

@@ -134,7 +134,10 @@ class HeadsObjective(torch.nn.Module):
             if self.loss == "kl":
                 with torch.no_grad():
                     teacher_logits = lm_logits(self.target, hidden)
-        total, stats = heads_loss(self.heads, hidden if self.mode == "medusa2" else hidden.detach(), input_ids,
+        # The heads train in their own dtype (float32 beside a bfloat16 target): they read the hidden states
+        # in it, while the target's lm_head (the KL terms' teacher and base_kl) reads them as they are.
+        features = hidden.to(self.heads.blocks[0][0].linear.weight.dtype)
+        total, stats = heads_loss(self.heads, features if self.mode == "medusa2" else features.detach(), input_ids,
                                   loss_mask, loss=self.loss, decay=self.decay, target_logits=teacher_logits)
         if self.mode == "medusa2" and train_backbone:
             # The target's own prediction of token t+1, on assistant labels, against the original model.
@@ -144,7 +147,7 @@ class HeadsObjective(torch.nn.Module):
             base_kl = F.kl_div(student, teacher, log_target=True, reduction="batchmean")
             total = total + self.base_kl_weight * base_kl
             stats["base_kl"] = base_kl.detach().item()
-        return total, stats, hidden  # hidden: evaluation reuses it rather than run the target again
+        return total, stats, features  # evaluation reuses them rather than run the target again
 
     def frozen_hidden(self, input_ids, attention_mask, run) -> torch.Tensor:
         """The frozen target's last hidden states, from the cache when every conversation is in it
