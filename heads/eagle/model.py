@@ -33,6 +33,7 @@ from ..errors import GorgonError, config_from_dict
 from ..files import atomic_write, atomic_write_text, reading_weights
 from ..hub import CONFIG_NAME, PushToHubMixin, resolve_folder
 from ..target import Target, attach_to_target, check_fits, with_cache
+from ..tree import MAX_TREE_NODES
 from .formats import check_layer_fields, foreign_format, import_head
 
 WEIGHTS_NAME = "model.safetensors"
@@ -88,8 +89,8 @@ def check_search(depth: int, topk: int, nodes: int) -> None:
         raise GorgonError(f"the draft depth must be a whole number >= 1 (levels drafted per step), not {depth!r}")
     if not (isinstance(topk, int) and topk >= 1):
         raise GorgonError(f"the draft top-k must be a whole number >= 1, not {topk!r}")
-    if not (isinstance(nodes, int) and 2 <= nodes <= 256):
-        raise GorgonError(f"a tree needs 2 (the root and one candidate) to 256 nodes, not {nodes!r}")
+    if not (isinstance(nodes, int) and 2 <= nodes <= MAX_TREE_NODES):
+        raise GorgonError(f"a tree needs 2 (the root and one candidate) to {MAX_TREE_NODES} nodes, not {nodes!r}")
 
 
 def _decoder_layer(layer_config: dict, attn_implementation: str):
