@@ -244,18 +244,14 @@ def fingerprint(model: torch.nn.Module) -> str:
     some of them at ties; a model trained or fine-tuned apart flips some of 65,536 signs.
     """
     shape, sample = _fingerprint_sample(model)
-    digest = hashlib.sha256(json.dumps(shape, sort_keys=True).encode())
-    digest.update(torch.signbit(sample).numpy().tobytes())
-    return digest.hexdigest()[:16]
+    return _digest(shape, torch.signbit(sample))
 
 
 def legacy_fingerprint(model: torch.nn.Module) -> str:
     """The fingerprint gorgon recorded before `fingerprint` (the sample rounded to bf16), still accepted for
     what it was recorded for: an fp16 copy of an fp32 or bf16 checkpoint does not reproduce it."""
     shape, sample = _fingerprint_sample(model)
-    digest = hashlib.sha256(json.dumps(shape, sort_keys=True).encode())
-    digest.update(sample.to(torch.bfloat16).view(torch.int16).numpy().tobytes())
-    return digest.hexdigest()[:16]
+    return _digest(shape, sample.to(torch.bfloat16).view(torch.int16))
 
 
 def _fingerprint_sample(model: torch.nn.Module) -> tuple[dict, torch.Tensor]:
@@ -266,6 +262,12 @@ def _fingerprint_sample(model: torch.nn.Module) -> tuple[dict, torch.Tensor]:
     flat = model.get_output_embeddings().weight.detach().reshape(-1)
     step = max(1, flat.numel() // _FINGERPRINT_SAMPLES)
     return shape, flat[::step][:_FINGERPRINT_SAMPLES].to("cpu", torch.float32)
+
+
+def _digest(shape: dict, values: torch.Tensor) -> str:
+    digest = hashlib.sha256(json.dumps(shape, sort_keys=True).encode())
+    digest.update(values.numpy().tobytes())
+    return digest.hexdigest()[:16]
 
 
 def check_same_tokenizer(target_tokenizer, draft_tokenizer, draft_name: str) -> None:
