@@ -216,9 +216,9 @@ def test_a_resume_on_other_data_at_the_same_path_is_refused(tmp_path):
     original = data.read_text()
     data.write_text(original.replace("count from 3", "count from 9", 1))
     checkpoint = tmp_path / "draft" / "checkpoints" / "checkpoint-1"
-    with pytest.raises(GorgonError, match=rf"^the data at {re.escape(str(data))} changed since "
-                                          rf"{re.escape(str(checkpoint))} was written: restore it, or train into a "
-                                          r"new --out$"):
+    message = (f"the training examples differ from those {checkpoint} was trained on (the data at {data}, "
+               "or the target's tokenizer or chat template, changed): restore them, or train into a new --out")
+    with pytest.raises(GorgonError, match=f"^{re.escape(message)}$"):
         train(dataclasses.replace(cfg, resume=True))
     data.write_text(original)
     train(dataclasses.replace(cfg, resume=True, max_steps=3))

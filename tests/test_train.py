@@ -227,6 +227,15 @@ TREE_SIZES = "must be 2 (the root and one candidate) to 256 tree nodes"
      "backbone_learning_rate must be a finite number, not inf"),
     ("heads", ["--max-grad-norm", "inf"], "max_grad_norm must be a finite number, not inf"),
     ("heads", ["--weight-decay", "-0.1"], "weight_decay must be at least 0, not -0.1"),
+    ("heads", ["--head-decay", "0"], "head_decay must be above 0 (1 weighs every head alike), not 0.0"),
+    ("heads", ["--mode", "medusa2", "--heads-warmup-steps", "-1"], "heads_warmup_steps must be at least 0, not -1"),
+    ("heads", ["--mode", "medusa2", "--base-kl-weight", "-1"], "base_kl_weight must be at least 0, not -1.0"),
+    ("heads", ["--arch", "eagle", "--hidden-weight", "-0.2"], "hidden_weight must be at least 0, not -0.2"),
+    ("heads", ["--eval-every", "-1"], "eval_every must be at least 0 (0: only at the end), not -1"),
+    ("heads", ["--config", "nowhere.yaml"], "config nowhere.yaml not found: pass the path of a YAML recipe "
+                                            "(gorgon's are in configs/heads and configs/draft)"),
+    ("draft", ["--config", "nowhere.yaml"], "config nowhere.yaml not found: pass the path of a YAML recipe "
+                                            "(gorgon's are in configs/heads and configs/draft)"),
     ("heads", ["--cpu-tree-size", "1"], f"cpu_tree_size {TREE_SIZES}, not 1"),
     ("heads", ["--gpu-tree-size", "999"], f"gpu_tree_size {TREE_SIZES}, not 999"),
     ("heads", ["--arch", "eagle", "--gpu-tree-size", "999"], f"gpu_tree_size {TREE_SIZES}, not 999"),
@@ -357,9 +366,9 @@ def test_a_resume_on_other_data_at_the_same_path_is_refused(tmp_path):
     data = Path(cfg.data)
     original = data.read_text()
     data.write_text(original.replace("count from 3", "count from 9", 1))
-    with pytest.raises(GorgonError, match=rf"^the data at {re.escape(cfg.data)} changed since "
-                                          rf"{re.escape(str(checkpoint))} was written: restore it, or train into a "
-                                          r"new --out$"):
+    message = (f"the training examples differ from those {checkpoint} was trained on (the data at {cfg.data}, "
+               "or the target's tokenizer or chat template, changed): restore them, or train into a new --out")
+    with pytest.raises(GorgonError, match=f"^{re.escape(message)}$"):
         train(dataclasses.replace(cfg, resume=True))
     data.write_text(original)
     out = train(dataclasses.replace(cfg, resume=True))

@@ -98,9 +98,15 @@ class HeadsTrainConfig(TrainingSettings):
         check_optimisation(self)
         if self.num_heads < 1 or self.num_layers < 1 or self.batch_size < 1 or self.grad_accum < 1:
             raise GorgonError("num_heads, num_layers, batch_size and grad_accum must be at least 1")
-        if self.eval_every < 0 or self.tree_topk < 1:
-            raise GorgonError(f"eval_every must be at least 0 (0: only at the end) and tree_topk at least 1, not "
-                              f"{self.eval_every} and {self.tree_topk}")
+        if self.eval_every < 0:
+            raise GorgonError(f"eval_every must be at least 0 (0: only at the end), not {self.eval_every}")
+        if self.tree_topk < 1:
+            raise GorgonError(f"tree_topk must be at least 1, not {self.tree_topk}")
+        if not self.head_decay > 0:  # a weight of head_decay ** k: 0 or less drops or flips the later heads' losses
+            raise GorgonError(f"head_decay must be above 0 (1 weighs every head alike), not {self.head_decay}")
+        for key in ("heads_warmup_steps", "base_kl_weight", "hidden_weight"):
+            if getattr(self, key) < 0:
+                raise GorgonError(f"{key} must be at least 0, not {getattr(self, key)}")
         if self.draft_vocab_size is not None and self.draft_vocab_size < 1:
             raise GorgonError(f"draft_vocab_size must be at least 1 (or unset for the whole vocabulary), not "
                               f"{self.draft_vocab_size}")

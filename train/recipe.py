@@ -190,8 +190,8 @@ def load_recipe(cls, config_path: str | None, overrides: dict[str, str]):
     if config_path:
         path = Path(config_path)
         if not path.is_file():
-            raise GorgonError(f"config {config_path} not found: pass a YAML recipe, "
-                              "e.g. configs/heads/smollm2-135m.yaml")
+            raise GorgonError(f"config {config_path} not found: pass the path of a YAML recipe (gorgon's are in "
+                              "configs/heads and configs/draft)")
         try:
             data = yaml.safe_load(path.read_text()) or {}
         except yaml.YAMLError as err:
@@ -289,7 +289,8 @@ def check_resume(checkpoint: Path, current: dict) -> None:
                           + ", ".join(f"{key} {recorded[key]} -> {current[key]}" for key in settings)
                           + "): resume with the same ones, or train into a new --out")
     if changed:
-        raise GorgonError(f"the data at {current['data']} changed since {checkpoint} was written: restore it, or "
+        raise GorgonError(f"the training examples differ from those {checkpoint} was trained on (the data at "
+                          f"{current['data']}, or the target's tokenizer or chat template, changed): restore them, or "
                           "train into a new --out")
 
 
