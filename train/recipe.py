@@ -244,13 +244,15 @@ def changed_settings(old: dict, new: dict) -> list[str]:
 
 
 STATE_NAME = "gorgon_state.json"  # gorgon's own record in a checkpoint: its settings (heads: the progress too)
-# The settings that decide which conversations each optimizer step trains on (with the number of processes):
-# the data and its tokens, the held-out split, the shuffling and the batches. train_conversations: heads only.
-DATA_ORDER = ("data", "target", "max_length", "eval_fraction", "train_conversations", "seed", "batch_size",
-              "grad_accum")
-# The settings that shape what a checkpoint holds (heads, adapters, a draft): another would not load into it.
-SHAPE = ("arch", "mode", "num_heads", "num_layers", "shared_lm_head", "feature_layers", "draft_vocab_size",
-         "train_lm_head", "student", "student_layers", "lora", "lora_r", "lora_target_modules")
+# The settings a resume may change: how long it trains, its logging and checkpoints, where it reports and
+# uploads, and what only the end (the trees, the held-out ranks) or only speed and memory depend on. Every
+# other one is recorded in each checkpoint and must stay: the data order (data, split, shuffle, batches),
+# the shape of what the checkpoint holds, and the objective and optimiser (the optimizer and its schedule
+# come back from the checkpoint, so a new learning rate would be ignored, and a new loss would train the
+# rest of the run on another objective while recipe.json recorded it for the whole).
+MAY_CHANGE = ("out", "epochs", "max_steps", "log_every", "save_every", "keep_checkpoints", "eval_every", "resume",
+              "overwrite", "report_to", "project", "push_to_hub", "cache_features", "gradient_checkpointing",
+              "tree_topk", "cpu_tree_size", "gpu_tree_size", "draft_depth", "draft_topk", "draft_tokens")
 
 
 def data_sha256(examples: list[dict]) -> str:
@@ -267,7 +269,7 @@ def resume_settings(cfg, processes: int, data_hash: str | None = None) -> dict:
     """What a checkpoint records under "settings" in its STATE_NAME, for `check_resume`. `data_hash` (the
     loaded examples' data_sha256) is known only once the data has loaded: the check before then, without
     it, compares the settings alone."""
-    settings = {key: getattr(cfg, key) for key in DATA_ORDER + SHAPE if hasattr(cfg, key)}
+    settings = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg) if f.name not in MAY_CHANGE}
     settings["processes"] = processes
     if data_hash is not None:
         settings["data_sha256"] = data_hash
@@ -278,8 +280,9 @@ def check_resume(checkpoint: Path, current: dict) -> None:
     """A resume must keep the data order recorded in its checkpoint: the checkpoint's step stands for the
     batches that order drew, and another (or other data at the same path) would silently train on some
     conversations twice and others never; and its shape, which would otherwise fail in the state's load
-    with a size mismatch. The other settings (more epochs or steps, logging, checkpointing, wandb, the Hub)
-    may change. A checkpoint from before a setting was recorded is not checked for it."""
+    with a size mismatch; and its objective and optimiser, which would silently mix two runs. MAY_CHANGE's
+    settings (more epochs or steps, logging, checkpointing, wandb, the Hub, the trees) may change. A
+    checkpoint from before a setting was recorded is not checked for it."""
     path = checkpoint / STATE_NAME
     recorded = json.loads(path.read_text()).get("settings", {}) if path.is_file() else {}
     changed = changed_settings(recorded, current)
