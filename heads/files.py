@@ -92,6 +92,18 @@ def _alive(pid: int) -> bool:
     return True
 
 
+def follow_umask(folder: Path) -> None:
+    """Give every file under `folder` the mode any new file gets (0666 less the umask): safetensors writes
+    private files (0600), and with it save_pretrained, peft and accelerate's save_state, so weights that
+    gorgon has them save into a folder of its own are made readable as the umask allows."""
+    probe = new_temp(Path(folder), ".mode-")
+    mode = probe.stat().st_mode & 0o777
+    probe.unlink()
+    for path in Path(folder).rglob("*"):
+        if path.is_file() and not path.is_symlink():
+            os.chmod(path, mode)
+
+
 def atomic_write(path: Path, write) -> None:
     """Call write(tmp_path) then rename over `path`, so readers never see a half-written file.
     Missing parent folders are made; what a killed earlier write of `path` left is removed."""

@@ -246,6 +246,27 @@ def test_written_files_follow_the_umask(tmp_path, umask):
     assert folder.stat().st_mode & 0o777 == 0o777 & ~umask
 
 
+@pytest.mark.parametrize("umask", [0o002, 0o022])
+def test_weights_other_libraries_save_follow_the_umask(tmp_path, umask):
+    """safetensors writes its files private (0600), and with it save_pretrained, peft and accelerate's save_state:
+    a draft model, a Medusa-2 adapter (and the embedded target's copy) could not be read by a serving engine
+    run as another user, nor a checkpoint by a teammate resuming in a shared folder."""
+    from gorgon.heads.draft_model.model import save_draft
+
+    target = tiny_chat_target(tmp_path)
+    old = os.umask(umask)
+    try:
+        save_draft(tiny_model(), tiny_tokenizer(), tmp_path / "draft")
+        out = train(HeadsTrainConfig(data=toy_data(tmp_path / "toy.jsonl", n=8), out=str(tmp_path / "run"),
+                                     target=str(target), mode="medusa2", lora_r=2, max_steps=2, save_every=1,
+                                     report_to="none"))
+    finally:
+        os.umask(old)
+    written = [tmp_path / "draft" / "model.safetensors", out / "adapter" / "adapter_model.safetensors",
+               out / "checkpoints" / "step-1" / "model.safetensors"]
+    assert {path: path.stat().st_mode & 0o777 for path in written} == {path: 0o666 & ~umask for path in written}
+
+
 def test_a_write_killed_midway_leaves_nothing_behind_the_next_one(tmp_path):
     """A kill during an atomic write left its hidden temp file for good (an 8B model's weights, say);
     the next write of that file removes it, and keeps a live writer's, another machine's and the user's."""
