@@ -284,6 +284,9 @@ def make_dataset(settings: DataSettings, out: str | os.PathLike, target: Target 
         return out
     replace = check_output(out, is_dataset, overwrite)
     partial = out.parent / f"{out.name}.partial"  # the unfinished run, resumed from here
+    if os.path.lexists(partial) and not partial.is_dir():
+        raise GorgonError(f"{partial} is a file, where gorgon data keeps an unfinished run: move it away or choose "
+                          "another --out")
     if partial.is_dir() and any(partial.iterdir()) and not (partial / "settings.json").is_file():
         raise GorgonError(f"{partial} holds files gorgon did not write, where it keeps an unfinished run: move them "
                           "away or choose another --out")
