@@ -374,6 +374,20 @@ def test_the_error_line_is_one_write(monkeypatch):
     assert writes[1].startswith("gorgon bench: error: ") and writes[1].endswith("\n")
 
 
+def test_ctrl_c_ends_without_a_traceback(monkeypatch, capsys):
+    """Ctrl-C in a training script or a scripts/ tool, or in a gorgon command while it imports its stage (the
+    first seconds), printed a KeyboardInterrupt traceback; it ends with status 130 and nothing else."""
+    def interrupted(*args):
+        raise KeyboardInterrupt
+
+    with pytest.raises(SystemExit) as exit_:
+        run_script(interrupted, "train/heads.py")
+    assert exit_.value.code == 130
+    monkeypatch.setattr("gorgon.heads.cli.importlib.import_module", interrupted)
+    assert gorgon(["bench", "--help"]) == 130
+    assert capsys.readouterr().err == ""
+
+
 @pytest.mark.slow
 def test_accelerate_launch_quiet_prints_the_message_alone(tmp_path):
     run = subprocess.run(
