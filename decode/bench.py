@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from gorgon.heads import ContextDrafter, MergedDrafter
-from gorgon.heads.card import refresh_model_card
+from gorgon.heads.card import check_card_folder, refresh_model_card
 from gorgon.heads.errors import GorgonError, int_at_least
 from gorgon.heads.files import atomic_write_text, check_report_output, read_jsonl
 from gorgon.heads.target import load_causal_lm
@@ -396,6 +396,8 @@ def main(argv=None) -> int:
         raise GorgonError(f"unknown baseline {unknown[0]!r}: use {', '.join(BASELINES)}")
     if args.update_card and not (args.heads or args.draft):
         raise GorgonError("--update-card writes into a --heads or --draft folder's card: pass one")
+    if args.update_card:
+        check_card_folder(Path(args.heads or args.draft))
     if args.compare_heads and not args.heads:
         raise GorgonError("--compare-heads times other heads beside the --heads under test: pass --heads too")
     if args.out:

@@ -119,6 +119,18 @@ def test_a_report_named_like_its_plot_is_refused(tmp_path, capsys):
     assert not list(tmp_path.iterdir())
 
 
+def test_a_card_update_that_cannot_be_made_is_refused_before_the_benchmark(tmp_path, capsys):
+    """--update-card on heads without training's recipe.json and metrics.json (save_pretrained's, a download's)
+    ran the whole benchmark, then failed, its figures lost; now it fails first (the questions file named here
+    does not exist, an error of its own)."""
+    heads = saved_heads(tmp_path)
+    for folder in (str(heads), "someone/heads"):
+        assert gorgon(["bench", "--heads", folder, "--questions", "nowhere.jsonl", "--update-card"]) == 2
+        assert capsys.readouterr().err == (f"gorgon bench: error: {folder} has no recipe.json/metrics.json, so its "
+                                           "card cannot be rebuilt: --update-card works on folders written by "
+                                           "gorgon's training\n")
+
+
 def test_data_refuses_a_foreign_folder_and_replaces_its_own_only_when_asked(tmp_path):
     target = str(tiny_chat_target(tmp_path))
     prompts = toy_data(tmp_path / "toy.jsonl", n=2)
