@@ -7,7 +7,7 @@ import tempfile
 from pathlib import Path
 
 from .errors import GorgonError
-from .files import atomic_write_text
+from .files import atomic_write, atomic_write_text
 from .target import EMBEDDED_HUB_ID, EMBEDDED_NAME
 
 
@@ -34,8 +34,10 @@ def plot_head_accuracy(metrics: dict, path: Path) -> None:
     ax.set_title("feature-level head accuracy" if metrics.get("arch") == "eagle" else "Medusa head accuracy")
     ax.legend(loc="upper right", fontsize=8)
     fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
+    try:
+        atomic_write(Path(path), lambda tmp: fig.savefig(tmp, format="png"))
+    finally:
+        plt.close(fig)
 
 
 def check_card_folder(folder: Path) -> None:

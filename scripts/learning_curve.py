@@ -20,7 +20,7 @@ from pathlib import Path
 from gorgon.decode.bench import load_questions
 from gorgon.decode.tau import measure_tau, per_category_sample
 from gorgon.heads.errors import int_at_least, run_script
-from gorgon.heads.files import atomic_write_text, check_report_output
+from gorgon.heads.files import atomic_write, atomic_write_text, check_report_output
 from gorgon.heads.loading import drafter_for, load_heads
 
 
@@ -55,8 +55,10 @@ def plot(points: list[dict], path: Path) -> None:
         ax.set_xlabel("training conversations")
         ax.legend()
     fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
+    try:
+        atomic_write(Path(path), lambda tmp: fig.savefig(tmp, format="png"))
+    finally:
+        plt.close(fig)
 
 
 def main() -> None:

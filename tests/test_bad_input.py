@@ -299,6 +299,30 @@ def test_a_write_killed_midway_leaves_nothing_behind_the_next_one(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["w.safetensors", live.name, *(p.name for p in kept)])
 
 
+def test_a_plot_killed_midway_leaves_the_earlier_one_whole(tmp_path, monkeypatch):
+    """The plots (a bench report's, the heads' accuracy) were written in place by matplotlib: a kill or a full disk
+    midway left half a PNG where the earlier one was. They are written atomically, like every other file."""
+    from matplotlib.figure import Figure
+
+    from gorgon.decode.bench import plot_report
+    from gorgon.heads.card import plot_head_accuracy
+
+    def killed_midway(self, fname, **kwargs):
+        Path(fname).write_bytes(b"half")
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(Figure, "savefig", killed_midway)
+    metrics = {"top1": [0.5], "top5": [0.8], "arch": "medusa"}
+    report = {"accepted_histogram": {"1": 3, "2": 1}, "tau": 1.25, "per_category": {}, "speedup": 1.0}
+    for plot, data in ((plot_head_accuracy, metrics), (plot_report, report)):
+        png = tmp_path / f"{plot.__name__}.png"
+        png.write_bytes(b"earlier")
+        with pytest.raises(OSError):
+            plot(data, png)
+        assert png.read_bytes() == b"earlier"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["plot_head_accuracy.png", "plot_report.png"]
+
+
 def test_one_line_errors_instead_of_tracebacks(tmp_path, capsys):
     binary = tmp_path / "prompts.jsonl"
     binary.write_bytes(b"\x89PNG\r\n\x1a\n\xff\xfe")
