@@ -3,6 +3,7 @@
 import json
 import math
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -168,11 +169,34 @@ def test_training_over_a_finished_run_needs_overwrite_and_leaves_nothing_stale(t
     data = toy_data(tmp_path / "toy.jsonl", n=8)
     cfg = dict(data=data, out=str(tmp_path / "run"), target=target, max_steps=1, report_to="none", save_every=0)
     out = train(HeadsTrainConfig(**cfg))
-    (out / "bench.json").write_text("{}")  # a report of the old heads
+    (out / "bench.json").write_text('{"command": "gorgon bench --heads run --out run/bench.json"}')  # of the old heads
+    (out / "bench.png").write_text("its plot")
     with pytest.raises(GorgonError, match="holds earlier gorgon output: pass --overwrite"):
         train(HeadsTrainConfig(**cfg))
     train(HeadsTrainConfig(**cfg, overwrite=True))
     assert (out / "model.safetensors").is_file() and not (out / "bench.json").exists()
+    assert not (out / "bench.png").exists()
+
+
+def test_overwrite_refuses_a_file_of_the_users_inside_gorgons_output(tmp_path):
+    """--overwrite replaced a run's folder or a dataset whole, notes or a serving config the user had put inside
+    it included; now it is refused before any work, naming the file, and nothing is removed."""
+    target = str(tiny_chat_target(tmp_path))
+    data = toy_data(tmp_path / "toy.jsonl", n=8)
+    run = HeadsTrainConfig(data=data, out=str(tmp_path / "run"), target=target, max_steps=1, report_to="none",
+                           save_every=0, overwrite=True)
+    dataset = DataSettings(prompts=data, target=target, max_new_tokens=4)
+    for make in (lambda: train(run), lambda: make_dataset(dataset, tmp_path / "data", progress=False, overwrite=True)):
+        out = make()
+        (out / "serving").mkdir()
+        (out / "serving" / "NOTES.md").write_text("mine")
+        before = snapshot(out)
+        with pytest.raises(GorgonError, match=rf"^--out {re.escape(str(out))} holds serving, which gorgon did not "
+                                              r"write: move it away, or choose another --out$"):
+            make()
+        assert snapshot(out) == before
+        shutil.rmtree(out / "serving")
+        make()
 
 
 def test_training_step_counts(tmp_path):

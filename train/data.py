@@ -13,6 +13,7 @@ the shards become a `datasets` dataset at OUT with `id` and `messages` columns, 
 from __future__ import annotations
 
 import argparse
+import fnmatch
 import hashlib
 import json
 import math
@@ -235,6 +236,12 @@ def is_dataset(out: Path) -> bool:
     return (out / METADATA_NAME).is_file()
 
 
+def in_dataset(path: Path) -> bool:
+    """A file `gorgon data` (or `datasets`) writes in a dataset folder: --overwrite removes these, and no other."""
+    return any(fnmatch.fnmatch(path.name, name) for name in (METADATA_NAME, "dataset_info.json", "state.json",
+                                                              "data-*-of-*.arrow", "cache-*.arrow"))
+
+
 def read_metadata(folder: str | os.PathLike) -> dict | None:
     """What `gorgon data` recorded beside a dataset (target, fingerprint, settings, counts); None for other data."""
     path = Path(folder) / METADATA_NAME
@@ -282,7 +289,7 @@ def make_dataset(settings: DataSettings, out: str | os.PathLike, target: Target 
                               "to regenerate it, or choose another --out")
         print(f"gorgon data: {out} is already complete; pass --overwrite to regenerate it")
         return out
-    replace = check_output(out, is_dataset, overwrite)
+    replace = check_output(out, is_dataset, overwrite, own_entry=in_dataset)
     partial = out.parent / f"{out.name}.partial"  # the unfinished run, resumed from here
     if os.path.lexists(partial) and not partial.is_dir():
         raise GorgonError(f"{partial} is a file, where gorgon data keeps an unfinished run: move it away or choose "

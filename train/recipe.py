@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import fnmatch
 import hashlib
 import json
 import math
@@ -297,6 +298,22 @@ def check_resume(checkpoint: Path, current: dict) -> None:
 
 
 RUN_MARKER = ".gorgon-run"  # written into a training --out when the run starts: this folder is gorgon's
+# What a run writes in its --out (heads, a draft model and its tokenizer, checkpoints, the temporary files of
+# atomic writes): --overwrite replaces a folder holding these only, and gorgon bench reports with their plots.
+RUN_FILES = (RUN_MARKER, "checkpoints", "adapter", ".draft.tmp", ".*.tmp", "config.json", "generation_config.json",
+             "model.safetensors", "model-*-of-*.safetensors", "model.safetensors.index.json", "trees.json",
+             "metrics.json", "recipe.json", "head_accuracy.png", "README.md", "tokenizer.json", "tokenizer_config.json",
+             "special_tokens_map.json", "added_tokens.json", "chat_template.jinja", "vocab.json", "merges.txt",
+             "tokenizer.model")
+
+
+def in_run_folder(path: Path) -> bool:
+    """An entry of a training --out that --overwrite may remove: what a run writes, or a gorgon bench report (and
+    its plot) of the earlier heads."""
+    from gorgon.decode.bench import is_report
+
+    return (any(fnmatch.fnmatch(path.name, name) for name in RUN_FILES) or is_report(path)
+            or (path.suffix == ".png" and is_report(path.with_suffix(".json"))))
 
 
 def prepare_output(out: Path, latest_checkpoint, resume: bool, overwrite: bool) -> Path | None:
@@ -324,7 +341,7 @@ def prepare_output(out: Path, latest_checkpoint, resume: bool, overwrite: bool) 
                 return latest
         if not state.is_main_process:
             return None
-        if check_output(out, lambda _: ours, overwrite or (ours and not finished)):
+        if check_output(out, lambda _: ours, overwrite or (ours and not finished), own_entry=in_run_folder):
             shutil.rmtree(out)
             out.mkdir()
         atomic_write_text(out / RUN_MARKER, "")
