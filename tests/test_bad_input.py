@@ -109,6 +109,25 @@ def test_export_overwrite_replaces_the_earlier_exports_files_only(tmp_path, caps
     assert snapshot(out) == before and not list(tmp_path.glob(".export*"))
 
 
+def test_the_folders_written_beside_out_are_gorgons_own(tmp_path):
+    """A dataset and an export are written in a folder beside --out and renamed into place. That folder had a
+    fixed name (.OUT.writing, .OUT.exporting) and was removed first, whatever it held; it is now a new one with
+    the writer's host and process in its name, so a folder of the user's by that name stays untouched."""
+    target = tiny_chat_target(tmp_path)
+    heads = tmp_path / "heads"
+    MedusaHeads.for_target(AutoModelForCausalLM.from_pretrained(target), shared_lm_head=False).save_pretrained(heads)
+    theirs = [foreign_folder(tmp_path / ".data.writing"), foreign_folder(tmp_path / ".export.exporting")]
+    before = [snapshot(folder) for folder in theirs]
+    make_dataset(DataSettings(prompts=toy_data(tmp_path / "toy.jsonl", n=2), target=str(target), max_new_tokens=4),
+                 tmp_path / "data", progress=False)
+    for out in (tmp_path / "export", tmp_path / "new" / "export"):  # the folder beside it is made too
+        assert gorgon(["export", "--heads", str(heads), "--target", str(target), "--format", "vllm", "--out",
+                       str(out)]) == 0
+    assert [snapshot(folder) for folder in theirs] == before
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == [".data.writing",
+                                                                                  ".export.exporting"]
+
+
 def test_a_report_named_like_its_plot_is_refused(tmp_path, capsys):
     message = "--out is the JSON report, and its plot is written beside it with the suffix .png: pass a .json path"
     assert gorgon(["bench", "--context-draft", "--questions", "q.jsonl", "--out", str(tmp_path / "r.png")]) == 2

@@ -27,7 +27,7 @@ import torch
 
 from gorgon.decode.kernels import KERNELS, use_cpu_kernels
 from gorgon.heads.errors import GorgonError, int_at_least
-from gorgon.heads.files import atomic_write_text, check_output, read_jsonl
+from gorgon.heads.files import atomic_write_text, check_output, new_temp, read_jsonl, remove_stale_temps
 from gorgon.heads.target import Target, load_target
 
 from .batching import continuous_generate
@@ -367,8 +367,8 @@ def make_dataset(settings: DataSettings, out: str | os.PathLike, target: Target 
                           f"{settings.max_new_tokens}: lower --max-new-tokens or use shorter prompts")
     metadata = {"target": target.name, "target_fingerprint": target.fingerprint, **record,
                 "conversations": len(rows), "skipped_turns_too_long": skipped}
-    tmp = out.parent / f".{out.name}.writing"
-    shutil.rmtree(tmp, ignore_errors=True)
+    remove_stale_temps(out.parent, f".{out.name}.writing-")  # a killed run's
+    tmp = new_temp(out.parent, f".{out.name}.writing-", is_dir=True)
     datasets.Dataset.from_list(rows).save_to_disk(str(tmp))
     atomic_write_text(tmp / METADATA_NAME, json.dumps(metadata, indent=1) + "\n")
     if replace:
