@@ -322,29 +322,44 @@ def prepare_output(out: Path, latest_checkpoint, resume: bool, overwrite: bool) 
     A run's own folder (its marker or recipe.json in it) is continued with --resume, or replaced
     whole with --overwrite, so no stale file (an old bench report) stays beside new weights; an
     unfinished run with no complete checkpoint starts over. A file, an unwritable place or a
-    non-empty folder of other files is refused. The main process goes first and alone changes
-    the folder; the others then find it prepared."""
+    non-empty folder of other files is refused. The main process alone checks and changes the
+    folder, then tells the others the checkpoint or its refusal, which each process raises: while
+    they waited, a refusal on the main process alone ended them with gloo's traceback."""
     from accelerate import PartialState
-    from accelerate.utils import parse_flag_from_env
-
-    from gorgon.heads.files import atomic_write_text, check_output
+    from accelerate.utils import broadcast_object_list, parse_flag_from_env
 
     # The process state is made here, before the Accelerator: it must connect CPU processes as
     # the Accelerator would (connect_cpu_processes sets the flag; only AcceleratorState reads it).
     state = PartialState(cpu=parse_flag_from_env("ACCELERATE_USE_CPU"))
-    with state.main_process_first():
-        finished = (out / "recipe.json").is_file()
-        ours = finished or (out / RUN_MARKER).is_file()
-        if resume or not overwrite:  # checkpoints are looked for (and cut-short ones removed) in our folders only
-            latest = resume_point(latest_checkpoint() if ours else None, resume, out)
-            if latest is not None:
-                return latest
-        if not state.is_main_process:
-            return None
-        if check_output(out, lambda _: ours, overwrite or (ours and not finished), own_entry=in_run_folder):
-            shutil.rmtree(out)
-            out.mkdir()
-        atomic_write_text(out / RUN_MARKER, "")
+    latest = refused = None
+    if state.is_main_process:
+        try:
+            latest = prepare_own_output(out, latest_checkpoint, resume, overwrite)
+        except Exception as err:
+            refused = user_error_line(err)
+            if refused is None:
+                raise
+    if state.num_processes > 1:
+        latest, refused = broadcast_object_list([latest, refused])
+    if refused is not None:
+        raise GorgonError(refused)
+    return latest
+
+
+def prepare_own_output(out: Path, latest_checkpoint, resume: bool, overwrite: bool) -> Path | None:
+    """prepare_output's work, on the main process."""
+    from gorgon.heads.files import atomic_write_text, check_output
+
+    finished = (out / "recipe.json").is_file()
+    ours = finished or (out / RUN_MARKER).is_file()
+    if resume or not overwrite:  # checkpoints are looked for (and cut-short ones removed) in our folders only
+        latest = resume_point(latest_checkpoint() if ours else None, resume, out)
+        if latest is not None:
+            return latest
+    if check_output(out, lambda _: ours, overwrite or (ours and not finished), own_entry=in_run_folder):
+        shutil.rmtree(out)
+        out.mkdir()
+    atomic_write_text(out / RUN_MARKER, "")
     return None
 
 
