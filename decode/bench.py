@@ -19,9 +19,9 @@ from pathlib import Path
 import torch
 
 from gorgon.heads import ContextDrafter, MergedDrafter
-from gorgon.heads.card import refresh_model_card
+from gorgon.heads.card import check_card_folder, refresh_model_card
 from gorgon.heads.errors import GorgonError, int_at_least
-from gorgon.heads.files import atomic_write_text, check_report_output, read_jsonl
+from gorgon.heads.files import atomic_write, atomic_write_text, check_report_output, read_jsonl
 from gorgon.heads.target import load_causal_lm
 
 from .acceptance import Sampling
@@ -346,8 +346,10 @@ def plot_report(report: dict, path: Path) -> None:
         right.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.22), ncol=min(3, len(bars)),
                      frameon=False)
     fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
+    try:
+        atomic_write(Path(path), lambda tmp: fig.savefig(tmp, format="png"))
+    finally:
+        plt.close(fig)
 
 
 def is_report(path: Path) -> bool:
@@ -396,6 +398,8 @@ def main(argv=None) -> int:
         raise GorgonError(f"unknown baseline {unknown[0]!r}: use {', '.join(BASELINES)}")
     if args.update_card and not (args.heads or args.draft):
         raise GorgonError("--update-card writes into a --heads or --draft folder's card: pass one")
+    if args.update_card:
+        check_card_folder(Path(args.heads or args.draft))
     if args.compare_heads and not args.heads:
         raise GorgonError("--compare-heads times other heads beside the --heads under test: pass --heads too")
     if args.out:

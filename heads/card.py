@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import json
+import tempfile
 from pathlib import Path
 
 from .errors import GorgonError
-from .files import atomic_write_text
+from .files import atomic_write, atomic_write_text
 from .target import EMBEDDED_HUB_ID, EMBEDDED_NAME
 
 
@@ -33,8 +34,24 @@ def plot_head_accuracy(metrics: dict, path: Path) -> None:
     ax.set_title("feature-level head accuracy" if metrics.get("arch") == "eagle" else "Medusa head accuracy")
     ax.legend(loc="upper right", fontsize=8)
     fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
+    try:
+        atomic_write(Path(path), lambda tmp: fig.savefig(tmp, format="png"))
+    finally:
+        plt.close(fig)
+
+
+def check_card_folder(folder: Path) -> None:
+    """Before a benchmark: can --update-card rebuild `folder`'s card? Training's recipe.json and metrics.json
+    must be there and the folder writable, or the figures measured would be lost at the end."""
+    if not ((folder / "recipe.json").is_file() and (folder / "metrics.json").is_file()):
+        raise GorgonError(f"{folder} has no recipe.json/metrics.json, so its card cannot be rebuilt: "
+                          "--update-card works on folders written by gorgon's training")
+    try:
+        with tempfile.TemporaryFile(dir=folder):
+            pass
+    except OSError as err:
+        raise GorgonError(f"cannot write to {folder} ({err.strerror}), where --update-card rewrites the card: leave "
+                          "it out and pass --out, or copy the folder somewhere writable") from err
 
 
 def refresh_model_card(folder: Path, bench: dict) -> None:

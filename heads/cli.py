@@ -39,9 +39,8 @@ def main(argv: list[str] | None = None) -> int:
     if name not in COMMANDS:
         print(f"gorgon: unknown command {name!r}\n\n{usage()}", file=sys.stderr)
         return 2
-    module = importlib.import_module(COMMANDS[name][0])
-    try:
-        return module.main(rest) or 0
+    try:  # the import too: Ctrl-C in the first seconds lands in it
+        return importlib.import_module(COMMANDS[name][0]).main(rest) or 0
     except KeyboardInterrupt:
         return 130
     except Exception as err:

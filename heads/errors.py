@@ -93,9 +93,11 @@ def _fits(value, hint) -> bool:
 def run_script(main, name: str) -> None:
     """A script's entry point (`python train/NAME.py`, `accelerate launch -q train/NAME.py`, `python
     scripts/NAME.py`): bad input, or a full or read-only disk, exits 2 with one line (accelerate adds
-    its own traceback unless launched with -q)."""
+    its own traceback unless launched with -q); Ctrl-C exits 130, as `gorgon` does."""
     try:
         sys.exit(main())
+    except KeyboardInterrupt:
+        sys.exit(130)
     except Exception as err:
         line = user_error_line(err)
         if line is None:

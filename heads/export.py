@@ -11,7 +11,7 @@ from pathlib import Path
 from .eagle import EagleHead
 from .eagle import formats as eagle_formats
 from .errors import GorgonError
-from .files import atomic_write_text, check_output
+from .files import atomic_write_text, check_output, new_temp, remove_stale_temps
 from .loading import load_heads
 from .medusa import formats as medusa_formats
 
@@ -55,12 +55,17 @@ def main(argv=None) -> int:
             ("Medusa heads", medusa_formats.FORMATS)
         raise GorgonError(f"{args.heads} holds {kind}, which export as {' or '.join(formats)}, not {args.format}")
     # Written whole beside --out first, so a killed export leaves no half-written folder behind.
-    staging = out.parent / f".{out.name}.exporting"
-    shutil.rmtree(staging, ignore_errors=True)  # a killed export's own
+    out.parent.mkdir(parents=True, exist_ok=True)
+    remove_stale_temps(out.parent, f".{out.name}.exporting-")  # a killed export's own
+    staging = new_temp(out.parent, f".{out.name}.exporting-", is_dir=True)
     write = eagle_formats.export_head if eagle else medusa_formats.export_heads
-    write(heads, args.format, staging, args.base_model or target.name)
-    written = sorted(str(f.relative_to(staging)) for f in staging.rglob("*") if f.is_file())
-    atomic_write_text(staging / EXPORT_MARKER, json.dumps(written))
+    try:
+        write(heads, args.format, staging, args.base_model or target.name)
+        written = sorted(str(f.relative_to(staging)) for f in staging.rglob("*") if f.is_file())
+        atomic_write_text(staging / EXPORT_MARKER, json.dumps(written))
+    except BaseException:  # an error or Ctrl-C: nothing half-written is left (a kill's, the next export removes)
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
     if replace:
         replace_export(staging, out, written)
     else:

@@ -92,6 +92,18 @@ def _alive(pid: int) -> bool:
     return True
 
 
+def follow_umask(folder: Path) -> None:
+    """Give every file under `folder` the mode any new file gets (0666 less the umask): safetensors writes
+    private files (0600), and with it save_pretrained, peft and accelerate's save_state, so weights that
+    gorgon has them save into a folder of its own are made readable as the umask allows."""
+    probe = new_temp(Path(folder), ".mode-")
+    mode = probe.stat().st_mode & 0o777
+    probe.unlink()
+    for path in Path(folder).rglob("*"):
+        if path.is_file() and not path.is_symlink():
+            os.chmod(path, mode)
+
+
 def atomic_write(path: Path, write) -> None:
     """Call write(tmp_path) then rename over `path`, so readers never see a half-written file.
     Missing parent folders are made; what a killed earlier write of `path` left is removed."""
@@ -133,13 +145,15 @@ def read_jsonl(path: Path) -> list:
     return records
 
 
-def check_output(out: Path, ours, overwrite: bool, kind: str = "folder") -> bool:
+def check_output(out: Path, ours, overwrite: bool, kind: str = "folder", own_entry=None) -> bool:
     """Before any work: may a command write its output (a `kind`: folder or file) at `out`?
 
     Anything that is not gorgon's own output is never written over: a file where a folder is
     wanted (or the reverse), a non-empty folder or a file gorgon did not make. gorgon's own
-    earlier output (`ours(out)` is true) is replaced only with --overwrite. Returns whether earlier
-    output will be replaced. The place is then checked for writing, so a read-only disk fails now.
+    earlier output (`ours(out)` is true) is replaced only with --overwrite; a folder replaced whole
+    must hold nothing else (`own_entry(path)` is true of each entry), so a user's file put inside is
+    not removed with it. Returns whether earlier output will be replaced. The place is then checked
+    for writing, so a read-only disk fails now.
     """
     exists = out.exists() or os.path.lexists(out)
     if exists and (out.is_dir() != (kind == "folder")):
@@ -152,6 +166,10 @@ def check_output(out: Path, ours, overwrite: bool, kind: str = "folder") -> bool
         if not overwrite:
             raise GorgonError(f"--out {out} holds earlier gorgon output: pass --overwrite to replace it, or choose "
                               f"another --out")
+        foreign = sorted(p.name for p in out.iterdir() if not own_entry(p)) if own_entry and kind == "folder" else []
+        if foreign:
+            raise GorgonError(f"--out {out} holds {foreign[0]}, which gorgon did not write: move it away, or choose "
+                              "another --out")
         replace = True
     check_writable(out if kind == "folder" else out.parent)
     return replace

@@ -21,7 +21,14 @@ from pathlib import Path
 import torch
 
 from .errors import GorgonError
-from .files import local_path_problem, looks_like_path, new_temp, not_found_locally_or_on_hub, remove_stale_temps
+from .files import (
+    follow_umask,
+    local_path_problem,
+    looks_like_path,
+    new_temp,
+    not_found_locally_or_on_hub,
+    remove_stale_temps,
+)
 
 EMBEDDED_NAME = "SmolLM2-135M-Instruct"
 EMBEDDED_HUB_ID = f"HuggingFaceTB/{EMBEDDED_NAME}"  # the same model on the Hub, named in model cards
@@ -107,6 +114,7 @@ def embedded_target_dir() -> Path:
     try:
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
+        follow_umask(tmp)
         try:
             os.replace(tmp, out)
         except OSError:  # another process finished first; its copy is as good as ours

@@ -17,20 +17,23 @@ import torch
 
 from gorgon.decode.kernels import KERNELS
 from gorgon.heads import load_target
+from gorgon.heads.errors import int_at_least, run_script
 from gorgon.train.data import DataSettings, Engine, chat_ids
 from gorgon.train.records import load_conversations
 
 
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--prompts", required=True)
-    p.add_argument("--target", default=None)
-    p.add_argument("--limit", type=int, default=32)
-    p.add_argument("--batch-size", type=int, default=32)
-    p.add_argument("--max-new-tokens", type=int, default=64)
-    p.add_argument("--max-prompt-tokens", type=int, default=None, help="leave out longer prompts")
-    p.add_argument("--single-limit", type=int, default=4, help="prompts for the (slow) single-stream side")
-    p.add_argument("--rounds", type=int, default=1)
+    p.add_argument("--prompts", required=True, help="a prompts file, dataset folder or hub dataset, as `gorgon data` "
+                   "takes")
+    p.add_argument("--target", default=None, help="hub id or local path (default: the embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--limit", type=int_at_least(1), default=32, help="prompts for the batched side (default 32)")
+    p.add_argument("--batch-size", type=int_at_least(1), default=32, help="rows generated together (default 32)")
+    p.add_argument("--max-new-tokens", type=int_at_least(1), default=64, help="longest answer (default 64)")
+    p.add_argument("--max-prompt-tokens", type=int_at_least(1), default=None, help="leave out longer prompts")
+    p.add_argument("--single-limit", type=int_at_least(1), default=4,
+                   help="prompts for the (slow) single-stream side (default 4)")
+    p.add_argument("--rounds", type=int_at_least(1), default=1, help="alternations of the two sides (default 1)")
     p.add_argument("--cpu-kernels", choices=KERNELS, default="fast", help="for both sides (default fast)")
     args = p.parse_args()
     target = load_target(args.target)
@@ -72,4 +75,4 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    run_script(main, "scripts/bench_data.py")

@@ -12,16 +12,19 @@ import time
 
 import torch
 
+from gorgon.heads.errors import int_at_least, run_script
 from gorgon.heads.target import resolve_device, resolve_dtype
 
 
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--in", dest="n_in", type=int, default=1536, help="input features (default: Qwen2.5-1.5B's MLP)")
-    p.add_argument("--out", dest="n_out", type=int, default=8960)
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--dtype", default="float32")
-    p.add_argument("--repeat", type=int, default=30)
+    p.add_argument("--in", dest="n_in", type=int_at_least(1), default=1536,
+                   help="input features (default 1536: Qwen2.5-1.5B's MLP)")
+    p.add_argument("--out", dest="n_out", type=int_at_least(1), default=8960,
+                   help="output features, the weight's rows (default 8960: Qwen2.5-1.5B's MLP)")
+    p.add_argument("--device", default="cpu", help="cpu (default), cuda or cuda:N")
+    p.add_argument("--dtype", default="float32", help="float32 (default), bfloat16 or float16")
+    p.add_argument("--repeat", type=int_at_least(1), default=30, help="timed products per row count (default 30)")
     args = p.parse_args()
     device = resolve_device(args.device)
     weight = torch.randn(args.n_out, args.n_in, device=device, dtype=resolve_dtype(args.dtype, device))
@@ -43,4 +46,4 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    run_script(main, "scripts/bench_rows.py")

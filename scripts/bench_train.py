@@ -15,6 +15,7 @@ import time
 import torch
 
 from gorgon.heads import MedusaHeads, load_target
+from gorgon.heads.errors import int_at_least, run_script
 from gorgon.heads.medusa.objective import heads_loss
 from gorgon.heads.target import base_model
 from gorgon.train.examples import collate, load_examples
@@ -29,12 +30,14 @@ def peak_memory_mb(device) -> float:
 
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--data", required=True)
-    p.add_argument("--target", default=None)
-    p.add_argument("--batch-size", type=int, default=8)
-    p.add_argument("--max-length", type=int, default=512)
-    p.add_argument("--steps", type=int, default=6)
-    p.add_argument("--draft-vocab-size", type=int, default=8192, help="0: the full vocabulary")
+    p.add_argument("--data", required=True, help="`gorgon data` output folder, or a .jsonl/.json file of conversations")
+    p.add_argument("--target", default=None, help="hub id or local path (default: the embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--batch-size", type=int_at_least(1), default=8, help="conversations per step (default 8)")
+    p.add_argument("--max-length", type=int_at_least(2), default=512,
+                   help="most tokens per conversation (default 512)")
+    p.add_argument("--steps", type=int_at_least(1), default=6, help="timed steps of each kind (default 6)")
+    p.add_argument("--draft-vocab-size", type=int_at_least(0), default=8192,
+                   help="the heads' draft vocabulary (default 8192; 0: the full vocabulary)")
     args = p.parse_args()
     target = load_target(args.target)
     model = target.model.requires_grad_(False)
@@ -81,4 +84,4 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    run_script(main, "scripts/bench_train.py")

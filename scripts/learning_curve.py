@@ -19,8 +19,8 @@ from pathlib import Path
 
 from gorgon.decode.bench import load_questions
 from gorgon.decode.tau import measure_tau, per_category_sample
-from gorgon.heads.errors import run_script
-from gorgon.heads.files import atomic_write_text, check_report_output
+from gorgon.heads.errors import int_at_least, run_script
+from gorgon.heads.files import atomic_write, atomic_write_text, check_report_output
 from gorgon.heads.loading import drafter_for, load_heads
 
 
@@ -55,8 +55,10 @@ def plot(points: list[dict], path: Path) -> None:
         ax.set_xlabel("training conversations")
         ax.legend()
     fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
+    try:
+        atomic_write(Path(path), lambda tmp: fig.savefig(tmp, format="png"))
+    finally:
+        plt.close(fig)
 
 
 def main() -> None:
@@ -64,7 +66,7 @@ def main() -> None:
     p.add_argument("--heads", nargs="+", required=True, help="heads folders from train/heads.py")
     p.add_argument("--questions", required=True, help="held-out MT-Bench/Spec-Bench .jsonl")
     p.add_argument("--per-category", type=int, default=None, help="the first N questions of each category only")
-    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--max-new-tokens", type=int_at_least(1), default=64, help="most tokens per answer (default 64)")
     p.add_argument("--nodes", type=int, default=8, help="tree nodes per step for every drafter (default 8)")
     p.add_argument("--out", required=True, help="the JSON to write (a PNG goes beside it)")
     p.add_argument("--overwrite", action="store_true", help="replace an earlier curve at --out")

@@ -26,6 +26,7 @@ from gorgon.decode.kernels import kernels_in_use, one_row_kernel, use_cpu_kernel
 from gorgon.decode.options import add_model_arguments, load_drafter, read_tree
 from gorgon.decode.verify import features, keep_path, verify
 from gorgon.heads import HeadsDrafter, MedusaHeads
+from gorgon.heads.errors import run_script
 from gorgon.heads.target import base_model, crop_cache, lm_logits, resolve_device, resolve_dtype, with_cache
 
 
@@ -132,4 +133,4 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    run_script(main, "scripts/profile_step.py")

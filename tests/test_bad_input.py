@@ -3,6 +3,7 @@
 import json
 import math
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -108,6 +109,25 @@ def test_export_overwrite_replaces_the_earlier_exports_files_only(tmp_path, caps
     assert snapshot(out) == before and not list(tmp_path.glob(".export*"))
 
 
+def test_the_folders_written_beside_out_are_gorgons_own(tmp_path):
+    """A dataset and an export are written in a folder beside --out and renamed into place. That folder had a
+    fixed name (.OUT.writing, .OUT.exporting) and was removed first, whatever it held; it is now a new one with
+    the writer's host and process in its name, so a folder of the user's by that name stays untouched."""
+    target = tiny_chat_target(tmp_path)
+    heads = tmp_path / "heads"
+    MedusaHeads.for_target(AutoModelForCausalLM.from_pretrained(target), shared_lm_head=False).save_pretrained(heads)
+    theirs = [foreign_folder(tmp_path / ".data.writing"), foreign_folder(tmp_path / ".export.exporting")]
+    before = [snapshot(folder) for folder in theirs]
+    make_dataset(DataSettings(prompts=toy_data(tmp_path / "toy.jsonl", n=2), target=str(target), max_new_tokens=4),
+                 tmp_path / "data", progress=False)
+    for out in (tmp_path / "export", tmp_path / "new" / "export"):  # the folder beside it is made too
+        assert gorgon(["export", "--heads", str(heads), "--target", str(target), "--format", "vllm", "--out",
+                       str(out)]) == 0
+    assert [snapshot(folder) for folder in theirs] == before
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == [".data.writing",
+                                                                                  ".export.exporting"]
+
+
 def test_a_report_named_like_its_plot_is_refused(tmp_path, capsys):
     message = "--out is the JSON report, and its plot is written beside it with the suffix .png: pass a .json path"
     assert gorgon(["bench", "--context-draft", "--questions", "q.jsonl", "--out", str(tmp_path / "r.png")]) == 2
@@ -117,6 +137,18 @@ def test_a_report_named_like_its_plot_is_refused(tmp_path, capsys):
                          timeout=120)
     assert run.returncode == 2 and run.stderr.strip().endswith(message), run.stderr[-2000:]
     assert not list(tmp_path.iterdir())
+
+
+def test_a_card_update_that_cannot_be_made_is_refused_before_the_benchmark(tmp_path, capsys):
+    """--update-card on heads without training's recipe.json and metrics.json (save_pretrained's, a download's)
+    ran the whole benchmark, then failed, its figures lost; now it fails first (the questions file named here
+    does not exist, an error of its own)."""
+    heads = saved_heads(tmp_path)
+    for folder in (str(heads), "someone/heads"):
+        assert gorgon(["bench", "--heads", folder, "--questions", "nowhere.jsonl", "--update-card"]) == 2
+        assert capsys.readouterr().err == (f"gorgon bench: error: {folder} has no recipe.json/metrics.json, so its "
+                                           "card cannot be rebuilt: --update-card works on folders written by "
+                                           "gorgon's training\n")
 
 
 def test_data_refuses_a_foreign_folder_and_replaces_its_own_only_when_asked(tmp_path):
@@ -156,11 +188,34 @@ def test_training_over_a_finished_run_needs_overwrite_and_leaves_nothing_stale(t
     data = toy_data(tmp_path / "toy.jsonl", n=8)
     cfg = dict(data=data, out=str(tmp_path / "run"), target=target, max_steps=1, report_to="none", save_every=0)
     out = train(HeadsTrainConfig(**cfg))
-    (out / "bench.json").write_text("{}")  # a report of the old heads
+    (out / "bench.json").write_text('{"command": "gorgon bench --heads run --out run/bench.json"}')  # of the old heads
+    (out / "bench.png").write_text("its plot")
     with pytest.raises(GorgonError, match="holds earlier gorgon output: pass --overwrite"):
         train(HeadsTrainConfig(**cfg))
     train(HeadsTrainConfig(**cfg, overwrite=True))
     assert (out / "model.safetensors").is_file() and not (out / "bench.json").exists()
+    assert not (out / "bench.png").exists()
+
+
+def test_overwrite_refuses_a_file_of_the_users_inside_gorgons_output(tmp_path):
+    """--overwrite replaced a run's folder or a dataset whole, notes or a serving config the user had put inside
+    it included; now it is refused before any work, naming the file, and nothing is removed."""
+    target = str(tiny_chat_target(tmp_path))
+    data = toy_data(tmp_path / "toy.jsonl", n=8)
+    run = HeadsTrainConfig(data=data, out=str(tmp_path / "run"), target=target, max_steps=1, report_to="none",
+                           save_every=0, overwrite=True)
+    dataset = DataSettings(prompts=data, target=target, max_new_tokens=4)
+    for make in (lambda: train(run), lambda: make_dataset(dataset, tmp_path / "data", progress=False, overwrite=True)):
+        out = make()
+        (out / "serving").mkdir()
+        (out / "serving" / "NOTES.md").write_text("mine")
+        before = snapshot(out)
+        with pytest.raises(GorgonError, match=rf"^--out {re.escape(str(out))} holds serving, which gorgon did not "
+                                              r"write: move it away, or choose another --out$"):
+            make()
+        assert snapshot(out) == before
+        shutil.rmtree(out / "serving")
+        make()
 
 
 def test_training_step_counts(tmp_path):
@@ -246,6 +301,27 @@ def test_written_files_follow_the_umask(tmp_path, umask):
     assert folder.stat().st_mode & 0o777 == 0o777 & ~umask
 
 
+@pytest.mark.parametrize("umask", [0o002, 0o022])
+def test_weights_other_libraries_save_follow_the_umask(tmp_path, umask):
+    """safetensors writes its files private (0600), and with it save_pretrained, peft and accelerate's save_state:
+    a draft model, a Medusa-2 adapter (and the embedded target's copy) could not be read by a serving engine
+    run as another user, nor a checkpoint by a teammate resuming in a shared folder."""
+    from gorgon.heads.draft_model.model import save_draft
+
+    target = tiny_chat_target(tmp_path)
+    old = os.umask(umask)
+    try:
+        save_draft(tiny_model(), tiny_tokenizer(), tmp_path / "draft")
+        out = train(HeadsTrainConfig(data=toy_data(tmp_path / "toy.jsonl", n=8), out=str(tmp_path / "run"),
+                                     target=str(target), mode="medusa2", lora_r=2, max_steps=2, save_every=1,
+                                     report_to="none"))
+    finally:
+        os.umask(old)
+    written = [tmp_path / "draft" / "model.safetensors", out / "adapter" / "adapter_model.safetensors",
+               out / "checkpoints" / "step-1" / "model.safetensors"]
+    assert {path: path.stat().st_mode & 0o777 for path in written} == {path: 0o666 & ~umask for path in written}
+
+
 def test_a_write_killed_midway_leaves_nothing_behind_the_next_one(tmp_path):
     """A kill during an atomic write left its hidden temp file for good (an 8B model's weights, say);
     the next write of that file removes it, and keeps a live writer's, another machine's and the user's."""
@@ -264,6 +340,30 @@ def test_a_write_killed_midway_leaves_nothing_behind_the_next_one(tmp_path):
         path.write_text("keep")
     atomic_write_text(tmp_path / "w.safetensors", "whole")
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["w.safetensors", live.name, *(p.name for p in kept)])
+
+
+def test_a_plot_killed_midway_leaves_the_earlier_one_whole(tmp_path, monkeypatch):
+    """The plots (a bench report's, the heads' accuracy) were written in place by matplotlib: a kill or a full disk
+    midway left half a PNG where the earlier one was. They are written atomically, like every other file."""
+    from matplotlib.figure import Figure
+
+    from gorgon.decode.bench import plot_report
+    from gorgon.heads.card import plot_head_accuracy
+
+    def killed_midway(self, fname, **kwargs):
+        Path(fname).write_bytes(b"half")
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(Figure, "savefig", killed_midway)
+    metrics = {"top1": [0.5], "top5": [0.8], "arch": "medusa"}
+    report = {"accepted_histogram": {"1": 3, "2": 1}, "tau": 1.25, "per_category": {}, "speedup": 1.0}
+    for plot, data in ((plot_head_accuracy, metrics), (plot_report, report)):
+        png = tmp_path / f"{plot.__name__}.png"
+        png.write_bytes(b"earlier")
+        with pytest.raises(OSError):
+            plot(data, png)
+        assert png.read_bytes() == b"earlier"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["plot_head_accuracy.png", "plot_report.png"]
 
 
 def test_one_line_errors_instead_of_tracebacks(tmp_path, capsys):
@@ -351,6 +451,20 @@ def test_the_error_line_is_one_write(monkeypatch):
     assert gorgon(["bench", "--questions", "nowhere.jsonl", "--context-draft"]) == 2
     assert writes[0] == "train/heads.py: error: no data\n" and len(writes) == 2
     assert writes[1].startswith("gorgon bench: error: ") and writes[1].endswith("\n")
+
+
+def test_ctrl_c_ends_without_a_traceback(monkeypatch, capsys):
+    """Ctrl-C in a training script or a scripts/ tool, or in a gorgon command while it imports its stage (the
+    first seconds), printed a KeyboardInterrupt traceback; it ends with status 130 and nothing else."""
+    def interrupted(*args):
+        raise KeyboardInterrupt
+
+    with pytest.raises(SystemExit) as exit_:
+        run_script(interrupted, "train/heads.py")
+    assert exit_.value.code == 130
+    monkeypatch.setattr("gorgon.heads.cli.importlib.import_module", interrupted)
+    assert gorgon(["bench", "--help"]) == 130
+    assert capsys.readouterr().err == ""
 
 
 @pytest.mark.slow

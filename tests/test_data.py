@@ -281,6 +281,19 @@ def test_a_partial_folder_gorgon_did_not_write_is_left_alone(tmp_path):
     assert (mine / "notes.txt").read_text() == "mine" and not (tmp_path / "o").exists()
 
 
+def test_a_partial_path_that_is_a_file_is_refused_before_the_target_loads(tmp_path, capsys):
+    """OUT.partial, where an unfinished run is kept, as someone's file: a traceback (FileExistsError) once the
+    target had loaded; now one line before it (--target nowhere would be an error of its own), the file kept."""
+    from gorgon.heads.cli import main as gorgon
+
+    src = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "a"}])
+    (tmp_path / "o.partial").write_text("mine")
+    assert gorgon(["data", "--prompts", src, "--target", "nowhere", "--out", str(tmp_path / "o")]) == 2
+    assert capsys.readouterr().err == (f"gorgon data: error: {tmp_path / 'o.partial'} is a file, where gorgon data "
+                                       "keeps an unfinished run: move it away or choose another --out\n")
+    assert (tmp_path / "o.partial").read_text() == "mine" and not (tmp_path / "o").exists()
+
+
 @needs_embedded
 def test_small_run_on_the_embedded_target(tmp_path, embedded_target):
     src = write_jsonl(tmp_path / "p.jsonl", [{"turns": ["Name a colour."]}, {"prompt": "Say hello."}])

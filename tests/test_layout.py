@@ -111,6 +111,18 @@ def test_every_command_option_says_what_it_does(module):
     assert not [a.dest for a in actions if not a.help]
 
 
+@pytest.mark.parametrize("script", sorted(p.name for p in (ROOT / "scripts").glob("*.py")))
+def test_every_script_option_says_what_it_does_and_bad_input_is_one_line(script):
+    """Read from the source, without importing torch: each option has a help text, and the script runs through
+    run_script, so bad input (--device tpu9, a missing --prompts file) is one line, not a GorgonError traceback."""
+    tree = ast.parse((ROOT / "scripts" / script).read_text())
+    options = [node for node in ast.walk(tree) if isinstance(node, ast.Call)
+               and getattr(node.func, "attr", None) == "add_argument"]
+    assert not [ast.literal_eval(o.args[0]) for o in options if not any(k.arg == "help" for k in o.keywords)]
+    entry = next(node for node in tree.body if isinstance(node, ast.If) and "__main__" in ast.unparse(node.test))
+    assert "run_script(main" in ast.unparse(entry)
+
+
 @pytest.mark.parametrize("cls", [HeadsTrainConfig, DraftTrainConfig])
 def test_every_recipe_key_says_what_it_does(cls, capsys):
     assert not [f.name for f in dataclasses.fields(cls) if not f.metadata.get("help")]

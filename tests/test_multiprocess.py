@@ -208,3 +208,19 @@ def test_fsdp_on_cpu_processes_is_refused(tmp_path):
     assert run.returncode != 0
     assert ("train/heads.py: error: FSDP needs GPUs: accelerate runs CPU processes as plain DDP; launch with "
             "configs/accelerate/multi_cpu.yaml on CPUs") in run.stderr.splitlines()
+
+
+@pytest.mark.slow
+def test_an_out_refused_on_the_main_process_is_one_line_on_every_process(tmp_path):
+    """The main process checks --out alone while the others wait: when it refused the folder, the others stopped
+    with gloo's "Connection closed by peer" traceback; now each ends with the main process's line."""
+    target = tiny_chat_target(tmp_path)
+    out = tmp_path / "theirs"
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")
+    run = subprocess.run(LAUNCH + ["-q", "--config_file", MULTI_CPU, str(ROOT / "train/heads.py"), "--data",
+                                   toy_data(tmp_path / "toy.jsonl", n=8), "--target", str(target), "--out", str(out),
+                                   "--report-to", "none"], env=env(), capture_output=True, text=True, timeout=300)
+    assert run.returncode != 0 and (out / "notes.txt").read_text() == "mine"
+    line = f"train/heads.py: error: --out {out} already holds files gorgon did not write: choose a new or empty folder"
+    assert run.stderr.splitlines().count(line) == 2 and "[rank1]" not in run.stderr, run.stderr[-3000:]

@@ -17,7 +17,7 @@ from gorgon.heads import GorgonError, MedusaHeads, drafter_for, load_heads, load
 from gorgon.train.draft import DraftTrainConfig
 from gorgon.train.draft import train as train_draft
 from gorgon.train.heads import HeadsTrainConfig, train
-from gorgon.train.recipe import load_recipe, parse_overrides, recipe_main
+from gorgon.train.recipe import load_recipe, parse_overrides, recipe_main, resume_settings
 
 
 @pytest.mark.slow
@@ -356,6 +356,22 @@ def test_a_resume_with_another_data_order_or_shape_is_refused(tmp_path):
     out = train(dataclasses.replace(cfg, resume=True, max_steps=3, log_every=1, save_every=0, keep_checkpoints=1,
                                     eval_every=1, tree_topk=5))
     assert json.loads((out / "metrics.json").read_text())["steps"] == 3
+
+
+def test_a_resume_with_another_objective_or_optimiser_is_refused(tmp_path):
+    """The optimizer and its schedule come back from the checkpoint, so a new learning rate was silently ignored,
+    and a new loss silently trained the rest of the run on another objective; recipe.json then recorded settings
+    only part of the run had. Both scripts record every setting but those a resume may change."""
+    cfg = first_checkpoint(tmp_path)
+    checkpoint = tmp_path / "h" / "checkpoints" / "step-1"
+    for change, named in [({"learning_rate": 0.5}, "learning_rate 0.001 -> 0.5"), ({"loss": "kl"}, "loss ce -> kl"),
+                          ({"warmup_steps": 0, "head_decay": 0.5}, "head_decay 0.8 -> 0.5, warmup_steps 20 -> 0")]:
+        with pytest.raises(GorgonError, match=rf"^{re.escape(str(checkpoint))} was trained with other settings "
+                                              rf"\({re.escape(named)}\): resume with the same ones"):
+            train(dataclasses.replace(cfg, resume=True, **change))
+    recorded = resume_settings(DraftTrainConfig(data="x", out="y"), 1)
+    assert {"beta", "lmbda", "learning_rate", "student_layers"} <= recorded.keys()
+    assert not {"out", "max_steps", "epochs", "save_every", "report_to", "push_to_hub"} & recorded.keys()
 
 
 def test_a_resume_on_other_data_at_the_same_path_is_refused(tmp_path):

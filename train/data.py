@@ -13,6 +13,7 @@ the shards become a `datasets` dataset at OUT with `id` and `messages` columns, 
 from __future__ import annotations
 
 import argparse
+import fnmatch
 import hashlib
 import json
 import math
@@ -26,7 +27,7 @@ import torch
 
 from gorgon.decode.kernels import KERNELS, use_cpu_kernels
 from gorgon.heads.errors import GorgonError, int_at_least
-from gorgon.heads.files import atomic_write_text, check_output, read_jsonl
+from gorgon.heads.files import atomic_write_text, check_output, new_temp, read_jsonl, remove_stale_temps
 from gorgon.heads.target import Target, load_target
 
 from .batching import continuous_generate
@@ -235,6 +236,12 @@ def is_dataset(out: Path) -> bool:
     return (out / METADATA_NAME).is_file()
 
 
+def in_dataset(path: Path) -> bool:
+    """A file `gorgon data` (or `datasets`) writes in a dataset folder: --overwrite removes these, and no other."""
+    return any(fnmatch.fnmatch(path.name, name) for name in (METADATA_NAME, "dataset_info.json", "state.json",
+                                                              "data-*-of-*.arrow", "cache-*.arrow"))
+
+
 def read_metadata(folder: str | os.PathLike) -> dict | None:
     """What `gorgon data` recorded beside a dataset (target, fingerprint, settings, counts); None for other data."""
     path = Path(folder) / METADATA_NAME
@@ -282,8 +289,11 @@ def make_dataset(settings: DataSettings, out: str | os.PathLike, target: Target 
                               "to regenerate it, or choose another --out")
         print(f"gorgon data: {out} is already complete; pass --overwrite to regenerate it")
         return out
-    replace = check_output(out, is_dataset, overwrite)
+    replace = check_output(out, is_dataset, overwrite, own_entry=in_dataset)
     partial = out.parent / f"{out.name}.partial"  # the unfinished run, resumed from here
+    if os.path.lexists(partial) and not partial.is_dir():
+        raise GorgonError(f"{partial} is a file, where gorgon data keeps an unfinished run: move it away or choose "
+                          "another --out")
     if partial.is_dir() and any(partial.iterdir()) and not (partial / "settings.json").is_file():
         raise GorgonError(f"{partial} holds files gorgon did not write, where it keeps an unfinished run: move them "
                           "away or choose another --out")
@@ -357,8 +367,8 @@ def make_dataset(settings: DataSettings, out: str | os.PathLike, target: Target 
                           f"{settings.max_new_tokens}: lower --max-new-tokens or use shorter prompts")
     metadata = {"target": target.name, "target_fingerprint": target.fingerprint, **record,
                 "conversations": len(rows), "skipped_turns_too_long": skipped}
-    tmp = out.parent / f".{out.name}.writing"
-    shutil.rmtree(tmp, ignore_errors=True)
+    remove_stale_temps(out.parent, f".{out.name}.writing-")  # a killed run's
+    tmp = new_temp(out.parent, f".{out.name}.writing-", is_dir=True)
     datasets.Dataset.from_list(rows).save_to_disk(str(tmp))
     atomic_write_text(tmp / METADATA_NAME, json.dumps(metadata, indent=1) + "\n")
     if replace:

@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 from gorgon.heads.errors import GorgonError
-from gorgon.heads.files import atomic_write_text
+from gorgon.heads.files import atomic_write_text, follow_umask
 from gorgon.train.recipe import STATE_NAME, TrainingSettings, check_resume, data_sha256, resume_settings, setting
 
 
@@ -122,6 +122,7 @@ def gkd_trainer(cfg: DraftTrainConfig, student, target, train_ex: list[dict], ck
             settings a resume must keep go in before it too, for its check (recipe.check_resume)."""
             super()._save_rng_state(output_dir)
             if self.accelerator.is_main_process:
+                follow_umask(Path(output_dir))  # the model saved before it is private (safetensors)
                 state = {"settings": settings}
                 atomic_write_text(Path(output_dir) / STATE_NAME, json.dumps(state))
             self.accelerator.wait_for_everyone()

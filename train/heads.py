@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from gorgon.heads.errors import GorgonError
-from gorgon.heads.files import atomic_write_text
+from gorgon.heads.files import atomic_write_text, follow_umask
 from gorgon.heads.medusa.model import ADAPTER_DIR
 from gorgon.heads.tree import DEVICE_TREE_SIZE, MAX_TREE_NODES
 from gorgon.train.recipe import STATE_NAME, TrainingSettings, check_resume, data_sha256, resume_settings, setting
@@ -182,6 +182,7 @@ def save_checkpoint(accelerator, out: Path, progress: dict, keep: int) -> None:
     accelerator.save_state(str(tmp))
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
+        follow_umask(tmp)  # save_state's weights are private (safetensors)
         (tmp / STATE_NAME).write_text(json.dumps(progress))
         os.replace(tmp, final)
         for old in sorted((out / "checkpoints").glob("step-*"), key=lambda p: int(p.name.split("-")[1]))[:-keep]:
@@ -481,6 +482,7 @@ def save(run: Run) -> dict:
         if cfg.mode == "medusa2":
             unwrapped.target.save_pretrained(str(out / ADAPTER_DIR),
                                              state_dict=strip_prefix(trained_weights, "target."))
+            follow_umask(out / ADAPTER_DIR)
         recipe = asdict(cfg)
         atomic_write_text(out / "metrics.json", json.dumps(metrics, indent=1) + "\n")
         atomic_write_text(out / "recipe.json", json.dumps(recipe, indent=1) + "\n")

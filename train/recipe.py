@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import fnmatch
 import hashlib
 import json
 import math
@@ -244,13 +245,15 @@ def changed_settings(old: dict, new: dict) -> list[str]:
 
 
 STATE_NAME = "gorgon_state.json"  # gorgon's own record in a checkpoint: its settings (heads: the progress too)
-# The settings that decide which conversations each optimizer step trains on (with the number of processes):
-# the data and its tokens, the held-out split, the shuffling and the batches. train_conversations: heads only.
-DATA_ORDER = ("data", "target", "max_length", "eval_fraction", "train_conversations", "seed", "batch_size",
-              "grad_accum")
-# The settings that shape what a checkpoint holds (heads, adapters, a draft): another would not load into it.
-SHAPE = ("arch", "mode", "num_heads", "num_layers", "shared_lm_head", "feature_layers", "draft_vocab_size",
-         "train_lm_head", "student", "student_layers", "lora", "lora_r", "lora_target_modules")
+# The settings a resume may change: how long it trains, its logging and checkpoints, where it reports and
+# uploads, and what only the end (the trees, the held-out ranks) or only speed and memory depend on. Every
+# other one is recorded in each checkpoint and must stay: the data order (data, split, shuffle, batches),
+# the shape of what the checkpoint holds, and the objective and optimiser (the optimizer and its schedule
+# come back from the checkpoint, so a new learning rate would be ignored, and a new loss would train the
+# rest of the run on another objective while recipe.json recorded it for the whole).
+MAY_CHANGE = ("out", "epochs", "max_steps", "log_every", "save_every", "keep_checkpoints", "eval_every", "resume",
+              "overwrite", "report_to", "project", "push_to_hub", "cache_features", "gradient_checkpointing",
+              "tree_topk", "cpu_tree_size", "gpu_tree_size", "draft_depth", "draft_topk", "draft_tokens")
 
 
 def data_sha256(examples: list[dict]) -> str:
@@ -267,7 +270,7 @@ def resume_settings(cfg, processes: int, data_hash: str | None = None) -> dict:
     """What a checkpoint records under "settings" in its STATE_NAME, for `check_resume`. `data_hash` (the
     loaded examples' data_sha256) is known only once the data has loaded: the check before then, without
     it, compares the settings alone."""
-    settings = {key: getattr(cfg, key) for key in DATA_ORDER + SHAPE if hasattr(cfg, key)}
+    settings = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg) if f.name not in MAY_CHANGE}
     settings["processes"] = processes
     if data_hash is not None:
         settings["data_sha256"] = data_hash
@@ -278,8 +281,9 @@ def check_resume(checkpoint: Path, current: dict) -> None:
     """A resume must keep the data order recorded in its checkpoint: the checkpoint's step stands for the
     batches that order drew, and another (or other data at the same path) would silently train on some
     conversations twice and others never; and its shape, which would otherwise fail in the state's load
-    with a size mismatch. The other settings (more epochs or steps, logging, checkpointing, wandb, the Hub)
-    may change. A checkpoint from before a setting was recorded is not checked for it."""
+    with a size mismatch; and its objective and optimiser, which would silently mix two runs. MAY_CHANGE's
+    settings (more epochs or steps, logging, checkpointing, wandb, the Hub, the trees) may change. A
+    checkpoint from before a setting was recorded is not checked for it."""
     path = checkpoint / STATE_NAME
     recorded = json.loads(path.read_text()).get("settings", {}) if path.is_file() else {}
     changed = changed_settings(recorded, current)
@@ -295,6 +299,22 @@ def check_resume(checkpoint: Path, current: dict) -> None:
 
 
 RUN_MARKER = ".gorgon-run"  # written into a training --out when the run starts: this folder is gorgon's
+# What a run writes in its --out (heads, a draft model and its tokenizer, checkpoints, the temporary files of
+# atomic writes): --overwrite replaces a folder holding these only, and gorgon bench reports with their plots.
+RUN_FILES = (RUN_MARKER, "checkpoints", "adapter", ".draft.tmp", ".*.tmp", "config.json", "generation_config.json",
+             "model.safetensors", "model-*-of-*.safetensors", "model.safetensors.index.json", "trees.json",
+             "metrics.json", "recipe.json", "head_accuracy.png", "README.md", "tokenizer.json", "tokenizer_config.json",
+             "special_tokens_map.json", "added_tokens.json", "chat_template.jinja", "vocab.json", "merges.txt",
+             "tokenizer.model")
+
+
+def in_run_folder(path: Path) -> bool:
+    """An entry of a training --out that --overwrite may remove: what a run writes, or a gorgon bench report (and
+    its plot) of the earlier heads."""
+    from gorgon.decode.bench import is_report
+
+    return (any(fnmatch.fnmatch(path.name, name) for name in RUN_FILES) or is_report(path)
+            or (path.suffix == ".png" and is_report(path.with_suffix(".json"))))
 
 
 def prepare_output(out: Path, latest_checkpoint, resume: bool, overwrite: bool) -> Path | None:
@@ -303,29 +323,44 @@ def prepare_output(out: Path, latest_checkpoint, resume: bool, overwrite: bool) 
     A run's own folder (its marker or recipe.json in it) is continued with --resume, or replaced
     whole with --overwrite, so no stale file (an old bench report) stays beside new weights; an
     unfinished run with no complete checkpoint starts over. A file, an unwritable place or a
-    non-empty folder of other files is refused. The main process goes first and alone changes
-    the folder; the others then find it prepared."""
+    non-empty folder of other files is refused. The main process alone checks and changes the
+    folder, then tells the others the checkpoint or its refusal, which each process raises: while
+    they waited, a refusal on the main process alone ended them with gloo's traceback."""
     from accelerate import PartialState
-    from accelerate.utils import parse_flag_from_env
-
-    from gorgon.heads.files import atomic_write_text, check_output
+    from accelerate.utils import broadcast_object_list, parse_flag_from_env
 
     # The process state is made here, before the Accelerator: it must connect CPU processes as
     # the Accelerator would (connect_cpu_processes sets the flag; only AcceleratorState reads it).
     state = PartialState(cpu=parse_flag_from_env("ACCELERATE_USE_CPU"))
-    with state.main_process_first():
-        finished = (out / "recipe.json").is_file()
-        ours = finished or (out / RUN_MARKER).is_file()
-        if resume or not overwrite:  # checkpoints are looked for (and cut-short ones removed) in our folders only
-            latest = resume_point(latest_checkpoint() if ours else None, resume, out)
-            if latest is not None:
-                return latest
-        if not state.is_main_process:
-            return None
-        if check_output(out, lambda _: ours, overwrite or (ours and not finished)):
-            shutil.rmtree(out)
-            out.mkdir()
-        atomic_write_text(out / RUN_MARKER, "")
+    latest = refused = None
+    if state.is_main_process:
+        try:
+            latest = prepare_own_output(out, latest_checkpoint, resume, overwrite)
+        except Exception as err:
+            refused = user_error_line(err)
+            if refused is None:
+                raise
+    if state.num_processes > 1:
+        latest, refused = broadcast_object_list([latest, refused])
+    if refused is not None:
+        raise GorgonError(refused)
+    return latest
+
+
+def prepare_own_output(out: Path, latest_checkpoint, resume: bool, overwrite: bool) -> Path | None:
+    """prepare_output's work, on the main process."""
+    from gorgon.heads.files import atomic_write_text, check_output
+
+    finished = (out / "recipe.json").is_file()
+    ours = finished or (out / RUN_MARKER).is_file()
+    if resume or not overwrite:  # checkpoints are looked for (and cut-short ones removed) in our folders only
+        latest = resume_point(latest_checkpoint() if ours else None, resume, out)
+        if latest is not None:
+            return latest
+    if check_output(out, lambda _: ours, overwrite or (ours and not finished), own_entry=in_run_folder):
+        shutil.rmtree(out)
+        out.mkdir()
+    atomic_write_text(out / RUN_MARKER, "")
     return None
 
 

@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from ..errors import GorgonError
+from ..files import follow_umask
 from ..target import check_same_tokenizer, check_vocab, load_causal_lm
 
 
@@ -66,6 +67,7 @@ def save_draft(student, tokenizer, out: Path, state_dict: dict | None = None) ->
     shutil.rmtree(tmp, ignore_errors=True)
     student.save_pretrained(tmp, state_dict=state_dict)
     tokenizer.save_pretrained(tmp)
+    follow_umask(tmp)
     for path in tmp.iterdir():
         os.replace(path, out / path.name)
     tmp.rmdir()
