@@ -17,7 +17,7 @@ from gorgon.heads import GorgonError, MedusaHeads, drafter_for, load_heads, load
 from gorgon.train.draft import DraftTrainConfig
 from gorgon.train.draft import train as train_draft
 from gorgon.train.heads import HeadsTrainConfig, train
-from gorgon.train.recipe import load_recipe, parse_overrides, recipe_main, resume_settings
+from gorgon.train.recipe import MAY_CHANGE, load_recipe, parse_overrides, recipe_main, resume_settings
 
 
 @pytest.mark.slow
@@ -372,6 +372,8 @@ def test_a_resume_with_another_objective_or_optimiser_is_refused(tmp_path):
     recorded = resume_settings(DraftTrainConfig(data="x", out="y"), 1)
     assert {"beta", "lmbda", "learning_rate", "student_layers"} <= recorded.keys()
     assert not {"out", "max_steps", "epochs", "save_every", "report_to", "push_to_hub"} & recorded.keys()
+    fields = {f.name for config in (HeadsTrainConfig, DraftTrainConfig) for f in dataclasses.fields(config)}
+    assert set(MAY_CHANGE) <= fields  # each names a setting of one script or the other
 
 
 def test_a_resume_on_other_data_at_the_same_path_is_refused(tmp_path):

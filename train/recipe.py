@@ -252,8 +252,8 @@ STATE_NAME = "gorgon_state.json"  # gorgon's own record in a checkpoint: its set
 # come back from the checkpoint, so a new learning rate would be ignored, and a new loss would train the
 # rest of the run on another objective while recipe.json recorded it for the whole).
 MAY_CHANGE = ("out", "epochs", "max_steps", "log_every", "save_every", "keep_checkpoints", "eval_every", "resume",
-              "overwrite", "report_to", "project", "push_to_hub", "cache_features", "gradient_checkpointing",
-              "tree_topk", "cpu_tree_size", "gpu_tree_size", "draft_depth", "draft_topk", "draft_tokens")
+              "overwrite", "report_to", "project", "push_to_hub", "cache_features", "tree_topk", "cpu_tree_size",
+              "gpu_tree_size", "draft_depth", "draft_topk")
 
 
 def data_sha256(examples: list[dict]) -> str:
