@@ -9,7 +9,7 @@ from helpers import QUESTIONS, ROOT, tiny_chat_target
 
 import gorgon.decode.acceptance as acceptance
 import gorgon.decode.generate as generate_module
-from gorgon.decode.bench import load_questions, markdown_table, run_bench
+from gorgon.decode.bench import load_questions, markdown_table, run_bench, summarize
 from gorgon.heads import GorgonError, HeadsDrafter, MedusaHeads, load_target
 
 
@@ -37,6 +37,25 @@ def test_report_fields(setup):
     assert steps == forwards - 8  # every verify step, i.e. all forwards but the 4 x 2 prefills
     assert tokens + 8 >= sum(q["tokens"] for q in report["questions"])  # output is cut at max_new_tokens
     assert "| **all** | 4 |" in markdown_table(report)
+
+
+def test_summary_figures_on_hand_made_rows():
+    """Rates are pooled (all tokens over all seconds), a speedup is gorgon's rate over the baseline's, tau counts
+    every target forward (prefills included), and the median is the middle question's speedup."""
+    rows = [dict(tokens=t, seconds=s, target_forwards=f, speedup=x, identical=1, baseline_tokens=t, baseline_seconds=b,
+                 stock_tokens=t, stock_seconds=3 * b, identical_vs_stock=1, **{
+                     "prompt-lookup_tokens": t, "prompt-lookup_seconds": b / 2,
+                     "no-context_tokens": t, "no-context_seconds": s, "no-context_target_forwards": 2 * f,
+                     "no-context_identical": 1})
+            for t, s, b, f, x in [(30, 1.0, 2.0, 12, 2.0), (10, 1.0, 0.5, 8, 0.5), (20, 1.0, 1.0, 10, 1.0)]]
+    report = summarize(rows, greedy=True, extra=("prompt-lookup", "no-context"), stock=True)
+    # 60 tokens in 3 s, the baseline's in 3.5 s (stock: 10.5 s, prompt lookup: 1.75 s), over 30 forwards
+    expected = {"prompts": 3, "tau": 2.0, "tokens_per_s": 20.0, "baseline_tokens_per_s": 120 / 7,
+                "speedup": 7 / 6, "speedup_median": 1.0, "identical": 3, "stock_tokens_per_s": 40 / 7,
+                "speedup_vs_stock": 3.5, "identical_vs_stock": 3, "prompt-lookup_tokens_per_s": 240 / 7,
+                "prompt-lookup_speedup": 2.0, "no-context_tokens_per_s": 20.0, "no-context_speedup": 7 / 6,
+                "no-context_tau": 1.0, "no-context_identical": 3}
+    assert report == pytest.approx(expected)
 
 
 def test_identical_count_drops_when_the_decoder_is_broken(setup, monkeypatch):

@@ -36,6 +36,8 @@ def test_a_chain_grows_with_the_run_the_text_has_copied():
     assert lookup(copied, 3, 2, 2, max_length=4)[1] == [[9, 10, 11, 12]]           # at most max_length
     fresh = [9, 1, 2, 3, 7, 5, 6, 4, 8, 1, 2, 3]  # the match reaches no further back than its 3-gram
     assert lookup(fresh, 3, 2, 2, max_length=10)[1] == [[7, 5, 6]]                 # run 3: the usual 2, then 3
+    at_start = [1, 2, 3, 9, 8, 7, 3, 1, 2, 3]  # the match begins the text: nothing before it to compare
+    assert lookup(at_start, 3, 2, 2, max_length=10)[1] == [[9, 8, 7]]              # run 3, not 4
 
 
 class Fixed:
@@ -73,6 +75,12 @@ def test_merged_trees_take_the_likeliest_candidates_once():
         merged = MergedDrafter(Fixed(), ContextDrafter(max_ngram=3, length=4, branches=1), budget=6, costs=costs)
         assert merged.propose(torch.tensor(3), torch.zeros(0, 1), context)[1].size == size
     assert MergedDrafter(Fixed(), ContextDrafter()).max_nodes == 16  # the default cap
+
+    class Unsure(Fixed):  # proposes (10,) less likely than the context does (0.5)
+        scored = [([11], 0.4), ([10], 0.3)]
+
+    merged = MergedDrafter(Unsure(), ContextDrafter(max_ngram=3, length=4, branches=1), budget=2)
+    assert token_paths(*merged.propose(torch.tensor(3), torch.zeros(0, 1), context)) == [(10,)]  # the higher: 0.5
 
 
 def test_context_chances_follow_what_the_target_accepted():

@@ -60,9 +60,10 @@ def test_greedy_equals_generate_when_drafts_are_accepted(arch, kernels, one_row)
     assert sum(taus) / len(taus) > 2.0  # the oracle's right tokens were really accepted
 
 
-@pytest.mark.parametrize("arch", ARCHS)
-def test_cache_after_acceptance_equals_plain_forward(arch):
-    model = tiny_model(arch)
+# A sliding window of 2 is shorter than the tree (4 deep): nodes must not see their own early ancestors.
+@pytest.mark.parametrize("arch, window", [(arch, 6) for arch in ARCHS] + [("mistral", 2), ("gemma3", 2)])
+def test_cache_after_acceptance_equals_plain_forward(arch, window):
+    model = tiny_model(arch, window=window)
     tree = build_tree(PATHS)
     prefix = torch.randint(0, VOCAB, (1, 9))
     tokens = torch.randint(0, VOCAB, (tree.size,))
@@ -82,6 +83,42 @@ def test_cache_after_acceptance_equals_plain_forward(arch):
                 torch.testing.assert_close(mine.values, theirs.values, atol=1e-5, rtol=1e-5)
             # and the verify forward's hidden state at the path end equals the plain forward's
             torch.testing.assert_close(hidden[last], out.last_hidden_state[0, -1], atol=1e-5, rtol=1e-5)
+
+
+def test_heads_draft_from_the_last_accepted_token():
+    """Greedy output is exact whatever the heads propose: drafting from another row would pass every test above."""
+    heads = MedusaHeads.for_target(tiny_model("llama"), num_heads=3)
+    drafter = HeadsDrafter(heads, tree=PATHS[:7])
+    root, features, context = torch.tensor(5), torch.randn(4, 32), torch.randint(0, VOCAB, (9,))
+    tokens = drafter.propose(root, features, context)[0]
+    assert torch.equal(tokens, drafter.propose(root, features[-1:], context)[0])
+    assert not torch.equal(tokens, drafter.propose(root, features[:1], context)[0])
+
+
+@pytest.mark.parametrize("layers", [None, (1, 2)])
+def test_the_drafter_gets_the_targets_features_at_every_token_accepted_since_its_last_call(layers):
+    """The last hidden state, or the given layers' concatenated. Greedy output is exact whatever the drafter
+    proposes, so features of other tokens, or in another order, would only make its drafts worse, unseen."""
+    model = tiny_model("llama")
+    ids = torch.randint(0, VOCAB, (1, 6), generator=torch.Generator().manual_seed(0))
+    ref = reference(model, ids, 20)
+    calls = []
+
+    class Recording(OracleDrafter):
+        feature_layers = layers
+
+        def propose(self, root, features, context):
+            calls.append((features, context))
+            return super().propose(root, features, context)
+
+    assert speculative_generate(model, Recording(ref, 6, VOCAB, PATHS), ids, max_new_tokens=20).tokens == ref
+    assert calls[0][0].shape[0] == 6 and max(features.shape[0] for features, _ in calls[1:]) > 1
+    with torch.no_grad():
+        for features, context in calls:
+            out = model.get_decoder()(input_ids=context[None], output_hidden_states=True)
+            expected = out.last_hidden_state[0] if layers is None else torch.cat(
+                [out.hidden_states[i][0] for i in layers], -1)
+            torch.testing.assert_close(features, expected[-features.shape[0]:], atol=1e-5, rtol=1e-5)
 
 
 def test_stops_at_eos_and_never_overshoots():

@@ -202,6 +202,8 @@ def test_a_resume_with_another_data_order_is_refused(tmp_path):
                                           r"\(batch_size 4 -> 2, seed 0 -> 1\): resume with the same ones, or train "
                                           r"into a new --out$"):
         train(dataclasses.replace(cfg, resume=True, batch_size=2, seed=1))
+    with pytest.raises(GorgonError, match=r"\(student_layers 1 -> 2\)"):  # another shape would not load
+        train(dataclasses.replace(cfg, resume=True, student_layers=2))
     train(dataclasses.replace(cfg, resume=True, max_steps=3, log_every=1))
     assert json.loads((tmp_path / "draft" / "metrics.json").read_text())["steps"] == 3
 

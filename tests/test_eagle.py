@@ -128,6 +128,34 @@ def test_stopping_the_expansion_early_leaves_the_tree_unchanged(monkeypatch):
     assert levels["pruned"] < levels["full"]  # and some levels were skipped
 
 
+def test_each_candidate_scores_what_the_head_gives_its_path_drafted_alone():
+    """A candidate's confidence is the product of the head's probabilities along its path, drafted one token at
+    a time with no cache: the search's parents, features, positions and masks must reproduce it. Greedy output
+    is exact whatever tree is proposed, so the decoding tests cannot see a wrong tree, only a slower one."""
+    from gorgon.heads.target import additive_mask
+
+    model = tiny_model("llama", vocab=8, layers=4)
+    head = head_for(model)
+    ids = torch.randint(0, 8, (7,), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        out = model.get_decoder()(input_ids=ids[None], output_hidden_states=True)
+        features = torch.cat([out.hidden_states[i][0, :-1] for i in head.feature_layers], -1)  # ids[-1] is the root
+        for nodes, depth, topk in [(12, 4, 3), (8, 5, 2)]:
+            scored = EagleDrafter(head, nodes=nodes, depth=depth, topk=topk).scored_paths(ids[-1], features, ids[:-1])
+            chances = [chance for _, chance in scored]
+            assert len(scored) == nodes - 1 and chances == sorted(chances, reverse=True)
+            assert max(len(path) for path, _ in scored) >= 3
+            for path, chance in scored:
+                fed, tokens, expected = head.fc(features), ids[1:], 1.0
+                for token in path:  # each position: a feature and the token after it, causally
+                    n = fed.shape[0]
+                    mask = additive_mask(torch.ones(n, n, dtype=torch.bool).tril(), fed.dtype)[None, None]
+                    last = head.layer(fed[None], tokens[None], torch.arange(n)[None], mask)[0, -1:]
+                    expected *= head.logits(last)[0].softmax(-1)[token].item()
+                    fed, tokens = torch.cat([fed, last]), torch.cat([tokens, torch.tensor([token])])
+                assert chance == pytest.approx(expected, rel=1e-4), path
+
+
 def test_draft_dtype_follows_the_target_unless_the_cpu_runs_bfloat16():
     model = tiny_model("llama")
     fast_bf16 = fast_kernels_unavailable(torch.bfloat16) is None
@@ -253,6 +281,16 @@ def test_an_imported_head_exports_again_as_it_was_exported(tmp_path, arch, fmt):
     assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
     assert torch.equal(draft_logits(EagleHead.from_pretrained(second, target=model)), draft_logits(back))
     torch.testing.assert_close(draft_logits(back), draft_logits(head))
+
+
+def test_an_eagle3_folder_naming_its_layers_as_sglang_does_reads_the_same_layers(tmp_path):
+    """SGLang's `eagle_config` ids count one below vLLM's top-level ones: a folder with only them reads the same."""
+    model = tiny_model("llama", layers=6)
+    out = export_head(EagleHead.for_target(model, feature_layers=[1, 3, 5]), "eagle3", tmp_path)
+    config = json.loads((out / "config.json").read_text())
+    del config["eagle_aux_hidden_state_layer_ids"]
+    (out / "config.json").write_text(json.dumps(config))
+    assert EagleHead.from_pretrained(out, target=model).feature_layers == (1, 3, 5)
 
 
 def saved_settings(config):

@@ -71,6 +71,10 @@ def test_exported_key_names_and_shapes(tmp_path):
                 for h in range(3) for layer in range(2) for p in ("weight", "bias")}
     expected["lm_head.weight"] = (64, 32)
     assert {k: tuple(v.shape) for k, v in weights.items()} == expected
+    # Square blocks: only their values tell a transposed export (that its import transposes back) from vLLM's layout.
+    block = heads.blocks[1][0].linear
+    assert torch.equal(weights["blocks.1.layers.0.weight"], block.weight)
+    assert torch.equal(weights["blocks.1.layers.0.bias"], block.bias)
 
     export_heads(trained_like(model, shared=False, layers=1), "vllm", tmp_path / "v2")
     assert {k for k in load_file(tmp_path / "v2" / "model.safetensors") if "lm_head" in k} == \
@@ -85,6 +89,28 @@ def test_exported_key_names_and_shapes(tmp_path):
                 for h in range(3) for layer in range(2) for p in ("weight", "bias")}
     expected.update({f"{h}.2.weight": (64, 32) for h in range(3)})
     assert {k: tuple(v.shape) for k, v in weights.items()} == expected
+    assert torch.equal(weights["1.0.linear.weight"], block.weight)
+    assert torch.equal(weights["1.0.linear.bias"], block.bias)
+
+
+def test_a_vllm_checkpoint_without_block_biases_loads_with_zero_biases(tmp_path):
+    """vLLM's `medusa_fc_bias: false` layout has no bias tensors: they are zero, not left as they were."""
+    from safetensors.torch import save_file
+
+    model = tiny_model("llama")
+    heads = trained_like(model)
+    export_heads(heads, "vllm", tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "medusa_fc_bias": False}))
+    weights = load_file(tmp_path / "model.safetensors")
+    save_file({k: v for k, v in weights.items() if not k.endswith(".bias")}, tmp_path / "model.safetensors")
+    back = MedusaHeads.from_pretrained(tmp_path, target=model)
+    with torch.no_grad():
+        for block in heads.blocks:
+            for res in block:
+                res.linear.bias.zero_()
+    hidden = torch.randn(4, 32)
+    torch.testing.assert_close(back(hidden), heads(hidden), rtol=0, atol=0)
 
 
 def test_a_hub_download_fetches_every_layout_the_loader_reads(tmp_path, monkeypatch):

@@ -14,8 +14,9 @@ from scipy.stats import chisquare
 
 import gorgon.decode.acceptance as acceptance
 from gorgon.decode import Sampling, speculative_generate
-from gorgon.decode.acceptance import target_probs
+from gorgon.decode.acceptance import accept_typical, target_probs
 from gorgon.heads import GorgonError
+from gorgon.heads.tree import build_tree
 
 V, N_NEW, SAMPLES = 8, 3, 3000
 PATHS = [[0], [1], [2], [0, 0], [0, 1], [1, 0]]  # depth 2: with the root, all 3 new tokens
@@ -155,3 +156,32 @@ def test_typical_acceptance_takes_likely_drafts_and_needs_a_temperature(peaky_mo
     assert len(out.tokens) == 12 and max(out.accepted) >= 3
     with pytest.raises(GorgonError, match="typical acceptance needs a temperature > 0"):
         speculative_generate(peaky_model, drafter, prompt, max_new_tokens=4, acceptance="typical")
+
+
+def test_a_seeded_generator_alone_decides_the_samples(peaky_model):
+    """Every draw, the first token's included, takes the generator: the global seed changes nothing."""
+    prompt, drafter = torch.tensor([[1, 5, 2]]), TargetRolloutDrafter(peaky_model, PATHS)
+    runs = []
+    for seed in range(2):
+        torch.manual_seed(seed)
+        runs.append(speculative_generate(peaky_model, drafter, prompt, max_new_tokens=8, sampling=Sampling(1.5),
+                                         generator=torch.Generator().manual_seed(7)).tokens)
+    assert runs[0] == runs[1]
+
+
+def test_typical_acceptance_judges_each_token_by_its_parents_distribution():
+    """Medusa's rule on a hand-made tree: a token passes when its probability after its parent exceeds
+    min(threshold, alpha * exp(-entropy)) of the parent's distribution; the deepest passing path wins,
+    the better-ranked node on a tie, and the bonus is drawn at its end."""
+    tree = build_tree([[0], [1], [0, 0]])         # root; 1 and 2 under it; 3 under 1
+    tokens = torch.tensor([0, 1, 2, 3])
+    probs = torch.full((4, 8), 1 / 8)
+    probs[0] = 0.1 / 6
+    probs[0, [1, 2]] = torch.tensor([0.5, 0.4])   # peaked: limit 0.09; tokens 1 and 2 pass
+    probs[1] = 0.94 / 7
+    probs[1, 3] = 0.06                            # flat: limit 0.3 * exp(-2.05) = 0.039; token 3 passes
+    probs[3] = torch.eye(8)[7]                    # peaked (limit 0.09): token 3 would fail under it; the bonus is 7
+    generator = torch.Generator().manual_seed(0)
+    assert accept_typical(tree, tokens, probs, generator) == ((0, 1, 3), [1, 3, 7])
+    probs[1, 3] = 0.01                            # now token 3 fails: nodes 1 and 2 tie at depth 1
+    assert accept_typical(tree, tokens, probs, generator)[0] == (0, 1)

@@ -17,7 +17,14 @@ from gorgon.heads import GorgonError, MedusaHeads, drafter_for, load_heads, load
 from gorgon.train.draft import DraftTrainConfig
 from gorgon.train.draft import train as train_draft
 from gorgon.train.heads import HeadsTrainConfig, train
-from gorgon.train.recipe import MAY_CHANGE, load_recipe, parse_overrides, recipe_main, resume_settings
+from gorgon.train.recipe import (
+    MAY_CHANGE,
+    latest_checkpoint,
+    load_recipe,
+    parse_overrides,
+    recipe_main,
+    resume_settings,
+)
 
 
 @pytest.mark.slow
@@ -341,7 +348,9 @@ def test_a_resume_with_another_data_order_or_shape_is_refused(tmp_path):
                ({"seed": 1}, "seed 0 -> 1"), ({"data": str(other)}, "data "),
                ({"train_conversations": 20}, "train_conversations None -> 20"),
                ({"eval_fraction": 0.1, "max_length": 64}, "eval_fraction 0.05 -> 0.1, max_length 1024 -> 64"),
-               ({"num_heads": 2}, "num_heads 4 -> 2"), ({"arch": "eagle"}, "arch medusa -> eagle")]
+               ({"target": str(tmp_path / "elsewhere")}, "target "), ({"num_heads": 2}, "num_heads 4 -> 2"),
+               ({"num_layers": 2}, "num_layers 1 -> 2"), ({"draft_vocab_size": 32}, "draft_vocab_size None -> 32"),
+               ({"lora_r": 8}, "lora_r 16 -> 8"), ({"arch": "eagle"}, "arch medusa -> eagle")]
     for change, named in changes:
         with pytest.raises(GorgonError, match=rf"^{re.escape(str(checkpoint))} was trained with other settings "
                                               rf"\({named}.*\): resume with the same ones, or train into a new "
@@ -374,6 +383,17 @@ def test_a_resume_with_another_objective_or_optimiser_is_refused(tmp_path):
     assert not {"out", "max_steps", "epochs", "save_every", "report_to", "push_to_hub"} & recorded.keys()
     fields = {f.name for config in (HeadsTrainConfig, DraftTrainConfig) for f in dataclasses.fields(config)}
     assert set(MAY_CHANGE) <= fields  # each names a setting of one script or the other
+
+
+def test_the_newest_complete_checkpoint_is_resumed_and_those_cut_short_removed(tmp_path):
+    """Newest by step number (step-10 after step-9); one whose last file is missing or half-written was cut short."""
+    for step, state in [(5, "{}"), (9, "{}"), (10, "{}"), (11, None), (12, '{"step": 1')]:
+        (tmp_path / f"step-{step}").mkdir()
+        if state is not None:
+            (tmp_path / f"step-{step}" / "state.json").write_text(state)
+    (tmp_path / "step-best").mkdir()  # not a name gorgon writes
+    assert latest_checkpoint(tmp_path, "step", "state.json") == tmp_path / "step-10"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-10", "step-5", "step-9", "step-best"]
 
 
 def test_a_resume_on_other_data_at_the_same_path_is_refused(tmp_path):

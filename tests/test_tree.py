@@ -2,7 +2,15 @@ import pytest
 import torch
 
 from gorgon.heads import GorgonError
-from gorgon.heads.tree import build_tree, default_tree, expected_accepted, tree_from_accuracies
+from gorgon.heads.tree import (
+    build_tree,
+    cut_tree,
+    default_tree,
+    expected_accepted,
+    interpolate_cost,
+    tree_from_accuracies,
+    worth_verifying,
+)
 
 
 def test_buffers_of_a_small_tree():
@@ -66,3 +74,21 @@ def test_default_trees_fit_the_device_and_the_heads():
     cpu, gpu = build_tree(default_tree(4, "cpu")), build_tree(default_tree(4, "cuda"))
     assert cpu.size == 16 and gpu.size == 64
     assert gpu.max_depth <= 4 and build_tree(default_tree(2, "cuda")).max_depth <= 2
+
+
+def test_cut_tree_keeps_every_node_within_the_depth():
+    tree = build_tree([[0], [1], [0, 0], [0, 1], [0, 0, 0]])
+    tokens = torch.arange(10, 16)
+    for depth, size in [(3, 6), (2, 5), (1, 3), (0, 1)]:
+        kept, cut = cut_tree(tokens, tree, depth)
+        assert cut.size == size and cut.paths == tree.paths[:size - 1] and kept.tolist() == list(range(10, 10 + size))
+
+
+def test_verify_costs_interpolate_and_ties_go_to_the_smaller_tree():
+    costs = {1: 1.0, 4: 2.0}
+    assert [interpolate_cost(costs, n) for n in (1, 2, 4, 8)] == [1.0, 1.0 + 1 / 3, 2.0, 4.0]  # beyond: in proportion
+    flat = {1: 1.0, 8: 1.0}
+    assert worth_verifying([0.5, 0.0, 0.0], flat) == 1  # candidates that add nothing are not verified
+    assert worth_verifying([0.0, 0.0], flat, at_least=1) == 1
+    steep = {1: 1.0, 2: 1.5, 3: 1.8, 4: 4.0}
+    assert worth_verifying([0.9, 0.8, 0.7], steep) == 2  # 2.7 tokens per 1.8 beat 1.9 per 1.5 and 3.4 per 4
