@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import json
-import tempfile
 from pathlib import Path
 
 from .errors import GorgonError
-from .files import atomic_write, atomic_write_text
+from .files import atomic_write, atomic_write_text, check_writable
 from .target import EMBEDDED_HUB_ID, EMBEDDED_NAME
 
 
@@ -46,12 +45,8 @@ def check_card_folder(folder: Path) -> None:
     if not ((folder / "recipe.json").is_file() and (folder / "metrics.json").is_file()):
         raise GorgonError(f"{folder} has no recipe.json/metrics.json, so its card cannot be rebuilt: "
                           "--update-card works on folders written by gorgon's training")
-    try:
-        with tempfile.TemporaryFile(dir=folder):
-            pass
-    except OSError as err:
-        raise GorgonError(f"cannot write to {folder} ({err.strerror}), where --update-card rewrites the card: leave "
-                          "it out and pass --out, or copy the folder somewhere writable") from err
+    check_writable(folder, "leave out --update-card (it rewrites the card there) and pass --out, or copy the folder "
+                           "somewhere writable")
 
 
 def refresh_model_card(folder: Path, bench: dict) -> None:

@@ -185,18 +185,17 @@ def check_report_output(out: Path, is_report, overwrite: bool) -> None:
     check_output(out.with_suffix(".png"), lambda png: is_report(out), overwrite, kind="file")
 
 
-def check_writable(folder: Path) -> None:
-    """Create `folder` (and its parents) and write a scratch file there; fail in one line if that fails.
-    The folders it made are removed again, so a command that then stops on bad input leaves no empty
-    --out behind (writers create their folders: `atomic_write` makes its file's parents)."""
+def check_writable(folder: Path, fix: str = "choose a writable --out") -> None:
+    """Create `folder` (and its parents) and write a scratch file there; fail in one line, ending in `fix`,
+    if that fails. The folders it made are removed again, so a command that then stops on bad input leaves
+    no empty --out behind (writers create their folders: `atomic_write` makes its file's parents)."""
     made = [p for p in (folder, *folder.parents) if not os.path.lexists(p)]  # deepest first
     try:
         folder.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryFile(dir=folder):
             pass
     except OSError as err:
-        raise GorgonError(f"cannot write to {folder} ({err.strerror or err.__class__.__name__}): choose a writable "
-                          "--out") from err
+        raise GorgonError(f"cannot write to {folder} ({err.strerror or err.__class__.__name__}): {fix}") from err
     finally:
         for path in made:
             with contextlib.suppress(OSError):

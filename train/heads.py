@@ -26,7 +26,15 @@ from gorgon.heads.errors import GorgonError
 from gorgon.heads.files import atomic_write_text, follow_umask
 from gorgon.heads.medusa.model import ADAPTER_DIR
 from gorgon.heads.tree import DEVICE_TREE_SIZE, MAX_TREE_NODES
-from gorgon.train.recipe import STATE_NAME, TrainingSettings, check_resume, data_sha256, resume_settings, setting
+from gorgon.train.recipe import (
+    STATE_NAME,
+    TrainingSettings,
+    check_resume,
+    data_sha256,
+    numbered_checkpoints,
+    resume_settings,
+    setting,
+)
 
 
 @dataclass
@@ -185,7 +193,7 @@ def save_checkpoint(accelerator, out: Path, progress: dict, keep: int) -> None:
         follow_umask(tmp)  # save_state's weights are private (safetensors)
         (tmp / STATE_NAME).write_text(json.dumps(progress))
         os.replace(tmp, final)
-        for old in sorted((out / "checkpoints").glob("step-*"), key=lambda p: int(p.name.split("-")[1]))[:-keep]:
+        for old in numbered_checkpoints(out / "checkpoints", "step")[keep:]:
             shutil.rmtree(old)
     accelerator.wait_for_everyone()
 

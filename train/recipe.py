@@ -214,12 +214,16 @@ def load_recipe(cls, config_path: str | None, overrides: dict[str, str]):
     return cls(**values)
 
 
+def numbered_checkpoints(folder: Path, prefix: str) -> list[Path]:
+    """The checkpoints `folder/PREFIX-STEP`, newest (highest step) first: step-10 after step-9."""
+    numbered = [p for p in folder.glob(f"{prefix}-*") if p.name[len(prefix) + 1:].isdigit()]
+    return sorted(numbered, key=lambda p: int(p.name[len(prefix) + 1:]), reverse=True)
+
+
 def latest_checkpoint(folder: Path, prefix: str, written_last: str) -> Path | None:
     """The newest complete checkpoint `folder/PREFIX-STEP`: one whose `written_last` file reads as JSON.
     One without was cut short by a kill; it is removed, so the run resumes from the one before."""
-    numbered = [p for p in folder.glob(f"{prefix}-*") if p.name[len(prefix) + 1:].isdigit()]
-    ckpts = sorted(numbered, key=lambda p: int(p.name[len(prefix) + 1:]), reverse=True)
-    for ckpt in ckpts:
+    for ckpt in numbered_checkpoints(folder, prefix):
         try:
             json.loads((ckpt / written_last).read_text())
             return ckpt
@@ -301,7 +305,7 @@ def check_resume(checkpoint: Path, current: dict) -> None:
 RUN_MARKER = ".gorgon-run"  # written into a training --out when the run starts: this folder is gorgon's
 # What a run writes in its --out (heads, a draft model and its tokenizer, checkpoints, the temporary files of
 # atomic writes): --overwrite replaces a folder holding these only, and gorgon bench reports with their plots.
-RUN_FILES = (RUN_MARKER, "checkpoints", "adapter", ".draft.tmp", ".*.tmp", "config.json", "generation_config.json",
+RUN_FILES = (RUN_MARKER, "checkpoints", "adapter", ".*.tmp", "config.json", "generation_config.json",
              "model.safetensors", "model-*-of-*.safetensors", "model.safetensors.index.json", "trees.json",
              "metrics.json", "recipe.json", "head_accuracy.png", "README.md", "tokenizer.json", "tokenizer_config.json",
              "special_tokens_map.json", "added_tokens.json", "chat_template.jinja", "vocab.json", "merges.txt",
