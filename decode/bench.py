@@ -61,14 +61,17 @@ def load_questions(path: str, limit: int | None = None) -> list[dict]:
 
 
 def timed_generate(model, ids, max_new_tokens: int, sampling: Sampling, **extra):
-    """Plain `generate`, timed; returns the new tokens and seconds."""
-    kwargs = dict(do_sample=False) if sampling.greedy else dict(
+    """Plain `generate`, timed; returns the new tokens and seconds. Every generation setting goes into the
+    config it is given (transformers warns on settings passed beside one); what is not a setting
+    (an assistant model) is passed on."""
+    settings = dict(do_sample=False) if sampling.greedy else dict(
         do_sample=True, temperature=sampling.temperature, top_k=sampling.top_k or None, top_p=sampling.top_p)
+    config = generation_config_as_applied(model)
+    passed_on = config.update(max_new_tokens=max_new_tokens, **settings, **extra)
     sync(model.device)
     start = time.perf_counter()
     with torch.inference_mode():
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
-                             generation_config=generation_config_as_applied(model), **kwargs, **extra)
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=config, **passed_on)
     sync(model.device)
     return out[0, ids.shape[1]:].tolist(), time.perf_counter() - start
 

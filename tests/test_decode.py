@@ -179,6 +179,28 @@ def test_generation_config_settings_gorgon_does_not_apply_are_named_and_the_benc
     assert model.generation_config.repetition_penalty == 1.3  # the model's own config is left as it was
 
 
+def test_the_bench_baseline_gives_generate_its_settings_in_the_generation_config(monkeypatch):
+    """transformers warns on generation settings passed beside a generation_config (and means to refuse them)."""
+    from gorgon.decode.bench import timed_generate
+
+    model, ids = tiny_model("llama"), torch.randint(0, VOCAB, (1, 5))
+    ref, calls, generate = reference(model, ids, 9), [], model.generate
+
+    def spy(*args, **kwargs):
+        calls.append(kwargs)
+        return generate(*args, **kwargs)
+
+    monkeypatch.setattr(model, "generate", spy)
+    assert timed_generate(model, ids, 9, Sampling(), prompt_lookup_num_tokens=3)[0] == ref
+    timed_generate(model, ids, 4, Sampling(temperature=0.7, top_k=5))
+    timed_generate(model, ids, 4, Sampling(), assistant_model=tiny_model("llama"))
+    assert [sorted(kwargs) for kwargs in calls] == [["attention_mask", "generation_config"]] * 2 + [
+        ["assistant_model", "attention_mask", "generation_config"]]  # a model is no setting: passed on
+    first, sampled = calls[0]["generation_config"], calls[1]["generation_config"]
+    assert (first.max_new_tokens, first.do_sample, first.prompt_lookup_num_tokens) == (9, False, 3)
+    assert (sampled.max_new_tokens, sampled.do_sample, sampled.temperature, sampled.top_k) == (4, True, 0.7, 5)
+
+
 def test_streamer_sees_exactly_the_output():
     model = tiny_model("llama")
     ids = torch.randint(0, VOCAB, (1, 4))
