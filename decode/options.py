@@ -129,7 +129,7 @@ def load_model_drafter(args, tree):
     if args.heads:
         target, heads = load_heads(args.heads, args.target, device=args.device, dtype=args.dtype)
         use_cpu_kernels(target.model, args.cpu_kernels)
-        return target, heads_drafter(heads, target, args, tree)
+        return target, heads_drafter(heads, target, args, tree, args.heads)
     target = load_target(args.target, device=args.device, dtype=args.dtype)
     # A folder of weights only has no tokenizer: the vocabulary size check is all there is to go on.
     draft, draft_tokenizer = load_causal_lm(args.draft, "draft model", dtype=target.model.dtype, tokenizer="optional")
@@ -141,9 +141,9 @@ def load_model_drafter(args, tree):
     return target, DraftModelDrafter(draft, args.draft_tokens).check_vocab(target.model)
 
 
-def heads_drafter(heads, target, args, tree):
-    """The drafter for heads loaded onto `target` (on its kernels already): the head in its draft dtype on
-    the target's kernels, and with `--tree auto` the tree size that suits this machine."""
+def heads_drafter(heads, target, args, tree, folder: str):
+    """The drafter for the heads of `folder`, loaded onto `target` (on its kernels already): the head in its
+    draft dtype on the target's kernels, and with `--tree auto` the tree size that suits this machine."""
     if isinstance(heads, EagleHead):  # Medusa heads share the target's lm_head, so keep its dtype
         heads.to(draft_dtype(target.model, args.cpu_kernels, args.draft_dtype))
     use_drafter_kernels(heads, target.model, args.cpu_kernels)
@@ -151,14 +151,15 @@ def heads_drafter(heads, target, args, tree):
         levels = (heads.level_accuracies(args.draft_depth) if isinstance(heads, EagleHead)
                   else heads.accuracies[: heads.config.num_heads])
         tree = best_tree_size(levels, verify_costs(target.model))
-        print(f"gorgon: a {tree}-node tree fits this machine best (--tree N to choose another)", file=sys.stderr)
+        print(f"gorgon: a {tree}-node tree fits {folder} best on this machine (--tree N to choose another)",
+              file=sys.stderr)
     return drafter_for(heads, tree, args.draft_depth, args.draft_topk)
 
 
 def compared_drafter(args, target, tree, drafter):
     """`gorgon bench --compare-heads`: the other heads, loaded onto the same target and drafted as the
     --heads are (the same tree option, merged with their own context drafter when --context-draft is on)."""
-    other = heads_drafter(load_heads_for(args.compare_heads, target), target, args, tree)
+    other = heads_drafter(load_heads_for(args.compare_heads, target), target, args, tree, args.compare_heads)
     if not isinstance(drafter, MergedDrafter):
         return other
     return MergedDrafter(other, context_drafter(args), args.tree_budget, drafter.costs)

@@ -300,6 +300,6 @@ def test_auto_tree_is_sized_from_accuracies_and_measured_costs(tmp_path, monkeyp
         monkeypatch.setattr(options, "verify_costs", lambda model, costs=costs: costs)
         _, drafter = options.load_drafter(args, "auto")
         assert drafter.tree.size == size
-        assert f"a {size}-node tree fits this machine best" in capsys.readouterr().err
+        assert f"a {size}-node tree fits {tmp_path / 'heads'} best on this machine" in capsys.readouterr().err
     _, drafter = options.load_drafter(args, 3)  # an explicit size is kept
     assert drafter.tree.size == 3
