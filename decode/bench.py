@@ -64,8 +64,8 @@ def timed_generate(model, ids, max_new_tokens: int, sampling: Sampling, **extra)
     """Plain `generate`, timed; returns the new tokens and seconds. Every generation setting goes into the
     config it is given (transformers warns on settings passed beside one); what is not a setting
     (an assistant model) is passed on."""
-    settings = dict(do_sample=False) if sampling.greedy else dict(
-        do_sample=True, temperature=sampling.temperature, top_k=sampling.top_k or None, top_p=sampling.top_p)
+    settings = dict(do_sample=False) if sampling.greedy else dict(  # top_k 0 is off (None would take the model's)
+        do_sample=True, temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p)
     config = generation_config_as_applied(model)
     passed_on = config.update(max_new_tokens=max_new_tokens, **settings, **extra)
     sync(model.device)

@@ -193,12 +193,15 @@ def test_the_bench_baseline_gives_generate_its_settings_in_the_generation_config
     monkeypatch.setattr(model, "generate", spy)
     assert timed_generate(model, ids, 9, Sampling(), prompt_lookup_num_tokens=3)[0] == ref
     timed_generate(model, ids, 4, Sampling(temperature=0.7, top_k=5))
+    model.generation_config.top_k = 50  # a model's own top-k, which the baseline must not take when top-k is off
+    timed_generate(model, ids, 4, Sampling(temperature=0.7))
     timed_generate(model, ids, 4, Sampling(), assistant_model=tiny_model("llama"))
-    assert [sorted(kwargs) for kwargs in calls] == [["attention_mask", "generation_config"]] * 2 + [
+    assert [sorted(kwargs) for kwargs in calls] == [["attention_mask", "generation_config"]] * 3 + [
         ["assistant_model", "attention_mask", "generation_config"]]  # a model is no setting: passed on
-    first, sampled = calls[0]["generation_config"], calls[1]["generation_config"]
+    first, sampled, off = (calls[i]["generation_config"] for i in range(3))
     assert (first.max_new_tokens, first.do_sample, first.prompt_lookup_num_tokens) == (9, False, 3)
     assert (sampled.max_new_tokens, sampled.do_sample, sampled.temperature, sampled.top_k) == (4, True, 0.7, 5)
+    assert off.top_k == 0  # off: generate fills a None from the model's generation_config, not a 0
 
 
 def test_streamer_sees_exactly_the_output():
