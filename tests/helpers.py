@@ -205,7 +205,7 @@ class OracleDrafter:
                 at = int(torch.randint(0, width, (1,), generator=self.gen))
                 row = torch.cat([row[:at], torch.tensor([truth]), row[at:]])[:width]
             topk[d] = row
-        return self.tree.tokens(root, topk), self.tree
+        return self.tree.tokens(root, topk.to(root.device)), self.tree
 
 
 class TargetRolloutDrafter:
