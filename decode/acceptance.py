@@ -77,8 +77,7 @@ def accept_greedy(tree: Tree, tokens: torch.Tensor, best: torch.Tensor) -> tuple
     Siblings hold distinct tokens, so at most one child per node matches and the matching
     nodes form a single chain from the root.
     """
-    match = tokens == best[tree.parent]
-    match[0] = True
+    match = (tokens == best[tree.parent]) | (tree.depth == 0)  # the root always stands (no host scalar: no sync)
     ok = ~(tree.ancestors & ~match[None, :]).any(dim=1)
     last = torch.where(ok, tree.depth, -1).argmax()
     host = torch.cat([last.reshape(1), best]).tolist()             # the one read per step
@@ -137,13 +136,12 @@ def accept_typical(tree: Tree, tokens: torch.Tensor, probs: torch.Tensor, genera
     entropy = -(probs * probs.clamp(min=1e-12).log()).sum(-1)       # (T,)
     limit = torch.minimum(torch.full_like(entropy, threshold), alpha * torch.exp(-entropy))
     p_tok = probs[tree.parent, tokens]
-    passes = p_tok > limit[tree.parent]
-    passes[0] = True
+    passes = (p_tok > limit[tree.parent]) | (tree.depth == 0)
     ok = ~(tree.ancestors & ~passes[None, :]).any(dim=1)
     # Deepest first; among equals the lower node index (better ranks).
     score = torch.where(ok, tree.depth * tree.size - torch.arange(tree.size, device=probs.device), -1)
     last = score.argmax()
-    bonus = torch.multinomial(probs[last], 1, generator=generator)
+    bonus = torch.multinomial(probs[last.reshape(1)], 1, generator=generator)[0]  # a 0-d index would read `last`
     host = torch.cat([last.reshape(1), bonus, tokens]).tolist()
     path = tree.path_to[host[0]]
     return path, [host[2 + n] for n in path[1:]] + [host[1]]

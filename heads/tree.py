@@ -32,14 +32,15 @@ class Tree:
     def size(self) -> int:
         return int(self.depth.numel())
 
+    # These two read the host-side paths: reading the tensors would make the host wait for the GPU each step.
     @property
     def max_depth(self) -> int:
-        return int(self.depth.max())
+        return max((len(p) for p in self.paths), default=0)
 
     @property
     def topk_needed(self) -> int:
         """How many ranked tokens each head must supply: one more than the deepest rank the tree uses."""
-        return int(self.rank.max()) + 1
+        return 1 + max((p[-1] for p in self.paths), default=0)
 
     def to(self, device) -> "Tree":
         return Tree(self.paths, *(host_to_device(t, device) for t in (self.depth, self.parent, self.rank,
@@ -80,26 +81,25 @@ def build_tree(paths) -> Tree:
     if len(unique) + 1 > MAX_TREE_NODES:
         raise GorgonError(f"a tree of {len(unique) + 1} nodes is more than {MAX_TREE_NODES}: use a smaller tree")
     index = {(): 0}
+    parent, path_to, kids = [0], [(0,)], [[]]
     for i, p in enumerate(unique, start=1):
-        if p[:-1] not in index:
+        up = index.get(p[:-1])
+        if up is None:
             raise GorgonError(f"tree path {list(p)} has no parent path {list(p[:-1])}: add it")
         index[p] = i
+        parent.append(up)
+        path_to.append(path_to[up] + (i,))
+        kids.append([])
+        kids[up].append(i)  # in rank order: siblings are sorted by their last rank
+    # Each buffer is made in one call: a write per node cost more than the rest of a step's host work.
     n = len(unique) + 1
-    depth = torch.tensor([0] + [len(p) for p in unique])
-    parent = torch.tensor([0] + [index[p[:-1]] for p in unique])
-    rank = torch.tensor([0] + [p[-1] for p in unique])
-    path_to = [(0,)]
-    for p in unique:
-        path_to.append(tuple(index[p[:d]] for d in range(len(p) + 1)))
     ancestors = torch.zeros(n, n, dtype=torch.bool)
-    for i, nodes in enumerate(path_to):
-        ancestors[i, list(nodes)] = True
-    kids = [[index[c] for c in unique if c[:-1] == p] for p in [()] + unique]
-    width = max(1, max(len(k) for k in kids))
-    children = torch.full((n, width), -1)
-    for i, k in enumerate(kids):
-        children[i, : len(k)] = torch.tensor(k, dtype=torch.long)
-    return Tree(tuple(unique), depth, parent, rank, ancestors, children, tuple(path_to))
+    ancestors[[i for i, nodes in enumerate(path_to) for _ in nodes], [j for nodes in path_to for j in nodes]] = True
+    width = max(len(k) for k in kids)
+    children = torch.tensor([k + [-1] * (width - len(k)) for k in kids])
+    depth = torch.tensor([0] + [len(p) for p in unique])
+    rank = torch.tensor([0] + [p[-1] for p in unique])
+    return Tree(tuple(unique), depth, torch.tensor(parent), rank, ancestors, children, tuple(path_to))
 
 
 def root_only_tree(device=None) -> Tree:
@@ -112,16 +112,16 @@ def root_only_tree(device=None) -> Tree:
 def tree_from_token_paths(root: torch.Tensor, chains: list[list[int]]) -> tuple[torch.Tensor, Tree]:
     """A tree whose paths are the given token chains under `root`, shared prefixes merged, siblings ranked in
     the order they first appear; returns a token per node (the root first) and the tree. No chains: the root alone."""
-    rank_path, token_path = {}, {}
+    rank_path, token_path = {(): ()}, {}
+    children: dict[tuple[int, ...], int] = {}  # token prefix -> how many children it has so far
     for chain in chains:
-        ranks = ()
-        for depth, token in enumerate(chain, 1):
+        for depth in range(1, len(chain) + 1):
             prefix = tuple(chain[:depth])
             if prefix not in rank_path:
-                siblings = sum(1 for p in rank_path if len(p) == depth and p[:-1] == prefix[:-1])
-                rank_path[prefix] = ranks + (siblings,)
-                token_path[ranks + (siblings,)] = token
-            ranks = rank_path[prefix]
+                rank = children.get(prefix[:-1], 0)
+                children[prefix[:-1]] = rank + 1
+                rank_path[prefix] = rank_path[prefix[:-1]] + (rank,)
+                token_path[rank_path[prefix]] = chain[depth - 1]
     if not token_path:
         return root.reshape(1), root_only_tree(root.device)
     tree = build_tree([list(p) for p in token_path]).to(root.device)

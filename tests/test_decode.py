@@ -4,6 +4,7 @@ equals the cache of a plain forward over the accepted tokens, on every architect
 import pytest
 import torch
 from helpers import ARCHS, VOCAB, OracleDrafter, tiny_model
+from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import DynamicCache
 
 from gorgon.decode import speculative_generate
@@ -119,6 +120,37 @@ def test_the_drafter_gets_the_targets_features_at_every_token_accepted_since_its
             expected = out.last_hidden_state[0] if layers is None else torch.cat(
                 [out.hidden_states[i][0] for i in layers], -1)
             torch.testing.assert_close(features, expected[-features.shape[0]:], atol=1e-5, rtol=1e-5)
+
+
+class CountScalarReads(TorchDispatchMode):
+    """Counts the operations that read one value back to the host (`int(t)`, `t.item()`, `bool(t)`): on a GPU
+    each makes the host wait for the device. (`tolist`, the decoder's one read per step, is not counted.)"""
+
+    READS = (torch.ops.aten.item.default, torch.ops.aten._local_scalar_dense.default, torch.ops.aten.is_nonzero.default)
+
+    def __init__(self):
+        super().__init__()
+        self.reads = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.reads += func in self.READS
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("sampling,acceptance", [(Sampling(), "exact"), (Sampling(0.8, 20, 0.9), "exact"),
+                                                 (Sampling(0.8), "typical")], ids=["greedy", "sampled", "typical"])
+def test_verify_steps_read_no_single_values_from_the_device(sampling, acceptance):
+    """Past the prefill's first token, a step reads the device once, through one `tolist`: a tree's depth or
+    top-k is known on the host, and the root's mark is made on the device."""
+    model = tiny_model("llama")
+    tree = [[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0]]
+    drafter = HeadsDrafter(MedusaHeads.for_target(model, num_heads=3), tree=tree)
+    ids = torch.randint(0, VOCAB, (1, 7), generator=torch.Generator().manual_seed(0))
+    with CountScalarReads() as counter:
+        result = speculative_generate(model, drafter, ids, max_new_tokens=30, sampling=sampling,
+                                      acceptance=acceptance, generator=torch.Generator().manual_seed(0))
+    assert result.target_forwards > 5
+    assert counter.reads == 1  # the prefill's token
 
 
 def test_stops_at_eos_and_never_overshoots():
