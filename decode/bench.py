@@ -164,9 +164,11 @@ def timed_methods(model, drafter, baselines: tuple[str, ...], assistant, samplin
 
 def run_bench(target, drafter, questions: list[dict], max_new_tokens: int = 256, sampling: Sampling = Sampling(),
               baselines: tuple[str, ...] = ("generate", "stock"), assistant=None, seed: int = 0,
-              progress: bool = True, compare=None) -> dict:
+              progress: bool = True, compare=None, checkpoint=None) -> dict:
     """Run every question through plain `generate`, gorgon and the baselines asked for, interleaved (which
-    goes first rotates from question to question, so drift hits all alike); returns the report."""
+    goes first rotates from question to question, so drift hits all alike); returns the report.
+    `checkpoint`, if given, gets the report of the questions done so far after each one, so that a run
+    stopped early (a time limit, Ctrl-C) still leaves what it measured."""
     from tqdm.auto import tqdm
 
     model, tok = target.model, target.tokenizer
@@ -227,12 +229,21 @@ def run_bench(target, drafter, questions: list[dict], max_new_tokens: int = 256,
         base_rate = row["baseline_tokens"] / max(row["baseline_seconds"], 1e-9)
         row["speedup"] = (row["tokens"] / max(row["seconds"], 1e-9)) / max(base_rate, 1e-9)
         rows.append(row)
+        if checkpoint is not None and qi + 1 < len(questions):
+            checkpoint(bench_report(rows, skipped, histogram, sampling.greedy, extra, stock))
 
     if not rows:
         raise GorgonError(f"no question fits the context of {context} tokens with --max-new-tokens {max_new_tokens}: "
                           "lower --max-new-tokens or use shorter questions")
-    report = summarize(rows, sampling.greedy, extra, stock)
-    report["per_category"] = {c: summarize([r for r in rows if r["category"] == c], sampling.greedy, extra, stock)
+    return bench_report(rows, skipped, histogram, sampling.greedy, extra, stock)
+
+
+def bench_report(rows: list[dict], skipped: list[dict], histogram: dict, greedy: bool, extra: tuple[str, ...],
+                 stock: bool) -> dict:
+    """The report of the questions run: the figures over all of them and per category, the accepted-length
+    histogram, the rows and the questions skipped."""
+    report = summarize(rows, greedy, extra, stock)
+    report["per_category"] = {c: summarize([r for r in rows if r["category"] == c], greedy, extra, stock)
                               for c in sorted({r["category"] for r in rows})}
     report["accepted_histogram"] = {str(k): histogram[k] for k in sorted(histogram)}
     report["questions"] = rows
@@ -386,7 +397,9 @@ def parser() -> argparse.ArgumentParser:
                    help="other heads for the same target (Medusa-1 or feature-level), timed in the same rotation "
                         "and drafted as --heads are (the same --tree and --context-draft options): reported as "
                         "compare (and compare-no-context with --baselines no-context)")
-    p.add_argument("--out", default=None, help="write the JSON report here (and a PNG beside it)")
+    p.add_argument("--out", default=None,
+                   help="write the JSON report here (and a PNG beside it). After each question it holds the questions "
+                        "run so far, marked \"complete\": false, so a run stopped early keeps what it measured")
     p.add_argument("--overwrite", action="store_true", help="replace an earlier report at --out")
     p.add_argument("--update-card", action="store_true",
                    help="write the figures into the model card (README.md) of the --heads or --draft folder")
@@ -417,14 +430,21 @@ def main(argv=None) -> int:
         assistant, _ = load_causal_lm(args.assistant, "assistant model", dtype=target.model.dtype, tokenizer="none")
         assistant.to(target.model.device)
     seed = 0 if args.seed is None else args.seed  # reproducible unless asked otherwise
-    report = run_bench(target, drafter, questions, args.max_new_tokens, sampling, baselines, assistant, seed,
-                       compare=compare)
-    report.update(environment(target.model, drafter, sampling, args.max_new_tokens))
+    about = environment(target.model, drafter, sampling, args.max_new_tokens)
     if compare is not None:
-        report["compare"] = {"heads": args.compare_heads, "tree": tree_description(compare),
-                             "tree_size": compare.max_nodes}
-    report.update({"target": target.name, "drafter": drafter_name(args), "questions_file": args.questions,
-                   "command": "gorgon bench " + " ".join(sys.argv[2:] if argv is None else argv)})
+        about["compare"] = {"heads": args.compare_heads, "tree": tree_description(compare),
+                            "tree_size": compare.max_nodes}
+    about.update({"target": target.name, "drafter": drafter_name(args), "questions_file": args.questions,
+                  "command": "gorgon bench " + " ".join(sys.argv[2:] if argv is None else argv)})
+
+    def save_partial(partial: dict) -> None:
+        """Until the last question is done, --out holds the questions run so far, marked incomplete."""
+        partial.update(about, complete=False, questions_planned=len(questions))
+        atomic_write_text(Path(args.out), json.dumps(partial, indent=1) + "\n")
+
+    report = run_bench(target, drafter, questions, args.max_new_tokens, sampling, baselines, assistant, seed,
+                       compare=compare, checkpoint=save_partial if args.out else None)
+    report.update(about, complete=True, questions_planned=len(questions))
     print(markdown_table(report))
     print(f"\n{report['device']}, {report['dtype']} (drafts in {report['draft_dtype'] or 'no weights'}), "
           f"{report['threads']} thread(s), tree of {report['tree_size']} nodes")

@@ -8,6 +8,7 @@ import pytest
 from helpers import QUESTIONS, ROOT, tiny_chat_target
 
 import gorgon.decode.acceptance as acceptance
+import gorgon.decode.bench as bench
 import gorgon.decode.generate as generate_module
 from gorgon.decode.bench import load_questions, markdown_table, run_bench, summarize
 from gorgon.heads import GorgonError, HeadsDrafter, MedusaHeads, load_target
@@ -103,11 +104,39 @@ def test_cli_writes_an_atomic_report_and_plot(tmp_path):
     assert report["prompts"] == 2 and set(report["per_category"]) == {"writing", "math"}
     assert report["threads"] >= 1 and report["dtype"] == "float32"
     assert report["versions"]["transformers"] and report["tree_size"] >= 2
+    assert report["complete"] is True and report["questions_planned"] == 2
     assert (tmp_path / "r" / "report.png").stat().st_size > 1000
     assert "| **all** |" in run.stdout
     bad = subprocess.run([sys.executable, "-m", "gorgon.heads.cli", "bench", "--heads", str(tmp_path / "heads"),
                           "--questions", str(q), "--baselines", "medusa"], capture_output=True, text=True)
     assert bad.returncode == 2 and "unknown baseline 'medusa'" in bad.stderr
+
+
+def test_a_bench_stopped_early_leaves_the_questions_it_ran(tmp_path, monkeypatch):
+    """A time limit or Ctrl-C in the third question: --out holds the first two, marked incomplete."""
+    target_path = tiny_chat_target(tmp_path)
+    target = load_target(str(target_path), device="cpu")
+    MedusaHeads.for_target(target.model, target_fingerprint=target.fingerprint).save_pretrained(tmp_path / "heads")
+    q = tmp_path / "q.jsonl"
+    q.write_text("".join(json.dumps(x) + "\n" for x in QUESTIONS))
+    calls, timed = [], bench.timed_speculative
+
+    def stopped_in_the_third_question(*args, **kwargs):
+        calls.append(None)
+        if len(calls) == 1 + 2 * 2 + 1:  # the warm-up, two questions of two turns, then the third's first turn
+            raise KeyboardInterrupt
+        return timed(*args, **kwargs)
+
+    monkeypatch.setattr(bench, "timed_speculative", stopped_in_the_third_question)
+    out = tmp_path / "report.json"
+    with pytest.raises(KeyboardInterrupt):
+        bench.main(["--target", str(target_path), "--heads", str(tmp_path / "heads"), "--questions", str(q),
+                    "--max-new-tokens", "6", "--baselines", "generate", "--out", str(out)])
+    report = json.loads(out.read_text())
+    assert report["complete"] is False and report["questions_planned"] == 4
+    assert [r["question_id"] for r in report["questions"]] == [0, 1] and report["prompts"] == 2
+    assert report["identical"] == 2 and report["tau"] >= 1 and report["target"]
+    assert bench.is_report(out) and not out.with_suffix(".png").exists()
 
 
 @pytest.mark.slow
