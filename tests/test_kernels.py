@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import ARCHS, VOCAB, tiny_chat_target, tiny_model
+from helpers import ARCHS, QUESTIONS, VOCAB, tiny_chat_target, tiny_model
 
 import gorgon.decode.calibrate as calibrate
 from gorgon.decode import speculative_generate
@@ -274,6 +274,24 @@ def test_profile_step_prints_one_json_line(tmp_path, kernels):
     assert list(report["verify_ratio"]) == ["1", "2", "4", "8", "16"] and report["verify_ratio"]["1"] == 1.0
     assert report["tree_size"] == 4
     assert report["kernels"] == (kernels if fast_kernels_unavailable(torch.float32) is None else "stock")
+
+
+def test_trace_generation_labels_each_step_part(tmp_path):
+    target_path = tiny_chat_target(tmp_path)
+    target = load_target(str(target_path), device="cpu")
+    MedusaHeads.for_target(target.model, target_fingerprint=target.fingerprint).save_pretrained(tmp_path / "heads")
+    questions = tmp_path / "q.jsonl"
+    questions.write_text("".join(json.dumps(q) + "\n" for q in QUESTIONS))
+    run = subprocess.run([sys.executable, "scripts/trace_generation.py", "--target", str(target_path), "--heads",
+                          str(tmp_path / "heads"), "--questions", str(questions), "--limit", "2",
+                          "--max-new-tokens", "6", "--trace", str(tmp_path / "trace.json")],
+                         capture_output=True, text=True, cwd=Path(__file__).parents[1], timeout=300)
+    assert run.returncode == 0, run.stderr
+    assert "== gorgon:" in run.stdout and "== generate:" in run.stdout
+    (parts,) = [line for line in run.stdout.splitlines() if line.startswith("host time per verify step:")]
+    for part in ("drafter propose", "verify forward", "greedy acceptance", "cache compaction"):
+        assert part in parts, part
+    assert json.loads((tmp_path / "trace.json").read_text())["traceEvents"]
 
 
 def test_attention_ab_times_both_and_finds_them_identical(tmp_path):

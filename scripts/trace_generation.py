@@ -1,0 +1,111 @@
+"""Where real generations spend their time, by step part and by operator: torch.profiler over gorgon's
+decoder and plain `generate` on the first turns of a question file.
+
+    OMP_NUM_THREADS=1 python scripts/trace_generation.py --heads runs/heads/smollm2-135m-eagle-12ep \
+        --context-draft --questions scripts/data/mt_bench.jsonl --limit 2 --max-new-tokens 64
+    python scripts/trace_generation.py --heads ... --device cuda --dtype bfloat16 --trace runs/trace.json
+
+`scripts/profile_step.py` times one step's parts on a random prompt, where a feature-level head is
+unsure and drafts a small tree; this traces whole generations on real questions. It prints the
+milliseconds per token of each without the profiler, then the host time of each part of gorgon's
+steps (drafter, verify forward, acceptance, cache compaction) per step, then the top operators by host
+time and, on a GPU, by device time. `--trace FILE` writes the Chrome trace of gorgon's generations
+(open it in Perfetto or chrome://tracing).
+"""
+
+import argparse
+import contextlib
+import functools
+
+import torch
+from torch.profiler import ProfilerActivity, profile, record_function
+
+import gorgon.decode.generate as generate_module
+from gorgon.decode.acceptance import Sampling
+from gorgon.decode.bench import load_questions, timed_generate, timed_speculative
+from gorgon.decode.options import add_model_arguments, load_drafter, read_tree
+from gorgon.heads.errors import int_at_least, run_script
+
+# The decoder's step parts, as speculative_generate calls them: each is labelled in the trace.
+PARTS = {"verify forward": "verify", "greedy acceptance": "accept_greedy", "sampled acceptance": "accept_sampled",
+         "cache compaction": "keep_path", "tree cut": "cut_tree"}
+
+
+@contextlib.contextmanager
+def labelled_parts(drafter):
+    """Label each step part (and the drafter's proposal) in the profiler's record while the block runs."""
+    def labelled(name, fn):
+        @functools.wraps(fn)
+        def run(*args, **kwargs):
+            with record_function(name):
+                return fn(*args, **kwargs)
+        return run
+
+    saved = {attr: getattr(generate_module, attr) for attr in PARTS.values()}
+    propose = drafter.propose
+    try:
+        for name, attr in PARTS.items():
+            setattr(generate_module, attr, labelled(name, saved[attr]))
+        drafter.propose = labelled("drafter propose", propose)
+        yield
+    finally:
+        for attr, fn in saved.items():
+            setattr(generate_module, attr, fn)
+        del drafter.propose  # the instance attribute goes; the class's method is back
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_model_arguments(p)
+    p.add_argument("--questions", required=True, help="MT-Bench/Spec-Bench .jsonl, e.g. scripts/data/mt_bench.jsonl")
+    p.add_argument("--limit", type=int_at_least(1), default=2, help="first N questions, first turns (default 2)")
+    p.add_argument("--rows", type=int_at_least(1), default=15, help="operators listed per table (default 15)")
+    p.add_argument("--trace", default=None, help="also write the Chrome trace of gorgon's generations here")
+    args = p.parse_args()
+    if not (args.heads or args.draft or args.context_draft):
+        p.error("one of --heads, --draft or --context-draft is required")
+    target, drafter = load_drafter(args, read_tree(args.tree))
+    model, sampling = target.model, Sampling(args.temperature, args.top_k, args.top_p)
+    prompts = [target.chat_ids([{"role": "user", "content": q["turns"][0]}])
+               for q in load_questions(args.questions, args.limit)]
+    gen = torch.Generator(device=model.device).manual_seed(0)
+
+    def gorgon(ids):
+        result = timed_speculative(model, drafter, ids, args.max_new_tokens, sampling, gen)
+        return len(result.tokens), result.seconds, result.target_forwards
+
+    def plain(ids):
+        tokens, seconds = timed_generate(model, ids, args.max_new_tokens, sampling)
+        return len(tokens), seconds, len(tokens)
+
+    methods = {"gorgon": gorgon, "generate": plain}  # each returns tokens, seconds and target forwards
+    for run in methods.values():  # load kernels and caches outside the figures
+        run(prompts[0][:, :16])
+    on_gpu = model.device.type == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_gpu else [])
+    for name, run in methods.items():
+        tokens, seconds, forwards = (sum(column) for column in zip(*(run(ids) for ids in prompts)))
+        steps = forwards - len(prompts)  # the verify steps: every forward but each prompt's prefill
+        with contextlib.ExitStack() as stack:
+            if name == "gorgon":
+                stack.enter_context(labelled_parts(drafter))
+            prof = stack.enter_context(profile(activities=activities))
+            for ids in prompts:
+                run(ids)
+        print(f"\n== {name}: {1000 * seconds / tokens:.2f} ms per token without the profiler"
+              + (f", {tokens / forwards:.2f} tokens per target forward" if name == "gorgon" else ""))
+        events = prof.key_averages()
+        if name == "gorgon":
+            print("host time per verify step: " + ", ".join(
+                f"{e.key} {e.cpu_time_total / 1000 / max(steps, 1):.2f} ms"
+                for e in events if e.key in [*PARTS, "drafter propose"]))
+        print(events.table(sort_by="self_cpu_time_total", row_limit=args.rows))
+        if on_gpu:
+            print(events.table(sort_by="self_device_time_total", row_limit=args.rows))
+        if name == "gorgon" and args.trace:
+            prof.export_chrome_trace(args.trace)
+            print(f"trace: {args.trace}")
+
+
+if __name__ == "__main__":
+    run_script(main, "scripts/trace_generation.py")
