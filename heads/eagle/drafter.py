@@ -21,7 +21,7 @@ import torch
 
 from ..errors import GorgonError
 from ..target import additive_mask, crop_cache
-from ..tree import host_to_device, tree_from_token_paths
+from ..tree import tree_from_token_paths
 from .model import EagleHead, check_search
 
 
@@ -68,50 +68,40 @@ class EagleDrafter:
         out = head.layer(head.fc(features.to(head.fc.weight.dtype))[None], tokens[None], positions[None],
                          additive_mask(allowed, head.fc.weight.dtype)[None, None], self.cache)[0]
         self.committed = n
-        # 2. Expand level by level from the last output. Node lists: parent node (-1: the root), draft token,
-        #    log-probability of the path, and the output feature its children are drafted from.
+        # 2. Expand level by level from the last output. Per node, on the device: its parent (-1: the root),
+        #    draft token and path log-probability; the host reads them once, after the search.
         logp = head.logits(out[-1:]).float().log_softmax(-1)[0]
         score, token = logp.topk(min(self.topk, logp.numel()))
-        token = head.to_target_ids(token)  # nodes hold target ids: the head embeds them as the target does
-        parents = [-1] * score.numel()
-        frontier_ids = list(range(score.numel()))                         # node ids to expand next
-        frontier = torch.arange(score.numel(), device=device)           # the same, to index the node tensors
-        frontier_feature = out[-1:].expand(score.numel(), -1)           # the feature each frontier node reads
-        slot: dict[int, int] = {}                                        # cache position of each expanded node
-        node_tokens, node_scores = token, score
+        node_tokens = head.to_target_ids(token)  # nodes hold target ids: the head embeds them as the target does
+        node_scores, node_parents = score, torch.full_like(token, -1)
+        frontier = torch.arange(score.numel(), device=device)          # the nodes to expand next
+        frontier_feature = out[-1:].expand(score.numel(), -1)           # the feature each of them reads
+        sees = torch.ones(score.numel(), n, dtype=torch.bool, device=device)  # what each sees in the cache
         for level in range(1, self.depth):
             if not can_grow(node_scores[frontier], node_scores, self.nodes - 1):
                 break
+            # Fed after the nodes expanded so far, a frontier node sees the context, its expanded ancestors
+            # and itself.
             k = frontier.numel()
-            # A fed node sees the committed context, its expanded ancestors, and itself. Built on the host,
-            # where it is known, and copied once (element by element it would be a GPU kernel per write).
-            seen = torch.zeros(k, n + len(slot) + k, dtype=torch.bool)
-            seen[:, :n] = True
-            for i, node in enumerate(frontier_ids):
-                a = parents[node]
-                while a >= 0:
-                    seen[i, slot[a]] = True
-                    a = parents[a]
-                slot[node] = n + len(slot)
-                seen[i, slot[node]] = True
+            sees = torch.cat([sees, torch.eye(k, dtype=torch.bool, device=device)], dim=1)
             positions = torch.full((k,), n + level - 1, device=device)
             out = head.layer(frontier_feature[None], node_tokens[frontier][None], positions[None],
-                             additive_mask(host_to_device(seen, device), head.fc.weight.dtype)[None, None],
-                             self.cache)[0]
+                             additive_mask(sees, head.fc.weight.dtype)[None, None], self.cache)[0]
             child = head.logits(out).float().log_softmax(-1)                              # (k, V_draft)
             best, ids = child.topk(min(self.topk, child.shape[-1]), dim=-1)
             total = (node_scores[frontier][:, None] + best).flatten()
             keep = total.topk(min(self.topk, total.numel())).indices
-            new = len(parents) + torch.arange(keep.numel(), device=device)
-            frontier_ids = list(range(len(parents), len(parents) + keep.numel()))
-            parents += frontier[keep // best.shape[1]].tolist()
+            parent = keep // best.shape[1]                                # which frontier node each child is of
+            new = node_scores.numel() + torch.arange(keep.numel(), device=device)
+            node_parents = torch.cat([node_parents, frontier[parent]])
             node_tokens = torch.cat([node_tokens, head.to_target_ids(ids.flatten()[keep])])
             node_scores = torch.cat([node_scores, total[keep]])
-            frontier, frontier_feature = new, out[keep // best.shape[1]]
+            frontier, frontier_feature, sees = new, out[parent], sees[parent]
         crop_cache(self.cache, self.committed)
         # 3. The best nodes, parents before children (ties go to the shallower node), as a tree whose
         #    siblings are ranked by score.
-        scores, tokens_host = node_scores.tolist(), node_tokens.tolist()
+        scores = node_scores.tolist()
+        parents, tokens_host = torch.stack([node_parents, node_tokens]).tolist()
         depth_of = [0] * len(parents)
         for i, p in enumerate(parents):
             depth_of[i] = 1 if p < 0 else depth_of[p] + 1
