@@ -1,4 +1,4 @@
-"""Where real generations spend their time, by step part and by operator: torch.profiler over gorgon's
+r"""Where real generations spend their time, by step part and by operator: torch.profiler over gorgon's
 decoder and plain `generate` on the first turns of a question file.
 
     OMP_NUM_THREADS=1 python scripts/trace_generation.py --heads runs/heads/smollm2-135m-eagle-12ep \
