@@ -7,7 +7,7 @@ import torch
 from helpers import ARCHS, VOCAB, OracleDrafter, tiny_model
 
 from gorgon.decode import Sampling, speculative_generate
-from gorgon.heads import HeadsDrafter, MedusaHeads
+from gorgon.heads import EagleDrafter, EagleHead, HeadsDrafter, MedusaHeads
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 PATHS = [[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0]]
@@ -26,6 +26,29 @@ def test_greedy_equals_generate_on_cuda_fp32(arch):
         oracle = OracleDrafter(ref[0, 9:].tolist(), 9, VOCAB, PATHS)
         oracle.tree = oracle.tree.to("cuda")
         assert speculative_generate(model, oracle, ids, max_new_tokens=30).tokens == ref[0, 9:].tolist()
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_feature_level_drafter_greedy_equals_generate_on_cuda_fp32(arch):
+    """The dynamic tree search on the device (parents, attention rows, the early stop) against `generate`."""
+    model = tiny_model(arch, vocab=8, layers=4).cuda()  # a small vocabulary: drafts are often right
+    with torch.no_grad():
+        model.lm_head.weight.mul_(10)
+    torch.manual_seed(1)
+    head = EagleHead.for_target(model).cuda()
+    with torch.no_grad():
+        for p in head.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    accepted = []
+    for nodes, depth, topk in [(8, 3, 2), (16, 5, 4)]:
+        drafter = EagleDrafter(head, nodes=nodes, depth=depth, topk=topk)
+        for seed in range(3):
+            ids = torch.randint(0, 8, (1, 5 + seed), generator=torch.Generator().manual_seed(seed)).cuda()
+            ref = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=30, do_sample=False)
+            result = speculative_generate(model, drafter, ids, max_new_tokens=30)
+            assert result.tokens == ref[0, ids.shape[1]:].tolist()
+            accepted += result.accepted
+    assert max(accepted) >= 2  # drafts were accepted, not only bonus tokens
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
