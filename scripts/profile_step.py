@@ -1,15 +1,16 @@
 """Where one speculative step's time goes, against one plain decoding step, on the same cache.
 
     OMP_NUM_THREADS=1 python scripts/profile_step.py --heads runs/heads/smollm2-135m [--tree 4] [--json]
+    OMP_NUM_THREADS=1 python scripts/profile_step.py --heads ... --questions scripts/data/mt_bench.jsonl  # real text
     OMP_NUM_THREADS=1 python scripts/profile_step.py --draft runs/drafts/smollm2-l6 --draft-tokens 3
     OMP_NUM_THREADS=1 python scripts/profile_step.py --heads ... --cpu-kernels stock   # torch's stock CPU kernels
     python scripts/profile_step.py --random-target llama-8b/config.json --tree 64 --dtype bfloat16 --json
 
 Times each part of a step with the library's own functions (median of --repeat runs, cache of
---context tokens): the drafter's proposal, the verify forward, the target's greedy argmax over
-the tree (`gorgon.decode.argmax`), greedy acceptance and the cache compaction; and the cost of a
-forward over 1, 2, 4, 8 and 16 tokens (the argmax included) relative to one. `--json` prints one
-JSON line instead of the table:
+--context tokens: random ones, or a real conversation with --questions): the drafter's proposal,
+the verify forward, the target's greedy argmax over the tree (`gorgon.decode.argmax`), greedy
+acceptance and the cache compaction; and the cost of a forward over 1, 2, 4, 8 and 16 tokens (the
+argmax included) relative to one. `--json` prints one JSON line instead of the table:
 {"plain_ms", "verify_ratio", "step_ratio", "tree_size", "kernels", "cpu_flags", ...}.
 """
 
@@ -21,6 +22,7 @@ from transformers import DynamicCache
 
 from gorgon.decode.acceptance import accept_greedy
 from gorgon.decode.argmax import target_argmax
+from gorgon.decode.bench import load_questions
 from gorgon.decode.calibrate import cpu_flags, cpu_name, measure_verify_costs, median_ms
 from gorgon.decode.kernels import kernels_in_use, one_row_kernel, use_cpu_kernels
 from gorgon.decode.options import add_model_arguments, load_drafter, read_tree
@@ -30,10 +32,12 @@ from gorgon.heads.errors import run_script
 from gorgon.heads.target import base_model, crop_cache, lm_logits, resolve_device, resolve_dtype, with_cache
 
 
-def profile(model, drafter, context: int, repeat: int) -> dict[str, float]:
-    """Milliseconds of each part of one speculative step, and of a plain step, on a cache of `context`."""
+def profile(model, drafter, context: int, repeat: int, prompt: torch.Tensor | None = None) -> dict[str, float]:
+    """Milliseconds of each part of one speculative step, and of a plain step, on a cache of `context`
+    tokens: `prompt` (1, context) if given, else random tokens."""
     device, layers = model.device, drafter.feature_layers
-    prompt = torch.randint(0, model.config.get_text_config().vocab_size, (1, context), device=device)
+    if prompt is None:
+        prompt = torch.randint(0, model.config.get_text_config().vocab_size, (1, context), device=device)
     parts = {}
     cache = DynamicCache()
     decoder = base_model(model)
@@ -86,6 +90,16 @@ def random_target(args):
     return model, HeadsDrafter(MedusaHeads.for_target(model, num_heads=4), None if tree == "auto" else tree)
 
 
+def conversation(target, questions: str, length: int) -> torch.Tensor:
+    """(1, length) ids: the file's first question under the chat template, then the target's greedy answer."""
+    ids = target.chat_ids([{"role": "user", "content": load_questions(questions, 1)[0]["turns"][0]}])
+    if ids.shape[1] >= length:
+        return ids[:, :length]
+    out = target.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=length - ids.shape[1],
+                                min_new_tokens=length - ids.shape[1], do_sample=False)
+    return out[:, :length]
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_model_arguments(p)
@@ -93,6 +107,10 @@ def main():
                    help="instead of --heads/--draft: build the target from this config.json with random weights, "
                         "with 4 random Medusa heads (costs need no real weights, e.g. an 8B-shaped Llama)")
     p.add_argument("--context", type=int, default=256, help="cached tokens before the step (default 256)")
+    p.add_argument("--questions", default=None,
+                   help="cache a real conversation instead of random tokens: the first question of this .jsonl "
+                        "(e.g. scripts/data/mt_bench.jsonl) and the target's greedy answer, --context tokens in "
+                        "all. On random tokens a feature-level head is unsure and drafts a smaller tree than in use")
     p.add_argument("--repeat", type=int, default=15, help="timed runs per figure; the median is kept (default 15)")
     p.add_argument("--json", action="store_true", help="print one JSON line instead of the table")
     args = p.parse_args()
@@ -103,8 +121,11 @@ def main():
         model = target.model
     else:
         p.error("one of --heads, --draft, --context-draft or --random-target is required")
+    if args.questions and args.random_target:
+        p.error("--questions needs a real target's tokenizer: it does not go with --random-target")
+    prompt = conversation(target, args.questions, args.context) if args.questions else None
     with torch.inference_mode():
-        parts = profile(model, drafter, args.context, args.repeat)
+        parts = profile(model, drafter, args.context, args.repeat, prompt)
     costs = measure_verify_costs(model, context=args.context, repeat=args.repeat)
     plain = parts["plain step (1 token + lm_head)"]
     spec = sum(v for k, v in parts.items() if not k.startswith("plain"))
@@ -117,12 +138,13 @@ def main():
             "one_row_kernel": one_row_kernel(model),
             "cpu_flags": cpu_flags(), "dtype": str(model.dtype).replace("torch.", ""),
             "threads": torch.get_num_threads(), "context": args.context,
+            "cache": "conversation" if prompt is not None else "random tokens",
             "parts_ms": {k: round(v, 3) for k, v in parts.items()},
             "device": model.device.type if model.device.type == "cpu" else torch.cuda.get_device_name(model.device),
             "cpu": cpu_name(), "torch": torch.__version__}))
         return
     print(f"{model.dtype}, {torch.get_num_threads()} thread(s), {kernels} kernels (one row: {one_row_kernel(model)}), "
-          f"cache of {args.context} tokens, "
+          f"cache of {args.context} {'tokens of a conversation' if prompt is not None else 'random tokens'}, "
           f"tree of {drafter.max_nodes}; CPU flags: {' '.join(cpu_flags()) or '-'}")
     for name, ms in parts.items():
         print(f"  {name:<36} {ms:7.1f} ms  {ms / plain:5.2f}x plain")

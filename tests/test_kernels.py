@@ -3,6 +3,7 @@ a clean fallback where it cannot run, and the bench's two baselines. Its speed i
 (scripts/profile_step.py), never a test."""
 
 import copy
+import importlib.util
 import json
 import subprocess
 import sys
@@ -274,6 +275,33 @@ def test_profile_step_prints_one_json_line(tmp_path, kernels):
     assert list(report["verify_ratio"]) == ["1", "2", "4", "8", "16"] and report["verify_ratio"]["1"] == 1.0
     assert report["tree_size"] == 4
     assert report["kernels"] == (kernels if fast_kernels_unavailable(torch.float32) is None else "stock")
+
+
+def test_profile_step_caches_a_real_conversation_with_questions(tmp_path):
+    target_path = tiny_chat_target(tmp_path)
+    target = load_target(str(target_path), device="cpu")
+    MedusaHeads.for_target(target.model, target_fingerprint=target.fingerprint).save_pretrained(tmp_path / "heads")
+    questions = tmp_path / "q.jsonl"
+    questions.write_text("".join(json.dumps(q) + "\n" for q in QUESTIONS))
+    script = [sys.executable, "scripts/profile_step.py", "--repeat", "1", "--json", "--questions", str(questions)]
+    run = subprocess.run(script + ["--target", str(target_path), "--heads", str(tmp_path / "heads"), "--context", "40",
+                                   "--tree", "3"], capture_output=True, text=True, cwd=Path(__file__).parents[1],
+                         timeout=300)
+    assert run.returncode == 0, run.stderr
+    report = json.loads(run.stdout.strip().splitlines()[-1])
+    assert report["context"] == 40 and report["tree_size"] == 3 and report["cache"] == "conversation"
+    spec = importlib.util.spec_from_file_location("profile_step", Path(__file__).parents[1] / "scripts/profile_step.py")
+    profile_step = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(profile_step)
+    ids = target.chat_ids([{"role": "user", "content": QUESTIONS[0]["turns"][0]}])
+    cached = profile_step.conversation(target, str(questions), 40)
+    answer = target.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=40 - ids.shape[1],
+                                   min_new_tokens=40 - ids.shape[1], do_sample=False)
+    assert cached.shape == (1, 40) and torch.equal(cached, answer)  # the question, then the greedy answer
+    tiny_model("llama").config.save_pretrained(tmp_path / "random")
+    bad = subprocess.run(script + ["--random-target", str(tmp_path / "random" / "config.json")], capture_output=True,
+                         text=True, cwd=Path(__file__).parents[1], timeout=300)
+    assert bad.returncode == 2 and "--questions needs a real target's tokenizer" in bad.stderr
 
 
 def test_trace_generation_labels_each_step_part(tmp_path):
