@@ -140,6 +140,23 @@ QUESTIONS = [{"question_id": i, "category": c, "turns": [f"count from {i}", "and
              for i, c in enumerate(["writing", "math", "writing", "coding"])]
 
 
+def questions_file(path: Path, questions: list[dict] = QUESTIONS) -> Path:
+    """The questions as the .jsonl file `gorgon bench` and the scripts read."""
+    path.write_text("".join(json.dumps(q) + "\n" for q in questions))
+    return path
+
+
+def chat_target_with_heads(tmp_path):
+    """A tiny chat target (its folder and the loaded target, on the CPU) and random Medusa heads for it,
+    saved with its fingerprint in tmp_path / "heads"."""
+    from gorgon.heads import MedusaHeads, load_target
+
+    path = tiny_chat_target(tmp_path)
+    target = load_target(str(path), device="cpu")
+    MedusaHeads.for_target(target.model, target_fingerprint=target.fingerprint).save_pretrained(tmp_path / "heads")
+    return path, target, tmp_path / "heads"
+
+
 def weights(folder):
     return load_file(Path(folder) / "model.safetensors")
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import QUESTIONS, ROOT, env, tiny_chat_target, tiny_model, tiny_tokenizer, toy_data
+from helpers import QUESTIONS, ROOT, env, questions_file, tiny_chat_target, tiny_model, tiny_tokenizer, toy_data
 from transformers import AutoModelForCausalLM
 
 import gorgon.train.recipe as recipe
@@ -48,8 +48,7 @@ def saved_heads(tmp_path) -> Path:
 
 def test_every_command_leaves_a_foreign_out_folder_alone(tmp_path, capsys):
     """Each command with --out, given a folder of someone else's files, refuses before any work."""
-    questions = tmp_path / "q.jsonl"
-    questions.write_text("".join(json.dumps(q) + "\n" for q in QUESTIONS))
+    questions = questions_file(tmp_path / "q.jsonl")
     heads = saved_heads(tmp_path)
     commands = {
         "data": ["data", "--prompts", str(questions), "--limit", "2", "--max-new-tokens", "4"],

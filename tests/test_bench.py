@@ -5,7 +5,7 @@ import subprocess
 import sys
 
 import pytest
-from helpers import QUESTIONS, ROOT, tiny_chat_target
+from helpers import QUESTIONS, ROOT, chat_target_with_heads, questions_file, tiny_chat_target
 
 import gorgon.decode.acceptance as acceptance
 import gorgon.decode.bench as bench
@@ -89,11 +89,8 @@ def test_bad_question_files(tmp_path):
 
 @pytest.mark.slow
 def test_cli_writes_an_atomic_report_and_plot(tmp_path):
-    target_path = tiny_chat_target(tmp_path)
-    target = load_target(str(target_path), device="cpu")
-    MedusaHeads.for_target(target.model, target_fingerprint=target.fingerprint).save_pretrained(tmp_path / "heads")
-    q = tmp_path / "q.jsonl"
-    q.write_text("".join(json.dumps(x) + "\n" for x in QUESTIONS))
+    target_path, _, _ = chat_target_with_heads(tmp_path)
+    q = questions_file(tmp_path / "q.jsonl")
     run = subprocess.run([sys.executable, "-m", "gorgon.heads.cli", "bench", "--target", str(target_path), "--heads",
                           str(tmp_path / "heads"), "--questions", str(q), "--max-new-tokens", "8", "--limit", "3",
                           "--per-category", "1", "--out", str(tmp_path / "r" / "report.json")],
@@ -114,11 +111,8 @@ def test_cli_writes_an_atomic_report_and_plot(tmp_path):
 
 def test_a_bench_stopped_early_leaves_the_questions_it_ran(tmp_path, monkeypatch):
     """A time limit or Ctrl-C in the third question: --out holds the first two, marked incomplete."""
-    target_path = tiny_chat_target(tmp_path)
-    target = load_target(str(target_path), device="cpu")
-    MedusaHeads.for_target(target.model, target_fingerprint=target.fingerprint).save_pretrained(tmp_path / "heads")
-    q = tmp_path / "q.jsonl"
-    q.write_text("".join(json.dumps(x) + "\n" for x in QUESTIONS))
+    target_path, _, _ = chat_target_with_heads(tmp_path)
+    q = questions_file(tmp_path / "q.jsonl")
     calls, timed = [], bench.timed_speculative
 
     def stopped_in_the_third_question(*args, **kwargs):
@@ -153,8 +147,7 @@ def test_update_card_writes_the_measured_figures(tmp_path):
     card = (heads / "README.md").read_text()
     assert card.startswith("---\nbase_model:") and "- medusa\n- speculative-decoding" in card
     assert "| 1 | t+2 |" in card and "Not measured yet" in card and "--format vllm" in card
-    q = tmp_path / "q.jsonl"
-    q.write_text("".join(json.dumps(x) + "\n" for x in QUESTIONS))
+    q = questions_file(tmp_path / "q.jsonl")
     run = subprocess.run([sys.executable, "-m", "gorgon.heads.cli", "bench", "--target", str(target_path), "--heads",
                           str(heads), "--questions", str(q), "--max-new-tokens", "6", "--limit", "2",
                           "--update-card"], capture_output=True, text=True, timeout=300)
@@ -172,8 +165,7 @@ def test_bench_with_a_draft_model(tmp_path):
     target_path = tiny_chat_target(tmp_path)
     draft_path = train(DraftTrainConfig(data=toy_data(tmp_path / "toy.jsonl", n=8), out=str(tmp_path / "draft"),
                                         target=str(target_path), student_layers=1, max_steps=0, report_to="none"))
-    q = tmp_path / "q.jsonl"
-    q.write_text("".join(json.dumps(x) + "\n" for x in QUESTIONS))
+    q = questions_file(tmp_path / "q.jsonl")
     run = subprocess.run([sys.executable, "-m", "gorgon.heads.cli", "bench", "--target", str(target_path), "--draft",
                           str(draft_path), "--draft-tokens", "3", "--questions", str(q), "--max-new-tokens", "8",
                           "--limit", "2", "--out", str(tmp_path / "r.json"), "--update-card"], capture_output=True,
@@ -258,8 +250,7 @@ def test_compare_heads_are_timed_in_the_same_rotation_and_drafted_as_the_heads(t
     target = load_target(str(target_path), device="cpu")
     EagleHead.for_target(target.model, target_fingerprint=target.fingerprint).save_pretrained(tmp_path / "eagle")
     MedusaHeads.for_target(target.model, target_fingerprint=target.fingerprint).save_pretrained(tmp_path / "medusa")
-    q = tmp_path / "q.jsonl"
-    q.write_text("".join(json.dumps(x) + "\n" for x in QUESTIONS[:3]))
+    q = questions_file(tmp_path / "q.jsonl", QUESTIONS[:3])
     common = ["--target", str(target_path), "--questions", str(q), "--max-new-tokens", "10", "--tree", "3",
               "--context-draft", "--baselines", "generate,no-context"]
     assert gorgon(["bench", "--heads", str(tmp_path / "eagle"), "--compare-heads", str(tmp_path / "medusa"),

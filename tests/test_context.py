@@ -151,18 +151,14 @@ def test_bad_settings_are_one_line():
 def test_cli_takes_context_drafts_alone_and_merged(tmp_path, capsys):
     import json
 
-    from helpers import QUESTIONS, tiny_chat_target
+    from helpers import QUESTIONS, chat_target_with_heads, questions_file
 
-    from gorgon.heads import load_target
     from gorgon.heads.cli import main as gorgon
 
-    target_path = tiny_chat_target(tmp_path)
-    target = load_target(str(target_path), device="cpu")
-    MedusaHeads.for_target(target.model, target_fingerprint=target.fingerprint).save_pretrained(tmp_path / "heads")
+    target_path, _, _ = chat_target_with_heads(tmp_path)
     common = ["--target", str(target_path), "--max-new-tokens", "8"]
     assert gorgon(["generate", "--context-draft", "--prompt", "count count count", "--stats"] + common) == 0
-    questions = tmp_path / "q.jsonl"
-    questions.write_text("".join(json.dumps(q) + "\n" for q in QUESTIONS[:2]))
+    questions = questions_file(tmp_path / "q.jsonl", QUESTIONS[:2])
     out = tmp_path / "bench.json"
     assert gorgon(["bench", "--heads", str(tmp_path / "heads"), "--context-draft", "--tree", "3", "--questions",
                    str(questions), "--baselines", "generate,prompt-lookup,no-context", "--out", str(out)] + common) == 0

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import ARCHS, QUESTIONS, VOCAB, tiny_chat_target, tiny_model
+from helpers import ARCHS, QUESTIONS, VOCAB, chat_target_with_heads, questions_file, tiny_chat_target, tiny_model
 
 import gorgon.decode.calibrate as calibrate
 from gorgon.decode import speculative_generate
@@ -278,11 +278,8 @@ def test_profile_step_prints_one_json_line(tmp_path, kernels):
 
 
 def test_profile_step_caches_a_real_conversation_with_questions(tmp_path):
-    target_path = tiny_chat_target(tmp_path)
-    target = load_target(str(target_path), device="cpu")
-    MedusaHeads.for_target(target.model, target_fingerprint=target.fingerprint).save_pretrained(tmp_path / "heads")
-    questions = tmp_path / "q.jsonl"
-    questions.write_text("".join(json.dumps(q) + "\n" for q in QUESTIONS))
+    target_path, target, _ = chat_target_with_heads(tmp_path)
+    questions = questions_file(tmp_path / "q.jsonl")
     script = [sys.executable, "scripts/profile_step.py", "--repeat", "1", "--json", "--questions", str(questions)]
     run = subprocess.run(script + ["--target", str(target_path), "--heads", str(tmp_path / "heads"), "--context", "40",
                                    "--tree", "3"], capture_output=True, text=True, cwd=Path(__file__).parents[1],
@@ -305,11 +302,8 @@ def test_profile_step_caches_a_real_conversation_with_questions(tmp_path):
 
 
 def test_trace_generation_labels_each_step_part(tmp_path):
-    target_path = tiny_chat_target(tmp_path)
-    target = load_target(str(target_path), device="cpu")
-    MedusaHeads.for_target(target.model, target_fingerprint=target.fingerprint).save_pretrained(tmp_path / "heads")
-    questions = tmp_path / "q.jsonl"
-    questions.write_text("".join(json.dumps(q) + "\n" for q in QUESTIONS))
+    target_path, _, _ = chat_target_with_heads(tmp_path)
+    questions = questions_file(tmp_path / "q.jsonl")
     run = subprocess.run([sys.executable, "scripts/trace_generation.py", "--target", str(target_path), "--heads",
                           str(tmp_path / "heads"), "--questions", str(questions), "--limit", "2",
                           "--max-new-tokens", "6", "--trace", str(tmp_path / "trace.json")],
