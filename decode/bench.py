@@ -437,20 +437,21 @@ def main(argv=None) -> int:
     about.update({"target": target.name, "drafter": drafter_name(args), "questions_file": args.questions,
                   "command": "gorgon bench " + " ".join(sys.argv[2:] if argv is None else argv)})
 
-    def save_partial(partial: dict) -> None:
-        """Until the last question is done, --out holds the questions run so far, marked incomplete."""
-        partial.update(about, complete=False, questions_planned=len(questions))
-        atomic_write_text(Path(args.out), json.dumps(partial, indent=1) + "\n")
+    def record(report: dict, complete: bool) -> None:
+        """Add what describes the run; with --out, write the report (after every question: until the last
+        it is marked incomplete)."""
+        report.update(about, complete=complete, questions_planned=len(questions))
+        if args.out:
+            atomic_write_text(Path(args.out), json.dumps(report, indent=1) + "\n")
 
     report = run_bench(target, drafter, questions, args.max_new_tokens, sampling, baselines, assistant, seed,
-                       compare=compare, checkpoint=save_partial if args.out else None)
-    report.update(about, complete=True, questions_planned=len(questions))
+                       compare=compare, checkpoint=(lambda partial: record(partial, False)) if args.out else None)
+    record(report, True)
     print(markdown_table(report))
     print(f"\n{report['device']}, {report['dtype']} (drafts in {report['draft_dtype'] or 'no weights'}), "
           f"{report['threads']} thread(s), tree of {report['tree_size']} nodes")
     if args.out:
         out = Path(args.out)
-        atomic_write_text(out, json.dumps(report, indent=1) + "\n")
         plot_report(report, out.with_suffix(".png"))
         print(f"report: {out} (plot: {out.with_suffix('.png')})")
     if args.update_card:
