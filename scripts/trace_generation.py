@@ -16,6 +16,8 @@ time and, on a GPU, by device time. `--trace FILE` writes the Chrome trace of go
 import argparse
 import contextlib
 import functools
+import os
+from pathlib import Path
 
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
@@ -24,7 +26,8 @@ import gorgon.decode.generate as generate_module
 from gorgon.decode.acceptance import Sampling
 from gorgon.decode.bench import load_questions, timed_generate, timed_speculative
 from gorgon.decode.options import add_model_arguments, load_drafter, read_tree
-from gorgon.heads.errors import int_at_least, run_script
+from gorgon.heads.errors import GorgonError, int_at_least, run_script
+from gorgon.heads.files import atomic_write, check_writable
 
 # The decoder's step parts, as speculative_generate calls them: each is labelled in the trace.
 PARTS = {"verify forward": "verify", "greedy acceptance": "accept_greedy", "sampled acceptance": "accept_sampled",
@@ -60,10 +63,16 @@ def main():
     p.add_argument("--questions", required=True, help="MT-Bench/Spec-Bench .jsonl, e.g. scripts/data/mt_bench.jsonl")
     p.add_argument("--limit", type=int_at_least(1), default=2, help="first N questions, first turns (default 2)")
     p.add_argument("--rows", type=int_at_least(1), default=15, help="operators listed per table (default 15)")
-    p.add_argument("--trace", default=None, help="also write the Chrome trace of gorgon's generations here")
+    p.add_argument("--trace", default=None,
+                   help="also write the Chrome trace of gorgon's generations to this new file (an existing one is "
+                        "never written over)")
     args = p.parse_args()
     if not (args.heads or args.draft or args.context_draft):
         p.error("one of --heads, --draft or --context-draft is required")
+    if args.trace:
+        if os.path.lexists(args.trace):
+            raise GorgonError(f"--trace {args.trace} already exists: choose a new file")
+        check_writable(Path(args.trace).parent, "choose a writable --trace")
     target, drafter = load_drafter(args, read_tree(args.tree))
     model, sampling = target.model, Sampling(args.temperature, args.top_k, args.top_p)
     prompts = [target.chat_ids([{"role": "user", "content": q["turns"][0]}])
@@ -103,7 +112,7 @@ def main():
         if on_gpu:
             print(events.table(sort_by="self_device_time_total", row_limit=args.rows))
         if name == "gorgon" and args.trace:
-            prof.export_chrome_trace(args.trace)
+            atomic_write(Path(args.trace), prof.export_chrome_trace)
             print(f"trace: {args.trace}")
 
 

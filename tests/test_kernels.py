@@ -314,6 +314,13 @@ def test_trace_generation_labels_each_step_part(tmp_path):
     for part in ("drafter propose", "verify forward", "greedy acceptance", "cache compaction"):
         assert part in parts, part
     assert json.loads((tmp_path / "trace.json").read_text())["traceEvents"]
+    mine = tmp_path / "mine.json"
+    mine.write_text("a user's file")
+    bad = subprocess.run([sys.executable, "scripts/trace_generation.py", "--target", str(target_path), "--heads",
+                          str(tmp_path / "heads"), "--questions", str(questions), "--trace", str(mine)],
+                         capture_output=True, text=True, cwd=Path(__file__).parents[1], timeout=300)
+    assert bad.returncode == 2 and bad.stderr.strip().splitlines()[-1].endswith("already exists: choose a new file")
+    assert mine.read_text() == "a user's file"
 
 
 def test_attention_ab_times_both_and_finds_them_identical(tmp_path):
