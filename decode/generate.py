@@ -24,7 +24,7 @@ from gorgon.heads.tree import cut_tree, host_to_device
 
 from .acceptance import Sampling, accept_greedy, accept_sampled, accept_typical, target_probs
 from .argmax import target_argmax
-from .verify import features, keep_path, verify
+from .verify import accepted_rows, features, keep_path, verify
 
 ACCEPTANCE_RULES = ("exact", "typical")
 
@@ -190,7 +190,7 @@ def speculative_generate(model, drafter: Drafter, input_ids: torch.Tensor, max_n
         else:
             accept = accept_typical if acceptance == "typical" else accept_sampled
             path, emitted = accept(tree, tokens, target_probs(lm_logits(model, hidden), sampling), generator)
-        nodes = host_to_device(torch.tensor(path), tokens.device)
+        nodes = accepted_rows(path, tokens.device)
         keep_path(cache, past_len, nodes)
         context = torch.cat([context, tokens[nodes]])
         before = len(new)

@@ -10,11 +10,13 @@ position p sees position q only when p - q < window). Models with both kinds of 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from gorgon.heads.errors import GorgonError
 from gorgon.heads.target import additive_mask, base_model, crop_cache, with_cache
-from gorgon.heads.tree import Tree
+from gorgon.heads.tree import Tree, host_to_device
 
 _MASK_KINDS = {"full_attention", "sliding_attention"}
 
@@ -78,12 +80,25 @@ def features(output, layers: tuple[int, ...] | None) -> torch.Tensor:
     return torch.cat([output.hidden_states[i][0] for i in layers], dim=-1)
 
 
-def keep_path(cache, past_len: int, nodes: torch.Tensor) -> None:
+def accepted_rows(path: Sequence[int], device) -> torch.Tensor | slice:
+    """The accepted path's nodes as an index into the tree's rows. When they are the tree's first nodes
+    (the root alone, or with its first child: most steps) a slice, so nothing is gathered or moved;
+    else a tensor on `device`."""
+    if list(path) == list(range(len(path))):
+        return slice(0, len(path))
+    return host_to_device(torch.tensor(path), device)
+
+
+def keep_path(cache, past_len: int, nodes: torch.Tensor | slice) -> None:
     """Keep the cache entries of the accepted nodes, in order, right after the prefix; drop the rest.
 
     After verification the cache holds past_len + T entries in node order; the accepted path's
-    nodes (ascending, root first) move to past_len, past_len + 1, ... and the rest is cut off.
+    nodes (ascending, root first; a slice from `accepted_rows` when already in place) move to
+    past_len, past_len + 1, ... and the rest is cut off.
     """
+    if isinstance(nodes, slice):
+        crop_cache(cache, past_len + nodes.stop)
+        return
     src = past_len + nodes
     for layer in cache.layers:
         for buf in (layer.keys, layer.values):

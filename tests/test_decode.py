@@ -10,7 +10,7 @@ from transformers import DynamicCache
 from gorgon.decode import speculative_generate
 from gorgon.decode.acceptance import Sampling
 from gorgon.decode.kernels import use_cpu_kernels
-from gorgon.decode.verify import keep_path, verify
+from gorgon.decode.verify import accepted_rows, keep_path, verify
 from gorgon.heads import GorgonError, HeadsDrafter, MedusaHeads
 from gorgon.heads.target import with_cache
 from gorgon.heads.tree import build_tree
@@ -69,16 +69,18 @@ def test_cache_after_acceptance_equals_plain_forward(arch, window):
     prefix = torch.randint(0, VOCAB, (1, 9))
     tokens = torch.randint(0, VOCAB, (tree.size,))
     with torch.no_grad():
-        for last in (0, 3, 7, 10, tree.size - 1):
+        for last in (0, 1, 3, 7, 10, tree.size - 1):  # 0 and 1: paths already in place (kept as a slice)
             cache = DynamicCache()
             model.get_decoder()(input_ids=prefix, **with_cache(model.get_decoder(), cache), use_cache=True)
             hidden = verify(model, cache, tokens, tree).last_hidden_state[0]
-            nodes = torch.tensor(tree.path_to[last])
+            path = tree.path_to[last]
+            nodes = accepted_rows(path, "cpu")
+            assert isinstance(nodes, slice) == (last in (0, 1))
             keep_path(cache, prefix.shape[1], nodes)
             plain = DynamicCache()
             out = model.get_decoder()(input_ids=torch.cat([prefix, tokens[nodes][None]], 1),
                                       **with_cache(model.get_decoder(), plain), use_cache=True)
-            assert cache.get_seq_length() == plain.get_seq_length() == prefix.shape[1] + len(nodes)
+            assert cache.get_seq_length() == plain.get_seq_length() == prefix.shape[1] + len(path)
             for mine, theirs in zip(cache.layers, plain.layers):
                 torch.testing.assert_close(mine.keys, theirs.keys, atol=1e-5, rtol=1e-5)
                 torch.testing.assert_close(mine.values, theirs.values, atol=1e-5, rtol=1e-5)
