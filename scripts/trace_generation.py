@@ -8,12 +8,15 @@ decoder and plain `generate` on the first turns of a question file.
 `scripts/profile_step.py` times one step's parts on a random prompt, where a feature-level head is
 unsure and drafts a small tree; this traces whole generations on real questions. It prints the
 milliseconds per token of each without the profiler, then the host time of each part of gorgon's
-steps (drafter, verify forward, acceptance, cache compaction) per step, then the top operators by host
-time and, on a GPU, by device time. `--trace FILE` writes the Chrome trace of gorgon's generations
-(open it in Perfetto or chrome://tracing).
+steps (drafter, verify forward, acceptance, cache compaction) per step, the operators each part
+dispatches per step (views left out: on a GPU each of the others launches a kernel, so where a small
+target leaves the host the bottleneck this counts its work on any machine) against `generate`'s per
+token, then the top operators by host time and, on a GPU, by device time. `--trace FILE` writes the
+Chrome trace of gorgon's generations (open it in Perfetto or chrome://tracing).
 """
 
 import argparse
+import collections
 import contextlib
 import functools
 import os
@@ -21,6 +24,7 @@ from pathlib import Path
 
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import gorgon.decode.generate as generate_module
 from gorgon.decode.acceptance import Sampling
@@ -34,14 +38,35 @@ PARTS = {"verify forward": "verify", "greedy acceptance": "accept_greedy", "samp
          "cache compaction": "keep_path", "tree cut": "cut_tree"}
 
 
+class OperatorCount(TorchDispatchMode):
+    """Operators dispatched while active, by the step part running (views, which launch nothing, left out)."""
+
+    def __init__(self):
+        super().__init__()
+        self.part, self.counts = "rest of the step", collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if not func.is_view:
+            self.counts[self.part] += 1
+        return func(*args, **(kwargs or {}))
+
+
 @contextlib.contextmanager
-def labelled_parts(drafter):
-    """Label each step part (and the drafter's proposal) in the profiler's record while the block runs."""
+def labelled_parts(drafter, count: OperatorCount | None = None):
+    """Label each step part (and the drafter's proposal) in the profiler's record while the block runs,
+    and tell `count` which part is running."""
     def labelled(name, fn):
         @functools.wraps(fn)
         def run(*args, **kwargs):
+            outer = count.part if count else None
             with record_function(name):
-                return fn(*args, **kwargs)
+                if count:
+                    count.part = name
+                try:
+                    return fn(*args, **kwargs)
+                finally:
+                    if count:
+                        count.part = outer
         return run
 
     saved = {attr: getattr(generate_module, attr) for attr in PARTS.values()}
@@ -95,6 +120,12 @@ def main():
     for name, run in methods.items():
         tokens, seconds, forwards = (sum(column) for column in zip(*(run(ids) for ids in prompts)))
         steps = forwards - len(prompts)  # the verify steps: every forward but each prompt's prefill
+        count = OperatorCount()
+        with contextlib.ExitStack() as stack:
+            if name == "gorgon":
+                stack.enter_context(labelled_parts(drafter, count))
+            stack.enter_context(count)
+            counted_tokens, _, counted_forwards = (sum(column) for column in zip(*(run(ids) for ids in prompts)))
         with contextlib.ExitStack() as stack:
             if name == "gorgon":
                 stack.enter_context(labelled_parts(drafter))
@@ -104,10 +135,16 @@ def main():
         print(f"\n== {name}: {1000 * seconds / tokens:.2f} ms per token without the profiler"
               + (f", {tokens / forwards:.2f} tokens per target forward" if name == "gorgon" else ""))
         events = prof.key_averages()
+        per_step, per_token = max(counted_forwards - len(prompts), 1), sum(count.counts.values()) / counted_tokens
         if name == "gorgon":
             print("host time per verify step: " + ", ".join(
                 f"{e.key} {e.cpu_time_total / 1000 / max(steps, 1):.2f} ms"
                 for e in events if e.key in [*PARTS, "drafter propose"]))
+            print("operators per verify step (views left out; the prefills' in the rest): " + ", ".join(
+                f"{part} {n / per_step:.0f}" for part, n in count.counts.most_common())
+                + f"; {per_token:.0f} per token")
+        else:
+            print(f"operators per token (views left out; the prefill's included): {per_token:.0f}")
         print(events.table(sort_by="self_cpu_time_total", row_limit=args.rows))
         if on_gpu:
             print(events.table(sort_by="self_device_time_total", row_limit=args.rows))

@@ -5,6 +5,7 @@ a clean fallback where it cannot run, and the bench's two baselines. Its speed i
 import copy
 import importlib.util
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -313,6 +314,10 @@ def test_trace_generation_labels_each_step_part(tmp_path):
     (parts,) = [line for line in run.stdout.splitlines() if line.startswith("host time per verify step:")]
     for part in ("drafter propose", "verify forward", "greedy acceptance", "cache compaction"):
         assert part in parts, part
+    (ops,) = [line for line in run.stdout.splitlines() if line.startswith("operators per verify step")]
+    counts = dict(re.findall(r"(drafter propose|verify forward) (\d+)", ops))
+    assert int(counts["verify forward"]) > int(counts["drafter propose"]) > 0  # the target's layers cost most
+    assert re.search(r"operators per token \(views left out; the prefill's included\): [1-9]", run.stdout)
     assert json.loads((tmp_path / "trace.json").read_text())["traceEvents"]
     mine = tmp_path / "mine.json"
     mine.write_text("a user's file")
