@@ -7,10 +7,7 @@
 Nothing is timed (`gorgon.decode.tau`), so this can run beside training where `gorgon bench` cannot,
 to compare drafters or tree-merging rules. The mean tree nodes per step is what a step costs (see
 scripts/profile_step.py for the cost of a forward over N tokens).
-With --context-draft and another drafter it also gives, per drafter and depth, the chances their
-candidates were given against how many came true (what the merged tree's calibration learns).
-`--json` prints one JSON line: {"drafter", "tau", "nodes_per_step", "per_category", "train_conversations",
-"calibration", ...}.
+`--json` prints one JSON line: {"drafter", "tau", "nodes_per_step", "per_category", "train_conversations", ...}.
 """
 
 import argparse
@@ -20,7 +17,6 @@ from pathlib import Path
 from gorgon.decode.bench import load_questions
 from gorgon.decode.options import add_model_arguments, drafter_name, load_drafter, read_tree
 from gorgon.decode.tau import measure_tau, per_category_sample
-from gorgon.heads import MergedDrafter
 from gorgon.heads.errors import run_script
 
 
@@ -39,11 +35,6 @@ def main() -> None:
                    "max_new_tokens": args.max_new_tokens,
                    "train_conversations": json.loads(metrics.read_text()).get("train_conversations")
                    if metrics is not None and metrics.is_file() else None})
-    if isinstance(drafter, MergedDrafter):
-        report["calibration"] = [
-            {"drafter": source, "depth": depth, "candidates": judged, "mean_chance": given / judged,
-             "came_true": right / judged}
-            for (source, depth), (right, given, judged) in sorted(drafter.calibration.record.items())]
     if args.json:
         print(json.dumps(report))
         return
@@ -51,11 +42,6 @@ def main() -> None:
     print("| category | tau | nodes per step |\n|---|---|---|")
     for name, r in list(report["per_category"].items()) + [("**all**", report)]:
         print(f"| {name} | {r['tau']:.2f} | {r['nodes_per_step']:.1f} |")
-    if "calibration" in report:
-        print("\n| drafter | depth | candidates judged | mean chance given | came true |\n|---|---|---|---|---|")
-        for row in report["calibration"]:
-            print(f"| {row['drafter']} | {row['depth']} | {row['candidates']} | {row['mean_chance']:.3f} | "
-                  f"{row['came_true']:.3f} |")
 
 
 if __name__ == "__main__":

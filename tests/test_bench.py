@@ -203,20 +203,6 @@ def test_tau_without_timing_counts_every_step(setup):
     assert measure_tau(target, drafter, one, max_new_tokens=10)["tau"] == alone.tau
 
 
-def test_tau_script_reports_how_often_each_drafters_candidates_came_true(tmp_path):
-    """With --context-draft and heads, scripts/tau.py gives the merged tree's calibration by drafter and depth."""
-    target_path, _, heads = chat_target_with_heads(tmp_path)
-    run = subprocess.run([sys.executable, str(ROOT / "scripts" / "tau.py"), "--target", str(target_path), "--heads",
-                          str(heads), "--context-draft", "--questions", str(questions_file(tmp_path / "q.jsonl")),
-                          "--max-new-tokens", "12", "--json"], capture_output=True, text=True, timeout=300)
-    assert run.returncode == 0, run.stderr
-    rows = json.loads(run.stdout.strip().splitlines()[-1])["calibration"]
-    assert {row["drafter"] for row in rows} == {"HeadsDrafter", "context"}
-    for row in rows:
-        assert row["candidates"] >= 1 and 0 < row["mean_chance"] <= 1 and 0 <= row["came_true"] <= 1
-    assert any(row["depth"] == 1 for row in rows)
-
-
 def test_tau_scripts_refuse_bad_input_in_one_line(tmp_path):
     """scripts/tau.py and scripts/learning_curve.py: a missing question file, and a --out they did not write,
     each end in one line and exit 2 before any model is loaded; an earlier curve needs --overwrite."""

@@ -15,7 +15,7 @@ from gorgon.heads import (
     MedusaHeads,
     MergedDrafter,
 )
-from gorgon.heads.context.drafter import Calibration, lookup
+from gorgon.heads.context.drafter import lookup
 from gorgon.heads.tree import token_paths, tree_from_token_paths
 
 
@@ -81,28 +81,6 @@ def test_merged_trees_take_the_likeliest_candidates_once():
 
     merged = MergedDrafter(Unsure(), ContextDrafter(max_ngram=3, length=4, branches=1), budget=2)
     assert token_paths(*merged.propose(torch.tensor(3), torch.zeros(0, 1), context)) == [(10,)]  # the higher: 0.5
-
-
-def test_calibration_scales_each_drafters_chances_by_how_often_they_came_true():
-    calibration = Calibration()
-    prompt = torch.tensor([1, 2, 3, 4])
-    calibration.follow(torch.tensor(5), torch.zeros(4, 1), prompt)  # a prompt (features for all of it), root 5
-    sure = {"drafter": [([10], 0.9), ([10, 12], 0.8), ([10, 12, 13], 0.7)], "context": [([11], 0.1)]}
-    first = calibration.chances(4, sure)  # nothing judged yet: the chances as given
-    assert first == pytest.approx({(10,): 0.9, (10, 12): 0.8, (10, 12, 13): 0.7, (11,): 0.1})
-    # The target accepts 11 and chooses 12 after it: the drafter's (10,) and (10, 12) were wrong, the
-    # context's (11,) right; (10, 12, 13) waits until three tokens after the root are known.
-    calibration.follow(torch.tensor(12), torch.zeros(2, 1), torch.cat([prompt, torch.tensor([5, 11])]))
-    assert calibration.record == {("drafter", 1): [0, 0.9, 1], ("drafter", 2): [0, 0.8, 1], ("context", 1): [1, 0.1, 1]}
-    assert [path for _, _, path, _ in calibration.pending] == [(10, 12, 13)]
-    later = calibration.chances(6, sure)
-    assert later[(10,)] == pytest.approx(0.9 / 1.9)              # an overconfident drafter is believed less
-    assert later[(11,)] == pytest.approx(0.1 * 2 / 1.1)          # an underconfident one more
-    assert later[(10, 12)] == pytest.approx(0.8 / 1.8)
-    assert later[(10, 12, 13)] == pytest.approx(0.8 / 1.8)       # 0.7 as given, but never above its parent
-    # A new prompt drops what was still open.
-    calibration.follow(torch.tensor(5), torch.zeros(3, 1), torch.tensor([7, 8, 9]))
-    assert calibration.pending == []
 
 
 def test_context_chances_follow_what_the_target_accepted():

@@ -120,8 +120,7 @@ class MergedDrafter:
 
     The other drafter proposes its own tree, the context its chains, each candidate with its chance
     of being accepted (`scored_paths`: a head's draft confidence or measured accuracy, a draft
-    model's probabilities, the context's learned record), each drafter's calibrated by how often its
-    candidates have come true so far (`Calibration`); a path both propose keeps the higher.
+    model's probabilities, the context's learned record); a path both propose keeps the higher.
     Taking them best first keeps parents before children (a path is never likelier than its prefix).
     With `costs` (a forward's time per token count, measured on this machine) each step keeps as
     many as pay for themselves: the count that gives the most expected tokens (1 + the sum of
@@ -144,17 +143,16 @@ class MergedDrafter:
             raise GorgonError(f"{type(drafter).__name__} does not rank its candidates by chance (scored_paths), "
                               "so its tree cannot be merged with context drafts: use it without --context-draft")
         self.feature_layers = drafter.feature_layers
-        self.calibration = Calibration()
 
     @property
     def max_nodes(self) -> int:
         return self.budget
 
     def propose(self, root: torch.Tensor, features: torch.Tensor, context: torch.Tensor):
-        self.calibration.follow(root, features, context)
-        proposed = {"context": self.context.scored_paths(root, features, context),
-                    type(self.drafter).__name__: self.drafter.scored_paths(root, features, context)}
-        chance = self.calibration.chances(context.numel(), proposed)
+        chance: dict[tuple[int, ...], float] = {}
+        for path, p in (self.context.scored_paths(root, features, context)
+                        + self.drafter.scored_paths(root, features, context)):
+            chance[tuple(path)] = max(p, chance.get(tuple(path), 0.0))
         chosen: list[tuple[int, ...]] = []
         kept: set[tuple[int, ...]] = set()
         for path in sorted(chance, key=lambda p: (-chance[p], len(p))):
@@ -166,62 +164,6 @@ class MergedDrafter:
         if self.costs is not None:
             chosen = chosen[:worth_verifying([chance[p] for p in chosen], self.costs)]
         return tree_from_token_paths(root, [list(p) for p in chosen])
-
-
-class Calibration:
-    """How often each drafter's candidates at each depth turn out right, against the chances it gave them.
-
-    The chances a merged tree ranks by and sizes itself with are not the candidates' odds of being
-    accepted: on 16 MT-Bench questions the feature-level head's were too high (given 0.95, right 73%
-    of the time; at depth 3, 0.24 given, 2% right: deeper than its training unrolled), the context's
-    too low (0.075 given, 16% right). So each drafter's chance at depth d is scaled by
-    (right + 1) / (given + 1) over its candidates at that depth judged so far, `right` counting those
-    the text then followed and `given` summing their chances; a candidate never gets more than its
-    parent. A candidate is judged once the text has grown past it, whether or not it was verified:
-    the text (greedy, or sampled) does not depend on the tree, so the counts are not biased by it.
-    """
-
-    def __init__(self):
-        self.record: dict[tuple[str, int], list[float]] = {}  # (drafter, depth) -> [right, given, judged]
-        self.pending: list[tuple[int, str, tuple[int, ...], float]] = []  # root position, drafter, path, chance
-        self.length = None  # the context's length at the last step
-
-    def follow(self, root: torch.Tensor, features: torch.Tensor, context: torch.Tensor) -> None:
-        """Judge the candidates the text has grown past (a new prompt drops those still open)."""
-        n = context.numel()
-        if self.length is None or n - features.shape[0] != self.length:
-            self.pending = []  # a new prompt
-        self.length = n
-        if not self.pending:
-            return
-        first = min(position for position, *_ in self.pending)
-        text = context[first:].tolist() + [int(root)]  # text[i] is the token at position first + i
-        still = []
-        for position, source, path, chance in self.pending:
-            written = text[position + 1 - first:position + 1 - first + len(path)]
-            if len(written) < len(path):
-                still.append((position, source, path, chance))
-                continue
-            counts = self.record.setdefault((source, len(path)), [0, 0.0, 0])
-            counts[0] += tuple(written) == path
-            counts[1] += chance
-            counts[2] += 1
-        self.pending = still
-
-    def chances(self, position: int, proposed: dict[str, list[tuple[list[int], float]]]) -> dict[tuple, float]:
-        """Each token path's calibrated chance (the higher where both drafters propose it), parents first;
-        the proposals are kept to be judged (the root is at `position`)."""
-        chance: dict[tuple[int, ...], float] = {}
-        for source, paths in proposed.items():
-            mine: dict[tuple[int, ...], float] = {}
-            for path, given in sorted(paths, key=lambda pair: len(pair[0])):  # parents first
-                path = tuple(path)
-                right, total, _ = self.record.get((source, len(path)), (0, 0.0, 0))
-                mine[path] = min(given * (right + 1) / (total + 1), mine.get(path[:-1], 1.0))
-                self.pending.append((position, source, path, given))
-            for path, p in mine.items():
-                chance[path] = max(p, chance.get(path, 0.0))
-        return chance
 
 
 # The most nodes a merged tree takes when sized per step (unless the other drafter's own tree is larger):
