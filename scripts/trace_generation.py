@@ -52,21 +52,18 @@ class OperatorCount(TorchDispatchMode):
 
 
 @contextlib.contextmanager
-def labelled_parts(drafter, count: OperatorCount | None = None):
+def labelled_parts(drafter, count: OperatorCount):
     """Label each step part (and the drafter's proposal) in the profiler's record while the block runs,
-    and tell `count` which part is running."""
+    and tell `count` which part is running (an inactive count keeps the names unused)."""
     def labelled(name, fn):
         @functools.wraps(fn)
         def run(*args, **kwargs):
-            outer = count.part if count else None
-            with record_function(name):
-                if count:
-                    count.part = name
-                try:
+            outer, count.part = count.part, name
+            try:
+                with record_function(name):
                     return fn(*args, **kwargs)
-                finally:
-                    if count:
-                        count.part = outer
+            finally:
+                count.part = outer
         return run
 
     saved = {attr: getattr(generate_module, attr) for attr in PARTS.values()}
@@ -117,21 +114,20 @@ def main():
         run(prompts[0][:, :16])
     on_gpu = model.device.type == "cuda"
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_gpu else [])
+    def run_all(run):  # tokens, seconds and target forwards over every prompt
+        return [sum(column) for column in zip(*(run(ids) for ids in prompts))]
+
     for name, run in methods.items():
-        tokens, seconds, forwards = (sum(column) for column in zip(*(run(ids) for ids in prompts)))
+        def parts(count):  # gorgon's step parts labelled (plain `generate` has none)
+            return labelled_parts(drafter, count) if name == "gorgon" else contextlib.nullcontext()
+
+        tokens, seconds, forwards = run_all(run)
         steps = forwards - len(prompts)  # the verify steps: every forward but each prompt's prefill
         count = OperatorCount()
-        with contextlib.ExitStack() as stack:
-            if name == "gorgon":
-                stack.enter_context(labelled_parts(drafter, count))
-            stack.enter_context(count)
-            counted_tokens, _, counted_forwards = (sum(column) for column in zip(*(run(ids) for ids in prompts)))
-        with contextlib.ExitStack() as stack:
-            if name == "gorgon":
-                stack.enter_context(labelled_parts(drafter))
-            prof = stack.enter_context(profile(activities=activities))
-            for ids in prompts:
-                run(ids)
+        with parts(count), count:  # a pass of its own: dispatch counting would slow the profiled one
+            counted_tokens, _, counted_forwards = run_all(run)
+        with parts(OperatorCount()), profile(activities=activities) as prof:
+            run_all(run)
         print(f"\n== {name}: {1000 * seconds / tokens:.2f} ms per token without the profiler"
               + (f", {tokens / forwards:.2f} tokens per target forward" if name == "gorgon" else ""))
         events = prof.key_averages()
