@@ -114,6 +114,8 @@ def main():
     p.add_argument("--repeat", type=int, default=15, help="timed runs per figure; the median is kept (default 15)")
     p.add_argument("--json", action="store_true", help="print one JSON line instead of the table")
     args = p.parse_args()
+    if args.questions and args.random_target:
+        p.error("--questions needs a real target's tokenizer: it does not go with --random-target")
     if args.random_target:
         model, drafter = random_target(args)
     elif args.heads or args.draft or args.context_draft:
@@ -121,8 +123,6 @@ def main():
         model = target.model
     else:
         p.error("one of --heads, --draft, --context-draft or --random-target is required")
-    if args.questions and args.random_target:
-        p.error("--questions needs a real target's tokenizer: it does not go with --random-target")
     prompt = conversation(target, args.questions, args.context) if args.questions else None
     with torch.inference_mode():
         parts = profile(model, drafter, args.context, args.repeat, prompt)
