@@ -8,9 +8,13 @@ copy is a large part of attention on a long cache. So the fast path registers an
 exactly that case, a masked forward over several tokens on the CPU, and hands every other call to
 transformers' own SDPA function unchanged. Only models on transformers' SDPA attention switch to it;
 the masks it is given are built as for SDPA.
+
+On CUDA, decoding runs torch's SDPA without its cuDNN backend (`decoding_attention`).
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import torch
 import torch.nn.functional as F
@@ -46,3 +50,22 @@ def use_tree_attention(model: torch.nn.Module, on: bool) -> bool:
     elif not on and current == NAME:
         model.set_attn_implementation("sdpa")
     return current == NAME
+
+
+@contextlib.contextmanager
+def decoding_attention(device: torch.device):
+    """On CUDA, run the block's SDPA calls on flash, memory-efficient or math attention, never cuDNN's.
+
+    torch (2.9 on, builds for CUDA 13) tries cuDNN's attention first on Hopper and Blackwell GPUs,
+    and cuDNN builds an execution graph for every new pair of query and key lengths (its cache is
+    keyed by shapes and strides: `aten/src/ATen/native/cudnn/MHA.cpp`). Decoding meets a new pair
+    at almost every call: the cache grows by a token or more each step, the tree's size changes
+    from step to step, and a feature-level head attends once per drafted level. The other backends
+    launch their kernels for any shape with no such setup. A no-op off CUDA."""
+    if device.type != "cuda":
+        yield
+        return
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]):
+        yield

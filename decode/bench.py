@@ -26,6 +26,7 @@ from gorgon.heads.target import load_causal_lm
 
 from .acceptance import Sampling
 from .argmax import argmax_in_use
+from .attention import decoding_attention
 from .calibrate import cpu_flags, cpu_name, sync
 from .generate import GenerationResult, generation_config_as_applied, speculative_generate
 from .kernels import kernels_in_use, one_row_kernel, stock_kernels
@@ -88,9 +89,10 @@ def timed_speculative(model, drafter, ids, max_new_tokens: int, sampling: Sampli
 def summarize(rows: list[dict], greedy: bool, extra: tuple[str, ...], stock: bool = False) -> dict:
     """Aggregate figures over question rows (each one question, all its turns).
 
-    With `stock`, plain `generate` was also timed on torch's stock kernels: `speedup_vs_stock`
-    is gorgon against that (what a user gains end to end), `speedup` against `generate` on the
-    same fast kernels (what speculation alone gives). Each name in `extra` is another method timed
+    With `stock`, plain `generate` was also timed on torch's defaults (stock CPU kernels; on CUDA,
+    its own choice of attention): `speedup_vs_stock` is gorgon against that (what a user gains end
+    to end), `speedup` against `generate` on the kernels and attention gorgon runs on (what
+    speculation alone gives). Each name in `extra` is another method timed
     in the same rotation; a speculative one (`SPECULATIVE`) also has its tau and identical count.
     """
     tokens = sum(r["tokens"] for r in rows)
@@ -127,12 +129,15 @@ def timed_methods(model, drafter, baselines: tuple[str, ...], assistant, samplin
                   compare=None) -> dict:
     """What is timed on each turn, by name: a function of (prompt ids, max new tokens) returning a
     GenerationResult. `baseline` is plain `generate`, `gorgon` the drafter under test, `compare` another
-    heads' drafter; the rest are the baselines asked for (`stock` only where the CPU fast kernels are on,
-    else it equals `baseline`)."""
+    heads' drafter; the rest are the baselines asked for. `generate` runs on the kernels and attention
+    gorgon decodes with; `stock` on torch's defaults: its stock CPU kernels where the fast ones are on,
+    on CUDA its own choice of attention, cuDNN's included (`decoding_attention`); elsewhere it would
+    equal `baseline` and is left out."""
 
     def plain(**extra):
         def run(ids, max_new_tokens):
-            tokens, seconds = timed_generate(model, ids, max_new_tokens, sampling, **extra)
+            with decoding_attention(model.device):
+                tokens, seconds = timed_generate(model, ids, max_new_tokens, sampling, **extra)
             return GenerationResult(tokens, target_forwards=0, seconds=seconds)
         return run
 
@@ -141,10 +146,11 @@ def timed_methods(model, drafter, baselines: tuple[str, ...], assistant, samplin
 
     def on_stock_kernels(ids, max_new_tokens):
         with stock_kernels(model):
-            return plain()(ids, max_new_tokens)
+            tokens, seconds = timed_generate(model, ids, max_new_tokens, sampling)
+        return GenerationResult(tokens, target_forwards=0, seconds=seconds)
 
     methods = {"baseline": plain(), "gorgon": speculative(drafter)}
-    if "stock" in baselines and kernels_in_use(model) == "fast":
+    if "stock" in baselines and (kernels_in_use(model) == "fast" or model.device.type == "cuda"):
         methods["stock"] = on_stock_kernels
     if "prompt-lookup" in baselines:
         methods["prompt-lookup"] = plain(prompt_lookup_num_tokens=10)
@@ -388,8 +394,9 @@ def parser() -> argparse.ArgumentParser:
                    help="the first N questions of each category only (as scripts/tau.py takes them)")
     p.add_argument("--baselines", default="generate,stock",
                    help="comma-separated, timed in the same rotation as gorgon: generate (plain `generate`, always "
-                        "run), stock (plain `generate` on torch's stock CPU kernels, when gorgon runs on the fast "
-                        "ones), prompt-lookup (transformers' prompt lookup), no-context (with --context-draft: the "
+                        "run), stock (plain `generate` on torch's defaults: its stock CPU kernels when gorgon runs on "
+                        "the fast ones; on CUDA, SDPA free to pick cuDNN's attention, which gorgon avoids), "
+                        "prompt-lookup (transformers' prompt lookup), no-context (with --context-draft: the "
                         "--heads or --draft drafter alone). Default: generate,stock")
     p.add_argument("--assistant", default=None,
                    help="also time transformers' assisted generation with this draft model")

@@ -24,6 +24,7 @@ from gorgon.heads.tree import cut_tree, host_to_device
 
 from .acceptance import Sampling, accept_greedy, accept_sampled, accept_typical, target_probs
 from .argmax import target_argmax
+from .attention import decoding_attention
 from .verify import accepted_rows, features, keep_path, verify
 
 ACCEPTANCE_RULES = ("exact", "typical")
@@ -165,43 +166,44 @@ def speculative_generate(model, drafter: Drafter, input_ids: torch.Tensor, max_n
             return target_argmax(model, hidden)
         return torch.multinomial(target_probs(lm_logits(model, hidden), sampling), 1, generator=generator)[0]
 
-    cache = DynamicCache()
-    decoder = base_model(model)
-    out = decoder(input_ids=input_ids, **with_cache(decoder, cache), use_cache=True,
-                  output_hidden_states=layers is not None)
-    fresh = features(out, layers)
-    root = next_token(out.last_hidden_state[0, -1])
-    context = input_ids[0]                  # tokens in the cache; root follows them
-    new = [int(root)]
-    result = GenerationResult(tokens=new, target_forwards=1, accepted=[1])
-    keep = stop.cut(new, 0)
-    if streamer:
-        streamer(new[:keep])
-    while keep is None:
-        tokens, tree = drafter.propose(root, fresh, context)
-        # A node at depth d would be the output's (len(new) + d)-th token: deeper ones than the output has
-        # room for are never kept, and near the context's end their positions may lie past it.
-        tokens, tree = cut_tree(tokens, tree, max_new_tokens - len(new))
-        past_len = cache.get_seq_length()
-        out = verify(model, cache, tokens, tree, hidden_states=layers is not None)
-        hidden = out.last_hidden_state[0]
-        if sampling.greedy:
-            path, emitted = accept_greedy(tree, tokens, target_argmax(model, hidden))
-        else:
-            accept = accept_typical if acceptance == "typical" else accept_sampled
-            path, emitted = accept(tree, tokens, target_probs(lm_logits(model, hidden), sampling), generator)
-        nodes = accepted_rows(path, tokens.device)
-        keep_path(cache, past_len, nodes)
-        context = torch.cat([context, tokens[nodes]])
-        before = len(new)
-        new.extend(emitted)
-        keep = stop.cut(new, before)
-        result.target_forwards += 1
-        result.accepted.append(len(emitted))
+    with decoding_attention(input_ids.device):  # on CUDA, attention without per-shape setup
+        cache = DynamicCache()
+        decoder = base_model(model)
+        out = decoder(input_ids=input_ids, **with_cache(decoder, cache), use_cache=True,
+                      output_hidden_states=layers is not None)
+        fresh = features(out, layers)
+        root = next_token(out.last_hidden_state[0, -1])
+        context = input_ids[0]                  # tokens in the cache; root follows them
+        new = [int(root)]
+        result = GenerationResult(tokens=new, target_forwards=1, accepted=[1])
+        keep = stop.cut(new, 0)
         if streamer:
-            streamer(new[before:keep])
-        fresh = features(out, layers)[nodes]
-        root = host_to_device(torch.tensor(emitted[-1]), tokens.device)
+            streamer(new[:keep])
+        while keep is None:
+            tokens, tree = drafter.propose(root, fresh, context)
+            # A node at depth d would be the output's (len(new) + d)-th token: deeper ones than the output has
+            # room for are never kept, and near the context's end their positions may lie past it.
+            tokens, tree = cut_tree(tokens, tree, max_new_tokens - len(new))
+            past_len = cache.get_seq_length()
+            out = verify(model, cache, tokens, tree, hidden_states=layers is not None)
+            hidden = out.last_hidden_state[0]
+            if sampling.greedy:
+                path, emitted = accept_greedy(tree, tokens, target_argmax(model, hidden))
+            else:
+                accept = accept_typical if acceptance == "typical" else accept_sampled
+                path, emitted = accept(tree, tokens, target_probs(lm_logits(model, hidden), sampling), generator)
+            nodes = accepted_rows(path, tokens.device)
+            keep_path(cache, past_len, nodes)
+            context = torch.cat([context, tokens[nodes]])
+            before = len(new)
+            new.extend(emitted)
+            keep = stop.cut(new, before)
+            result.target_forwards += 1
+            result.accepted.append(len(emitted))
+            if streamer:
+                streamer(new[before:keep])
+            fresh = features(out, layers)[nodes]
+            root = host_to_device(torch.tensor(emitted[-1]), tokens.device)
     del new[keep:]
     result.seconds = time.perf_counter() - start
     return result

@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
-# gorgon on a GPU: the CUDA tests, `gorgon bench` on the embedded target in bf16, a trace of where
-# its steps spend their time, and the step profile of an 8B-shaped Llama built from a config with
+# gorgon on a GPU: the CUDA tests, what attention costs at a new key length each call (cuDNN's,
+# which torch prefers on Hopper, against the backends gorgon decodes with), `gorgon bench` on the
+# embedded target in bf16 (against `generate` on gorgon's attention and on torch's), a trace of
+# where its steps spend their time, and the step profile of an 8B-shaped Llama built from a config with
 # random weights (costs need no real weights).
 #
 #   bash scripts/gpu_check.sh                      # heads: $HEADS, else random heads (tau ~1: checks it runs)
@@ -34,10 +36,36 @@ MedusaHeads.for_target(target.model, num_heads=4, target_name=target.name,
                        target_fingerprint=target.fingerprint).save_pretrained(sys.argv[1])
 PYEOF
 fi
+echo "== attention at a new key length every call, as decoding calls it: torch's choice against gorgon's"
+$PY - <<'PYEOF'
+import contextlib, time
+import torch
+import torch.nn.functional as F
+from gorgon.decode.attention import decoding_attention
+
+def ms_per_call(lengths, block):  # a 16-node tree over SmolLM2's 9 heads of 64 on caches of these lengths
+    calls = [(torch.randn(1, 9, 16, 64, device="cuda", dtype=torch.bfloat16),
+              torch.randn(1, 9, n, 64, device="cuda", dtype=torch.bfloat16),
+              torch.zeros(1, 1, 16, n, device="cuda", dtype=torch.bfloat16)) for n in lengths]
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    with block:
+        for q, k, mask in calls:
+            F.scaled_dot_product_attention(q, k, k, attn_mask=mask)
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) * 1000 / len(lengths)
+
+gorgon = lambda: decoding_attention(torch.device("cuda"))
+ms_per_call(range(100, 110), contextlib.nullcontext()), ms_per_call(range(100, 110), gorgon())  # load kernels
+print(f"torch's choice, new lengths {ms_per_call(range(300, 364), contextlib.nullcontext()):.3f} ms a call, "
+      f"the same lengths again {ms_per_call(range(300, 364), contextlib.nullcontext()):.3f}; "
+      f"gorgon's (no cuDNN), new lengths {ms_per_call(range(400, 464), gorgon()):.3f}")
+PYEOF
+
 compare=${COMPARE:+--compare-heads $COMPARE}
 echo "== gorgon bench, embedded target, bf16"
 gorgon bench --heads "$heads" $compare --context-draft --questions scripts/data/mt_bench.jsonl --per-category 2 \
-  --max-new-tokens 64 --baselines generate,no-context --device cuda --dtype bfloat16 --out "$out/bench.json" --overwrite
+  --max-new-tokens 64 --baselines generate,stock,no-context --device cuda --dtype bfloat16 --out "$out/bench.json" --overwrite
 
 echo "== where the steps spend their time (2 questions)"
 stamp=$(date +%Y%m%d-%H%M%S)  # a new trace each run: an earlier one is kept

@@ -22,6 +22,7 @@ from transformers import DynamicCache
 
 from gorgon.decode.acceptance import accept_greedy
 from gorgon.decode.argmax import target_argmax
+from gorgon.decode.attention import decoding_attention
 from gorgon.decode.bench import load_questions
 from gorgon.decode.calibrate import cpu_flags, cpu_name, measure_verify_costs, median_ms
 from gorgon.decode.kernels import kernels_in_use, one_row_kernel, use_cpu_kernels
@@ -124,7 +125,7 @@ def main():
     else:
         p.error("one of --heads, --draft, --context-draft or --random-target is required")
     prompt = conversation(target, args.questions, args.context) if args.questions else None
-    with torch.inference_mode():
+    with torch.inference_mode(), decoding_attention(model.device):  # the attention decoding runs on
         parts = profile(model, drafter, args.context, args.repeat, prompt)
     costs = measure_verify_costs(model, context=args.context, repeat=args.repeat)
     plain = parts["plain step (1 token + lm_head)"]

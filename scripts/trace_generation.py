@@ -28,6 +28,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import gorgon.decode.generate as generate_module
 from gorgon.decode.acceptance import Sampling
+from gorgon.decode.attention import decoding_attention
 from gorgon.decode.bench import load_questions, timed_generate, timed_speculative
 from gorgon.decode.options import add_model_arguments, load_drafter, read_tree
 from gorgon.heads.errors import GorgonError, int_at_least, run_script
@@ -105,8 +106,9 @@ def main():
         result = timed_speculative(model, drafter, ids, args.max_new_tokens, sampling, gen)
         return len(result.tokens), result.seconds, result.target_forwards
 
-    def plain(ids):
-        tokens, seconds = timed_generate(model, ids, args.max_new_tokens, sampling)
+    def plain(ids):  # on the attention gorgon decodes with, as `gorgon bench` times it
+        with decoding_attention(model.device):
+            tokens, seconds = timed_generate(model, ids, args.max_new_tokens, sampling)
         return len(tokens), seconds, len(tokens)
 
     methods = {"gorgon": gorgon, "generate": plain}  # each returns tokens, seconds and target forwards

@@ -79,3 +79,29 @@ def test_one_host_sync_per_step():
         torch.cuda.set_sync_debug_mode("default")
     syncs = [w for w in caught if "synchroniz" in str(w.message).lower()]
     assert len(syncs) <= result.target_forwards, [str(w.message)[:120] for w in syncs[:5]]
+
+
+def test_decoding_never_runs_cudnn_attention():
+    """cuDNN's attention (which torch prefers on Hopper and Blackwell) sets up a graph for every new pair of query
+    and key lengths, and decoding meets new pairs at almost every call: the target's verify forwards and a
+    feature-level head's per-level attention run on the other backends, and the flag is back after the call."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class CountCudnnAttention(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.calls = self.attention = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            name = str(func)
+            self.attention += "scaled_dot_product" in name
+            self.calls += "cudnn_attention" in name
+            return func(*args, **(kwargs or {}))
+
+    model = tiny_model("llama", vocab=8, layers=4).to("cuda", torch.bfloat16)
+    drafter = EagleDrafter(EagleHead.for_target(model).to("cuda", torch.bfloat16), nodes=8, depth=3, topk=2)
+    ids = torch.randint(0, 8, (1, 9), device="cuda")
+    with CountCudnnAttention() as count:
+        speculative_generate(model, drafter, ids, max_new_tokens=20)
+    assert count.attention > 0 and count.calls == 0
+    assert torch.backends.cuda.cudnn_sdp_enabled()

@@ -174,6 +174,65 @@ def test_unknown_kernels_and_cli_switch():
     assert args.cpu_kernels == "stock"
 
 
+def sdpa_backends_enabled() -> dict[str, bool]:
+    cuda = torch.backends.cuda
+    return {"cudnn": cuda.cudnn_sdp_enabled(), "flash": cuda.flash_sdp_enabled(),
+            "efficient": cuda.mem_efficient_sdp_enabled(), "math": cuda.math_sdp_enabled()}
+
+
+def test_decoding_attention_leaves_out_cudnn_on_cuda_only():
+    """cuDNN's attention sets up a graph for every new pair of query and key lengths, which decoding meets at
+    almost every call: on CUDA the block runs on the other backends, and the flags come back after it."""
+    from gorgon.decode.attention import decoding_attention
+
+    before = sdpa_backends_enabled()
+    assert all(before.values())  # torch's default: every backend allowed
+    with decoding_attention(torch.device("cuda")):
+        assert sdpa_backends_enabled() == {"cudnn": False, "flash": True, "efficient": True, "math": True}
+    assert sdpa_backends_enabled() == before
+    with decoding_attention(torch.device("cpu")):
+        assert sdpa_backends_enabled() == before
+
+
+@needs_onednn
+def test_gorgon_and_generate_decode_on_the_same_attention_and_stock_on_torchs_own(tmp_path, monkeypatch):
+    """The bench's `generate` baseline and the decoder (drafter included) run under `decoding_attention`;
+    the `stock` baseline does not (torch's defaults). Checked on the CPU by recording where the block is open."""
+    import contextlib
+
+    import gorgon.decode.bench as bench
+    import gorgon.decode.generate as generate_module
+
+    target = load_target(str(tiny_chat_target(tmp_path)), device="cpu")
+    use_cpu_kernels(target.model, "fast")
+    model, inside, seen = target.model, [], []
+
+    @contextlib.contextmanager
+    def recording(device):
+        inside.append(device.type)
+        try:
+            yield
+        finally:
+            inside.pop()
+
+    monkeypatch.setattr(bench, "decoding_attention", recording)
+    monkeypatch.setattr(generate_module, "decoding_attention", recording)
+    generate = model.generate
+    monkeypatch.setattr(model, "generate", lambda *a, **k: seen.append(("generate", list(inside))) or generate(*a, **k))
+    drafter = HeadsDrafter(MedusaHeads.for_target(model), tree=[[0], [1], [0, 0]])
+    propose = drafter.propose
+    monkeypatch.setattr(drafter, "propose", lambda *a: seen.append(("propose", list(inside))) or propose(*a))
+    methods = bench.timed_methods(model, drafter, ("generate", "stock"), None, Sampling(), None)
+    ids = target.chat_ids([{"role": "user", "content": "count to five"}])
+    calls = {}
+    for name in ("baseline", "gorgon", "stock"):
+        seen.clear()
+        methods[name](ids, 6)
+        calls[name] = {(what, tuple(where)) for what, where in seen}  # what ran, inside which blocks
+    assert calls == {"baseline": {("generate", ("cpu",))}, "gorgon": {("propose", ("cpu",))},
+                     "stock": {("generate", ())}}
+
+
 @needs_onednn
 def test_bench_reports_both_ratios(tmp_path):
     target = load_target(str(tiny_chat_target(tmp_path)), device="cpu")
