@@ -27,7 +27,11 @@ from .attention import decoding_attention
 from .kernels import kernels_in_use, one_row_kernel
 from .verify import verify
 
-CPU_SIZES = (1, 2, 4, 8, 16)
+# A CPU's cost steps with the token count rather than growing with it: oneDNN multiplies in blocks of
+# rows (on an AMD EPYC with AVX-512, one thread: 3 to 6 tokens 0.93x one, 2 tokens 1.15x, 7 tokens
+# 1.11x), which a line between powers of two misses, so every size to 16 is timed. A GPU's cost grows
+# slowly and smoothly with the count: powers of two suffice.
+CPU_SIZES = tuple(range(1, 17))
 CUDA_SIZES = (1, 2, 4, 8, 16, 32, 64)
 CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_fp16", "amx_bf16", "amx_tile")
 
@@ -68,8 +72,13 @@ def median_ms(fn, repeat: int, reset=lambda: None, device: torch.device = torch.
     return statistics.median(times[1:])
 
 
+def measured_sizes(device: torch.device) -> tuple[int, ...]:
+    """The token counts whose verify cost is timed on this kind of device."""
+    return CUDA_SIZES if device.type == "cuda" else CPU_SIZES
+
+
 @torch.inference_mode()
-def measure_verify_costs(model, sizes=None, context: int = 256, repeat: int = 30) -> dict[int, float]:
+def measure_verify_costs(model, sizes=None, context: int = 256, repeat: int = 20) -> dict[int, float]:
     """Milliseconds of one target forward over n tree tokens plus its greedy choice at each, for each n:
     the median of `repeat` rounds that each time every size once, so a machine that slows or speeds up
     meanwhile shifts every size alike, not the sizes timed during the change alone.
@@ -79,7 +88,7 @@ def measure_verify_costs(model, sizes=None, context: int = 256, repeat: int = 30
     from transformers import DynamicCache
 
     device = model.device
-    sizes = sizes or (CUDA_SIZES if device.type == "cuda" else CPU_SIZES)
+    sizes = sizes or measured_sizes(device)
     prompt = torch.randint(0, model.config.get_text_config().vocab_size, (1, context), device=device)
     cache = DynamicCache()
     decoder = base_model(model)
@@ -117,7 +126,7 @@ def calibration_key(model) -> dict:
             "dtype": str(model.dtype), "kernels": kernels_in_use(model) if device.type == "cpu" else "cuda",
             "one_row_kernel": one_row_kernel(model),
             "attention": getattr(model.config, "_attn_implementation", None),
-            "argmax": argmax_in_use(model),
+            "argmax": argmax_in_use(model), "sizes": list(measured_sizes(device)),
             "model": {k: getattr(cfg, k, None) for k in ("model_type", "hidden_size", "intermediate_size",
                                                          "num_hidden_layers", "vocab_size")}}
 

@@ -9,8 +9,8 @@
 Times each part of a step with the library's own functions (median of --repeat runs, cache of
 --context tokens: random ones, or a real conversation with --questions): the drafter's proposal,
 the verify forward, the target's greedy argmax over the tree (`gorgon.decode.argmax`), greedy
-acceptance and the cache compaction; and the cost of a forward over 1, 2, 4, 8 and 16 tokens (the
-argmax included) relative to one. `--json` prints one JSON line instead of the table:
+acceptance and the cache compaction; and the cost of a forward over each token count tree sizing
+times (1 to 16 on a CPU; the argmax included) relative to one. `--json` prints one JSON line instead of the table:
 {"plain_ms", "verify_ratio", "step_ratio", "tree_size", "kernels", "cpu_flags", ...}.
 """
 

@@ -319,6 +319,23 @@ def test_verify_costs_are_measured_once_per_machine(monkeypatch, tmp_path):
 def test_measured_verify_costs_cover_the_sizes():
     costs = calibrate.measure_verify_costs(tiny_model("gemma3"), sizes=(1, 2, 4), context=16, repeat=1)
     assert sorted(costs) == [1, 2, 4] and all(ms > 0 for ms in costs.values())
+    assert calibrate.measured_sizes(torch.device("cpu")) == tuple(range(1, 17))  # a CPU's costs step: all timed
+
+
+@needs_onednn
+def test_verify_costs_are_timed_on_the_kernels_decoding_uses(monkeypatch):
+    """Timed with autograd on, the fast path would hand every product to torch's stock kernels and the tree
+    sizes would follow their costs (a misplaced decorator once did that: 4 tokens 1.4x one instead of 0.9x)."""
+    import gorgon.decode.kernels as kernels
+
+    model = tiny_model("llama")
+    use_cpu_kernels(model, "fast", one_row="onednn")
+    rows = []
+    packed_linear = kernels.packed_linear
+    monkeypatch.setattr(kernels, "packed_linear", lambda x, *a: rows.append(x.numel() // x.shape[-1]) or
+                        packed_linear(x, *a))
+    calibrate.measure_verify_costs(model, sizes=(1, 4), context=16, repeat=1)
+    assert {1, 4} <= set(rows)
 
 
 @pytest.mark.slow
@@ -332,7 +349,7 @@ def test_profile_step_prints_one_json_line(tmp_path, kernels):
     (line,) = run.stdout.strip().splitlines()
     report = json.loads(line)
     assert {"plain_ms", "verify_ratio", "step_ratio", "tree_size", "kernels", "cpu_flags"} <= set(report)
-    assert list(report["verify_ratio"]) == ["1", "2", "4", "8", "16"] and report["verify_ratio"]["1"] == 1.0
+    assert list(report["verify_ratio"]) == [str(n) for n in range(1, 17)] and report["verify_ratio"]["1"] == 1.0
     assert report["tree_size"] == 4
     assert report["kernels"] == (kernels if fast_kernels_unavailable(torch.float32) is None else "stock")
 
