@@ -56,9 +56,9 @@ def use_tree_attention(model: torch.nn.Module, on: bool) -> bool:
 def decoding_attention(device: torch.device):
     """On CUDA, run the block's SDPA calls on flash, memory-efficient or math attention, never cuDNN's.
 
-    torch (2.9 on, builds for CUDA 13) tries cuDNN's attention first on Hopper and Blackwell GPUs,
-    and cuDNN builds an execution graph for every new pair of query and key lengths (its cache is
-    keyed by shapes and strides: `aten/src/ATen/native/cudnn/MHA.cpp`). Decoding meets a new pair
+    torch (from 2.9, with a cuDNN newer than 9.15) tries cuDNN's attention first on Hopper and
+    Blackwell GPUs, and cuDNN builds an execution graph for every new pair of query and key lengths
+    (its cache is keyed by shapes and strides: `aten/src/ATen/native/cudnn/MHA.cpp`). Decoding meets a new pair
     at almost every call: the cache grows by a token or more each step, the tree's size changes
     from step to step, and a feature-level head attends once per drafted level. The other backends
     launch their kernels for any shape with no such setup. A no-op off CUDA."""
