@@ -533,6 +533,8 @@ def test_bad_training_settings_are_one_line():
                               ({"mode": "medusa2", "cache_features": True}, "cache_features keeps a frozen target's"),
                               ({"arch": "eagle", "feature_noise": -0.1}, "feature_noise is the width of the noise"),
                               ({"feature_noise": 0.1}, "use 0 or more with arch: eagle, not 0.1 with arch: medusa"),
+                              ({"arch": "eagle", "dropout": 1.0}, "dropout is the share of a feature-level"),
+                              ({"dropout": 0.1}, "below 1 with arch: eagle, not 0.1 with arch: medusa"),
                               ({"train_lm_head": False}, "train_lm_head: false keeps a feature-level head's"),
                               ({"loss_tokens": "all"}, "loss_tokens: all trains on the prompts' positions")]:
         with pytest.raises(GorgonError, match=message):
@@ -559,7 +561,8 @@ def test_optimisation_settings_out_of_range_are_one_line():
 
 
 def test_loss_tokens_all_trains_on_every_position_and_evaluates_on_answers(tmp_path, monkeypatch):
-    """Also: the head is in training mode (feature noise on) for training steps only."""
+    """Also: the head is in training mode (feature noise and dropout on) for training steps only, and the
+    recipe's dropout reaches the objective."""
     from gorgon.heads.eagle.objective import EagleObjective
     from gorgon.train.heads import HeadsTrainConfig, train
 
@@ -568,7 +571,7 @@ def test_loss_tokens_all_trains_on_every_position_and_evaluates_on_answers(tmp_p
 
     def recording(self, input_ids, attention_mask, loss_mask, train_backbone=False):
         seen["train" if torch.is_grad_enabled() else "eval"].append(
-            (int(loss_mask.sum()), int(attention_mask.sum()), self.heads.training))
+            (int(loss_mask.sum()), int(attention_mask.sum()), self.heads.training and self.dropout == 0.1))
         return forward(self, input_ids, attention_mask, loss_mask, train_backbone)
 
     monkeypatch.setattr(EagleObjective, "forward", recording)
@@ -576,7 +579,7 @@ def test_loss_tokens_all_trains_on_every_position_and_evaluates_on_answers(tmp_p
     data = toy_data(tmp_path / "toy.jsonl")
     train(HeadsTrainConfig(data=data, out=str(tmp_path / "h"), target=str(target_path), arch="eagle",
                            loss_tokens="all", max_steps=2, batch_size=4, report_to="none", save_every=0,
-                           feature_noise=0.1))
+                           feature_noise=0.1, dropout=0.1))
     assert seen["train"] and all(masked == tokens and training for masked, tokens, training in seen["train"])
     assert seen["eval"] and all(0 < masked < tokens and not training for masked, tokens, training in seen["eval"])
 
@@ -596,7 +599,8 @@ def test_train_lm_head_false_keeps_the_targets_rows(tmp_path):
         assert not torch.equal(state["fc.weight"][:, -rows.shape[1]:], torch.eye(rows.shape[1]))
 
 
-def test_feature_noise_perturbs_training_steps_only():
+@pytest.mark.parametrize("setting", [{"noise": 0.5}, {"dropout": 0.5}])
+def test_feature_noise_and_dropout_perturb_training_steps_only(setting):
     from gorgon.heads.eagle.objective import EagleObjective
 
     model = tiny_model("llama", layers=4)
@@ -604,7 +608,7 @@ def test_feature_noise_perturbs_training_steps_only():
     ids = torch.randint(0, VOCAB, (2, 12))
     batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "loss_mask": torch.ones_like(ids)}
     clean = EagleObjective(model, head, steps=2, hidden_weight=0.5)(**batch)[0]
-    noisy = EagleObjective(model, head, steps=2, hidden_weight=0.5, noise=0.5)
+    noisy = EagleObjective(model, head, steps=2, hidden_weight=0.5, **setting)
     assert head.training and not torch.isclose(noisy(**batch)[0], clean)
     head.eval()
     assert torch.equal(noisy(**batch)[0], clean)

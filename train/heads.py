@@ -71,6 +71,8 @@ class HeadsTrainConfig(TrainingSettings):
     hidden_weight: float = setting(0.0, "eagle: weight of EAGLE-1's regression onto the target's next feature")
     feature_noise: float = setting(0.0, "eagle: uniform noise in [-a, a] times each feature layer's scale (root "
                                         "mean square) on the target's features in training")
+    dropout: float = setting(0.0, "eagle: the share of the head layer's attention and MLP outputs dropped while "
+                                  "it trains (0.1 in the recipe; 0: off)")
     train_lm_head: bool = setting(True, "eagle: train the head's LM head (false: it keeps the target's rows)")
     cache_features: bool = setting(False, "keep the frozen target's outputs in CPU memory after the first epoch, "
                                           "so later epochs skip its forward (medusa1: hidden_size floats per "
@@ -146,6 +148,9 @@ class HeadsTrainConfig(TrainingSettings):
         if self.feature_noise < 0 or (self.feature_noise and self.arch != "eagle"):
             raise GorgonError(f"feature_noise is the width of the noise on a feature-level head's inputs: use 0 or "
                               f"more with arch: eagle, not {self.feature_noise} with arch: {self.arch}")
+        if not (0 <= self.dropout < 1) or (self.dropout and self.arch != "eagle"):
+            raise GorgonError(f"dropout is the share of a feature-level head's layer outputs dropped in training: use "
+                              f"0 (off) to below 1 with arch: eagle, not {self.dropout} with arch: {self.arch}")
         if not self.train_lm_head and self.arch != "eagle":
             raise GorgonError("train_lm_head: false keeps a feature-level head's LM head at the target's rows: use it "
                               "with arch: eagle (Medusa heads share the target's frozen one with shared_lm_head: true)")
@@ -295,7 +300,7 @@ def eagle_objective(cfg: HeadsTrainConfig, target, train_ex: list[dict]):
     head.lm_head.requires_grad_(cfg.train_lm_head)
     cache = FeatureCache() if cfg.cache_features else None
     return EagleObjective(target.model, head, cfg.ttt_steps, cfg.head_decay, cfg.hidden_weight, cache,
-                          cfg.feature_noise), coverage
+                          cfg.feature_noise, cfg.dropout), coverage
 
 
 OBJECTIVES = {"medusa": medusa_objective, "eagle": eagle_objective}

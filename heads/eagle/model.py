@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from ..errors import GorgonError, config_from_dict
@@ -218,18 +219,19 @@ class EagleHead(PushToHubMixin, nn.Module):
         return self._target.get_input_embeddings()(tokens)
 
     def layer(self, features: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor,
-              cache=None) -> torch.Tensor:
+              cache=None, dropout: float = 0.0) -> torch.Tensor:
         """The decoder layer over (batch, length) pairs of a feature (H wide, after `fc` or a previous
         output) and the token that follows it; `mask` is additive, (batch, 1, length, keys). Returns the
-        output features, before `norm` (the next step's input)."""
+        output features, before `norm` (the next step's input). `dropout`: the rate on the attention's and
+        the MLP's outputs (training only)."""
         layer = self.midlayer
         embedded = self.embed(tokens).to(features.dtype)  # the head may run in another dtype than the target
         x = torch.cat([layer.input_layernorm(embedded), layer.hidden_norm(features)], dim=-1)
         position_embeddings = self.rotary(x, positions)
         attn = layer.self_attn(hidden_states=x, position_embeddings=position_embeddings, attention_mask=mask,
                                **with_cache(layer.self_attn, cache))[0]
-        h = features + attn
-        return h + layer.mlp(layer.post_attention_layernorm(h))
+        h = features + F.dropout(attn, dropout, self.training)
+        return h + F.dropout(layer.mlp(layer.post_attention_layernorm(h)), dropout, self.training)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits over the draft vocabulary (draft ids; `token_map` turns them into target ids)."""

@@ -19,6 +19,10 @@ position to the target's features while the head trains (not when it is evaluate
 +-0.1 to its features: drafting deeper feeds the head features that are not the target's exact ones.
 Scaled per layer because the layers' scales differ (SmolLM2-135M's layers 2, 15 and 27: 2.8, 6.1, 23).
 
+`dropout` > 0 drops that share of the head layer's attention and MLP outputs while it trains: the
+recipe's ~600 conversations are learnt by heart over its twelve epochs (training top-1 near 0.7,
+held-out 0.43), and dropout 0.1 raised the held-out top-1 of both unrolled steps by 0.01-0.02.
+
 With a `FeatureCache` the frozen target runs once per conversation: later epochs read its
 features back, as EAGLE's own training precomputes them, and cost the head's step alone.
 """
@@ -37,11 +41,11 @@ class EagleObjective(torch.nn.Module):
     """The whole loss as one module, so accelerate can wrap it (DDP, FSDP) as a unit."""
 
     def __init__(self, target, heads, steps: int = 1, decay: float = 0.8, hidden_weight: float = 0.0,
-                 cache: FeatureCache | None = None, noise: float = 0.0):
+                 cache: FeatureCache | None = None, noise: float = 0.0, dropout: float = 0.0):
         super().__init__()
         self.target, self.heads = target, heads
         self.steps, self.decay, self.hidden_weight = steps, decay, hidden_weight
-        self.cache, self.noise = cache, noise
+        self.cache, self.noise, self.dropout = cache, noise, dropout
 
     def state_dict(self, *args, **kwargs):
         """Only the head: checkpoints need not repeat the frozen target."""
@@ -96,7 +100,8 @@ class EagleObjective(torch.nn.Module):
             if n <= 0:
                 break
             positions = torch.arange(j, j + n, device=tokens.device)[None].expand(len(tokens), n)
-            out_j = head.layer(fed[:, :n], tokens[:, j:], positions, unrolled_mask(keys, j, fed.dtype), cache)
+            out_j = head.layer(fed[:, :n], tokens[:, j:], positions, unrolled_mask(keys, j, fed.dtype), cache,
+                               self.dropout)
             valid = loss_mask[:, 2 + j:2 + j + n].bool()
             target_ids = labels[:, 1 + j:1 + j + n]  # the target's choice at p + 1 + j, for token p + 2 + j
             b, t = valid.nonzero(as_tuple=True)
