@@ -571,7 +571,7 @@ def test_loss_tokens_all_trains_on_every_position_and_evaluates_on_answers(tmp_p
 
     def recording(self, input_ids, attention_mask, loss_mask, train_backbone=False):
         seen["train" if torch.is_grad_enabled() else "eval"].append(
-            (int(loss_mask.sum()), int(attention_mask.sum()), self.heads.training and self.dropout == 0.1))
+            (int(loss_mask.sum()), int(attention_mask.sum()), self.heads.training, self.dropout))
         return forward(self, input_ids, attention_mask, loss_mask, train_backbone)
 
     monkeypatch.setattr(EagleObjective, "forward", recording)
@@ -580,8 +580,9 @@ def test_loss_tokens_all_trains_on_every_position_and_evaluates_on_answers(tmp_p
     train(HeadsTrainConfig(data=data, out=str(tmp_path / "h"), target=str(target_path), arch="eagle",
                            loss_tokens="all", max_steps=2, batch_size=4, report_to="none", save_every=0,
                            feature_noise=0.1, dropout=0.1))
-    assert seen["train"] and all(masked == tokens and training for masked, tokens, training in seen["train"])
-    assert seen["eval"] and all(0 < masked < tokens and not training for masked, tokens, training in seen["eval"])
+    assert seen["train"] and all(masked == tokens and training for masked, tokens, training, _ in seen["train"])
+    assert seen["eval"] and all(0 < masked < tokens and not training for masked, tokens, training, _ in seen["eval"])
+    assert {dropout for *_, dropout in seen["train"] + seen["eval"]} == {0.1}
 
 
 def test_train_lm_head_false_keeps_the_targets_rows(tmp_path):
