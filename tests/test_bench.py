@@ -103,7 +103,7 @@ def test_cli_writes_an_atomic_report_and_plot(tmp_path):
     assert report["versions"]["transformers"] and report["tree_size"] >= 2
     assert report["complete"] is True and report["questions_planned"] == 2
     assert (tmp_path / "r" / "report.png").stat().st_size > 1000
-    assert "| **all** |" in run.stdout
+    assert "| **all** |" in run.stdout and f"tree of {report['tree_size']} nodes" in run.stdout
     bad = subprocess.run([sys.executable, "-m", "gorgon.heads.cli", "bench", "--heads", str(tmp_path / "heads"),
                           "--questions", str(q), "--baselines", "medusa"], capture_output=True, text=True)
     assert bad.returncode == 2 and "unknown baseline 'medusa'" in bad.stderr
@@ -261,7 +261,8 @@ def test_compare_heads_are_timed_in_the_same_rotation_and_drafted_as_the_heads(t
     assert both["identical"] == both["compare_identical"] == both["compare-no-context_identical"] == 3
     assert both["compare_tau"] == alone["tau"] and both["compare-no-context_tau"] == alone["no-context_tau"]
     assert timed == {("EagleDrafter", True), ("EagleDrafter", False), ("HeadsDrafter", True), ("HeadsDrafter", False)}
-    assert "compare-no-context tau" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "compare-no-context tau" in out and "tree built per step, up to 16 nodes" in out  # a merged tree's budget
 
     other = load_target(str(tiny_chat_target(tmp_path, seed=1)), device="cpu")
     MedusaHeads.for_target(other.model, target_fingerprint=other.fingerprint).save_pretrained(tmp_path / "foreign")

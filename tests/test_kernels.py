@@ -9,6 +9,7 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -402,6 +403,22 @@ def test_trace_generation_labels_each_step_part(tmp_path):
                          capture_output=True, text=True, cwd=Path(__file__).parents[1], timeout=300)
     assert bad.returncode == 2 and bad.stderr.strip().splitlines()[-1].endswith("already exists: choose a new file")
     assert mine.read_text() == "a user's file"
+
+
+def test_trace_generation_counts_each_part_once_when_cuda_annotates_it_too():
+    spec = importlib.util.spec_from_file_location("trace_generation",
+                                                  Path(__file__).parents[1] / "scripts/trace_generation.py")
+    trace_generation = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(trace_generation)
+    from torch.autograd import DeviceType
+
+    def event(key, device_type, cpu_us):  # as key_averages() gives them on CUDA
+        return SimpleNamespace(key=key, device_type=device_type, cpu_time_total=cpu_us)
+
+    events = [event("verify forward", DeviceType.CPU, 4000.0), event("verify forward", DeviceType.CUDA, 0.0),
+              event("drafter propose", DeviceType.CPU, 1000.0), event("drafter propose", DeviceType.CUDA, 0.0),
+              event("aten::mm", DeviceType.CPU, 9000.0)]
+    assert trace_generation.host_ms_per_step(events, steps=2) == {"verify forward": 2.0, "drafter propose": 0.5}
 
 
 def test_attention_ab_times_both_and_finds_them_identical(tmp_path):
