@@ -66,7 +66,8 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft-depth", type=int_at_least(1), default=None,
                    help="a feature-level head's tree levels drafted per step (default: the one saved with it)")
     p.add_argument("--draft-topk", type=int_at_least(1), default=None,
-                   help="a feature-level head's tokens kept and expanded per level (default: the one saved with it)")
+                   help="a feature-level head's tokens kept and expanded per level (default: the one saved with it, "
+                        "widened so that the levels' candidates can fill the tree, as a GPU's larger tree needs)")
     p.add_argument("--max-new-tokens", type=int_at_least(1), default=256,
                    help="most tokens generated per answer (default 256)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 (default) is greedy")

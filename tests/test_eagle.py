@@ -156,6 +156,22 @@ def test_each_candidate_scores_what_the_head_gives_its_path_drafted_alone():
                 assert chance == pytest.approx(expected, rel=1e-4), path
 
 
+def test_the_default_search_widens_to_fill_a_large_tree():
+    """Without an asked-for top-k, a tree larger than the saved depth x top-k candidates (a GPU's) gets a
+    wider search that fills it; a tree the saved search already fills keeps it."""
+    model = tiny_model("llama", layers=4)
+    head = head_for(model, depth=3, topk=2)
+    ids = torch.randint(0, VOCAB, (7,), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        out = model.get_decoder()(input_ids=ids[None], output_hidden_states=True)
+        features = torch.cat([out.hidden_states[i][0, :-1] for i in head.feature_layers], -1)
+        wide, asked, small = (EagleDrafter(head, nodes=40), EagleDrafter(head, nodes=40, topk=2),
+                              EagleDrafter(head, nodes=6))
+        assert (wide.topk, asked.topk, small.topk) == (13, 2, 2)
+        assert len(wide.scored_paths(ids[-1], features, ids[:-1])) == 39  # 3 levels of 13 fill the 39 candidates
+        assert len(asked.scored_paths(ids[-1], features, ids[:-1])) == 6  # 3 levels of 2: most of the tree empty
+
+
 def test_draft_dtype_follows_the_target_unless_the_cpu_runs_bfloat16():
     model = tiny_model("llama")
     fast_bf16 = fast_kernels_unavailable(torch.bfloat16) is None
@@ -450,18 +466,20 @@ def test_cli_draft_depth_and_topk_shape_the_search(tmp_path, capsys):
     add_model_arguments(parser)
     common = ["--target", str(target_path), "--max-new-tokens", "4"]
 
-    def search(*argv):
-        drafter = load_drafter(parser.parse_args(["--heads", str(tmp_path / "eagle"), *argv] + common), "auto")[1]
+    def search(*argv, tree="auto"):
+        drafter = load_drafter(parser.parse_args(["--heads", str(tmp_path / "eagle"), *argv] + common), tree)[1]
         return drafter.depth, drafter.topk
 
-    assert search() == (3, 2)
+    assert search() == (3, 3)  # the saved top-k 2 widened: 3 levels of 3 fill the saved 8-node tree's 7 candidates
+    assert search(tree=4) == (3, 2)  # a smaller tree keeps the saved top-k
     assert search("--draft-depth", "5", "--draft-topk", "4") == (5, 4)
+    assert search("--draft-topk", "2", tree=64) == (3, 2)  # an asked-for top-k is never widened
     questions, out = tmp_path / "q.jsonl", tmp_path / "bench.json"
     questions.write_text(json.dumps(QUESTIONS[0]) + "\n")
     assert gorgon(["bench", "--heads", str(tmp_path / "eagle"), "--draft-depth", "2", "--questions", str(questions),
                    "--baselines", "generate", "--out", str(out)] + common) == 0
     report = json.loads(out.read_text())
-    assert report["tree"] == "built per step (depth 2, top-k 2)" and report["identical"] == 1
+    assert report["tree"] == "built per step (depth 2, top-k 4)" and report["identical"] == 1
     capsys.readouterr()
     medusa = ["generate", "--heads", str(tmp_path / "medusa"), "--draft-depth", "2", "--prompt", "x"]
     assert gorgon(medusa + common) == 2
