@@ -9,7 +9,7 @@
 #   HEADS=runs/heads/smollm2-135m-eagle COMPARE=runs/heads/smollm2-135m bash scripts/gpu_check.sh
 #
 # The bench takes 2 questions of each MT-Bench category, both turns, 64 new tokens, timing four methods
-# a question with COMPARE (on an H100, three took 10 to 13 s a question); its report is written after
+# a question with COMPARE (on an H200, four took 8.5 s a question; on an H100, three 10 to 13 s); its report is written after
 # every question, so a run cut short keeps what it measured. BASELINES=generate,stock,no-context
 # adds the heads without context drafts (default: generate,stock). SKIP leaves steps out, e.g.
 # SKIP=tests,profile (steps: tests, attention, bench, trace, profile), to fit a short loan.
@@ -17,7 +17,8 @@
 # Writes runs/gpu-check/ (bench.json, bench.png, trace-TIME.txt, trace-TIME.json, profile-8b.json).
 set -euo pipefail
 wanted() { [[ ",${SKIP:-}," != *",$1,"* ]]; }
-for step in ${SKIP//,/ }; do
+skip=${SKIP:-}
+for step in ${skip//,/ }; do
   case $step in tests|attention|bench|trace|profile) ;;
     *) echo "gpu_check.sh: unknown step '$step' in SKIP: use tests, attention, bench, trace or profile" >&2; exit 2;;
   esac
@@ -47,8 +48,8 @@ MedusaHeads.for_target(target.model, num_heads=4, target_name=target.name,
 PYEOF
 fi
 if wanted attention; then
-echo "== attention at a new key length every call, as decoding calls it: torch's choice against gorgon's"
-$PY - <<'PYEOF'
+  echo "== attention at a new key length every call, as decoding calls it: torch's choice against gorgon's"
+  $PY - <<'PYEOF'
 import contextlib, time
 import torch
 import torch.nn.functional as F
@@ -77,16 +78,16 @@ fi
 
 compare=${COMPARE:+--compare-heads $COMPARE}
 if wanted bench; then
-echo "== gorgon bench, embedded target, bf16"
-gorgon bench --heads "$heads" $compare --context-draft --questions scripts/data/mt_bench.jsonl --per-category 2 \
-  --max-new-tokens 64 --baselines "${BASELINES:-generate,stock}" --device cuda --dtype bfloat16 --out "$out/bench.json" --overwrite
+  echo "== gorgon bench, embedded target, bf16"
+  gorgon bench --heads "$heads" $compare --context-draft --questions scripts/data/mt_bench.jsonl --per-category 2 \
+    --max-new-tokens 64 --baselines "${BASELINES:-generate,stock}" --device cuda --dtype bfloat16 --out "$out/bench.json" --overwrite
 fi
 
 if wanted trace; then
-echo "== where the steps spend their time (2 questions)"
-stamp=$(date +%Y%m%d-%H%M%S)  # a new trace each run: an earlier one is kept
-$PY scripts/trace_generation.py --heads "$heads" --context-draft --questions scripts/data/mt_bench.jsonl --limit 2 \
-  --max-new-tokens 64 --device cuda --dtype bfloat16 --trace "$out/trace-$stamp.json" | tee "$out/trace-$stamp.txt"
+  echo "== where the steps spend their time (2 questions)"
+  stamp=$(date +%Y%m%d-%H%M%S)  # a new trace each run: an earlier one is kept
+  $PY scripts/trace_generation.py --heads "$heads" --context-draft --questions scripts/data/mt_bench.jsonl --limit 2 \
+    --max-new-tokens 64 --device cuda --dtype bfloat16 --trace "$out/trace-$stamp.json" | tee "$out/trace-$stamp.txt"
 fi
 
 wanted profile || exit 0

@@ -104,6 +104,14 @@ def test_every_script_answers_help(script):
     assert len(run.stdout.strip().splitlines()) >= 2
 
 
+def test_gpu_check_refuses_an_unknown_step_to_skip_in_one_line():
+    run = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_check.sh")], env={**env(), "SKIP": "tests,bnch"},
+                         capture_output=True, text=True, timeout=60)
+    assert run.returncode == 2 and run.stdout == ""  # refused before any work, on any machine
+    assert run.stderr.strip() == ("gpu_check.sh: unknown step 'bnch' in SKIP: use tests, attention, bench, trace or "
+                                  "profile")
+
+
 @pytest.mark.parametrize("module", ["gorgon.train.data", "gorgon.decode.cli", "gorgon.decode.bench",
                                     "gorgon.heads.export", "gorgon.heads.push"])
 def test_every_command_option_says_what_it_does(module):
