@@ -31,8 +31,8 @@ class EagleDrafter:
         self.head = head
         self.nodes = nodes if nodes is not None else head.saved_tree(device_type)
         self.depth = depth if depth is not None else head.config.depth
+        check_search(self.depth, head.config.topk if topk is None else topk, self.nodes)  # before any widening
         self.topk = topk if topk is not None else filling_topk(head.config.topk, self.depth, self.nodes)
-        check_search(self.depth, self.topk, self.nodes)
         self.feature_layers = head.feature_layers
         self.cache, self.committed = None, 0
 
