@@ -53,7 +53,7 @@ def test_greedy_equals_generate_with_dynamic_trees(arch):
         model.lm_head.weight.mul_(10)
     head = head_for(model, seed=1)  # random heads differ in how deep their drafts get accepted: this one's go deep
     accepted = []
-    for nodes, depth, topk in [(8, 3, 2), (16, 5, 4), (40, 3, 8), (2, 1, 1)]:
+    for nodes, depth, topk in [(8, 3, 2), (16, 5, 4), (40, 3, 8), (40, 3, None), (2, 1, 1)]:  # None: widened
         drafter = EagleDrafter(head, nodes=nodes, depth=depth, topk=topk)
         for seed in range(3):
             ids = torch.randint(0, 8, (1, 5 + seed), generator=torch.Generator().manual_seed(seed))
