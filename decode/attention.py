@@ -38,18 +38,31 @@ def tree_sdpa_attention(module, query, key, value, attention_mask, dropout=0.0, 
 
 def use_tree_attention(model: torch.nn.Module, on: bool) -> bool:
     """Put a model on transformers' SDPA attention onto `tree_sdpa_attention` (on), or back (off); returns
-    whether it was on it before. Models on other attention (eager, flash, flex) are left as they are."""
+    whether it was on it before. Models on other attention (eager, flash, flex) are left as they are.
+    A module that is not a transformers model but holds its layers (a feature-level head's decoder
+    layer, which drafts each level as a masked forward over several tokens) switches through the
+    config those layers read."""
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-    current = getattr(getattr(model, "config", None), "_attn_implementation", None)
-    if on and current == "sdpa":
+    config = attention_config(model)
+    current = getattr(config, "_attn_implementation", None)
+    implementation = NAME if on and current == "sdpa" else "sdpa" if not on and current == NAME else None
+    if implementation == NAME:
         AttentionInterface.register(NAME, tree_sdpa_attention)
         AttentionMaskInterface.register(NAME, sdpa_mask)
-        model.set_attn_implementation(NAME)
-    elif not on and current == NAME:
-        model.set_attn_implementation("sdpa")
+    if implementation and hasattr(model, "set_attn_implementation"):
+        model.set_attn_implementation(implementation)
+    elif implementation:
+        config._attn_implementation = implementation
     return current == NAME
+
+
+def attention_config(model: torch.nn.Module):
+    """The transformers config whose `_attn_implementation` picks the module's attention function: a
+    model's own, else the first one among its submodules (None: no transformers attention inside)."""
+    return next((m.config for m in model.modules() if hasattr(getattr(m, "config", None), "_attn_implementation")),
+                None)
 
 
 @contextlib.contextmanager

@@ -43,7 +43,8 @@ def draft_logits(head):
     tokens = torch.randint(0, VOCAB, (1, 5), generator=generator)
     mask = torch.zeros(1, 1, 5, 5).masked_fill_(~torch.ones(5, 5, dtype=torch.bool).tril(), float("-inf"))
     with torch.no_grad():
-        return head.logits(head.layer(head.fc(features), tokens, torch.arange(5)[None], mask))
+        rope = head.rope(torch.arange(5)[None], features.dtype)
+        return head.logits(head.layer(head.fc(features), tokens, rope, mask))
 
 
 @pytest.mark.parametrize("arch", FAMILIES)
@@ -150,7 +151,8 @@ def test_each_candidate_scores_what_the_head_gives_its_path_drafted_alone():
                 for token in path:  # each position: a feature and the token after it, causally
                     n = fed.shape[0]
                     mask = additive_mask(torch.ones(n, n, dtype=torch.bool).tril(), fed.dtype)[None, None]
-                    last = head.layer(fed[None], tokens[None], torch.arange(n)[None], mask)[0, -1:]
+                    rope = head.rope(torch.arange(n)[None], fed.dtype)
+                    last = head.layer(fed[None], tokens[None], rope, mask)[0, -1:]
                     expected *= head.logits(last)[0].softmax(-1)[token].item()
                     fed, tokens = torch.cat([fed, last]), torch.cat([tokens, torch.tensor([token])])
                 assert chance == pytest.approx(expected, rel=1e-4), path
@@ -203,6 +205,41 @@ def test_the_drafters_cache_follows_the_accepted_tokens():
     assert torch.equal(again, tokens) and again_tree.paths == tree.paths and stepwise.cache.get_seq_length() == 12
     with pytest.raises(GorgonError, match="holds 12 tokens of context but was given features for the last 1 of 14"):
         stepwise.propose(root, features[-1:], torch.cat([ids[0], ids[0, :2]]))
+
+
+def test_on_the_fast_path_the_heads_levels_share_key_value_heads(monkeypatch):
+    """The CPU fast path puts the head's own layer on the tree attention too: a drafted level attends as
+    a masked forward over several tokens, where transformers' SDPA would copy every key/value head of
+    the head's cache per query head. The same tree comes out; stock kernels switch it back."""
+    import transformers.integrations.sdpa_attention as sdpa
+
+    from gorgon.decode.attention import NAME, attention_config
+
+    model = tiny_model("llama", layers=4)  # 4 query heads over 2 key/value heads
+    head = head_for(model)
+    ids = torch.randint(0, VOCAB, (12,), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        out = model.get_decoder()(input_ids=ids[None], output_hidden_states=True)
+    features = torch.cat([out.hidden_states[i][0, :-1] for i in head.feature_layers], -1)
+
+    def drafted():
+        return EagleDrafter(head, nodes=10, depth=3, topk=3).scored_paths(ids[-1], features, ids[:-1])
+
+    copies = []
+    repeat_kv = sdpa.repeat_kv
+    monkeypatch.setattr(sdpa, "repeat_kv", lambda states, n: copies.append(states.shape[2]) or repeat_kv(states, n))
+    reference = drafted()
+    assert copies and attention_config(head)._attn_implementation == "sdpa"
+    if fast_kernels_unavailable(torch.float32):
+        pytest.skip("oneDNN's prepacked kernels do not run on this torch build")
+    use_cpu_kernels(head, "fast")
+    assert attention_config(head)._attn_implementation == NAME
+    copies.clear()
+    fast = drafted()
+    assert [path for path, _ in fast] == [path for path, _ in reference] and not copies
+    assert [chance for _, chance in fast] == pytest.approx([chance for _, chance in reference], rel=1e-4)
+    use_cpu_kernels(head, "stock")
+    assert attention_config(head)._attn_implementation == "sdpa"
 
 
 @pytest.mark.parametrize("arch", LAYOUTS)
@@ -678,7 +715,7 @@ def test_the_training_time_test_sees_what_drafting_sees():
             for j in range(3):  # the root from the context, then two drafts along the data's chain
                 n = fed.shape[1]
                 positions = torch.arange(p + j - n + 1, p + j + 1)[None]
-                fed = head.layer(fed, ids[:, p + j + 2 - n:p + j + 2], positions,
+                fed = head.layer(fed, ids[:, p + j + 2 - n:p + j + 2], head.rope(positions, fed.dtype),
                                  additive_mask(allowed, fed.dtype)[None, None], cache)[:, -1:]
                 torch.testing.assert_close(head.logits(fed[0, -1]), ranks[j][0][p])
                 allowed = torch.ones(1, p + j + 2, dtype=torch.bool)

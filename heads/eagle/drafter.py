@@ -60,48 +60,51 @@ class EagleDrafter:
                                   "call (the whole prompt at the first)")
             self.cache = DynamicCache()  # a new prompt
         crop_cache(self.cache, start)  # proposing again on the same context recommits its last tokens
+        dtype = head.fc.weight.dtype
+        # One rotary call for the step: the accepted tokens' positions, then one per drafted level.
+        cos, sin = head.rope(torch.arange(start, n + self.depth - 1, device=device)[None], dtype)
         # 1. Take in the accepted tokens: the feature at p with the token at p + 1 (the root after the last).
         tokens = torch.cat([context[start + 1:], root.reshape(1)])
-        positions = torch.arange(start, n, device=device)
         allowed = torch.ones(n - start, n, dtype=torch.bool, device=device)
         allowed[:, start:] = torch.ones(n - start, n - start, dtype=torch.bool, device=device).tril()
-        out = head.layer(head.fc(features.to(head.fc.weight.dtype))[None], tokens[None], positions[None],
-                         additive_mask(allowed, head.fc.weight.dtype)[None, None], self.cache)[0]
+        out = head.layer(head.fc(features.to(dtype))[None], tokens[None], (cos[:, :m], sin[:, :m]),
+                         additive_mask(allowed, dtype)[None, None], self.cache)[0]
         self.committed = n
         # 2. Expand level by level from the last output. Per node, on the device: its parent (-1: the root),
         #    draft token and path log-probability; the host reads them once, after the search.
         logp = head.logits(out[-1:]).float().log_softmax(-1)[0]
         score, token = logp.topk(min(self.topk, logp.numel()))
-        node_tokens = head.to_target_ids(token)  # nodes hold target ids: the head embeds them as the target does
-        node_scores, node_parents = score, torch.full_like(token, -1)
-        frontier = torch.arange(score.numel(), device=device)          # the nodes to expand next
+        frontier_tokens = head.to_target_ids(token)  # nodes hold target ids: the head embeds them as the target does
+        node_parents, node_tokens, node_scores = [torch.full_like(token, -1)], [frontier_tokens], score
+        frontier, frontier_scores = torch.arange(score.numel(), device=device), score  # the nodes to expand next
         frontier_feature = out[-1:].expand(score.numel(), -1)           # the feature each of them reads
-        sees = torch.ones(score.numel(), n, dtype=torch.bool, device=device)  # what each sees in the cache
+        # What each frontier node sees in the cache, as an additive mask: the context, its expanded
+        # ancestors and, fed after the nodes expanded so far, itself (the diagonal of `itself`).
+        sees = torch.zeros(score.numel(), n, dtype=dtype, device=device)
+        itself = additive_mask(torch.eye(self.topk, dtype=torch.bool, device=device), dtype)
         for level in range(1, self.depth):
-            if not can_grow(node_scores[frontier], node_scores, self.nodes - 1):
+            if not can_grow(frontier_scores, node_scores, self.nodes - 1):
                 break
-            # Fed after the nodes expanded so far, a frontier node sees the context, its expanded ancestors
-            # and itself.
             k = frontier.numel()
-            sees = torch.cat([sees, torch.eye(k, dtype=torch.bool, device=device)], dim=1)
-            positions = torch.full((k,), n + level - 1, device=device)
-            out = head.layer(frontier_feature[None], node_tokens[frontier][None], positions[None],
-                             additive_mask(sees, head.fc.weight.dtype)[None, None], self.cache)[0]
+            sees = torch.cat([sees, itself[:k, :k]], dim=1)
+            rope = (cos[:, m + level - 1:m + level], sin[:, m + level - 1:m + level])  # one position for all k
+            out = head.layer(frontier_feature[None], frontier_tokens[None], rope, sees[None, None], self.cache)[0]
             child = head.logits(out).float().log_softmax(-1)                              # (k, V_draft)
             best, ids = child.topk(min(self.topk, child.shape[-1]), dim=-1)
-            total = (node_scores[frontier][:, None] + best).flatten()
-            keep = total.topk(min(self.topk, total.numel())).indices
+            total = (frontier_scores[:, None] + best).flatten()
+            frontier_scores, keep = total.topk(min(self.topk, total.numel()))
             parent = keep // best.shape[1]                                # which frontier node each child is of
-            new = node_scores.numel() + torch.arange(keep.numel(), device=device)
-            node_parents = torch.cat([node_parents, frontier[parent]])
-            node_tokens = torch.cat([node_tokens, head.to_target_ids(ids.flatten()[keep])])
-            node_scores = torch.cat([node_scores, total[keep]])
-            frontier, frontier_feature, sees = new, out[parent], sees[parent]
+            frontier_tokens = head.to_target_ids(ids.flatten()[keep])
+            node_parents.append(frontier[parent])
+            node_tokens.append(frontier_tokens)
+            frontier = node_scores.numel() + torch.arange(keep.numel(), device=device)
+            node_scores = torch.cat([node_scores, frontier_scores])
+            frontier_feature, sees = out[parent], sees[parent]
         crop_cache(self.cache, self.committed)
         # 3. The best nodes, parents before children (ties go to the shallower node), as a tree whose
         #    siblings are ranked by score.
         scores = node_scores.tolist()
-        parents, tokens_host = torch.stack([node_parents, node_tokens]).tolist()
+        parents, tokens_host = torch.stack([torch.cat(node_parents), torch.cat(node_tokens)]).tolist()
         depth_of = [0] * len(parents)
         for i, p in enumerate(parents):
             depth_of[i] = 1 if p < 0 else depth_of[p] + 1

@@ -218,20 +218,26 @@ class EagleHead(PushToHubMixin, nn.Module):
             raise GorgonError("the head uses the target's embedding: call head.attach(target_model) first")
         return self._target.get_input_embeddings()(tokens)
 
-    def layer(self, features: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor,
-              cache=None, dropout: float = 0.0) -> torch.Tensor:
+    def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rotary embedding (cos, sin) of (batch, length) positions, as `layer` takes it: computed by the
+        caller, so that drafting computes one step's positions in one call rather than one per level."""
+        return self.rotary(torch.empty((), dtype=dtype, device=positions.device), positions)
+
+    def layer(self, features: torch.Tensor, tokens: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
+              mask: torch.Tensor, cache=None, dropout: float = 0.0) -> torch.Tensor:
         """The decoder layer over (batch, length) pairs of a feature (H wide, after `fc` or a previous
-        output) and the token that follows it; `mask` is additive, (batch, 1, length, keys). Returns the
-        output features, before `norm` (the next step's input). `dropout`: the rate on the attention's and
-        the MLP's outputs (training only)."""
+        output) and the token that follows it, at the positions whose `rope` (from `rope`) is given;
+        `mask` is additive, (batch, 1, length, keys). Returns the output features, before `norm` (the
+        next step's input). `dropout`: the rate on the attention's and the MLP's outputs (training only)."""
         layer = self.midlayer
         embedded = self.embed(tokens).to(features.dtype)  # the head may run in another dtype than the target
         x = torch.cat([layer.input_layernorm(embedded), layer.hidden_norm(features)], dim=-1)
-        position_embeddings = self.rotary(x, positions)
-        attn = layer.self_attn(hidden_states=x, position_embeddings=position_embeddings, attention_mask=mask,
+        attn = layer.self_attn(hidden_states=x, position_embeddings=rope, attention_mask=mask,
                                **with_cache(layer.self_attn, cache))[0]
-        h = features + F.dropout(attn, dropout, self.training)
-        return h + F.dropout(layer.mlp(layer.post_attention_layernorm(h)), dropout, self.training)
+        drop = dropout if self.training else 0.0
+        h = features + (F.dropout(attn, drop) if drop else attn)
+        mlp = layer.mlp(layer.post_attention_layernorm(h))
+        return h + (F.dropout(mlp, drop) if drop else mlp)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits over the draft vocabulary (draft ids; `token_map` turns them into target ids)."""

@@ -101,8 +101,8 @@ class EagleObjective(torch.nn.Module):
             if n <= 0:
                 break
             positions = torch.arange(j, j + n, device=tokens.device)[None].expand(len(tokens), n)
-            out_j = head.layer(fed[:, :n], tokens[:, j:], positions, unrolled_mask(keys, j, fed.dtype), cache,
-                               self.dropout)
+            out_j = head.layer(fed[:, :n], tokens[:, j:], head.rope(positions, fed.dtype),
+                               unrolled_mask(keys, j, fed.dtype), cache, self.dropout)
             valid = loss_mask[:, 2 + j:2 + j + n].bool()
             target_ids = labels[:, 1 + j:1 + j + n]  # the target's choice at p + 1 + j, for token p + 2 + j
             b, t = valid.nonzero(as_tuple=True)
