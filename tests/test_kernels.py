@@ -411,6 +411,39 @@ def test_trace_generation_labels_each_step_part(tmp_path):
     assert mine.read_text() == "a user's file"
 
 
+def test_revision_ab_runs_a_revisions_own_code_beside_the_working_trees(tmp_path):
+    """scripts/revision_ab.py copies a revision's heads/ and decode/ into a package of their own, whose
+    imports stay inside it; against the same code both sides give the same tokens (and, with heads/ and
+    decode/ unchanged since HEAD, the same trees and operator counts); a bad revision is one line."""
+    root = Path(__file__).parents[1]
+    if subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True).returncode:
+        pytest.skip("not a git checkout")
+    from gorgon.heads import EagleHead
+
+    target_path, target, _ = chat_target_with_heads(tmp_path)
+    EagleHead.for_target(target.model, target_fingerprint=target.fingerprint).save_pretrained(tmp_path / "eagle")
+    name = load_script("revision_ab").revision_package("HEAD", tmp_path / "copy")
+    sys.path.insert(0, str(tmp_path / "copy"))
+    try:
+        options = importlib.import_module(f"{name}.decode.options")
+    finally:
+        sys.path.remove(str(tmp_path / "copy"))
+    assert Path(options.__file__).is_relative_to(tmp_path) and options.EagleHead.__module__.startswith(name)
+    script = [sys.executable, "scripts/revision_ab.py", "--target", str(target_path), "--heads",
+              str(tmp_path / "eagle"), "--questions", str(questions_file(tmp_path / "q.jsonl")), "--limit", "2",
+              "--rounds", "1", "--max-new-tokens", "6"]
+    run = subprocess.run(script + ["--against", "HEAD"], capture_output=True, text=True, cwd=root, timeout=300)
+    assert run.returncode == 0, run.stderr
+    report = json.loads(run.stdout)
+    assert report["same tokens"] and report["HEAD"]["proposals"] == report["working tree"]["proposals"] > 0
+    if not subprocess.run(["git", "-C", str(root), "diff", "--quiet", "HEAD", "--", "heads", "decode"]).returncode:
+        assert report["same trees"]
+        assert report["HEAD"]["operators_per_proposal"] == report["working tree"]["operators_per_proposal"] > 0
+    bad = subprocess.run(script + ["--against", "no-such-revision"], capture_output=True, text=True, cwd=root,
+                         timeout=300)
+    assert bad.returncode == 2 and "--against no-such-revision: no such revision" in bad.stderr.strip().splitlines()[-1]
+
+
 def test_trace_generation_counts_each_part_once_when_cuda_annotates_it_too():
     trace_generation = load_script("trace_generation")
     from torch.autograd import DeviceType

@@ -1,0 +1,175 @@
+"""gorgon's decoder at a git revision against the working tree's, interleaved in one process.
+
+    OMP_NUM_THREADS=1 python scripts/revision_ab.py --against HEAD~1 --heads runs/heads/eagle-drop01-12ep \
+        --questions scripts/data/mt_bench.jsonl --limit 8 --rounds 2 --max-new-tokens 64 [--tree 6]
+    python scripts/revision_ab.py --against HEAD~1 --heads ... --device cuda --dtype bfloat16 ...
+
+Speed work changes code, not settings, so `gorgon bench` (one code, several methods) cannot time it,
+and two processes run at different times: a CPU's memory-bound speed drifts between them by more than
+a small change gains. This copies the revision's heads/ and decode/ into a temporary package beside
+the working tree's (its `gorgon.` imports renamed), loads a target and drafter with each from the same
+arguments, and generates the first turns of the questions greedily with each in turn, the order
+alternating by round. For each: milliseconds per token and per drafter proposal (medians over all
+rounds), tokens per target forward, and operators per proposal (torch's dispatches, views left out:
+on a GPU each launches a kernel; counted in one more pass, untimed); and whether both gave the same
+tokens and proposed the same trees.
+"""
+
+import argparse
+import io
+import json
+import re
+import statistics
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from gorgon.decode.bench import load_questions
+from gorgon.decode.options import add_model_arguments
+from gorgon.heads.errors import GorgonError, int_at_least, run_script
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGES = ("heads", "decode")
+
+
+def revision_package(revision: str, folder: Path) -> str:
+    """Copy the revision's heads/ and decode/ into `folder` as a package of their own; returns its name."""
+    try:
+        commit = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", f"{revision}^{{commit}}"],
+                                capture_output=True, text=True, check=True).stdout.strip()
+        archive = subprocess.run(["git", "-C", str(ROOT), "archive", "--format=tar", commit, *PACKAGES],
+                                 capture_output=True, check=True).stdout
+    except (OSError, subprocess.CalledProcessError) as err:
+        detail = getattr(err, "stderr", None) or str(err)
+        detail = detail.decode() if isinstance(detail, bytes) else detail
+        raise GorgonError(f"--against {revision}: no such revision of this repository with heads/ and decode/ "
+                          f"({detail.strip().splitlines()[-1] if detail.strip() else err}): pass a commit, tag or "
+                          "branch, e.g. HEAD~1") from err
+    name = f"gorgon_{commit}"
+    with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
+        tar.extractall(folder / name, filter="data")
+    (folder / name / "__init__.py").write_text("")
+    for path in (folder / name).rglob("*.py"):
+        path.write_text(re.sub(r"\bgorgon\.(heads|decode)\b", rf"{name}.\1", path.read_text()))
+    return name
+
+
+class OperatorCount(TorchDispatchMode):
+    """Operators dispatched while active (views, which launch nothing, left out)."""
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += not func.is_view
+        return func(*args, **(kwargs or {}))
+
+
+class Side:
+    """One code's target, drafter and figures. `package`: "gorgon" or a revision's copy."""
+
+    def __init__(self, label: str, package: str, args):
+        __import__(f"{package}.decode.options")
+        modules = sys.modules
+        self.label, self.options = label, modules[f"{package}.decode.options"]
+        self.generate = modules[f"{package}.decode.generate"].speculative_generate
+        self.attention = modules[f"{package}.decode.attention"].decoding_attention
+        self.target, self.drafter = self.options.load_drafter(args, self.options.read_tree(args.tree))
+        self.propose_ms, self.token_ms, self.ops, self.tokens, self.trees = [], [], [], [], []
+        self.forwards = self.generated = 0
+        self.count_ops = False
+        propose = self.drafter.propose
+
+        def recorded(*a, **kw):
+            start = time.perf_counter()
+            if self.count_ops:
+                with OperatorCount() as count:
+                    tokens, tree = propose(*a, **kw)
+                self.ops.append(count.count)
+                return tokens, tree
+            tokens, tree = propose(*a, **kw)
+            self.trees.append((tokens.tolist(), tree.paths))
+            self.propose_ms.append(1000 * (time.perf_counter() - start))
+            return tokens, tree
+
+        self.drafter.propose = recorded
+
+    def run(self, ids: torch.Tensor, max_new_tokens: int, count: bool = False) -> list[int]:
+        model = self.target.model
+        self.count_ops = count
+        with torch.inference_mode(), self.attention(model.device):
+            if model.device.type == "cuda":
+                torch.cuda.synchronize(model.device)
+            start = time.perf_counter()
+            result = self.generate(model, self.drafter, ids.to(model.device), max_new_tokens=max_new_tokens)
+            seconds = time.perf_counter() - start
+        self.count_ops = False
+        if not count:
+            self.token_ms.append(1000 * seconds / max(len(result.tokens), 1))
+            self.forwards += result.target_forwards
+            self.generated += len(result.tokens)
+        return result.tokens
+
+    def figures(self) -> dict:
+        return {"ms_per_token": round(statistics.median(self.token_ms), 3),
+                "ms_per_proposal": round(statistics.median(self.propose_ms), 3),
+                "operators_per_proposal": round(statistics.mean(self.ops), 1) if self.ops else None,
+                "tau": round(self.generated / max(self.forwards, 1), 3), "proposals": len(self.propose_ms)}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--against", required=True, help="the git revision to compare with (a commit, tag or branch)")
+    add_model_arguments(p)
+    p.add_argument("--questions", required=True, help="MT-Bench/Spec-Bench .jsonl, e.g. scripts/data/mt_bench.jsonl")
+    p.add_argument("--limit", type=int_at_least(1), default=8, help="first N questions, first turns (default 8)")
+    p.add_argument("--rounds", type=int_at_least(1), default=2, help="times each question is generated by each "
+                   "side, the side going first alternating by round (default 2)")
+    p.add_argument("--load-first", choices=["revision", "working-tree"], default="revision",
+                   help="which side's target and drafter load first (default revision): in one process the two "
+                        "sides' speeds drift apart by a few percent with the order their weights were allocated in")
+    args = p.parse_args()
+    if not (args.heads or args.draft or args.context_draft):
+        p.error("one of --heads, --draft or --context-draft is required")
+    if args.temperature:
+        p.error("the comparison is greedy (same tokens expected from both): leave --temperature at 0")
+    questions = load_questions(args.questions, args.limit)
+    with tempfile.TemporaryDirectory() as folder:
+        sys.path.insert(0, folder)
+        package = revision_package(args.against, Path(folder))
+        if args.load_first == "revision":
+            revision, current = Side(args.against, package, args), Side("working tree", "gorgon", args)
+        else:
+            current, revision = Side("working tree", "gorgon", args), Side(args.against, package, args)
+        prompts = [current.target.chat_ids([{"role": "user", "content": q["turns"][0]}]) for q in questions]
+        outputs = {revision.label: [], current.label: []}
+        for side in (revision, current):  # load kernels and caches outside the figures
+            side.run(prompts[0][:, :16], 4, count=True)
+            side.ops.clear()
+        for round_ in range(args.rounds):
+            order = (revision, current) if round_ % 2 == 0 else (current, revision)
+            for ids in prompts:
+                for side in order:
+                    outputs[side.label].append(side.run(ids, args.max_new_tokens))
+        for side in (revision, current):
+            for ids in prompts:
+                side.run(ids, args.max_new_tokens, count=True)
+    report = {side.label: side.figures() for side in (revision, current)}
+    report["same tokens"] = outputs[revision.label] == outputs[current.label]
+    report["same trees"] = revision.trees == current.trees
+    report["proposal ms, revision / working tree"] = round(
+        report[revision.label]["ms_per_proposal"] / report[current.label]["ms_per_proposal"], 3)
+    report["ms per token, revision / working tree"] = round(
+        report[revision.label]["ms_per_token"] / report[current.label]["ms_per_token"], 3)
+    print(json.dumps(report, indent=1))
+
+
+if __name__ == "__main__":
+    run_script(main, "scripts/revision_ab.py")
