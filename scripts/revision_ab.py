@@ -19,6 +19,7 @@ import argparse
 import io
 import json
 import re
+import shutil
 import statistics
 import subprocess
 import sys
@@ -39,7 +40,28 @@ PACKAGES = ("heads", "decode")
 
 
 def revision_package(revision: str, folder: Path) -> str:
-    """Copy the revision's heads/ and decode/ into `folder` as a package of their own; returns its name."""
+    """Copy a revision's heads/ and decode/ into `folder` as a package of their own; returns its name.
+    `revision`: a git revision of this repository, or a folder holding another copy's heads/ and decode/
+    (where there is no git history, as on a machine the working tree was copied to)."""
+    source = Path(revision)
+    if source.is_dir():
+        missing = [package for package in PACKAGES if not (source / package).is_dir()]
+        if missing:
+            raise GorgonError(f"--against {revision}: this folder has no {' or '.join(missing)}: pass a folder holding "
+                              "another copy's heads/ and decode/, or a git revision")
+        name = "gorgon_" + re.sub(r"\W", "_", source.resolve().name)
+        for package in PACKAGES:
+            shutil.copytree(source / package, folder / name / package, ignore=shutil.ignore_patterns("__pycache__"))
+    else:
+        name = extract_revision(revision, folder)
+    (folder / name / "__init__.py").write_text("")
+    for path in (folder / name).rglob("*.py"):
+        path.write_text(re.sub(r"\bgorgon\.(heads|decode)\b", rf"{name}.\1", path.read_text()))
+    return name
+
+
+def extract_revision(revision: str, folder: Path) -> str:
+    """Unpack heads/ and decode/ at a git revision into `folder` / gorgon_<commit>; returns that name."""
     try:
         commit = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", f"{revision}^{{commit}}"],
                                 capture_output=True, text=True, check=True).stdout.strip()
@@ -50,13 +72,10 @@ def revision_package(revision: str, folder: Path) -> str:
         detail = detail.decode() if isinstance(detail, bytes) else detail
         raise GorgonError(f"--against {revision}: no such revision of this repository with heads/ and decode/ "
                           f"({detail.strip().splitlines()[-1] if detail.strip() else err}): pass a commit, tag or "
-                          "branch, e.g. HEAD~1") from err
+                          "branch, e.g. HEAD~1, or a folder holding another copy's heads/ and decode/") from err
     name = f"gorgon_{commit}"
     with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
         tar.extractall(folder / name, filter="data")
-    (folder / name / "__init__.py").write_text("")
-    for path in (folder / name).rglob("*.py"):
-        path.write_text(re.sub(r"\bgorgon\.(heads|decode)\b", rf"{name}.\1", path.read_text()))
     return name
 
 
@@ -126,7 +145,8 @@ class Side:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--against", required=True, help="the git revision to compare with (a commit, tag or branch)")
+    p.add_argument("--against", required=True, help="the git revision to compare with (a commit, tag or branch), or "
+                   "a folder holding another copy's heads/ and decode/")
     add_model_arguments(p)
     p.add_argument("--questions", required=True, help="MT-Bench/Spec-Bench .jsonl, e.g. scripts/data/mt_bench.jsonl")
     p.add_argument("--limit", type=int_at_least(1), default=8, help="first N questions, first turns (default 8)")

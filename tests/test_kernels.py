@@ -412,8 +412,8 @@ def test_trace_generation_labels_each_step_part(tmp_path):
 
 
 def test_revision_ab_runs_a_revisions_own_code_beside_the_working_trees(tmp_path):
-    """scripts/revision_ab.py copies a revision's heads/ and decode/ into a package of their own, whose
-    imports stay inside it; against the same code both sides give the same tokens (and, with heads/ and
+    """scripts/revision_ab.py copies a revision's (or a folder's) heads/ and decode/ into a package of their
+    own, whose imports stay inside it; against the same code both sides give the same tokens (and, with heads/ and
     decode/ unchanged since HEAD, the same trees and operator counts); a bad revision is one line."""
     root = Path(__file__).parents[1]
     if subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True).returncode:
@@ -422,13 +422,18 @@ def test_revision_ab_runs_a_revisions_own_code_beside_the_working_trees(tmp_path
 
     target_path, target, _ = chat_target_with_heads(tmp_path)
     EagleHead.for_target(target.model, target_fingerprint=target.fingerprint).save_pretrained(tmp_path / "eagle")
-    name = load_script("revision_ab").revision_package("HEAD", tmp_path / "copy")
-    sys.path.insert(0, str(tmp_path / "copy"))
-    try:
-        options = importlib.import_module(f"{name}.decode.options")
-    finally:
-        sys.path.remove(str(tmp_path / "copy"))
-    assert Path(options.__file__).is_relative_to(tmp_path) and options.EagleHead.__module__.startswith(name)
+    revision_ab = load_script("revision_ab")
+    for against in ("HEAD", str(root)):  # a revision, or a folder holding a copy's heads/ and decode/
+        copy = tmp_path / f"copy-{len(against)}"
+        name = revision_ab.revision_package(against, copy)
+        sys.path.insert(0, str(copy))
+        try:
+            options = importlib.import_module(f"{name}.decode.options")
+        finally:
+            sys.path.remove(str(copy))
+        assert Path(options.__file__).is_relative_to(copy) and options.EagleHead.__module__.startswith(name)
+    with pytest.raises(GorgonError, match="this folder has no heads or decode"):
+        revision_ab.revision_package(str(tmp_path / "eagle"), tmp_path / "copy-bad")
     script = [sys.executable, "scripts/revision_ab.py", "--target", str(target_path), "--heads",
               str(tmp_path / "eagle"), "--questions", str(questions_file(tmp_path / "q.jsonl")), "--limit", "2",
               "--rounds", "1", "--max-new-tokens", "6"]

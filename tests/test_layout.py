@@ -108,8 +108,8 @@ def test_gpu_check_refuses_an_unknown_step_to_skip_in_one_line():
     run = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_check.sh")], env={**env(), "SKIP": "tests,bnch"},
                          capture_output=True, text=True, timeout=60)
     assert run.returncode == 2 and run.stdout == ""  # refused before any work, on any machine
-    assert run.stderr.strip() == ("gpu_check.sh: unknown step 'bnch' in SKIP: use tests, attention, bench, trace or "
-                                  "profile")
+    assert run.stderr.strip() == ("gpu_check.sh: unknown step 'bnch' in SKIP: use tests, attention, bench, trace, "
+                                  "revision or profile")
 
 
 @pytest.mark.parametrize("module", ["gorgon.train.data", "gorgon.decode.cli", "gorgon.decode.bench",
