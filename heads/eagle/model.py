@@ -220,13 +220,14 @@ class EagleHead(PushToHubMixin, nn.Module):
 
     def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """The rotary embedding (cos, sin) of (batch, length) positions, as `layer` takes it: computed by the
-        caller, so that drafting computes one step's positions in one call rather than one per level."""
+        caller, so that drafting computes one step's positions in one call rather than one per level (a rope
+        that rescales with the length, as dynamic NTK does, then rescales the step's positions together)."""
         return self.rotary(torch.empty((), dtype=dtype, device=positions.device), positions)
 
     def layer(self, features: torch.Tensor, tokens: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
               mask: torch.Tensor, cache=None, dropout: float = 0.0) -> torch.Tensor:
         """The decoder layer over (batch, length) pairs of a feature (H wide, after `fc` or a previous
-        output) and the token that follows it, at the positions whose `rope` (from `rope`) is given;
+        output) and the token that follows it; `rope`: their positions' rotary embedding (`EagleHead.rope`);
         `mask` is additive, (batch, 1, length, keys). Returns the output features, before `norm` (the
         next step's input). `dropout`: the rate on the attention's and the MLP's outputs (training only)."""
         layer = self.midlayer
