@@ -207,6 +207,24 @@ def test_the_drafters_cache_follows_the_accepted_tokens():
         stepwise.propose(root, features[-1:], torch.cat([ids[0], ids[0, :2]]))
 
 
+def test_the_heads_norms_run_fused_where_the_formula_is_llamas():
+    """The head's RMS norms run on torch's fused rms_norm (one operator, not eight) where that computes the
+    norm's own formula: Llama's and Qwen2's, not Gemma's 1 + weight. The drafts come out the same."""
+    from transformers.models.gemma.modeling_gemma import GemmaRMSNorm
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    from gorgon.heads.eagle.model import computes_rms_norm
+
+    assert computes_rms_norm(LlamaRMSNorm(16)) and not computes_rms_norm(GemmaRMSNorm(16))
+    assert not computes_rms_norm(torch.nn.LayerNorm(16))
+    for arch in LAYOUTS:
+        head = head_for(tiny_model(arch, layers=4))
+        assert head.fused_norms
+        fused = draft_logits(head)
+        head.fused_norms = False
+        torch.testing.assert_close(fused, draft_logits(head))
+
+
 def test_on_the_fast_path_the_heads_levels_share_key_value_heads(monkeypatch):
     """The CPU fast path puts the head's own layer on the tree attention too: a drafted level attends as
     a masked forward over several tokens, where transformers' SDPA would copy every key/value head of
