@@ -209,14 +209,19 @@ def test_the_drafters_cache_follows_the_accepted_tokens():
 
 def test_the_heads_norms_run_fused_where_the_formula_is_llamas():
     """The head's RMS norms run on torch's fused rms_norm (one operator, not eight) where that computes the
-    norm's own formula: Llama's and Qwen2's, not Gemma's 1 + weight. The drafts come out the same."""
+    norm's own formula: Llama's (so Qwen2's and Qwen3's), not Gemma's 1 + weight, even under Llama's
+    attribute names. The drafts come out the same."""
     from transformers.models.gemma.modeling_gemma import GemmaRMSNorm
     from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
     from gorgon.heads.eagle.model import computes_rms_norm
 
-    assert computes_rms_norm(LlamaRMSNorm(16)) and not computes_rms_norm(GemmaRMSNorm(16))
-    assert not computes_rms_norm(torch.nn.LayerNorm(16))
+    class OnePlusWeight(LlamaRMSNorm):  # Gemma's formula, Llama's attributes: only the probe tells them apart
+        def forward(self, x):
+            return torch.nn.functional.rms_norm(x, self.weight.shape, eps=self.variance_epsilon) * (1 + self.weight)
+
+    assert computes_rms_norm(LlamaRMSNorm(16))
+    assert not any(computes_rms_norm(norm) for norm in (OnePlusWeight(16), GemmaRMSNorm(16), torch.nn.LayerNorm(16)))
     for arch in LAYOUTS:
         head = head_for(tiny_model(arch, layers=4))
         assert head.fused_norms
