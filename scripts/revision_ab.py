@@ -6,16 +6,19 @@
 
 Speed work changes code, not settings, so `gorgon bench` (one code, several methods) cannot time it,
 and two processes run at different times: a CPU's memory-bound speed drifts between them by more than
-a small change gains. This copies the revision's heads/ and decode/ into a temporary package beside
-the working tree's (its `gorgon.` imports renamed), loads a target and drafter with each from the same
-arguments, and generates the first turns of the questions greedily with each in turn, the order
-alternating by round. For each: milliseconds per token and per drafter proposal (medians over all
-rounds), tokens per target forward, and operators per proposal (torch's dispatches, views left out:
-on a GPU each launches a kernel; counted in one more pass, untimed); and whether both gave the same
-tokens and proposed the same trees.
+a small change gains. This copies the revision's heads/ and decode/ (or a folder's, on a machine
+without the history) into a temporary package beside the working tree's, its `gorgon.` imports
+renamed, loads a target and drafter with each from the same arguments, and generates the first turns
+of the questions greedily with each in turn, the order alternating by round. For each: milliseconds
+per token and per proposal (medians; a proposal's is host time until the drafter returns: on CUDA,
+work it queued may run on), tokens per target forward, and operators per proposal (torch's
+dispatches, views left out: on a GPU each launches a kernel; counted in one more pass, untimed); and
+whether both gave the same tokens and proposed the same trees. With the same code on both sides the
+one loaded second ran a few percent faster on a CPU: run both `--load-first` orders and average.
 """
 
 import argparse
+import importlib
 import io
 import json
 import re
@@ -95,13 +98,12 @@ class Side:
     """One code's target, drafter and figures. `package`: "gorgon" or a revision's copy."""
 
     def __init__(self, label: str, package: str, args):
-        __import__(f"{package}.decode.options")
-        modules = sys.modules
-        self.label, self.options = label, modules[f"{package}.decode.options"]
-        self.generate = modules[f"{package}.decode.generate"].speculative_generate
-        self.attention = modules[f"{package}.decode.attention"].decoding_attention
-        self.target, self.drafter = self.options.load_drafter(args, self.options.read_tree(args.tree))
-        self.propose_ms, self.token_ms, self.ops, self.tokens, self.trees = [], [], [], [], []
+        options = importlib.import_module(f"{package}.decode.options")
+        self.label = label
+        self.generate = importlib.import_module(f"{package}.decode.generate").speculative_generate
+        self.attention = importlib.import_module(f"{package}.decode.attention").decoding_attention
+        self.target, self.drafter = options.load_drafter(args, options.read_tree(args.tree))
+        self.propose_ms, self.token_ms, self.ops, self.trees = [], [], [], []
         self.forwards = self.generated = 0
         self.count_ops = False
         propose = self.drafter.propose
@@ -114,8 +116,8 @@ class Side:
                 self.ops.append(count.count)
                 return tokens, tree
             tokens, tree = propose(*a, **kw)
-            self.trees.append((tokens.tolist(), tree.paths))
             self.propose_ms.append(1000 * (time.perf_counter() - start))
+            self.trees.append((tokens.tolist(), tree.paths))
             return tokens, tree
 
         self.drafter.propose = recorded
