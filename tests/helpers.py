@@ -112,6 +112,16 @@ def tiny_chat_target(tmp_path, arch: str = "llama", seed: int = 0):
     return path
 
 
+def key_value_copies(monkeypatch) -> list[int]:
+    """A list that gets one entry (the copy's query-head group size) each time transformers' SDPA attention
+    copies key/value heads for the query heads sharing them (`repeat_kv`), as it does under a mask."""
+    import transformers.integrations.sdpa_attention as sdpa
+
+    copies, repeat_kv = [], sdpa.repeat_kv
+    monkeypatch.setattr(sdpa, "repeat_kv", lambda states, n: copies.append(n) or repeat_kv(states, n))
+    return copies
+
+
 ROOT = Path(__file__).resolve().parents[1]
 WORDS = ["apple", "banana", "cherry", "delta", "echo", "fox", "golf", "hotel"]
 

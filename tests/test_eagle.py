@@ -7,7 +7,17 @@ import sys
 
 import pytest
 import torch
-from helpers import QUESTIONS, ROOT, VOCAB, assert_feature_cache_is_exact, env, tiny_chat_target, tiny_model, toy_data
+from helpers import (
+    QUESTIONS,
+    ROOT,
+    VOCAB,
+    assert_feature_cache_is_exact,
+    env,
+    key_value_copies,
+    tiny_chat_target,
+    tiny_model,
+    toy_data,
+)
 from safetensors.torch import load_file
 
 from gorgon.decode import speculative_generate
@@ -234,8 +244,6 @@ def test_on_the_fast_path_the_heads_levels_share_key_value_heads(monkeypatch):
     """The CPU fast path puts the head's own layer on the tree attention too: a drafted level attends as
     a masked forward over several tokens, where transformers' SDPA would copy every key/value head of
     the head's cache per query head. The same tree comes out; stock kernels switch it back."""
-    import transformers.integrations.sdpa_attention as sdpa
-
     from gorgon.decode.attention import NAME, attention_config
 
     model = tiny_model("llama", layers=4)  # 4 query heads over 2 key/value heads
@@ -248,9 +256,7 @@ def test_on_the_fast_path_the_heads_levels_share_key_value_heads(monkeypatch):
     def drafted():
         return EagleDrafter(head, nodes=10, depth=3, topk=3).scored_paths(ids[-1], features, ids[:-1])
 
-    copies = []
-    repeat_kv = sdpa.repeat_kv
-    monkeypatch.setattr(sdpa, "repeat_kv", lambda states, n: copies.append(states.shape[2]) or repeat_kv(states, n))
+    copies = key_value_copies(monkeypatch)
     reference = drafted()
     assert copies and attention_config(head)._attn_implementation == "sdpa"
     if fast_kernels_unavailable(torch.float32):

@@ -13,7 +13,16 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from helpers import ARCHS, QUESTIONS, VOCAB, chat_target_with_heads, questions_file, tiny_chat_target, tiny_model
+from helpers import (
+    ARCHS,
+    QUESTIONS,
+    VOCAB,
+    chat_target_with_heads,
+    key_value_copies,
+    questions_file,
+    tiny_chat_target,
+    tiny_model,
+)
 
 import gorgon.decode.calibrate as calibrate
 from gorgon.decode import speculative_generate
@@ -105,11 +114,7 @@ def test_tree_attention_shares_key_value_heads_and_changes_nothing(arch, monkeyp
         model(input_ids=prompt, **with_cache(model, cache), use_cache=True)
         return verify(model, cache, torch.tensor([3, 4, 5, 6, 7, 8]), tree).last_hidden_state
 
-    import transformers.integrations.sdpa_attention as sdpa
-
-    copies = []
-    repeat_kv = sdpa.repeat_kv
-    monkeypatch.setattr(sdpa, "repeat_kv", lambda states, n: copies.append(n) or repeat_kv(states, n))
+    copies = key_value_copies(monkeypatch)
     reference = verified()
     before = model.config._attn_implementation
     attention.use_tree_attention(model, True)
