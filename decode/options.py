@@ -41,7 +41,8 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
     group.add_argument("--heads", help="heads folder or hub id (from train/heads.py or save_pretrained)")
     group.add_argument("--draft", help="a small draft model (hub id or path) sharing the target's tokenizer")
     p.add_argument("--draft-tokens", type=int_at_least(1, MAX_DRAFT_TOKENS), default=4,
-                   help=f"tokens a --draft model proposes per step, 1 to {MAX_DRAFT_TOKENS} (default 4)")
+                   help=f"levels a --draft model drafts per step (its chain's length), 1 to {MAX_DRAFT_TOKENS} "
+                        "(default 4)")
     p.add_argument("--context-draft", action="store_true",
                    help="also draft from the context (prompt lookup: the tokens that followed the latest earlier "
                         "occurrence of the text's last n-gram), in the same tree as --heads or --draft, or alone")
@@ -61,13 +62,15 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tree", default="auto", help="'auto' (the node count that gives the most tokens per unit of "
                    "time on this machine, from the heads' held-out accuracies and verify costs measured here; heads "
                    "without accuracies: the size saved with them), a node count N (Medusa: the best N-node tree from "
-                   "the heads' accuracies; a feature-level head: N nodes per step), or a JSON file with a list of "
-                   "rank paths (Medusa), e.g. [[0],[1],[0,0]]")
+                   "the heads' accuracies; a feature-level head or a --draft model: N nodes per step, of a --draft model's "
+                   "by default all it drafts), or a JSON file with a list of rank paths (Medusa), e.g. [[0],[1],[0,0]]")
     p.add_argument("--draft-depth", type=int_at_least(1), default=None,
                    help="a feature-level head's tree levels drafted per step (default: the one saved with it)")
     p.add_argument("--draft-topk", type=int_at_least(1), default=None,
-                   help="a feature-level head's tokens kept and expanded per level (default: the one saved with it, "
-                        "widened so that the levels' candidates can fill the tree, as a GPU's larger tree needs)")
+                   help="tokens kept and expanded per level: a feature-level head's (default: the one saved with it, "
+                        "widened so that the levels' candidates can fill the tree, as a GPU's larger tree needs), or "
+                        "a --draft model's (default 1, a greedy chain; more grows a tree of its likeliest "
+                        "continuations, --draft-tokens levels deep)")
     p.add_argument("--max-new-tokens", type=int_at_least(1), default=256,
                    help="most tokens generated per answer (default 256)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 (default) is greedy")
@@ -93,8 +96,11 @@ def load_drafter(args, tree):
         raise GorgonError("no drafter: pass --heads FOLDER, --draft MODEL or --context-draft (or several)")
     if args.tree_budget is not None and not (args.context_draft and (args.heads or args.draft)):
         raise GorgonError("--tree-budget sizes a merged tree: it needs --context-draft with --heads or --draft")
-    if (args.draft_depth or args.draft_topk) and not args.heads:
-        raise GorgonError("--draft-depth and --draft-topk shape a feature-level head's search: they need --heads")
+    if args.draft_depth and not args.heads:
+        raise GorgonError("--draft-depth shapes a feature-level head's search: it needs --heads (a --draft model "
+                          "drafts --draft-tokens levels)")
+    if args.draft_topk and not (args.heads or args.draft):
+        raise GorgonError("--draft-topk shapes a search: it needs --heads or --draft")
     context = context_drafter(args) if args.context_draft else None
     if not (args.heads or args.draft):
         if tree != "auto":
@@ -125,8 +131,9 @@ def load_model_drafter(args, tree):
     With heads and `--tree auto`, the tree's size is chosen for this machine: from the heads'
     measured accuracies and the verify costs measured here (a few seconds, cached).
     """
-    if args.draft and args.tree != "auto":
-        raise GorgonError("--tree applies to --heads only: a --draft model proposes a chain of --draft-tokens")
+    if args.draft and isinstance(tree, list):
+        raise GorgonError("a --draft model grows its tree each step: --tree takes a node count with --draft, "
+                          "not rank paths")
     if args.heads:
         target, heads = load_heads(args.heads, args.target, device=args.device, dtype=args.dtype)
         use_cpu_kernels(target.model, args.cpu_kernels)
@@ -139,7 +146,8 @@ def load_model_drafter(args, tree):
     use_cpu_kernels(target.model, args.cpu_kernels)
     draft = draft.to(target.model.device, draft_dtype(target.model, args.cpu_kernels, args.draft_dtype)).eval()
     use_drafter_kernels(draft, target.model, args.cpu_kernels)
-    return target, DraftModelDrafter(draft, args.draft_tokens).check_vocab(target.model)
+    nodes = None if tree == "auto" else tree
+    return target, DraftModelDrafter(draft, args.draft_tokens, args.draft_topk or 1, nodes).check_vocab(target.model)
 
 
 def heads_drafter(heads, target, args, tree, folder: str):

@@ -14,47 +14,21 @@ from collections.abc import Sequence
 
 import torch
 
-from gorgon.heads.errors import GorgonError
-from gorgon.heads.target import additive_mask, base_model, crop_cache, with_cache
+from gorgon.heads.target import additive_mask, base_model, crop_cache, layer_masks, with_cache
 from gorgon.heads.tree import Tree, host_to_device
 
-_MASK_KINDS = {"full_attention", "sliding_attention"}
 
-
-def layer_kinds(config) -> set[str]:
-    """Which attention kinds a model's layers use: full, sliding, or both."""
-    cfg = config.get_text_config()
-    types = getattr(cfg, "layer_types", None)
-    if types:
-        kinds = set(types)
-        if not kinds <= _MASK_KINDS:
-            raise GorgonError(f"layer types {sorted(kinds - _MASK_KINDS)} are not supported by tree verification: "
-                              "use a model with full or sliding-window attention")
-        return kinds
-    return {"sliding_attention"} if getattr(cfg, "sliding_window", None) else {"full_attention"}
-
-
-def tree_mask(tree: Tree, past_len: int, dtype: torch.dtype, window: int | None = None) -> torch.Tensor:
+def tree_mask(tree: Tree, past_len: int, dtype: torch.dtype) -> torch.Tensor:
     """The (1, 1, T, past_len + T) additive mask for verifying `tree` after `past_len` cached tokens."""
-    pos = past_len + tree.depth                                      # (T,) position of each node
-    allowed_past = torch.ones(tree.size, past_len, dtype=torch.bool, device=pos.device)
-    allowed_tree = tree.ancestors
-    if window is not None:
-        q = torch.arange(past_len, device=pos.device)
-        allowed_past = (pos[:, None] - q[None, :]) < window
-        allowed_tree = allowed_tree & ((tree.depth[:, None] - tree.depth[None, :]) < window)
-    return additive_mask(torch.cat([allowed_past, allowed_tree], dim=1), dtype)[None, None]
+    allowed_past = torch.ones(tree.size, past_len, dtype=torch.bool, device=tree.depth.device)
+    return additive_mask(torch.cat([allowed_past, tree.ancestors], dim=1), dtype)[None, None]
 
 
 def verify_mask(config, tree: Tree, past_len: int, dtype: torch.dtype):
     """The mask argument for the model's forward: a tensor, or a dict per layer type when mixed."""
-    kinds = layer_kinds(config)
-    window = getattr(config.get_text_config(), "sliding_window", None)
-    masks = {"full_attention": lambda: tree_mask(tree, past_len, dtype),
-             "sliding_attention": lambda: tree_mask(tree, past_len, dtype, window)}
-    if len(kinds) == 1:
-        return masks[kinds.pop()]()
-    return {kind: make() for kind, make in masks.items()}
+    positions = past_len + tree.depth
+    keys = torch.cat([torch.arange(past_len, device=positions.device), positions])
+    return layer_masks(config, tree_mask(tree, past_len, dtype), positions, keys)
 
 
 def verify(model, cache, tokens: torch.Tensor, tree: Tree, hidden_states: bool = False):

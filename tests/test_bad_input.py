@@ -269,8 +269,15 @@ def test_arguments_are_range_checked(tmp_path, capsys):
     assert gorgon(["generate", "--heads", "nowhere", "--prompt", "hi", "--temperature", "-1"]) == 2
     assert capsys.readouterr().err.strip() == ("gorgon generate: error: temperature must be a finite number >= 0 "
                                                "(0 is greedy), not -1.0")
-    assert gorgon(["generate", "--draft", "nowhere", "--prompt", "hi", "--tree", "8"]) == 2
-    assert "--tree applies to --heads only" in capsys.readouterr().err
+    (tmp_path / "tree.json").write_text("[[0], [1]]")
+    assert gorgon(["generate", "--draft", "nowhere", "--prompt", "hi", "--tree", str(tmp_path / "tree.json")]) == 2
+    assert "--tree takes a node count with --draft, not rank paths" in capsys.readouterr().err
+    assert gorgon(["generate", "--draft", "nowhere", "--prompt", "hi", "--draft-depth", "3"]) == 2
+    assert "(a --draft model drafts --draft-tokens levels)" in capsys.readouterr().err
+    with pytest.raises(GorgonError, match="to 256 nodes, not 300"):
+        DraftModelDrafter(tiny_model(), 4, topk=2, nodes=300)
+    with pytest.raises(GorgonError, match="top-k must be a whole number >= 1, not 0"):
+        DraftModelDrafter(tiny_model(), 4, topk=0)
     with pytest.raises(SystemExit):
         gorgon(["bench", "--heads", "x", "--questions", "q", "--limit", "0"])
     assert "--limit: must be at least 1, not 0" in capsys.readouterr().err

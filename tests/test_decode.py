@@ -280,21 +280,50 @@ def test_greedy_is_exact_with_a_draft_vocabulary():
 
 
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])
-def test_a_draft_model_gives_exact_greedy_output(arch):
+@pytest.mark.parametrize("topk", [1, 3])  # a chain, and a tree of the draft's likeliest continuations
+def test_a_draft_model_gives_exact_greedy_output(arch, topk):
     from gorgon.heads import DraftModelDrafter
 
     model = tiny_model(arch)
     gen = torch.Generator().manual_seed(5)
     for draft, k in [(tiny_model(arch, seed=7), 3), (model, 4)]:   # another model, and the target itself
-        drafter = DraftModelDrafter(draft, k=k).check_vocab(model)
+        drafter = DraftModelDrafter(draft, k=k, topk=topk).check_vocab(model)
         taus = []
         for _ in range(4):
             ids = torch.randint(0, VOCAB, (1, int(torch.randint(2, 12, (1,), generator=gen))), generator=gen)
             result = speculative_generate(model, drafter, ids, max_new_tokens=25)
             assert result.tokens == reference(model, ids, 25)
             taus.append(result.tau)
-        if draft is model:  # a perfect draft: every step accepts all k drafts plus the bonus
+        if draft is model and topk == 1:  # a perfect chain: every step accepts all k drafts plus the bonus
             assert min(taus) > 0.9 * 25 / (1 + 24 / (k + 1) + 1)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_a_draft_models_candidates_score_what_it_gives_each_path_drafted_alone(arch):
+    """A candidate's confidence is the product of the draft's probabilities along its path, computed here with no
+    cache: the search's masks, positions and sliding windows (gemma3's window is shorter than the text) must
+    reproduce it, also on a second call that reuses the cache's prefix. Greedy output is exact whatever tree is
+    proposed, so the decoding tests cannot see a wrong tree, only a slower one. With top-k 1: the greedy chain."""
+    from gorgon.heads import DraftModelDrafter
+
+    draft = tiny_model(arch, seed=7)
+    ids = torch.randint(0, VOCAB, (12,), generator=torch.Generator().manual_seed(0))
+    tree, chain = DraftModelDrafter(draft, k=4, topk=3, nodes=9), DraftModelDrafter(draft, k=4)
+    with torch.no_grad():
+        for end in (6, 12):  # the context before the root, then a longer one sharing its start
+            scored = tree.scored_paths(ids[end - 1], None, ids[:end - 1])
+            chances = [chance for _, chance in scored]
+            assert len(scored) == 8 and chances == sorted(chances, reverse=True)
+            assert max(len(path) for path, _ in scored) >= 3
+            for path, chance in scored:
+                expected, text = 1.0, ids[:end]
+                for token in path:
+                    expected *= draft(input_ids=text[None]).logits[0, -1].float().softmax(-1)[token].item()
+                    text = torch.cat([text, torch.tensor([token])])
+                assert chance == pytest.approx(expected, rel=1e-4), path
+            greedy = draft.generate(ids[None, :end], max_new_tokens=4, do_sample=False)[0, end:].tolist()
+            assert [path for path, _ in chain.scored_paths(ids[end - 1], None, ids[:end - 1])] == [
+                greedy[:d] for d in range(1, 5)]
 
 
 def test_a_draft_with_another_vocabulary_is_refused():

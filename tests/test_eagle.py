@@ -108,7 +108,7 @@ def test_a_bfloat16_head_on_a_float32_target_keeps_greedy_output_exact():
 
 def test_stopping_the_expansion_early_leaves_the_tree_unchanged(monkeypatch):
     """Levels are skipped once no deeper node could enter the tree; the trees must be those of the full search."""
-    import gorgon.heads.eagle.drafter as module
+    import gorgon.heads.search as module
 
     model = tiny_model("llama", vocab=8, layers=4)
     with torch.no_grad():
@@ -553,8 +553,7 @@ def test_cli_draft_depth_and_topk_shape_the_search(tmp_path, capsys):
                                                     "search; Medusa heads draft one level per head: choose their "
                                                     "tree with --tree")
     assert gorgon(["generate", "--context-draft", "--draft-topk", "2", "--prompt", "x"] + common) == 2
-    assert capsys.readouterr().err.strip().endswith("--draft-depth and --draft-topk shape a feature-level head's "
-                                                    "search: they need --heads")
+    assert capsys.readouterr().err.strip().endswith("--draft-topk shapes a search: it needs --heads or --draft")
 
 
 @pytest.mark.slow

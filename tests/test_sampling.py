@@ -83,7 +83,8 @@ def test_speculative_sampling_is_exact(peaky_model, s):
 
 
 @pytest.mark.slow
-def test_sampling_with_a_draft_model_is_exact(peaky_model):
+@pytest.mark.parametrize("topk", [1, 3])  # a chain, and a tree of the draft's likeliest continuations
+def test_sampling_with_a_draft_model_is_exact(peaky_model, topk):
     from gorgon.heads import DraftModelDrafter
 
     draft = tiny_model("llama", vocab=V, seed=4)
@@ -91,7 +92,7 @@ def test_sampling_with_a_draft_model_is_exact(peaky_model):
         draft.lm_head.weight.mul_(40)
     s = Sampling(temperature=1.0)
     prompt = torch.tensor([[1, 5, 2]])
-    counts, _ = sample_counts(peaky_model, prompt, s, DraftModelDrafter(draft, k=2))
+    counts, _ = sample_counts(peaky_model, prompt, s, DraftModelDrafter(draft, k=2, topk=topk))
     assert chi_square_p(exact_distribution(peaky_model, prompt, s), counts) > 1e-3
 
 

@@ -93,7 +93,7 @@ class HeadsTrainConfig(TrainingSettings):
         return self.ttt_steps if self.arch == "eagle" else self.num_heads
 
     def check(self) -> None:
-        from gorgon.heads.eagle.model import check_search
+        from gorgon.heads.search import check_search
 
         choices = {"arch": ("medusa", "eagle"), "mode": ("medusa1", "medusa2"), "loss": ("ce", "kl"),
                    "loss_tokens": ("answers", "all"), "report_to": ("wandb", "none")}

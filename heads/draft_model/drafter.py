@@ -1,34 +1,39 @@
-"""A draft model as a drafter: it proposes a greedy chain of tokens, the target verifies them in one forward."""
+"""A draft model as a drafter: a greedy chain of tokens, or a tree grown by the draft's confidence."""
 
 from __future__ import annotations
 
 import torch
 
 from ..errors import GorgonError
-from ..target import crop_cache, with_cache
-from ..tree import build_tree
+from ..search import check_search, grow_tree
+from ..target import crop_cache, layer_masks, with_cache
+from ..tree import MAX_TREE_NODES, tree_from_token_paths
 from .model import check_draft_vocab
 
-# A longer chain is all but never accepted whole, and each drafted token costs a draft forward.
+# A longer chain is all but never accepted whole, and each drafted level costs a draft forward.
 MAX_DRAFT_TOKENS = 64
 
 
 class DraftModelDrafter:
-    """A small causal LM with the target's tokenizer proposes a chain of k tokens, greedily, with
-    its own KV cache (classic draft-then-verify). The target verifies the chain in one forward
-    and the same acceptance rules apply, so output stays exact.
+    """A small causal LM with the target's tokenizer drafts `k` levels a step with its own KV cache: with
+    `topk` 1 a greedy chain of k tokens (classic draft-then-verify); with a larger `topk`, a tree of the
+    draft's likeliest continuations, each level one forward over its `topk` best nodes (EAGLE-2's search,
+    `gorgon.heads.search`), the best `nodes - 1` kept (default: all it drafts). The target verifies the
+    tree in one forward and the same acceptance rules apply, so output stays exact.
 
-    Between steps the draft's cache is cut back to the longest prefix it shares with the
-    accepted tokens, and only the new tokens are fed: usually the accepted drafts and the bonus.
+    Between steps the draft's cache is cut back to the longest prefix it shares with the accepted
+    tokens, and only the new tokens are fed: the accepted drafts and the bonus. Drafted levels are
+    cut off after each step.
     """
 
     feature_layers = None  # unused: the draft reads tokens only
 
-    def __init__(self, draft_model, k: int = 4):
+    def __init__(self, draft_model, k: int = 4, topk: int = 1, nodes: int | None = None):
         if not 1 <= k <= MAX_DRAFT_TOKENS:
             raise GorgonError(f"a draft model proposes 1 to {MAX_DRAFT_TOKENS} tokens per step, not {k}")
-        self.model = draft_model
-        self.tree = build_tree([[0] * d for d in range(1, k + 1)]).to(draft_model.device)
+        self.nodes = nodes if nodes is not None else min(1 + k * topk, MAX_TREE_NODES)
+        check_search(k, topk, self.nodes)
+        self.model, self.depth, self.topk = draft_model, k, topk
         self.cache = None
         self.seen = torch.empty(0, dtype=torch.long, device=draft_model.device)  # tokens in self.cache
 
@@ -39,37 +44,40 @@ class DraftModelDrafter:
 
     @property
     def max_nodes(self) -> int:
-        return self.tree.size
+        return self.nodes
 
     def propose(self, root: torch.Tensor, features: torch.Tensor, context: torch.Tensor):
-        drafts, _ = self.draft_chain(root, context)
-        return self.tree.tokens(root, drafts[:, None]), self.tree
-
-    def scored_paths(self, root: torch.Tensor, features: torch.Tensor,
-                     context: torch.Tensor) -> list[tuple[list[int], float]]:
-        """Each prefix of the chain with the product of the draft's probabilities along it."""
-        drafts, probs = self.draft_chain(root, context)
-        tokens, chances = drafts.tolist(), probs.cumprod(0).tolist()
-        return [(tokens[:d], chances[d - 1]) for d in range(1, len(tokens) + 1)]
+        return tree_from_token_paths(root, [path for path, _ in self.scored_paths(root, features, context)])
 
     @torch.no_grad()
-    def draft_chain(self, root: torch.Tensor, context: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The draft's greedy chain after the root, (k,) tokens, and the draft's probability of each."""
+    def scored_paths(self, root: torch.Tensor, features: torch.Tensor,
+                     context: torch.Tensor) -> list[tuple[list[int], float]]:
+        """The step's best `nodes - 1` candidates, best first, parents before children: each a token path
+        under the root with the product of the draft's probabilities along it."""
         from transformers import DynamicCache
 
+        model = self.model
         context = torch.cat([context, root.reshape(1)])
         n = min(self.seen.numel(), context.numel() - 1)  # always feed at least the newest token
         same = int((self.seen[:n] == context[:n]).cumprod(0).sum()) if n else 0
         if self.cache is None or same == 0:
             self.cache, same = DynamicCache(), 0
         crop_cache(self.cache, same)
-        fed = context[same:]
-        drafts, probs = [], []
-        for _ in range(self.tree.max_depth):
-            logits = self.model(input_ids=fed[None], **with_cache(self.model, self.cache), use_cache=True,
-                                logits_to_keep=1).logits[0, -1]  # no LM head over a re-fed prompt
-            prob, fed = logits.float().softmax(-1).max(-1, keepdim=True)
-            drafts.append(fed)
-            probs.append(prob)
-        self.seen = torch.cat([context] + drafts[:-1])  # the last draft was never fed
-        return torch.cat(drafts), torch.cat(probs)
+        logits = model(input_ids=context[same:][None], **with_cache(model, self.cache), use_cache=True,
+                       logits_to_keep=1).logits[0, -1]  # no LM head over a re-fed prompt
+        self.seen, committed = context, context.numel()
+        keys = torch.arange(committed, device=context.device)  # the cache's positions, for sliding windows
+
+        def expand(level, parent, tokens, sees):
+            nonlocal keys
+            positions = torch.full_like(tokens, committed + level - 1)  # the root sits at committed - 1
+            keys = torch.cat([keys, positions])
+            mask = layer_masks(model.config, sees[None, None], positions, keys)
+            out = model(input_ids=tokens[None], attention_mask=mask, position_ids=positions[None],
+                        **with_cache(model, self.cache), use_cache=True)
+            return out.logits[0].float().log_softmax(-1)
+
+        first = logits.float().log_softmax(-1)
+        paths = grow_tree(first, expand, committed, self.depth, self.topk, self.nodes, model.dtype)
+        crop_cache(self.cache, committed)
+        return paths

@@ -34,7 +34,6 @@ from ..errors import GorgonError, config_from_dict
 from ..files import atomic_write, atomic_write_text, reading_weights
 from ..hub import CONFIG_NAME, PushToHubMixin, resolve_folder
 from ..target import Target, attach_to_target, check_fits, with_cache
-from ..tree import MAX_TREE_NODES
 from .formats import check_layer_fields, foreign_format, import_head
 
 WEIGHTS_NAME = "model.safetensors"
@@ -82,16 +81,6 @@ def default_feature_layers(num_layers: int) -> list[int]:
     if num_layers >= 4:
         return [1, num_layers // 2, num_layers - 1]
     return [1, min(2, num_layers), num_layers]
-
-
-def check_search(depth: int, topk: int, nodes: int) -> None:
-    """The dynamic tree's settings, checked where they are set (config, command line, Python)."""
-    if not (isinstance(depth, int) and depth >= 1):
-        raise GorgonError(f"the draft depth must be a whole number >= 1 (levels drafted per step), not {depth!r}")
-    if not (isinstance(topk, int) and topk >= 1):
-        raise GorgonError(f"the draft top-k must be a whole number >= 1, not {topk!r}")
-    if not (isinstance(nodes, int) and 2 <= nodes <= MAX_TREE_NODES):
-        raise GorgonError(f"a tree needs 2 (the root and one candidate) to {MAX_TREE_NODES} nodes, not {nodes!r}")
 
 
 def computes_rms_norm(norm: nn.Module) -> bool:

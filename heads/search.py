@@ -1,0 +1,109 @@
+"""Dynamic draft trees (EAGLE-2): the likeliest continuations, found level by level.
+
+A drafter that drafts one level at a time into a KV cache of its own (a feature-level head, a
+draft model) gives the first level's log-probabilities and a function that drafts the children
+of a frontier of nodes in one masked forward; `grow_tree` does the rest, the same for both. Each
+level expands the `topk` best nodes so far (by the product of draft probabilities along their
+path) with their own `topk` children, for `depth` levels; the best `nodes - 1` nodes overall
+become the tree (a child is never likelier than its parent, so they form one); the expansion
+stops early once no deeper node could enter it. With top-k 1 the tree is a greedy chain.
+
+The cache holds what every node sees first (`committed` entries), then each level's frontier in
+turn; the drafter crops those levels off after the search.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import torch
+
+from .errors import GorgonError
+from .target import additive_mask
+from .tree import MAX_TREE_NODES
+
+# expand(level, parent, tokens, sees) -> (k, V) log-probabilities: see grow_tree
+Expand = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def check_search(depth: int, topk: int, nodes: int) -> None:
+    """A search's settings, checked where they are set (config, command line, Python)."""
+    if not (isinstance(depth, int) and depth >= 1):
+        raise GorgonError(f"the draft depth must be a whole number >= 1 (levels drafted per step), not {depth!r}")
+    if not (isinstance(topk, int) and topk >= 1):
+        raise GorgonError(f"the draft top-k must be a whole number >= 1, not {topk!r}")
+    if not (isinstance(nodes, int) and 2 <= nodes <= MAX_TREE_NODES):
+        raise GorgonError(f"a tree needs 2 (the root and one candidate) to {MAX_TREE_NODES} nodes, not {nodes!r}")
+
+
+def grow_tree(first: torch.Tensor, expand: Expand, committed: int, depth: int, topk: int, nodes: int,
+              mask_dtype: torch.dtype, to_target=None) -> list[tuple[list[int], float]]:
+    """The best `nodes - 1` candidates after the root, best first, parents before children: each a token path
+    with its draft confidence (the product of draft probabilities along it).
+
+    `first`: (V,) log-probabilities of the root's children. `expand(level, parent, tokens, sees)` drafts the
+    frontier at `level` (1: the root's children) in one forward and returns (k, V) log-probabilities of its
+    nodes' children: `tokens` (k,) are the nodes' ids, `parent` (k,) the row of the previous call's output
+    each node continues (at level 1, of the root's: all 0), `sees` (k, cache length) the additive mask
+    (`mask_dtype`) over the cache: the committed entries, each node's fed ancestors and, last, itself.
+    `to_target` maps the distribution's ids to the ids fed and returned (a draft vocabulary's; None: the same).
+    """
+    device = first.device
+    score, token = first.topk(min(topk, first.numel()))
+    frontier_tokens = token if to_target is None else to_target(token)
+    # Per node, on the device: its parent (-1: the root), token and path log-probability; read once, after.
+    node_parents, node_tokens, node_scores = [torch.full_like(token, -1)], [frontier_tokens], score
+    frontier, frontier_scores = torch.arange(score.numel(), device=device), score  # the nodes to expand next
+    parent = torch.zeros_like(token)
+    sees = torch.zeros(score.numel(), committed, dtype=mask_dtype, device=device)
+    itself = additive_mask(torch.eye(topk, dtype=torch.bool, device=device), mask_dtype)
+    for level in range(1, depth):
+        if not can_grow(frontier_scores, node_scores, nodes - 1):
+            break
+        k = frontier.numel()
+        sees = torch.cat([sees, itself[:k, :k]], dim=1)
+        child = expand(level, parent, frontier_tokens, sees)                          # (k, V)
+        best, ids = child.topk(min(topk, child.shape[-1]), dim=-1)
+        total = (frontier_scores[:, None] + best).flatten()
+        frontier_scores, keep = total.topk(min(topk, total.numel()))
+        parent = keep // best.shape[1]                                # which frontier node each child is of
+        frontier_tokens = ids.flatten()[keep] if to_target is None else to_target(ids.flatten()[keep])
+        node_parents.append(frontier[parent])
+        node_tokens.append(frontier_tokens)
+        frontier = node_scores.numel() + torch.arange(keep.numel(), device=device)
+        node_scores = torch.cat([node_scores, frontier_scores])
+        sees = sees[parent]
+    return best_paths(torch.cat(node_parents), torch.cat(node_tokens), node_scores, nodes - 1)
+
+
+def best_paths(parents: torch.Tensor, tokens: torch.Tensor, scores: torch.Tensor,
+               size: int) -> list[tuple[list[int], float]]:
+    """The `size` best nodes, parents before children (ties go to the shallower node), best first, each as its
+    token path with the chance exp(score); nodes are listed parents first."""
+    scores = scores.tolist()
+    parents, tokens = torch.stack([parents, tokens]).tolist()
+    depth_of = [0] * len(parents)
+    for i, p in enumerate(parents):
+        depth_of[i] = 1 if p < 0 else depth_of[p] + 1
+    chosen: dict[int, None] = {}  # ordered, best first
+    for i in sorted(range(len(parents)), key=lambda i: (-scores[i], depth_of[i])):
+        if len(chosen) >= size:
+            break
+        if parents[i] < 0 or parents[i] in chosen:
+            chosen[i] = None
+
+    def token_path(i: int) -> list[int]:
+        return token_path(parents[i]) + [tokens[i]] if i >= 0 else []
+
+    return [(token_path(i), math.exp(scores[i])) for i in chosen]
+
+
+def can_grow(frontier_scores: torch.Tensor, scores: torch.Tensor, size: int) -> bool:
+    """Whether another level could change the tree: a child's score is never above its parent's, and a
+    tie goes to the shallower node, so once the best frontier node scores no higher than the `size`-th
+    best node so far, no child can enter the best `size`. Stopping there saves the later levels on the
+    many steps where the drafter is unsure, and leaves the tree exactly as it was."""
+    if scores.numel() < size:
+        return True
+    return bool(frontier_scores.max() > scores.topk(size).values[-1])
