@@ -62,8 +62,8 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tree", default="auto", help="'auto' (the node count that gives the most tokens per unit of "
                    "time on this machine, from the heads' held-out accuracies and verify costs measured here; heads "
                    "without accuracies: the size saved with them), a node count N (Medusa: the best N-node tree from "
-                   "the heads' accuracies; a feature-level head or a --draft model: N nodes per step, of a --draft model's "
-                   "by default all it drafts), or a JSON file with a list of rank paths (Medusa), e.g. [[0],[1],[0,0]]")
+                   "the heads' accuracies; a feature-level head or a --draft model: N nodes per step, by default all a "
+                   "--draft model drafts), or a JSON file with a list of rank paths (Medusa), e.g. [[0],[1],[0,0]]")
     p.add_argument("--draft-depth", type=int_at_least(1), default=None,
                    help="a feature-level head's tree levels drafted per step (default: the one saved with it)")
     p.add_argument("--draft-topk", type=int_at_least(1), default=None,
