@@ -2,9 +2,10 @@
 
 Each step the decoder calls `propose(root, features, context)` and gets back the candidate
 tree for that step and one token per tree node, the root first. A static drafter (Medusa's
-heads, a draft model's chain) returns the same tree every step; a dynamic one (EAGLE-2's
-confidence-ranked tree) builds a new one. Verification and acceptance are written once, in
-`gorgon.decode`, for every drafter; each method implements this and nothing of the decoder.
+heads) returns the same tree every step; a dynamic one (EAGLE-2's confidence-ranked tree,
+`gorgon.heads.search`, which a feature-level head and a draft model grow) builds a new one.
+Verification and acceptance are written once, in `gorgon.decode`, for every drafter; each
+method implements this and nothing of the decoder.
 
 A drafter whose tree can be merged with context drafts (`MergedDrafter`) also gives
 `scored_paths(root, features, context)`: the same step's candidates as token paths under the
