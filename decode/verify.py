@@ -24,22 +24,23 @@ def tree_mask(tree: Tree, past_len: int, dtype: torch.dtype) -> torch.Tensor:
     return additive_mask(torch.cat([allowed_past, tree.ancestors], dim=1), dtype)[None, None]
 
 
-def verify_mask(config, tree: Tree, past_len: int, dtype: torch.dtype):
-    """The mask argument for the model's forward: a tensor, or a dict per layer type when mixed."""
-    positions = past_len + tree.depth
-    keys = torch.cat([torch.arange(past_len, device=positions.device), positions])
-    return layer_masks(config, tree_mask(tree, past_len, dtype), positions, keys)
+def verify_mask(config, tree: Tree, past_len: int, positions: torch.Tensor, dtype: torch.dtype):
+    """The mask argument for the model's forward over the tree's nodes at `positions`: a tensor, or a dict per
+    layer type when mixed."""
+    return layer_masks(config, tree_mask(tree, past_len, dtype), positions,
+                       lambda: torch.cat([torch.arange(past_len, device=positions.device), positions]))
 
 
 def verify(model, cache, tokens: torch.Tensor, tree: Tree, hidden_states: bool = False):
     """Run the target over all tree nodes at once; returns the decoder's output for them (batch of one),
     every layer's hidden states included when asked for (a drafter reading several layers needs them)."""
     past_len = cache.get_seq_length()
+    positions = past_len + tree.depth
     decoder = base_model(model)
     return decoder(
         input_ids=tokens[None],
-        attention_mask=verify_mask(model.config, tree, past_len, model.dtype),
-        position_ids=(past_len + tree.depth)[None],
+        attention_mask=verify_mask(model.config, tree, past_len, positions, model.dtype),
+        position_ids=positions[None],
         **with_cache(decoder, cache),
         use_cache=True,
         output_hidden_states=hidden_states,

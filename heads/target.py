@@ -350,16 +350,18 @@ def layer_kinds(config) -> set[str]:
     return {"sliding_attention"} if getattr(cfg, "sliding_window", None) else {"full_attention"}
 
 
-def layer_masks(config, mask: torch.Tensor, query_positions: torch.Tensor, key_positions: torch.Tensor):
+def layer_masks(config, mask: torch.Tensor, query_positions: torch.Tensor, key_positions):
     """The attention_mask argument of a model's forward over tree nodes, from the additive (..., queries, keys)
     `mask` of what each may see in a cache built without the config (every layer keeps every token): as it
     is for full attention, with keys a sliding window leaves behind masked too (a query at position p sees
-    position q only when p - q < window), and one mask per layer kind where a model mixes them (Gemma 2, 3)."""
+    position q only when p - q < window), and one mask per layer kind where a model mixes them (Gemma 2, 3).
+    `key_positions()` gives the cache's positions; it is called only for sliding-window layers, so a model
+    with full attention alone builds nothing per step."""
     kinds = layer_kinds(config)
     window = getattr(config.get_text_config(), "sliding_window", None)
 
     def windowed():
-        behind = (query_positions[:, None] - key_positions[None, :]) >= window
+        behind = (query_positions[:, None] - key_positions()[None, :]) >= window
         return mask.masked_fill(behind, torch.finfo(mask.dtype).min)
 
     masks = {"full_attention": lambda: mask, "sliding_attention": windowed}

@@ -333,7 +333,7 @@ def test_attention_of_another_kind_is_refused_in_one_line():
 
     config = LlamaConfig(num_hidden_layers=2, layer_types=["full_attention", "chunked_attention"])
     with pytest.raises(GorgonError, match=r"layer types \['chunked_attention'\] are not supported by tree attention"):
-        layer_masks(config, torch.zeros(1, 1, 2, 2), torch.arange(2), torch.arange(2))
+        layer_masks(config, torch.zeros(1, 1, 2, 2), torch.arange(2), lambda: torch.arange(2))
 
 
 def test_a_draft_with_another_vocabulary_is_refused():

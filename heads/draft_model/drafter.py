@@ -66,13 +66,13 @@ class DraftModelDrafter:
         logits = model(input_ids=context[same:][None], **with_cache(model, self.cache), use_cache=True,
                        logits_to_keep=1).logits[0, -1]  # no LM head over a re-fed prompt
         self.seen, committed = context, context.numel()
-        keys = torch.arange(committed, device=context.device)  # the cache's positions, for sliding windows
+        fed = []  # each drafted level's positions in the cache, after the committed ones
 
         def expand(level, parent, tokens, sees):
-            nonlocal keys
             positions = torch.full_like(tokens, committed + level - 1)  # the root sits at committed - 1
-            keys = torch.cat([keys, positions])
-            mask = layer_masks(model.config, sees[None, None], positions, keys)
+            fed.append(positions)
+            mask = layer_masks(model.config, sees[None, None], positions,
+                               lambda: torch.cat([torch.arange(committed, device=positions.device), *fed]))
             out = model(input_ids=tokens[None], attention_mask=mask, position_ids=positions[None],
                         **with_cache(model, self.cache), use_cache=True)
             return out.logits[0].float().log_softmax(-1)
