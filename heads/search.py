@@ -49,9 +49,9 @@ def grow_tree(first: torch.Tensor, expand: Expand, committed: int, depth: int, t
     (`mask_dtype`) over the cache: the committed entries, each node's fed ancestors and, last, itself.
     `to_target` maps the distribution's ids to the ids fed and returned (a draft vocabulary's; None: the same).
     """
-    device = first.device
+    device, to_target = first.device, to_target or (lambda ids: ids)
     score, token = first.topk(min(topk, first.numel()))
-    frontier_tokens = token if to_target is None else to_target(token)
+    frontier_tokens = to_target(token)
     # Per node, on the device: its parent (-1: the root), token and path log-probability; read once, after.
     node_parents, node_tokens, node_scores = [torch.full_like(token, -1)], [frontier_tokens], score
     frontier, frontier_scores = torch.arange(score.numel(), device=device), score  # the nodes to expand next
@@ -68,7 +68,7 @@ def grow_tree(first: torch.Tensor, expand: Expand, committed: int, depth: int, t
         total = (frontier_scores[:, None] + best).flatten()
         frontier_scores, keep = total.topk(min(topk, total.numel()))
         parent = keep // best.shape[1]                                # which frontier node each child is of
-        frontier_tokens = ids.flatten()[keep] if to_target is None else to_target(ids.flatten()[keep])
+        frontier_tokens = to_target(ids.flatten()[keep])
         node_parents.append(frontier[parent])
         node_tokens.append(frontier_tokens)
         frontier = node_scores.numel() + torch.arange(keep.numel(), device=device)
