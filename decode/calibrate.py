@@ -117,6 +117,27 @@ def measure_verify_costs(model, sizes=None, context: int = 256, repeat: int = 20
     return {n: statistics.median(t) for n, t in times.items()}
 
 
+@torch.inference_mode()
+def draft_level_cost(draft, target_model, rows: int = 1, context: int = 256, repeat: int = 20) -> float:
+    """One level of a draft model's search (a forward over `rows` new tokens on a cache of `context`, and its
+    log-probabilities) in plain target steps (`verify_costs`' one-token cost): what a level must bring in
+    expected tokens to pay. Timed anew each time (a fraction of a second), not cached: the draft is
+    whatever model the user passes."""
+    from transformers import DynamicCache
+
+    device = draft.device
+    prompt = torch.randint(0, draft.config.get_text_config().vocab_size, (1, context + rows), device=device)
+    cache = DynamicCache()
+    draft(input_ids=prompt[:, :context], **with_cache(draft, cache), use_cache=True)
+
+    def level():
+        draft(input_ids=prompt[:, context:], **with_cache(draft, cache), use_cache=True).logits.float().log_softmax(-1)
+
+    with decoding_attention(device):
+        ms = median_ms(level, repeat, lambda: crop_cache(cache, context), device)
+    return ms / verify_costs(target_model)[1]
+
+
 def calibration_key(model) -> dict:
     """Everything a verify cost depends on."""
     cfg = model.config.get_text_config()

@@ -19,13 +19,14 @@ from gorgon.heads import (
     load_target,
 )
 from gorgon.heads.draft_model.drafter import MAX_DRAFT_TOKENS
+from gorgon.heads.draft_model.model import DRAFT_VOCAB_NAME, cut_to_draft_vocab, load_draft_vocab
 from gorgon.heads.errors import int_at_least
 from gorgon.heads.files import read_text
 from gorgon.heads.loading import drafter_for, load_heads, load_heads_for
 from gorgon.heads.target import check_same_tokenizer, load_causal_lm
 from gorgon.heads.tree import best_tree_size
 
-from .calibrate import verify_costs
+from .calibrate import draft_level_cost, verify_costs
 from .kernels import DRAFT_DTYPES, KERNELS, draft_dtype, one_row_kernel, use_cpu_kernels
 
 
@@ -43,6 +44,10 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft-tokens", type=int_at_least(1, MAX_DRAFT_TOKENS), default=4,
                    help=f"levels a --draft model drafts per step (its chain's length), 1 to {MAX_DRAFT_TOKENS} "
                         "(default 4)")
+    p.add_argument("--draft-level-cost", type=draft_level_cost_value, default=None,
+                   help="a --draft model stops drafting deeper in a step once its candidates' chances sum below this "
+                        "(a level's drafting time in target steps): auto (the default) times it on this machine, 0 "
+                        "drafts every level")
     p.add_argument("--context-draft", action="store_true",
                    help="also draft from the context (prompt lookup: the tokens that followed the latest earlier "
                         "occurrence of the text's last n-gram), in the same tree as --heads or --draft, or alone")
@@ -99,6 +104,9 @@ def load_drafter(args, tree):
     if args.draft_depth and not args.heads:
         raise GorgonError("--draft-depth shapes a feature-level head's search: it needs --heads (a --draft model "
                           "drafts --draft-tokens levels)")
+    if args.draft_level_cost is not None and not args.draft:
+        raise GorgonError("--draft-level-cost stops a --draft model's levels: it needs --draft (a feature-level "
+                          "head's levels cost little)")
     if args.draft_topk and not (args.heads or args.draft):
         raise GorgonError("--draft-topk shapes a search: it needs --heads or --draft")
     context = context_drafter(args) if args.context_draft else None
@@ -144,10 +152,24 @@ def load_model_drafter(args, tree):
     if draft_tokenizer is not None:
         check_same_tokenizer(target.tokenizer, draft_tokenizer, f"draft {args.draft}")
     use_cpu_kernels(target.model, args.cpu_kernels)
+    token_map = load_draft_vocab(args.draft, draft.config.get_text_config().vocab_size)
+    if token_map is not None:
+        cut_to_draft_vocab(draft, token_map)
+        print(f"gorgon: the draft drafts from its {len(token_map)}-token draft vocabulary ({DRAFT_VOCAB_NAME})",
+              file=sys.stderr)
     draft = draft.to(target.model.device, draft_dtype(target.model, args.cpu_kernels, args.draft_dtype)).eval()
     use_drafter_kernels(draft, target.model, args.cpu_kernels)
-    nodes = None if tree == "auto" else tree
-    return target, DraftModelDrafter(draft, args.draft_tokens, args.draft_topk or 1, nodes).check_vocab(target.model)
+    nodes, topk = None if tree == "auto" else tree, args.draft_topk or 1
+    level_cost = "auto" if args.draft_level_cost is None else args.draft_level_cost
+    if level_cost == "auto" and args.draft_tokens == 1:
+        level_cost = 0.0  # one level: nothing to stop
+    elif level_cost == "auto":
+        level_cost = draft_level_cost(draft, target.model, rows=topk)
+        print(f"gorgon: a drafted level costs {level_cost:.2f} target steps here: the draft stops a step's drafting "
+              "when its candidates' chances sum below that (--draft-level-cost 0 to draft every level)",
+              file=sys.stderr)
+    drafter = DraftModelDrafter(draft, args.draft_tokens, topk, nodes, token_map, level_cost)
+    return target, drafter.check_vocab(target.model)
 
 
 def heads_drafter(heads, target, args, tree, folder: str):
@@ -179,6 +201,19 @@ def use_drafter_kernels(drafter: torch.nn.Module, target_model: torch.nn.Module,
     choice was measured on this machine); a no-op off the CPU."""
     if next(drafter.parameters()).device.type == "cpu":
         use_cpu_kernels(drafter, kernels, one_row=one_row_kernel(target_model) or "onednn")
+
+
+def draft_level_cost_value(text: str):
+    """--draft-level-cost: 'auto' or a finite number >= 0."""
+    if text == "auto":
+        return text
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"expected auto or a number of target steps >= 0, not {text!r}")
+    return value
 
 
 def read_tree(value: str):

@@ -169,6 +169,17 @@ TensorRT-LLM: pass `--medusa_model_dir medusa-heads` to its Medusa checkpoint co
     atomic_write_text(out / "README.md", text)
 
 
+def draft_vocab_line(metrics: dict) -> str:
+    """The card's sentence on the saved draft vocabulary, if the draft has one (older metrics lack the keys)."""
+    size = metrics.get("draft_vocab_size")
+    if not size:
+        return ""
+    share = metrics["draft_vocab_coverage"]
+    return (f"\nIn gorgon it drafts from its {size} most frequent answer tokens (`draft_vocab.safetensors`), through "
+            f"an output layer cut to them: they are {share['train']:.1%} of the training answers' tokens and "
+            f"{share['held_out']:.1%} of the held-out ones.\n")
+
+
 def write_draft_card(out: Path, recipe: dict, metrics: dict, bench: dict | None = None) -> None:
     """README.md for a distilled draft model: what it started from, how close it follows the target, usage."""
     target_name = metrics["target_name"]
@@ -196,7 +207,7 @@ A {metrics['student_parameters'] / 1e6:.1f}M-parameter draft model for speculati
 {how}
 
 Speculative decoding with it gives exactly the target's own output; the draft only sets the speed.
-
+{draft_vocab_line(metrics)}
 ## How closely it follows the target
 
 On {metrics['eval_conversations']} held-out conversations ({metrics['eval_tokens']} answer tokens):

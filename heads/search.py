@@ -6,7 +6,8 @@ of a frontier of nodes in one masked forward; `grow_tree` does the rest, the sam
 level expands the `topk` best nodes so far (by the product of draft probabilities along their
 path) with their own `topk` children, for `depth` levels; the best `nodes - 1` nodes overall
 become the tree (a child is never likelier than its parent, so they form one); the expansion
-stops early once no deeper node could enter it. With top-k 1 the tree is a greedy chain.
+stops early once no deeper node could enter it, or could pay for the time its level takes to
+draft. With top-k 1 the tree is a greedy chain.
 
 The cache holds what every node sees first (`committed` entries), then each level's frontier in
 turn; the drafter crops those levels off after the search.
@@ -38,7 +39,7 @@ def check_search(depth: int, topk: int, nodes: int) -> None:
 
 
 def grow_tree(first: torch.Tensor, expand: Expand, committed: int, depth: int, topk: int, nodes: int,
-              mask_dtype: torch.dtype, to_target=None) -> list[tuple[list[int], float]]:
+              mask_dtype: torch.dtype, to_target=None, level_cost: float = 0.0) -> list[tuple[list[int], float]]:
     """The best `nodes - 1` candidates after the root, best first, parents before children: each a token path
     with its draft confidence (the product of draft probabilities along it).
 
@@ -48,6 +49,7 @@ def grow_tree(first: torch.Tensor, expand: Expand, committed: int, depth: int, t
     each node continues (at level 1, of the root's: all 0), `sees` (k, cache length) the additive mask
     (`mask_dtype`) over the cache: the committed entries, each node's fed ancestors and, last, itself.
     `to_target` maps the distribution's ids to the ids fed and returned (a draft vocabulary's; None: the same).
+    `level_cost`: a level's drafting time in tokens the target decodes meanwhile (`can_grow`; 0: free).
     """
     device, to_target = first.device, to_target or (lambda ids: ids)
     score, token = first.topk(min(topk, first.numel()))
@@ -59,7 +61,7 @@ def grow_tree(first: torch.Tensor, expand: Expand, committed: int, depth: int, t
     sees = torch.zeros(score.numel(), committed, dtype=mask_dtype, device=device)
     itself = additive_mask(torch.eye(topk, dtype=torch.bool, device=device), mask_dtype)
     for level in range(1, depth):
-        if not can_grow(frontier_scores, node_scores, nodes - 1):
+        if not can_grow(frontier_scores, node_scores, nodes - 1, level_cost):
             break
         k = frontier.numel()
         sees = torch.cat([sees, itself[:k, :k]], dim=1)
@@ -99,11 +101,17 @@ def best_paths(parents: torch.Tensor, tokens: torch.Tensor, scores: torch.Tensor
     return [(token_path(i), math.exp(scores[i])) for i in chosen]
 
 
-def can_grow(frontier_scores: torch.Tensor, scores: torch.Tensor, size: int) -> bool:
-    """Whether another level could change the tree: a child's score is never above its parent's, and a
-    tie goes to the shallower node, so once the best frontier node scores no higher than the `size`-th
-    best node so far, no child can enter the best `size`. Stopping there saves the later levels on the
-    many steps where the drafter is unsure, and leaves the tree exactly as it was."""
+def can_grow(frontier_scores: torch.Tensor, scores: torch.Tensor, size: int, level_cost: float = 0.0) -> bool:
+    """Whether another level could change the tree and pay for itself.
+
+    Change: a child's score is never above its parent's, and a tie goes to the shallower node, so once
+    the best frontier node scores no higher than the `size`-th best node so far, no child can enter the
+    best `size`; stopping there leaves the tree exactly as it was. Pay: a node's children together are
+    no likelier than it, so a level adds at most the frontier's summed chance in expected tokens; below
+    `level_cost` (the tokens the target decodes in a level's drafting time) it, and every deeper one,
+    costs more than it can bring. Both stops save the later levels on the many steps where the drafter
+    is unsure."""
+    pays = frontier_scores.exp().sum() >= level_cost
     if scores.numel() < size:
-        return True
-    return bool(frontier_scores.max() > scores.topk(size).values[-1])
+        return bool(pays)
+    return bool(pays & (frontier_scores.max() > scores.topk(size).values[-1]))

@@ -1,6 +1,7 @@
 """`gorgon bench`: the report's fields, the identical count catching a broken decoder, bad question files."""
 
 import json
+import re
 import subprocess
 import sys
 
@@ -164,7 +165,8 @@ def test_bench_with_a_draft_model(tmp_path):
 
     target_path = tiny_chat_target(tmp_path)
     draft_path = train(DraftTrainConfig(data=toy_data(tmp_path / "toy.jsonl", n=8), out=str(tmp_path / "draft"),
-                                        target=str(target_path), student_layers=1, max_steps=0, report_to="none"))
+                                        target=str(target_path), student_layers=1, max_steps=0, report_to="none",
+                                        draft_vocab_size=32))
     q = questions_file(tmp_path / "q.jsonl")
     run = subprocess.run([sys.executable, "-m", "gorgon.heads.cli", "bench", "--target", str(target_path), "--draft",
                           str(draft_path), "--draft-tokens", "3", "--questions", str(q), "--max-new-tokens", "8",
@@ -173,6 +175,10 @@ def test_bench_with_a_draft_model(tmp_path):
     assert run.returncode == 0, run.stderr[-2000:]
     report = json.loads((tmp_path / "r.json").read_text())
     assert report["identical"] == 2 and report["tree_size"] == 4 and report["drafter"] == str(draft_path)
+    assert "the draft drafts from its 32-token draft vocabulary (draft_vocab.safetensors)" in run.stderr
+    cost = float(re.search(r"a drafted level costs (\d+\.\d+) target steps here", run.stderr).group(1))
+    assert 0 < cost < 5
+    assert report["tree"] == f"built per step (depth 3, top-k 1, no deeper once chances sum below {cost:.2f})"
     card = (draft_path / "README.md").read_text()
     assert "# Draft model for" in card and "| questions | tau |" in card and "Not measured yet" not in card
     bad = subprocess.run([sys.executable, "-m", "gorgon.heads.cli", "bench", "--target", str(target_path), "--draft",

@@ -326,6 +326,89 @@ def test_a_draft_models_candidates_score_what_it_gives_each_path_drafted_alone(a
                 greedy[:d] for d in range(1, 5)]
 
 
+@pytest.mark.parametrize("topk", [1, 3])
+def test_a_draft_cut_to_a_draft_vocabulary_drafts_its_best_tokens_there_and_stays_exact(topk):
+    """The cut output layer's rows are the token map's tokens: the chain is the whole draft's greedy choice among
+    them (computed here from the uncut draft), every candidate is one of them, and greedy output stays exact."""
+    from gorgon.heads import DraftModelDrafter
+    from gorgon.heads.draft_model import cut_to_draft_vocab
+
+    model, token_map = tiny_model("llama"), torch.arange(VOCAB - 1, 0, -3).sort().values
+    whole = tiny_model("llama", seed=7)
+    cut = cut_to_draft_vocab(tiny_model("llama", seed=7), token_map)
+    ids = torch.randint(0, VOCAB, (1, 9), generator=torch.Generator().manual_seed(1))
+    drafter = DraftModelDrafter(cut, k=4, topk=topk, token_map=token_map).check_vocab(model)
+    with torch.no_grad():
+        scored = drafter.scored_paths(ids[0, -1], None, ids[0, :-1])
+        text, chain = ids[0], []
+        for _ in range(4):
+            chain.append(int(token_map[whole(input_ids=text[None]).logits[0, -1, token_map].argmax()]))
+            text = torch.cat([text, torch.tensor(chain[-1:])])
+    assert all(set(path) <= set(token_map.tolist()) for path, _ in scored)
+    if topk == 1:
+        assert [path for path, _ in scored] == [chain[:d] for d in range(1, 5)]
+    result = speculative_generate(model, drafter, ids, max_new_tokens=25)
+    assert result.tokens == reference(model, ids, 25)
+
+
+def test_a_level_that_cannot_pay_is_not_drafted():
+    """A frontier's children are together no likelier than it: once its chances sum below a level's cost the
+    search stops (can_grow), and a draft model drafts no deeper than that, with output still exact."""
+    from gorgon.heads import DraftModelDrafter
+    from gorgon.heads.search import can_grow
+
+    chances = torch.tensor([0.3, 0.2]).log()
+    assert can_grow(chances, torch.tensor([0.5, 0.3, 0.2]).log(), 8, level_cost=0.49)
+    assert not can_grow(chances, torch.tensor([0.5, 0.3, 0.2]).log(), 8, level_cost=0.51)
+    model = tiny_model("llama")
+    draft = tiny_model("llama", seed=7)
+    levels = []
+
+    def counted(*args, **kwargs):
+        levels.append(kwargs["input_ids"].shape[1])
+        return forward(*args, **kwargs)
+
+    forward, draft.forward = draft.forward, counted
+    ids = torch.randint(0, VOCAB, (12,), generator=torch.Generator().manual_seed(0))
+    for topk in (1, 3):
+        with torch.no_grad():  # the first level's chances (the root's likeliest children), as the drafter sums them
+            first = float(draft(input_ids=ids[None]).logits[0, -1].softmax(-1).topk(topk).values.sum())
+        # free levels: all 4; just below the first level's chances: a second; just above: none past the first
+        for cost, shallowest, deepest in [(0.0, 4, 4), (first - 1e-4, 2, 4), (first + 1e-4, 1, 1)]:
+            drafter = DraftModelDrafter(draft, k=4, topk=topk, nodes=1 + 4 * topk, level_cost=cost)
+            levels.clear()
+            with torch.no_grad():
+                paths = drafter.scored_paths(ids[-1], None, ids[:-1])
+            depth = max(len(path) for path, _ in paths)
+            assert shallowest <= depth <= deepest and len(levels) == depth, (topk, cost)
+            result = speculative_generate(model, drafter, ids[None], max_new_tokens=20)
+            assert result.tokens == reference(model, ids[None], 20)
+    with pytest.raises(GorgonError, match="a draft level's cost is a finite number of target steps >= 0, not -1"):
+        DraftModelDrafter(draft, level_cost=-1)
+
+
+def test_a_draft_vocabulary_is_saved_loaded_and_checked(tmp_path):
+    from helpers import tiny_tokenizer
+    from safetensors.torch import save_file
+
+    from gorgon.heads import DraftModelDrafter
+    from gorgon.heads.draft_model import cut_to_draft_vocab, load_draft_vocab
+    from gorgon.heads.draft_model.model import DRAFT_VOCAB_NAME, save_draft
+
+    draft, token_map = tiny_model("llama"), torch.tensor([9, 2, 40, 5])
+    save_draft(draft, tiny_tokenizer(), tmp_path, token_map=token_map)
+    assert load_draft_vocab(str(tmp_path), VOCAB).tolist() == [2, 5, 9, 40]
+    save_draft(draft, tiny_tokenizer(), tmp_path / "whole")
+    assert load_draft_vocab(str(tmp_path / "whole"), VOCAB) is None  # a draft without one drafts from all tokens
+    with pytest.raises(GorgonError, match="is not a draft vocabulary for a vocabulary of 40: it must hold"):
+        load_draft_vocab(str(tmp_path), 40)  # token 40 is past a 40-token vocabulary
+    save_file({"token_map": torch.tensor([3, 3, 7])}, tmp_path / DRAFT_VOCAB_NAME)
+    with pytest.raises(GorgonError, match="increasing token ids below that size; delete it to draft from every"):
+        load_draft_vocab(str(tmp_path), VOCAB)
+    with pytest.raises(GorgonError, match="has 4 rows, not its vocabulary's 64: pass the token_map it was cut to"):
+        DraftModelDrafter(cut_to_draft_vocab(tiny_model("llama"), token_map))
+    with pytest.raises(GorgonError, match="has 64 rows but token_map names 4 tokens: cut it with cut_to_draft_vocab"):
+        DraftModelDrafter(draft, token_map=token_map)
 def test_attention_of_another_kind_is_refused_in_one_line():
     from transformers import LlamaConfig
 

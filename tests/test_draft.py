@@ -23,10 +23,11 @@ from transformers import AutoModelForCausalLM
 
 from gorgon.decode import speculative_generate
 from gorgon.heads import DraftModelDrafter, GorgonError, load_target
+from gorgon.heads.draft_model import cut_to_draft_vocab, load_draft_vocab
 from gorgon.heads.draft_model.model import truncated_copy
 from gorgon.heads.target import lm_logits
 from gorgon.train.draft import DraftTrainConfig, read_indexed_cpu_locations, train
-from gorgon.train.examples import collate, load_examples, split
+from gorgon.train.examples import collate, frequent_tokens, load_examples, split
 
 
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])
@@ -59,7 +60,7 @@ def test_distillation_lowers_held_out_kl_and_the_draft_works_as_assistant_model(
     data = toy_data(tmp_path / "toy.jsonl", n=48)
     cfg = DraftTrainConfig(data=data, out=str(tmp_path / "draft"), target=str(target_path), student_layers=1,
                            max_steps=30, batch_size=8, learning_rate=1e-2, warmup_steps=3, eval_fraction=0.2,
-                           report_to="none", save_every=0)
+                           report_to="none", save_every=0, draft_vocab_size=24)
     out = train(cfg)
     target = load_target(str(target_path), device="cpu")
     _, held_out = split(load_examples(data, target.tokenizer, cfg.max_length), cfg.eval_fraction, cfg.seed)
@@ -86,6 +87,18 @@ def test_distillation_lowers_held_out_kl_and_the_draft_works_as_assistant_model(
     assert result.tokens == plain[0, ids.shape[1]:].tolist()
     assert result.tau > 1.5, "a draft trained on these answers should be accepted often"
 
+    # Saved beside it: the 24 most frequent answer tokens, which the toy answers all fall in (this random target's
+    # own answers need not: the toy data is not self-distilled, so only exactness is asserted with it).
+    train_ex, _ = split(load_examples(data, target.tokenizer, cfg.max_length), cfg.eval_fraction, cfg.seed)
+    token_map = load_draft_vocab(str(out), target.model.config.vocab_size)
+    assert token_map.tolist() == sorted(frequent_tokens(train_ex, 24, target.model.config.vocab_size)[0].tolist())
+    assert metrics["draft_vocab_size"] == 24 and metrics["draft_vocab_coverage"] == {"train": 1.0, "held_out": 1.0}
+    assert "drafts from its 24 most frequent answer tokens (`draft_vocab.safetensors`), through an" in card
+    assert "they are 100.0% of the training answers' tokens and 100.0% of the held-out ones" in card
+    cut = cut_to_draft_vocab(AutoModelForCausalLM.from_pretrained(out).eval(), token_map)
+    result = speculative_generate(target.model, DraftModelDrafter(cut, 3, token_map=token_map), ids, max_new_tokens=40)
+    assert result.tokens == plain[0, ids.shape[1]:].tolist()
+
 
 def test_student_with_another_tokenizer_or_vocabulary_is_refused(tmp_path):
     target_path = tiny_chat_target(tmp_path)
@@ -105,6 +118,9 @@ def test_student_with_another_tokenizer_or_vocabulary_is_refused(tmp_path):
     tiny_tokenizer().save_pretrained(wider)
     cfg.student = str(wider)
     with pytest.raises(GorgonError, match="the draft model: a vocabulary of 130, but the target has 128"):
+        train(cfg)
+    cfg.student, cfg.draft_vocab_size = None, 129
+    with pytest.raises(GorgonError, match="draft_vocab_size 129 is larger than the target's vocabulary \\(128\\): use"):
         train(cfg)
 
 
@@ -139,6 +155,8 @@ def test_accelerate_launch_and_bad_settings(tmp_path):
     for bad, message in [(["--beta", "2"], "beta must lie between 0 and 1, not 2.0"),
                          (["--student-layers", "9"], "student_layers must be between 1 and 1 (the target has 2 "
                                                      "layers), not 9"),
+                         (["--draft-vocab-size", "0"], "draft_vocab_size must be at least 1 (or unset for the whole "
+                                                       "vocabulary), not 0"),
                          (["--studnet", "x"], "unknown key 'studnet' on the command line: did you mean student, "
                                               "student_layers?")]:
         run = subprocess.run([sys.executable, str(ROOT / "train/draft.py"), "--data", data, "--target", str(target),

@@ -80,7 +80,7 @@ def test_loss_falls_on_a_learnable_toy_set(tmp_path):
 
 
 def test_the_draft_vocabulary_is_the_answers_tokens_by_count_then_the_lowest_unused_ids():
-    from gorgon.train.heads import frequent_tokens
+    from gorgon.train.examples import frequent_tokens
 
     examples = [{"input_ids": [50, 7, 7, 9, 9, 40, 3], "loss_mask": [0, 1, 1, 1, 1, 1, 0]}]  # 50 and 3: prompt only
     tokens, coverage = frequent_tokens(examples, 6, vocab_size=64)

@@ -9,7 +9,9 @@ with trl's GKD trainer to match the target's full next-token distribution on the
 answers (`gorgon data`): beta 0 is the forward KL, 1 the reverse KL, between them the generalised
 JSD; `lmbda` > 0 lets the draft answer part of the prompts itself (on-policy distillation).
 The held-out KL and top-1 agreement with the target are measured before and after; the output
-folder is a plain transformers model with its tokenizer, metrics.json and a model card.
+folder is a plain transformers model with its tokenizer, metrics.json and a model card, and with
+`draft_vocab_size` N the N most frequent answer tokens (draft_vocab.safetensors), which gorgon's
+decoder drafts through: an output layer cut to those rows costs a fraction of the whole one.
 Checkpoints let `--resume true` continue after a kill. `--max_steps 0` saves the starting draft
 untrained: the baseline that distillation is measured against.
 """
@@ -55,6 +57,9 @@ class DraftTrainConfig(TrainingSettings):
     dtype: str = setting("auto", "the target's dtype: auto (bfloat16 on CUDA, float32 on a CPU), float32, "
                                  "bfloat16, float16; the draft trains in float32")
     draft_tokens: int = setting(4, "the chain length the expected tau in metrics.json assumes")
+    draft_vocab_size: int | None = setting(None, "save the N most frequent answer tokens beside the draft: it then "
+                                                 "drafts through its output layer cut to them (a smaller, cheaper "
+                                                 "product); None: drafts from the whole vocabulary")
 
     def check(self) -> None:
         if self.report_to not in ("wandb", "none"):
@@ -75,6 +80,9 @@ class DraftTrainConfig(TrainingSettings):
                               f"(trl's GKD has no greedy answers), not {self.temperature}")
         if self.lora:
             check_lora(self)
+        if self.draft_vocab_size is not None and self.draft_vocab_size < 1:
+            raise GorgonError(f"draft_vocab_size must be at least 1 (or unset for the whole vocabulary), not "
+                              f"{self.draft_vocab_size}")
         if self.max_steps is not None and self.max_steps < 0:
             raise GorgonError(f"max_steps must be at least 0 (0 saves the untrained draft), not {self.max_steps}")
 
@@ -173,7 +181,7 @@ def train(cfg: DraftTrainConfig) -> Path:
     from gorgon.heads.draft_model.model import load_student, save_draft
     from gorgon.heads.draft_model.objective import agreement, expected_tau
     from gorgon.train.data import describe
-    from gorgon.train.examples import collate, load_examples, split
+    from gorgon.train.examples import answer_tokens, collate, frequent_tokens, load_examples, split
     from gorgon.train.recipe import (
         check_lora_targets,
         connect_cpu_processes,
@@ -214,6 +222,15 @@ def train(cfg: DraftTrainConfig) -> Path:
     if not train_ex or not eval_ex:
         raise GorgonError(f"{cfg.data} has too few conversations to train on and hold out an eval split: add data "
                           "or change eval_fraction")
+    vocab = target.model.config.get_text_config().vocab_size
+    if cfg.draft_vocab_size is not None and cfg.draft_vocab_size > vocab:
+        raise GorgonError(f"draft_vocab_size {cfg.draft_vocab_size} is larger than the target's vocabulary ({vocab}): "
+                          "use a smaller one, or unset it to draft from every token")
+    token_map = coverage = None
+    if cfg.draft_vocab_size:  # its share of the training answers' tokens, and of the held-out ones (drafting sees)
+        token_map, train_share = frequent_tokens(train_ex, cfg.draft_vocab_size, vocab)
+        held_out_share = float(torch.isin(answer_tokens(eval_ex), token_map).float().mean())
+        coverage = {"train": train_share, "held_out": held_out_share}
     student, what = load_student(target, cfg.student, cfg.student_layers)
     if cfg.lora:
         check_lora_targets(student, cfg.lora_target_modules, "the draft")
@@ -240,7 +257,7 @@ def train(cfg: DraftTrainConfig) -> Path:
             student = trainer.accelerator.unwrap_model(trainer.model)
     if state.is_main_process:
         out.mkdir(parents=True, exist_ok=True)
-        save_draft(student, tokenizer, out, weights)
+        save_draft(student, tokenizer, out, weights, token_map)
     state.wait_for_everyone()
     draft = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).to(state.device).eval()  # as users load it
     after = agreement(draft, target.model, held_out()) if steps else before
@@ -256,6 +273,7 @@ def train(cfg: DraftTrainConfig) -> Path:
         "steps": steps, "train_conversations": len(train_ex), "eval_conversations": len(eval_ex),
         "processes": state.num_processes,
         "eval_tokens": after["tokens"], "before": before, "after": after, "draft_tokens": cfg.draft_tokens,
+        "draft_vocab_size": cfg.draft_vocab_size, "draft_vocab_coverage": coverage,
         "data": describe(cfg.data), "data_sha256": settings["data_sha256"],
         "expected_tau": {"before": expected_tau(before["top1"], cfg.draft_tokens),
                          "after": expected_tau(after["top1"], cfg.draft_tokens)},

@@ -141,3 +141,17 @@ class RankBatches(torch.utils.data.Sampler):
 
     def __len__(self):
         return (len(self._global_bounds()) - 1) * self.world
+
+
+def answer_tokens(examples: list[dict]) -> torch.Tensor:
+    """Every assistant token of the examples, in order."""
+    return torch.tensor([t for ex in examples for t, m in zip(ex["input_ids"], ex["loss_mask"]) if m], dtype=torch.long)
+
+
+def frequent_tokens(examples: list[dict], size: int, vocab_size: int) -> tuple[torch.Tensor, float]:
+    """The `size` most frequent answer tokens (a draft vocabulary) and their share of all answer tokens.
+    Ties, above all the tokens the answers never use, go to the lower id: a BPE vocabulary numbers its
+    tokens in merge order, so lower ids are the more common ones in the tokenizer's own corpus."""
+    counts = torch.bincount(answer_tokens(examples), minlength=vocab_size)
+    top = torch.argsort(counts, descending=True, stable=True)[:size]
+    return top, float(counts[top].sum() / counts.sum())

@@ -217,18 +217,10 @@ def latest_heads_checkpoint(out: Path) -> Path | None:
     return latest_checkpoint(out / "checkpoints", "step", STATE_NAME)
 
 
-def frequent_tokens(examples: list[dict], size: int, vocab_size: int) -> tuple[torch.Tensor, float]:
-    """The `size` most frequent answer tokens (a draft vocabulary) and their share of all answer tokens.
-    Ties, above all the tokens the answers never use, go to the lower id: a BPE vocabulary numbers its
-    tokens in merge order, so lower ids are the more common ones in the tokenizer's own corpus."""
-    answer = [t for ex in examples for t, m in zip(ex["input_ids"], ex["loss_mask"]) if m]
-    counts = torch.bincount(torch.tensor(answer), minlength=vocab_size)
-    top = torch.argsort(counts, descending=True, stable=True)[:size]
-    return top, float(counts[top].sum() / counts.sum())
-
-
 def set_draft_vocab(heads, examples: list[dict], size: int) -> float:
     """Let the heads draft from the `size` most frequent answer tokens; returns their share of answer tokens."""
+    from gorgon.train.examples import frequent_tokens
+
     tokens, coverage = frequent_tokens(examples, size, heads.config.vocab_size)
     heads.set_draft_vocab(tokens)
     return coverage
@@ -292,6 +284,7 @@ def eagle_objective(cfg: HeadsTrainConfig, target, train_ex: list[dict]):
     from gorgon.heads.eagle.model import EagleHead
     from gorgon.heads.eagle.objective import EagleObjective
     from gorgon.heads.feature_cache import FeatureCache
+    from gorgon.train.examples import frequent_tokens
 
     vocab = target.model.config.get_text_config().vocab_size
     tokens, coverage = frequent_tokens(train_ex, cfg.draft_vocab_size, vocab) if cfg.draft_vocab_size else (None, None)

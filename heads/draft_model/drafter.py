@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from ..errors import GorgonError
@@ -24,16 +26,33 @@ class DraftModelDrafter:
     Between steps the draft's cache is cut back to the longest prefix it shares with the accepted
     tokens, and only the new tokens are fed: the accepted drafts and the bonus. Drafted levels are
     cut off after each step.
+
+    `token_map`: the target ids of the draft's output rows when its output layer was cut to a draft
+    vocabulary (`cut_to_draft_vocab`); None when it outputs the whole vocabulary. `level_cost`: a
+    drafted level's time in plain target steps (measured: `gorgon.decode.calibrate.draft_level_cost`);
+    a step drafts no deeper once its frontier's chances sum below it (`search.can_grow`), so an unsure
+    draft does not spend forwards on levels the target would reject. 0 drafts all `k` levels.
     """
 
     feature_layers = None  # unused: the draft reads tokens only
 
-    def __init__(self, draft_model, k: int = 4, topk: int = 1, nodes: int | None = None):
+    def __init__(self, draft_model, k: int = 4, topk: int = 1, nodes: int | None = None,
+                 token_map: torch.Tensor | None = None, level_cost: float = 0.0):
         if not 1 <= k <= MAX_DRAFT_TOKENS:
             raise GorgonError(f"a draft model proposes 1 to {MAX_DRAFT_TOKENS} tokens per step, not {k}")
         self.nodes = nodes if nodes is not None else min(1 + k * topk, MAX_TREE_NODES)
         check_search(k, topk, self.nodes)
-        self.model, self.depth, self.topk = draft_model, k, topk
+        rows, vocab = draft_model.get_output_embeddings().out_features, draft_model.config.get_text_config().vocab_size
+        if token_map is None and rows != vocab:
+            raise GorgonError(f"the draft's output layer has {rows} rows, not its vocabulary's {vocab}: pass the "
+                              "token_map it was cut to")
+        if token_map is not None and rows != len(token_map):
+            raise GorgonError(f"the draft's output layer has {rows} rows but token_map names {len(token_map)} "
+                              "tokens: cut it with cut_to_draft_vocab(draft, token_map)")
+        self.token_map = None if token_map is None else token_map.to(draft_model.device)
+        if not (isinstance(level_cost, (int, float)) and 0 <= level_cost < math.inf):
+            raise GorgonError(f"a draft level's cost is a finite number of target steps >= 0, not {level_cost!r}")
+        self.model, self.depth, self.topk, self.level_cost = draft_model, k, topk, level_cost
         self.cache = None
         self.seen = torch.empty(0, dtype=torch.long, device=draft_model.device)  # tokens in self.cache
 
@@ -78,6 +97,8 @@ class DraftModelDrafter:
             return out.logits[0].float().log_softmax(-1)
 
         first = logits.float().log_softmax(-1)
-        paths = grow_tree(first, expand, committed, self.depth, self.topk, self.nodes, model.dtype)
+        to_target = None if self.token_map is None else self.token_map.__getitem__
+        paths = grow_tree(first, expand, committed, self.depth, self.topk, self.nodes, model.dtype, to_target,
+                          self.level_cost)
         crop_cache(self.cache, committed)
         return paths

@@ -2,6 +2,11 @@
 
 It starts from a smaller model of the target's family or, when the target has none, from a copy
 of the target cut to its first layers (embedding, those layers, final norm, LM head).
+
+A draft vocabulary (the most frequent answer tokens, saved beside the weights in
+`draft_vocab.safetensors`) lets it draft through an output layer cut to those rows: on a small
+draft the full output layer is most of each forward's cost (FR-Spec, Zhao et al. 2025, makes the
+same cut; EAGLE-3's d2t/t2d is the feature-level head's). Drafts only propose, so output is exact.
 """
 
 from __future__ import annotations
@@ -17,6 +22,8 @@ import torch
 from ..errors import GorgonError
 from ..files import follow_umask
 from ..target import check_same_tokenizer, check_vocab, load_causal_lm
+
+DRAFT_VOCAB_NAME = "draft_vocab.safetensors"
 
 
 def truncated_copy(model: torch.nn.Module, num_layers: int) -> torch.nn.Module:
@@ -60,14 +67,53 @@ def check_draft_vocab(draft, target_model) -> None:
                 "the draft model")
 
 
-def save_draft(student, tokenizer, out: Path, state_dict: dict | None = None) -> None:
+def save_draft(student, tokenizer, out: Path, state_dict: dict | None = None,
+               token_map: torch.Tensor | None = None) -> None:
     """save_pretrained into a temporary folder, then each file renamed into place. `state_dict`:
-    the weights to write instead of the model's own (gathered whole from shards)."""
+    the weights to write instead of the model's own (gathered whole from shards); `token_map`: the
+    draft vocabulary's token ids, saved as DRAFT_VOCAB_NAME."""
+    from safetensors.torch import save_file
+
     tmp = out / ".draft.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     student.save_pretrained(tmp, state_dict=state_dict)
     tokenizer.save_pretrained(tmp)
+    if token_map is not None:
+        save_file({"token_map": token_map.to(torch.long).sort().values.contiguous()}, tmp / DRAFT_VOCAB_NAME)
     follow_umask(tmp)
     for path in tmp.iterdir():
         os.replace(path, out / path.name)
     tmp.rmdir()
+
+
+def load_draft_vocab(name_or_path: str, vocab_size: int) -> torch.Tensor | None:
+    """The draft vocabulary saved beside a draft (a folder or hub id; found the way transformers finds the
+    draft's own files), as sorted token ids; None when it has none."""
+    from safetensors.torch import load_file
+    from transformers.utils import cached_file
+
+    path = cached_file(name_or_path, DRAFT_VOCAB_NAME, _raise_exceptions_for_missing_entries=False,
+                       _raise_exceptions_for_connection_errors=False)
+    if path is None:
+        return None
+    token_map = load_file(path).get("token_map")
+    if (token_map is None or token_map.dim() != 1 or token_map.dtype != torch.long or not len(token_map)
+            or int(token_map.min()) < 0 or int(token_map.max()) >= vocab_size
+            or bool((token_map[1:] <= token_map[:-1]).any())):
+        raise GorgonError(f"{path} is not a draft vocabulary for a vocabulary of {vocab_size}: it must hold "
+                          "`token_map`, increasing token ids below that size; delete it to draft from every token")
+    return token_map
+
+
+def cut_to_draft_vocab(draft: torch.nn.Module, token_map: torch.Tensor) -> torch.nn.Module:
+    """The draft with its output layer cut to the rows of `token_map` (a new layer: the input embedding
+    it may be tied to stays whole), so its logits are over the draft vocabulary, in that order."""
+    full = draft.get_output_embeddings()
+    cut = torch.nn.Linear(full.in_features, len(token_map), bias=full.bias is not None,
+                          device=full.weight.device, dtype=full.weight.dtype)
+    with torch.no_grad():
+        cut.weight.copy_(full.weight[token_map.to(full.weight.device)])
+        if full.bias is not None:
+            cut.bias.copy_(full.bias[token_map.to(full.weight.device)])
+    draft.set_output_embeddings(cut)
+    return draft
