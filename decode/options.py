@@ -160,14 +160,14 @@ def load_model_drafter(args, tree):
     draft = draft.to(target.model.device, draft_dtype(target.model, args.cpu_kernels, args.draft_dtype)).eval()
     use_drafter_kernels(draft, target.model, args.cpu_kernels)
     nodes, topk = None if tree == "auto" else tree, args.draft_topk or 1
-    level_cost = "auto" if args.draft_level_cost is None else args.draft_level_cost
-    if level_cost == "auto" and args.draft_tokens == 1:
-        level_cost = 0.0  # one level: nothing to stop
-    elif level_cost == "auto":
-        level_cost = draft_level_cost(draft, target.model, rows=topk)
-        print(f"gorgon: a drafted level costs {level_cost:.2f} target steps here: the draft stops a step's drafting "
-              "when its candidates' chances sum below that (--draft-level-cost 0 to draft every level)",
-              file=sys.stderr)
+    level_cost = args.draft_level_cost
+    if level_cost in (None, "auto"):  # timed here; with one level only there is nothing to stop
+        level_cost = 0.0
+        if args.draft_tokens > 1:
+            level_cost = draft_level_cost(draft, target.model, rows=topk)
+            print(f"gorgon: a drafted level costs {level_cost:.2f} target steps here: the draft stops a step's "
+                  "drafting when its candidates' chances sum below that (--draft-level-cost 0 to draft every level)",
+                  file=sys.stderr)
     drafter = DraftModelDrafter(draft, args.draft_tokens, topk, nodes, token_map, level_cost)
     return target, drafter.check_vocab(target.model)
 

@@ -67,7 +67,7 @@ class DraftTrainConfig(TrainingSettings):
         for key in ("beta", "lmbda"):
             if not 0.0 <= getattr(self, key) <= 1.0:
                 raise GorgonError(f"{key} must lie between 0 and 1, not {getattr(self, key)}")
-        from gorgon.train.recipe import check_lora, check_optimisation
+        from gorgon.train.recipe import check_draft_vocab_size, check_lora, check_optimisation
 
         check_optimisation(self)
         if self.batch_size < 1 or self.grad_accum < 1 or self.draft_tokens < 1:
@@ -80,9 +80,7 @@ class DraftTrainConfig(TrainingSettings):
                               f"(trl's GKD has no greedy answers), not {self.temperature}")
         if self.lora:
             check_lora(self)
-        if self.draft_vocab_size is not None and self.draft_vocab_size < 1:
-            raise GorgonError(f"draft_vocab_size must be at least 1 (or unset for the whole vocabulary), not "
-                              f"{self.draft_vocab_size}")
+        check_draft_vocab_size(self.draft_vocab_size)
         if self.max_steps is not None and self.max_steps < 0:
             raise GorgonError(f"max_steps must be at least 0 (0 saves the untrained draft), not {self.max_steps}")
 

@@ -103,7 +103,7 @@ class HeadsTrainConfig(TrainingSettings):
         if self.loss_tokens == "all" and self.arch == "medusa" and self.loss == "ce":
             raise GorgonError("loss_tokens: all trains on the prompts' positions against the target's own "
                               "distribution there: use loss: kl (or arch: eagle), or loss_tokens: answers")
-        from gorgon.train.recipe import check_lora, check_optimisation
+        from gorgon.train.recipe import check_draft_vocab_size, check_lora, check_optimisation
 
         check_optimisation(self)
         if self.num_heads < 1 or self.num_layers < 1 or self.batch_size < 1 or self.grad_accum < 1:
@@ -117,9 +117,7 @@ class HeadsTrainConfig(TrainingSettings):
         for key in ("heads_warmup_steps", "base_kl_weight", "hidden_weight"):
             if getattr(self, key) < 0:
                 raise GorgonError(f"{key} must be at least 0, not {getattr(self, key)}")
-        if self.draft_vocab_size is not None and self.draft_vocab_size < 1:
-            raise GorgonError(f"draft_vocab_size must be at least 1 (or unset for the whole vocabulary), not "
-                              f"{self.draft_vocab_size}")
+        check_draft_vocab_size(self.draft_vocab_size)
         if self.draft_vocab_size is not None and self.tree_topk > self.draft_vocab_size:
             raise GorgonError(f"tree_topk ranks tokens of the draft vocabulary: use at most draft_vocab_size "
                               f"({self.draft_vocab_size}), not {self.tree_topk}")

@@ -147,6 +147,12 @@ def check_lora(cfg) -> None:
         raise GorgonError("lora_target_modules needs at least one layer name, e.g. q_proj,v_proj")
 
 
+def check_draft_vocab_size(size: int | None) -> None:
+    """draft_vocab_size, which both scripts take (heads train over it, a draft saves it): unset, or a count."""
+    if size is not None and size < 1:
+        raise GorgonError(f"draft_vocab_size must be at least 1 (or unset for the whole vocabulary), not {size}")
+
+
 def check_lora_targets(model, modules: list[str], what: str) -> None:
     """Each of lora_target_modules must name layers of `model` as peft matches them (a module's name, or its
     end after a dot). peft stops with a traceback when none does, and leaves out one that does not when
