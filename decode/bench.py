@@ -299,7 +299,7 @@ def tree_description(drafter):
         return [list(p) for p in tree.paths]
     search = getattr(drafter, "drafter", drafter)  # a merged drafter: the one it merges the context into
     if hasattr(search, "depth"):
-        stop = f", no deeper once chances sum below {search.level_cost:.2f}" if getattr(search, "level_cost", 0) else ""
+        stop = f", no deeper once chances sum below {search.level_cost:.2f}" if search.level_cost else ""
         return f"built per step (depth {search.depth}, top-k {search.topk}{stop})"
     return "built per step"
 

@@ -120,9 +120,7 @@ def measure_verify_costs(model, sizes=None, context: int = 256, repeat: int = 20
 @torch.inference_mode()
 def draft_level_cost(draft, target_model, rows: int = 1, context: int = 256, repeat: int = 20) -> float:
     """One level of a draft model's search (a forward over `rows` new tokens on a cache of `context`, and its
-    log-probabilities) in plain target steps (`verify_costs`' one-token cost): what a level must bring in
-    expected tokens to pay. Timed anew each time (a fraction of a second), not cached: the draft is
-    whatever model the user passes."""
+    log-probabilities) in plain target steps: `level_cost`."""
     from transformers import DynamicCache
 
     device = draft.device
@@ -133,8 +131,41 @@ def draft_level_cost(draft, target_model, rows: int = 1, context: int = 256, rep
     def level():
         draft(input_ids=prompt[:, context:], **with_cache(draft, cache), use_cache=True).logits.float().log_softmax(-1)
 
+    return level_cost(level, lambda: crop_cache(cache, context), target_model, device, repeat)
+
+
+@torch.inference_mode()
+def head_level_cost(head, target_model, rows: int = 1, context: int = 256, repeat: int = 20) -> float:
+    """One level of a feature-level head's search (its layer over `rows` drafted features on a cache of
+    `context`, its logits and their log-probabilities) in plain target steps: `level_cost`."""
+    from transformers import DynamicCache
+
+    from gorgon.heads.target import additive_mask
+
+    device, dtype = head.fc.weight.device, head.fc.weight.dtype
+    features = torch.randn(1, context + rows, head.config.hidden_size, dtype=dtype, device=device)
+    tokens = torch.randint(0, head.config.vocab_size, (1, context + rows), device=device)
+    cos, sin = head.rope(torch.arange(context + rows, device=device)[None], dtype)
+    causal = additive_mask(torch.ones(context, context, dtype=torch.bool, device=device).tril(), dtype)
+    sees = torch.zeros(1, 1, rows, context + rows, dtype=dtype, device=device)
+    cache = DynamicCache()
+    head.layer(features[:, :context], tokens[:, :context], (cos[:, :context], sin[:, :context]), causal[None, None],
+               cache)
+
+    def level():
+        drafted = head.layer(features[:, context:], tokens[:, context:], (cos[:, context:], sin[:, context:]), sees,
+                             cache)
+        head.logits(drafted).float().log_softmax(-1)
+
+    return level_cost(level, lambda: crop_cache(cache, context), target_model, device, repeat)
+
+
+def level_cost(level, reset, target_model, device: torch.device, repeat: int = 20) -> float:
+    """A drafted level's time (`level()`, after which `reset()` restores the drafter's cache) in plain target
+    steps (`verify_costs`' one-token cost): what a level must bring in expected tokens to pay. Timed anew
+    each time (a fraction of a second), not cached: the drafter is whatever the user passes."""
     with decoding_attention(device):
-        ms = median_ms(level, repeat, lambda: crop_cache(cache, context), device)
+        ms = median_ms(level, repeat, reset, device)
     return ms / verify_costs(target_model)[1]
 
 

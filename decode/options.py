@@ -26,7 +26,7 @@ from gorgon.heads.loading import drafter_for, load_heads, load_heads_for
 from gorgon.heads.target import check_same_tokenizer, load_causal_lm
 from gorgon.heads.tree import best_tree_size
 
-from .calibrate import draft_level_cost, verify_costs
+from .calibrate import draft_level_cost, head_level_cost, verify_costs
 from .kernels import DRAFT_DTYPES, KERNELS, draft_dtype, one_row_kernel, use_cpu_kernels
 
 
@@ -45,9 +45,9 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"levels a --draft model drafts per step (its chain's length), 1 to {MAX_DRAFT_TOKENS} "
                         "(default 4)")
     p.add_argument("--draft-level-cost", type=draft_level_cost_value, default=None,
-                   help="a --draft model stops drafting deeper in a step once its candidates' chances sum below this "
-                        "(a level's drafting time in target steps): auto (the default) times it on this machine, 0 "
-                        "drafts every level")
+                   help="a --draft model or feature-level head stops drafting deeper in a step once its "
+                        "candidates' chances sum below this (a level's drafting time in target steps): auto (the "
+                        "default) times it on this machine, 0 drafts every level")
     p.add_argument("--context-draft", action="store_true",
                    help="also draft from the context (prompt lookup: the tokens that followed the latest earlier "
                         "occurrence of the text's last n-gram), in the same tree as --heads or --draft, or alone")
@@ -104,9 +104,9 @@ def load_drafter(args, tree):
     if args.draft_depth and not args.heads:
         raise GorgonError("--draft-depth shapes a feature-level head's search: it needs --heads (a --draft model "
                           "drafts --draft-tokens levels)")
-    if args.draft_level_cost is not None and not args.draft:
-        raise GorgonError("--draft-level-cost stops a --draft model's levels: it needs --draft (a feature-level "
-                          "head's levels cost little)")
+    if args.draft_level_cost is not None and not (args.draft or args.heads):
+        raise GorgonError("--draft-level-cost stops a search's levels: it needs --draft or --heads (a feature-level "
+                          "head)")
     if args.draft_topk and not (args.heads or args.draft):
         raise GorgonError("--draft-topk shapes a search: it needs --heads or --draft")
     context = context_drafter(args) if args.context_draft else None
@@ -144,6 +144,9 @@ def load_model_drafter(args, tree):
                           "not rank paths")
     if args.heads:
         target, heads = load_heads(args.heads, args.target, device=args.device, dtype=args.dtype)
+        if args.draft_level_cost not in (None, "auto") and not isinstance(heads, EagleHead):
+            raise GorgonError(f"{args.heads} holds Medusa heads, which draft every level in one forward: "
+                              "--draft-level-cost has nothing to stop (it applies to --draft and feature-level heads)")
         use_cpu_kernels(target.model, args.cpu_kernels)
         return target, heads_drafter(heads, target, args, tree, args.heads)
     target = load_target(args.target, device=args.device, dtype=args.dtype)
@@ -160,16 +163,22 @@ def load_model_drafter(args, tree):
     draft = draft.to(target.model.device, draft_dtype(target.model, args.cpu_kernels, args.draft_dtype)).eval()
     use_drafter_kernels(draft, target.model, args.cpu_kernels)
     nodes, topk = None if tree == "auto" else tree, args.draft_topk or 1
-    level_cost = args.draft_level_cost
-    if level_cost in (None, "auto"):  # timed here; with one level only there is nothing to stop
-        level_cost = 0.0
-        if args.draft_tokens > 1:
-            level_cost = draft_level_cost(draft, target.model, rows=topk)
-            print(f"gorgon: a drafted level costs {level_cost:.2f} target steps here: the draft stops a step's "
-                  "drafting when its candidates' chances sum below that (--draft-level-cost 0 to draft every level)",
-                  file=sys.stderr)
+    level_cost = chosen_level_cost(args, args.draft_tokens, lambda: draft_level_cost(draft, target.model, rows=topk))
     drafter = DraftModelDrafter(draft, args.draft_tokens, topk, nodes, token_map, level_cost)
     return target, drafter.check_vocab(target.model)
+
+
+def chosen_level_cost(args, levels: int, measure) -> float:
+    """--draft-level-cost: the number given or, with auto (the default), a level's cost timed here by
+    `measure()`; with one level only there is nothing to stop, so nothing is timed."""
+    if args.draft_level_cost not in (None, "auto"):
+        return args.draft_level_cost
+    if levels < 2:
+        return 0.0
+    cost = measure()
+    print(f"gorgon: a drafted level costs {cost:.2f} target steps here: a step drafts no deeper once its "
+          "candidates' chances sum below that (--draft-level-cost 0 to draft every level)", file=sys.stderr)
+    return cost
 
 
 def heads_drafter(heads, target, args, tree, folder: str):
@@ -184,7 +193,11 @@ def heads_drafter(heads, target, args, tree, folder: str):
         tree = best_tree_size(levels, verify_costs(target.model))
         print(f"gorgon: a {tree}-node tree fits {folder} best on this machine (--tree N to choose another)",
               file=sys.stderr)
-    return drafter_for(heads, tree, args.draft_depth, args.draft_topk)
+    drafter = drafter_for(heads, tree, args.draft_depth, args.draft_topk)
+    if isinstance(heads, EagleHead):  # the level's rows are the search's top-k, known once the drafter widened it
+        drafter.level_cost = chosen_level_cost(
+            args, drafter.depth, lambda: head_level_cost(heads, target.model, rows=drafter.topk))
+    return drafter
 
 
 def compared_drafter(args, target, tree, drafter):

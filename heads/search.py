@@ -38,6 +38,12 @@ def check_search(depth: int, topk: int, nodes: int) -> None:
         raise GorgonError(f"a tree needs 2 (the root and one candidate) to {MAX_TREE_NODES} nodes, not {nodes!r}")
 
 
+def check_level_cost(level_cost: float) -> None:
+    """A drafted level's cost in target steps (`can_grow`), checked where a drafter takes it."""
+    if not (isinstance(level_cost, (int, float)) and 0 <= level_cost < math.inf):
+        raise GorgonError(f"a draft level's cost is a finite number of target steps >= 0, not {level_cost!r}")
+
+
 def grow_tree(first: torch.Tensor, expand: Expand, committed: int, depth: int, topk: int, nodes: int,
               mask_dtype: torch.dtype, to_target=None, level_cost: float = 0.0) -> list[tuple[list[int], float]]:
     """The best `nodes - 1` candidates after the root, best first, parents before children: each a token path

@@ -274,8 +274,8 @@ def test_arguments_are_range_checked(tmp_path, capsys):
     assert "--tree takes a node count with --draft, not rank paths" in capsys.readouterr().err
     assert gorgon(["generate", "--draft", "nowhere", "--prompt", "hi", "--draft-depth", "3"]) == 2
     assert "(a --draft model drafts --draft-tokens levels)" in capsys.readouterr().err
-    assert gorgon(["generate", "--heads", "nowhere", "--prompt", "hi", "--draft-level-cost", "0.1"]) == 2
-    assert "--draft-level-cost stops a --draft model's levels: it needs --draft" in capsys.readouterr().err
+    assert gorgon(["generate", "--context-draft", "--prompt", "hi", "--draft-level-cost", "0.1"]) == 2
+    assert "--draft-level-cost stops a search's levels: it needs --draft or --heads" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         gorgon(["generate", "--draft", "x", "--prompt", "hi", "--draft-level-cost", "cheap"])
     assert "--draft-level-cost: expected auto or a number of target steps >= 0, not 'cheap'" in capsys.readouterr().err

@@ -2,6 +2,7 @@
 cache, save/load, the engines' layouts, training under accelerate, bad input."""
 
 import json
+import re
 import subprocess
 import sys
 
@@ -137,6 +138,37 @@ def test_stopping_the_expansion_early_leaves_the_tree_unchanged(monkeypatch):
                 trees[mode].append((tokens.tolist(), tree.paths))
     assert trees["pruned"] == trees["full"]
     assert levels["pruned"] < levels["full"]  # and some levels were skipped
+
+
+def test_a_level_that_cannot_pay_is_not_drafted(monkeypatch):
+    """The head's search stops as a draft model's does once its frontier's chances sum below a level's cost
+    (`can_grow`), with output still exact; the cost is measured as a positive number of target steps."""
+    from gorgon.decode.calibrate import head_level_cost
+
+    model = tiny_model("llama", vocab=8, layers=4)
+    head = head_for(model, seed=1)
+    assert 0 < head_level_cost(head, model, rows=3, repeat=2) < float("inf")
+    calls, layer = [], head.layer
+    monkeypatch.setattr(head, "layer", lambda *args, **kwargs: calls.append(1) or layer(*args, **kwargs))
+    ids = torch.randint(0, 8, (7,), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        out = model.get_decoder()(input_ids=ids[None], output_hidden_states=True)
+    features = torch.cat([out.hidden_states[i][0, :-1] for i in head.feature_layers], -1)  # ids[-1] is the root
+    for topk in (1, 3):
+        # the first level's chances (the root's likeliest children): the whole tree at depth 1
+        first = sum(chance for _, chance in EagleDrafter(head, nodes=1 + topk, depth=1, topk=topk).scored_paths(
+            ids[-1], features, ids[:-1]))
+        # free levels: all 4; just below the first level's chances: a second; just above: none past the first
+        for cost, shallowest, deepest in [(0.0, 4, 4), (first - 1e-4, 2, 4), (first + 1e-4, 1, 1)]:
+            drafter = EagleDrafter(head, nodes=1 + 4 * topk, depth=4, topk=topk, level_cost=cost)
+            calls.clear()
+            paths = drafter.scored_paths(ids[-1], features, ids[:-1])
+            depth = max(len(path) for path, _ in paths)
+            assert shallowest <= depth <= deepest and len(calls) == depth, (topk, cost)  # the intake, then levels
+            result = speculative_generate(model, drafter, ids[None], max_new_tokens=20)
+            assert result.tokens == reference(model, ids[None], 20)
+    with pytest.raises(GorgonError, match="a draft level's cost is a finite number of target steps >= 0, not -1"):
+        EagleDrafter(head, nodes=8, level_cost=-1)
 
 
 def test_each_candidate_scores_what_the_head_gives_its_path_drafted_alone():
@@ -544,14 +576,24 @@ def test_cli_draft_depth_and_topk_shape_the_search(tmp_path, capsys):
     questions.write_text(json.dumps(QUESTIONS[0]) + "\n")
     assert gorgon(["bench", "--heads", str(tmp_path / "eagle"), "--draft-depth", "2", "--questions", str(questions),
                    "--baselines", "generate", "--out", str(out)] + common) == 0
-    report = json.loads(out.read_text())
-    assert report["tree"] == "built per step (depth 2, top-k 4)" and report["identical"] == 1
-    capsys.readouterr()
-    medusa = ["generate", "--heads", str(tmp_path / "medusa"), "--draft-depth", "2", "--prompt", "x"]
-    assert gorgon(medusa + common) == 2
+    report = json.loads(out.read_text())  # by default a level's cost is timed here and stops the search
+    assert re.fullmatch(r"built per step \(depth 2, top-k 4, no deeper once chances sum below \d\.\d\d\)",
+                        report["tree"]) and report["identical"] == 1
+    assert "a drafted level costs" in capsys.readouterr().err
+    assert gorgon(["bench", "--heads", str(tmp_path / "eagle"), "--draft-depth", "2", "--draft-level-cost", "0",
+                   "--questions", str(questions), "--baselines", "generate", "--out", str(out), "--overwrite"]
+                  + common) == 0
+    assert json.loads(out.read_text())["tree"] == "built per step (depth 2, top-k 4)"
+    assert "a drafted level costs" not in capsys.readouterr().err
+    medusa = ["generate", "--heads", str(tmp_path / "medusa"), "--prompt", "x"]
+    assert gorgon(medusa + ["--draft-depth", "2"] + common) == 2
     assert capsys.readouterr().err.strip().endswith("--draft-depth and --draft-topk shape a feature-level head's "
                                                     "search; Medusa heads draft one level per head: choose their "
                                                     "tree with --tree")
+    assert gorgon(medusa + ["--draft-level-cost", "0.1"] + common) == 2
+    assert capsys.readouterr().err.strip().endswith("holds Medusa heads, which draft every level in one forward: "
+                                                    "--draft-level-cost has nothing to stop (it applies to --draft "
+                                                    "and feature-level heads)")
     assert gorgon(["generate", "--context-draft", "--draft-topk", "2", "--prompt", "x"] + common) == 2
     assert capsys.readouterr().err.strip().endswith("--draft-topk shapes a search: it needs --heads or --draft")
 

@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from ..errors import GorgonError
-from ..search import check_search, grow_tree
+from ..search import check_level_cost, check_search, grow_tree
 from ..target import crop_cache, layer_masks, with_cache
 from ..tree import MAX_TREE_NODES, tree_from_token_paths
 from .model import check_draft_vocab
@@ -50,8 +48,7 @@ class DraftModelDrafter:
             raise GorgonError(f"the draft's output layer has {rows} rows but token_map names {len(token_map)} "
                               "tokens: cut it with cut_to_draft_vocab(draft, token_map)")
         self.token_map = None if token_map is None else token_map.to(draft_model.device)
-        if not (isinstance(level_cost, (int, float)) and 0 <= level_cost < math.inf):
-            raise GorgonError(f"a draft level's cost is a finite number of target steps >= 0, not {level_cost!r}")
+        check_level_cost(level_cost)
         self.model, self.depth, self.topk, self.level_cost = draft_model, k, topk, level_cost
         self.cache = None
         self.seen = torch.empty(0, dtype=torch.long, device=draft_model.device)  # tokens in self.cache

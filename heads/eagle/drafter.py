@@ -18,20 +18,28 @@ import math
 import torch
 
 from ..errors import GorgonError
-from ..search import check_search, grow_tree
+from ..search import check_level_cost, check_search, grow_tree
 from ..target import additive_mask, crop_cache
 from ..tree import tree_from_token_paths
 from .model import EagleHead
 
 
 class EagleDrafter:
-    def __init__(self, head: EagleHead, nodes: int | None = None, depth: int | None = None, topk: int | None = None):
+    """`nodes`, `depth`, `topk`: the search's (None: those saved with the head, top-k widened to fill the
+    tree). `level_cost`: a drafted level's time in plain target steps (measured:
+    `gorgon.decode.calibrate.head_level_cost`); a step drafts no deeper once its frontier's chances sum
+    below it (`search.can_grow`). 0 drafts every level the tree could use."""
+
+    def __init__(self, head: EagleHead, nodes: int | None = None, depth: int | None = None, topk: int | None = None,
+                 level_cost: float = 0.0):
         device_type = next(head.parameters()).device.type
         self.head = head
         self.nodes = nodes if nodes is not None else head.saved_tree(device_type)
         self.depth = depth if depth is not None else head.config.depth
         check_search(self.depth, head.config.topk if topk is None else topk, self.nodes)  # before any widening
+        check_level_cost(level_cost)
         self.topk = topk if topk is not None else filling_topk(head.config.topk, self.depth, self.nodes)
+        self.level_cost = level_cost
         self.feature_layers = head.feature_layers
         self.cache, self.committed = None, 0
 
@@ -79,7 +87,8 @@ class EagleDrafter:
             return head.logits(drafted).float().log_softmax(-1)
 
         first = head.logits(out[-1:]).float().log_softmax(-1)[0]
-        paths = grow_tree(first, expand, n, self.depth, self.topk, self.nodes, dtype, head.to_target_ids)
+        paths = grow_tree(first, expand, n, self.depth, self.topk, self.nodes, dtype, head.to_target_ids,
+                          self.level_cost)
         crop_cache(self.cache, self.committed)
         return paths
 
