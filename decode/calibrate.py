@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import platform
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -194,6 +196,24 @@ def verify_costs(model, refresh: bool = False) -> dict[int, float]:
         except (ValueError, KeyError, TypeError):
             pass  # a damaged cache entry is measured again
     costs = measure_verify_costs(model)
+    others = busy_cores()
+    if others > 0.5:  # a busy machine's costs would size every later run's tree wrongly
+        print(f"gorgon: other work kept about {others:.1f} of {os.cpu_count()} cores busy while verify costs were "
+              "timed: this run sizes its trees from them, but they are not cached; time them on a quiet machine",
+              file=sys.stderr)
+        return costs
     path.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_text(path, json.dumps({"key": key, "costs_ms": costs}, indent=1) + "\n")
     return costs
+
+
+def busy_cores() -> float:
+    """Cores that work besides this process's threads kept busy over the last minute (the load average less
+    torch's thread count; 0 where the system gives no load average). A timing beside another job is off:
+    on a CPU by many times for two OpenMP threads beside another process, and a small target on a GPU is
+    bound by the host."""
+    try:
+        load = os.getloadavg()[0]
+    except (AttributeError, OSError):
+        return 0.0
+    return max(0.0, load - torch.get_num_threads())

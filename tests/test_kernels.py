@@ -311,6 +311,7 @@ def test_verify_costs_are_measured_once_per_machine(monkeypatch, tmp_path):
         return {1: 10.0, 2: 11.0, 4: 12.0}
 
     monkeypatch.setattr(calibrate, "measure_verify_costs", fake_measure)
+    monkeypatch.setattr(calibrate, "busy_cores", lambda: 0.0)
     model = tiny_model("llama")
     assert calibrate.verify_costs(model) == {1: 10.0, 2: 11.0, 4: 12.0}
     assert calibrate.verify_costs(model) == {1: 10.0, 2: 11.0, 4: 12.0}
@@ -320,6 +321,21 @@ def test_verify_costs_are_measured_once_per_machine(monkeypatch, tmp_path):
     saved.write_text("{broken")  # a damaged entry is measured again
     calibrate.verify_costs(model)
     assert len(calls) == 2
+
+
+def test_verify_costs_timed_beside_other_work_are_used_but_not_cached(monkeypatch, tmp_path, capsys):
+    """Costs timed on a busy machine size that run's trees; cached, they would size every later run's wrongly."""
+    threads = torch.get_num_threads()
+    monkeypatch.setattr(calibrate.os, "getloadavg", lambda: (threads + 1.25, 0.0, 0.0))  # 1.25 besides ours
+    assert calibrate.busy_cores() == 1.25
+    monkeypatch.setattr(calibrate.os, "getloadavg", lambda: (threads - 0.5, 0.0, 0.0))
+    assert calibrate.busy_cores() == 0.0
+    monkeypatch.setenv("GORGON_CACHE", str(tmp_path))
+    monkeypatch.setattr(calibrate, "measure_verify_costs", lambda model: {1: 10.0, 2: 10.5})
+    monkeypatch.setattr(calibrate, "busy_cores", lambda: 1.8)
+    assert calibrate.verify_costs(tiny_model("llama")) == {1: 10.0, 2: 10.5}
+    assert "other work kept about 1.8 of" in capsys.readouterr().err
+    assert not list(tmp_path.glob("calibration/*.json"))
 
 
 def test_measured_verify_costs_cover_the_sizes():
