@@ -185,22 +185,30 @@ def calibration_key(model) -> dict:
                                                          "num_hidden_layers", "vocab_size")}}
 
 
+# Costs timed on a busy machine, by calibration key digest: this process uses them, no later one does.
+_NOT_CACHED: dict[str, dict[int, float]] = {}
+
+
 def verify_costs(model, refresh: bool = False) -> dict[int, float]:
     """Measured verify costs for this model on this machine, from the cache when they were measured before."""
     key = calibration_key(model)
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
     path = cache_dir() / "calibration" / f"{digest}.json"
-    if path.is_file() and not refresh:
-        try:
-            return {int(n): float(ms) for n, ms in json.loads(path.read_text())["costs_ms"].items()}
-        except (ValueError, KeyError, TypeError):
-            pass  # a damaged cache entry is measured again
+    if not refresh:
+        if digest in _NOT_CACHED:
+            return _NOT_CACHED[digest]
+        if path.is_file():
+            try:
+                return {int(n): float(ms) for n, ms in json.loads(path.read_text())["costs_ms"].items()}
+            except (ValueError, KeyError, TypeError):
+                pass  # a damaged cache entry is measured again
     costs = measure_verify_costs(model)
     others = busy_cores()
     if others > 0.5:  # a busy machine's costs would size every later run's tree wrongly
         print(f"gorgon: other work kept about {others:.1f} of {os.cpu_count()} cores busy while verify costs were "
               "timed: this run sizes its trees from them, but they are not cached; time them on a quiet machine",
               file=sys.stderr)
+        _NOT_CACHED[digest] = costs
         return costs
     path.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_text(path, json.dumps({"key": key, "costs_ms": costs}, indent=1) + "\n")

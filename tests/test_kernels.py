@@ -331,11 +331,15 @@ def test_verify_costs_timed_beside_other_work_are_used_but_not_cached(monkeypatc
     monkeypatch.setattr(calibrate.os, "getloadavg", lambda: (threads - 0.5, 0.0, 0.0))
     assert calibrate.busy_cores() == 0.0
     monkeypatch.setenv("GORGON_CACHE", str(tmp_path))
-    monkeypatch.setattr(calibrate, "measure_verify_costs", lambda model: {1: 10.0, 2: 10.5})
+    calls = []
+    monkeypatch.setattr(calibrate, "measure_verify_costs", lambda model: calls.append(1) or {1: 10.0, 2: 10.5})
     monkeypatch.setattr(calibrate, "busy_cores", lambda: 1.8)
-    assert calibrate.verify_costs(tiny_model("llama")) == {1: 10.0, 2: 10.5}
+    monkeypatch.setattr(calibrate, "_NOT_CACHED", {})
+    model = tiny_model("llama")
+    assert calibrate.verify_costs(model) == {1: 10.0, 2: 10.5}
     assert "other work kept about 1.8 of" in capsys.readouterr().err
     assert not list(tmp_path.glob("calibration/*.json"))
+    assert calibrate.verify_costs(model) == {1: 10.0, 2: 10.5} and len(calls) == 1  # timed once per process
 
 
 def test_measured_verify_costs_cover_the_sizes():
