@@ -14,7 +14,10 @@ per token and per proposal (medians; a proposal's is host time until the drafter
 work it queued may run on), tokens per target forward, and operators per proposal (torch's
 dispatches, views left out: on a GPU each launches a kernel; counted in one more pass, untimed); and
 whether both gave the same tokens and proposed the same trees. With the same code on both sides the
-one loaded second ran a few percent faster on a CPU: run both `--load-first` orders and average.
+one loaded second ran a few percent faster on a CPU: run both `--load-first` orders and average. A
+search's level stop (`--draft-level-cost auto`, the default) is timed by each side on its own, so
+its levels, and the operators counted, can differ with the same code: pass a number to give both
+the same (a revision older than the option ignores it).
 """
 
 import argparse
