@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from gorgon.heads.files import atomic_write_text
-from gorgon.heads.target import base_model, cache_dir, crop_cache, with_cache
+from gorgon.heads.target import additive_mask, base_model, cache_dir, crop_cache, with_cache
 from gorgon.heads.tree import build_tree
 
 from .argmax import argmax_in_use, target_argmax
@@ -141,8 +141,6 @@ def head_level_cost(head, target_model, rows: int = 1, context: int = 256, repea
     """One level of a feature-level head's search (its layer over `rows` drafted features on a cache of
     `context`, its logits and their log-probabilities) in plain target steps: `level_cost`."""
     from transformers import DynamicCache
-
-    from gorgon.heads.target import additive_mask
 
     device, dtype = head.fc.weight.device, head.fc.weight.dtype
     features = torch.randn(1, context + rows, head.config.hidden_size, dtype=dtype, device=device)
