@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from gorgon.heads.errors import GorgonError
-from gorgon.heads.target import crop_cache, resolve_dtype, with_cache
+from gorgon.heads.target import resolve_dtype
 
 from .argmax import full_argmax, use_bf16_screen
 from .attention import use_tree_attention
@@ -69,9 +69,7 @@ def use_cpu_kernels(model: torch.nn.Module, kernels: str = "fast", one_row: str 
         _pack(m)
     use_tree_attention(model, True)
     use_bf16_screen(model, fast_kernels_unavailable(torch.bfloat16) is None)
-    if one_row == "measure":
-        one_row = fastest_one_row_kernel(model) if hasattr(model, "get_decoder") else "onednn"
-    set_one_row_kernel(model, one_row)
+    set_one_row_kernel(model, fastest_one_row_kernel(model) if one_row == "measure" else one_row)
     return kernels_in_use(model)
 
 
@@ -113,21 +111,22 @@ def one_row_kernel(model: torch.nn.Module) -> str | None:
 
 
 @torch.inference_mode()
-def fastest_one_row_kernel(model: torch.nn.Module, repeat: int = 5) -> str:
-    """Time a one-token decoding step of this causal LM with each one-row kernel, interleaved; the faster wins."""
-    from transformers import DynamicCache
-
-    prompt = torch.zeros(1, 16, dtype=torch.long, device=next(model.parameters()).device)
-    cache = DynamicCache()
-    model(input_ids=prompt, **with_cache(model, cache), use_cache=True, logits_to_keep=1)
+def fastest_one_row_kernel(module: torch.nn.Module, repeat: int = 5) -> str:
+    """Time a one-row product through every packed linear layer of the module, as a decoding step makes
+    them, with each kernel, interleaved; the faster wins. The answer depends on the dtype as well as the
+    machine: on an Intel Xeon with AMX, MKL's one-row product was the faster in float32 and oneDNN's in
+    bfloat16 (1.3-1.8x; torch's stock bfloat16 product reorders the weight at every call), on every shape
+    of the embedded target and its feature-level head."""
+    linears = [m for m in module.modules() if _ATTR in m.__dict__]
+    rows = [torch.ones(1, m.in_features, dtype=m.weight.dtype, device=m.weight.device) for m in linears]
     times = {kernel: [] for kernel in ONE_ROW_KERNELS}
     for _ in range(repeat + 1):  # the first round warms up
         for kernel in ONE_ROW_KERNELS:
-            set_one_row_kernel(model, kernel)
+            set_one_row_kernel(module, kernel)
             start = time.perf_counter()
-            model(input_ids=prompt[:, :1], **with_cache(model, cache), use_cache=True, logits_to_keep=1)
+            for linear, row in zip(linears, rows):
+                linear(row)
             times[kernel].append(time.perf_counter() - start)
-            crop_cache(cache, prompt.shape[1])
     return min(ONE_ROW_KERNELS, key=lambda k: statistics.median(times[k][1:]))
 
 

@@ -210,10 +210,13 @@ def compared_drafter(args, target, tree, drafter):
 
 
 def use_drafter_kernels(drafter: torch.nn.Module, target_model: torch.nn.Module, kernels: str) -> None:
-    """The drafter's linear layers on the target's CPU kernels, one-row products included (the target's
-    choice was measured on this machine); a no-op off the CPU."""
-    if next(drafter.parameters()).device.type == "cpu":
-        use_cpu_kernels(drafter, kernels, one_row=one_row_kernel(target_model) or "onednn")
+    """The drafter's linear layers on the target's CPU kernels; one-row products as the target's where the
+    drafter shares its dtype (measured on this machine already), else timed for the drafter's own (a bfloat16
+    drafter of a float32 target: the faster kernel can differ). A no-op off the CPU."""
+    weight, target_weight = next(drafter.parameters()), next(target_model.parameters())
+    if weight.device.type == "cpu":
+        same = weight.dtype == target_weight.dtype
+        use_cpu_kernels(drafter, kernels, one_row=(one_row_kernel(target_model) or "onednn") if same else "measure")
 
 
 def draft_level_cost_value(text: str):

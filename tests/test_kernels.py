@@ -81,6 +81,26 @@ def test_one_row_kernel_is_chosen_by_timing_and_settable():
 
 
 @needs_onednn
+def test_one_row_kernel_is_timed_on_any_module_and_a_drafter_in_another_dtype_gets_its_own(monkeypatch):
+    import gorgon.decode.kernels as kernels
+    from gorgon.decode.options import use_drafter_kernels
+
+    layers = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 4))  # no causal LM: timed all the same
+    use_cpu_kernels(layers, "fast")
+    assert one_row_kernel(layers) in ("onednn", "stock")
+    target = tiny_model("llama")
+    use_cpu_kernels(target, "fast", one_row="stock")
+    monkeypatch.setattr(kernels, "fastest_one_row_kernel", lambda module, repeat=5: "onednn")
+    same_dtype = MedusaHeads.for_target(target, num_heads=2)
+    use_drafter_kernels(same_dtype, target, "fast")
+    assert one_row_kernel(same_dtype) == "stock"  # the target's choice, not timed again
+    if fast_kernels_unavailable(torch.bfloat16) is None:
+        other_dtype = copy.deepcopy(same_dtype).to(torch.bfloat16)
+        use_drafter_kernels(other_dtype, target, "fast")
+        assert one_row_kernel(other_dtype) == "onednn"  # timed for its own dtype
+
+
+@needs_onednn
 def test_switch_is_reversible_and_stock_kernels_restores():
     model = tiny_model("llama")
     linear = model.model.layers[0].mlp.up_proj
