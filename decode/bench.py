@@ -29,7 +29,7 @@ from .argmax import argmax_in_use
 from .attention import decoding_attention
 from .calibrate import cpu_flags, cpu_name, sync
 from .generate import GenerationResult, generation_config_as_applied, speculative_generate
-from .kernels import kernels_in_use, one_row_kernel, stock_kernels
+from .kernels import kernels_in_use, stock_kernels, stock_rows
 from .options import add_model_arguments, compared_drafter, drafter_name, load_drafter, read_tree
 from .tau import per_category_sample
 
@@ -266,7 +266,7 @@ def environment(model, drafter, sampling: Sampling, max_new_tokens: int) -> dict
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_name()
     return {"device": f"{device.type} ({name})", "dtype": str(model.dtype).replace("torch.", ""),
             "kernels": kernels_in_use(model) if device.type == "cpu" else "cuda",
-            "one_row_kernel": one_row_kernel(model), "attention": model.config._attn_implementation,
+            "stock_rows": stock_rows(model), "attention": model.config._attn_implementation,
             "greedy_argmax": argmax_in_use(model), "cpu_flags": cpu_flags(),
             "threads": torch.get_num_threads(), "tree": tree_description(drafter), "tree_size": drafter.max_nodes,
             "draft_dtype": drafter_dtype(drafter), "context_draft": context_settings(drafter),

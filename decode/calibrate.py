@@ -26,7 +26,7 @@ from gorgon.heads.tree import build_tree
 
 from .argmax import argmax_in_use, target_argmax
 from .attention import decoding_attention
-from .kernels import kernels_in_use, one_row_kernel
+from .kernels import kernels_in_use, stock_rows
 from .verify import verify
 
 # A CPU's cost steps with the token count rather than growing with it: oneDNN multiplies in blocks of
@@ -176,7 +176,7 @@ def calibration_key(model) -> dict:
     return {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_name(),
             "cpu_flags": cpu_flags(), "threads": torch.get_num_threads(), "torch": torch.__version__,
             "dtype": str(model.dtype), "kernels": kernels_in_use(model) if device.type == "cpu" else "cuda",
-            "one_row_kernel": one_row_kernel(model),
+            "stock_rows": stock_rows(model),
             "attention": getattr(model.config, "_attn_implementation", None),
             "argmax": argmax_in_use(model), "sizes": list(measured_sizes(device)),
             "model": {k: getattr(cfg, k, None) for k in ("model_type", "hidden_size", "intermediate_size",

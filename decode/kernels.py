@@ -4,7 +4,8 @@ Why: a decode step reads every weight once, so on a CPU it is bound by memory ba
 verifying a few tree nodes in one forward should cost about one step. torch's default CPU
 linear (MKL sgemm) does not behave that way: two rows can cost 1.5-2x one row. oneDNN's
 linear on a weight reordered once for it (the ops torch's inductor emits for CPU linears under
-freezing) stays nearly flat for a few rows and is faster for one row too.
+freezing) stays nearly flat for a few rows. Where MKL is still the faster for the fewest rows (one
+to three on an Intel Xeon with AMX), those stay on it: the crossover is timed at startup.
 
 The switch is reversible and leaves the model as it was: `use_cpu_kernels(model, "fast")`
 gives each `nn.Linear` an instance-level `forward` that calls the prepacked op (parameters,
@@ -38,16 +39,17 @@ from .onednn import fast_kernels_unavailable, pack, packed_linear
 
 KERNELS = ("fast", "stock")
 DRAFT_DTYPES = ("auto", "float32", "bfloat16")
-ONE_ROW_KERNELS = ("onednn", "stock")
+MAX_STOCK_ROWS = 8  # more rows always take oneDNN (the Intel Xeon with AMX: the stock kernel lost from 4)
 _ATTR = "_gorgon_packed"
 
 
-def use_cpu_kernels(model: torch.nn.Module, kernels: str = "fast", one_row: str = "measure") -> str:
+def use_cpu_kernels(model: torch.nn.Module, kernels: str = "fast", stock_rows: int | str = "measure") -> str:
     """Put the model's linear layers on the chosen kernels; returns what is in use, for reports.
 
     "fast" falls back to "stock" with a warning where it cannot run (other torch builds, CUDA,
-    float16), so asking for it is always safe. `one_row`: the kernel for one-row products,
-    "measure" (the faster on this machine, timed in a fraction of a second), "onednn" or "stock".
+    float16), so asking for it is always safe. `stock_rows`: products of at most this many rows
+    stay on torch's stock kernel (`set_stock_rows`), "measure" (the default) times where oneDNN
+    starts to win on this machine, for this model's shapes and dtype (`fastest_stock_rows`).
     """
     if kernels not in KERNELS:
         raise GorgonError(f"unknown --cpu-kernels {kernels!r}: use fast (oneDNN prepacked weights) or stock")
@@ -69,7 +71,7 @@ def use_cpu_kernels(model: torch.nn.Module, kernels: str = "fast", one_row: str 
         _pack(m)
     use_tree_attention(model, True)
     use_bf16_screen(model, fast_kernels_unavailable(torch.bfloat16) is None)
-    set_one_row_kernel(model, fastest_one_row_kernel(model) if one_row == "measure" else one_row)
+    set_stock_rows(model, fastest_stock_rows(model) if stock_rows == "measure" else stock_rows)
     return kernels_in_use(model)
 
 
@@ -90,44 +92,50 @@ def draft_dtype(target_model: torch.nn.Module, kernels: str, choice: str = "auto
     return weight.dtype
 
 
-def set_one_row_kernel(model: torch.nn.Module, kernel: str) -> None:
-    """Which kernel a one-row product (a plain decoding step) takes on the fast path: "onednn" or "stock".
+def set_stock_rows(model: torch.nn.Module, rows: int) -> None:
+    """Products of at most `rows` rows (tokens in the forward) take torch's stock kernel (MKL) on the fast
+    path; larger ones oneDNN's. 0: oneDNN for all.
 
-    Machines differ here: on one, oneDNN's one-row product was twice as fast as MKL's; on another,
-    MKL's was slightly faster, because for small matrices oneDNN's fixed cost per call (tens of
-    microseconds) outweighs its better use of memory bandwidth. Several rows are always oneDNN's.
+    Machines differ here: on one, oneDNN's one-row product was twice as fast as MKL's; on an Intel Xeon
+    with AMX, MKL's was the faster up to 3 rows in float32 (a forward over 2 tokens 1.05x one token instead
+    of 1.18x), oneDNN's from 4 and, in bfloat16, from one row: for small matrices oneDNN's fixed cost per
+    call (tens of microseconds) outweighs its better use of memory bandwidth, until the rows add up.
     """
-    if kernel not in ONE_ROW_KERNELS:
-        raise GorgonError(f"unknown one-row kernel {kernel!r}: use one of {', '.join(ONE_ROW_KERNELS)}")
+    if not (isinstance(rows, int) and not isinstance(rows, bool) and rows >= 0):
+        raise GorgonError(f"stock rows must be a whole number >= 0 (products of at most that many rows on torch's "
+                          f"stock kernel), not {rows!r}")
     for m in model.modules():
         if _ATTR in m.__dict__:
-            m.__dict__[_ATTR].one_row_onednn = kernel == "onednn"
+            m.__dict__[_ATTR].stock_rows = rows
 
 
-def one_row_kernel(model: torch.nn.Module) -> str | None:
-    """The one-row kernel of the fast path ("onednn" or "stock"); None when the fast path is off."""
+def stock_rows(model: torch.nn.Module) -> int | None:
+    """Up to how many rows the fast path's products stay on torch's stock kernel; None when it is off."""
     packed = next((m.__dict__[_ATTR] for m in model.modules() if _ATTR in m.__dict__), None)
-    return None if packed is None else ("onednn" if packed.one_row_onednn else "stock")
+    return None if packed is None else packed.stock_rows
 
 
 @torch.inference_mode()
-def fastest_one_row_kernel(module: torch.nn.Module, repeat: int = 5) -> str:
-    """Time a one-row product through every packed linear layer of the module, as a decoding step makes
-    them, with each kernel, interleaved; the faster wins. The answer depends on the dtype as well as the
-    machine: on an Intel Xeon with AMX, MKL's one-row product was the faster in float32 and oneDNN's in
-    bfloat16 (1.3-1.8x; torch's stock bfloat16 product reorders the weight at every call), on every shape
-    of the embedded target and its feature-level head."""
+def fastest_stock_rows(module: torch.nn.Module, repeat: int = 5, most: int = MAX_STOCK_ROWS) -> int:
+    """The row counts the stock kernel serves faster, timed on this machine: for 1, 2, ... rows, a product
+    through every packed linear layer of the module (as a forward over that many tokens makes them), on
+    each kernel, interleaved; the stock kernel keeps the counts before the first that oneDNN wins (its
+    advantage grows with the rows), at most `most`. The answer depends on the dtype as well as the
+    machine (`set_stock_rows`)."""
     linears = [m for m in module.modules() if _ATTR in m.__dict__]
-    rows = [torch.ones(1, m.in_features, dtype=m.weight.dtype, device=m.weight.device) for m in linears]
-    times = {kernel: [] for kernel in ONE_ROW_KERNELS}
-    for _ in range(repeat + 1):  # the first round warms up
-        for kernel in ONE_ROW_KERNELS:
-            set_one_row_kernel(module, kernel)
-            start = time.perf_counter()
-            for linear, row in zip(linears, rows):
-                linear(row)
-            times[kernel].append(time.perf_counter() - start)
-    return min(ONE_ROW_KERNELS, key=lambda k: statistics.median(times[k][1:]))
+    for rows in range(1, most + 1):
+        inputs = [torch.ones(rows, m.in_features, dtype=m.weight.dtype, device=m.weight.device) for m in linears]
+        times = {"stock": [], "onednn": []}
+        for _ in range(repeat + 1):  # the first round warms up
+            for kernel in times:
+                set_stock_rows(module, rows if kernel == "stock" else 0)
+                start = time.perf_counter()
+                for linear, x in zip(linears, inputs):
+                    linear(x)
+                times[kernel].append(time.perf_counter() - start)
+        if statistics.median(times["onednn"][1:]) < statistics.median(times["stock"][1:]):
+            return rows - 1
+    return most
 
 
 def kernels_in_use(model: torch.nn.Module) -> str:
@@ -157,7 +165,7 @@ class _PackedWeight:
 
     def __init__(self, dtype: torch.dtype):
         self.dtype, self.key, self.tensor = dtype, None, None
-        self.one_row_onednn = True
+        self.stock_rows = 0
 
     def get(self, weight: torch.Tensor) -> torch.Tensor:
         key = (weight.data_ptr(), weight._version)
@@ -168,7 +176,7 @@ class _PackedWeight:
 
     def __deepcopy__(self, memo) -> "_PackedWeight":
         twin = _PackedWeight(self.dtype)  # oneDNN tensors cannot be copied; the copy packs its own weight
-        twin.one_row_onednn = self.one_row_onednn
+        twin.stock_rows = self.stock_rows
         return twin
 
 
@@ -181,7 +189,7 @@ def _pack(linear: torch.nn.Linear) -> None:
 def _packed_forward(linear: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
     packed, w = linear.__dict__[_ATTR], linear.weight
     if (x.device.type != "cpu" or x.dtype != packed.dtype or w.dtype != packed.dtype
-            or (not packed.one_row_onednn and x.numel() == x.shape[-1])
+            or x.numel() <= packed.stock_rows * x.shape[-1]
             or (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad))):
         return F.linear(x, w, linear.bias)
     return packed_linear(x, packed.get(w), linear.bias)

@@ -27,7 +27,7 @@ from gorgon.heads.target import check_same_tokenizer, load_causal_lm
 from gorgon.heads.tree import best_tree_size
 
 from .calibrate import draft_level_cost, head_level_cost, verify_costs
-from .kernels import DRAFT_DTYPES, KERNELS, draft_dtype, one_row_kernel, use_cpu_kernels
+from .kernels import DRAFT_DTYPES, KERNELS, draft_dtype, stock_rows, use_cpu_kernels
 
 
 def add_model_arguments(p: argparse.ArgumentParser) -> None:
@@ -210,13 +210,13 @@ def compared_drafter(args, target, tree, drafter):
 
 
 def use_drafter_kernels(drafter: torch.nn.Module, target_model: torch.nn.Module, kernels: str) -> None:
-    """The drafter's linear layers on the target's CPU kernels; one-row products as the target's where the
-    drafter shares its dtype (measured on this machine already), else timed for the drafter's own (a bfloat16
-    drafter of a float32 target: the faster kernel can differ). A no-op off the CPU."""
+    """The drafter's linear layers on the target's CPU kernels; the row counts left on the stock kernel as the
+    target's where the drafter shares its dtype (timed on this machine already), else timed for the drafter's
+    own (a bfloat16 drafter of a float32 target: oneDNN can win from one row). A no-op off the CPU."""
     weight, target_weight = next(drafter.parameters()), next(target_model.parameters())
     if weight.device.type == "cpu":
         same = weight.dtype == target_weight.dtype
-        use_cpu_kernels(drafter, kernels, one_row=(one_row_kernel(target_model) or "onednn") if same else "measure")
+        use_cpu_kernels(drafter, kernels, stock_rows=(stock_rows(target_model) or 0) if same else "measure")
 
 
 def draft_level_cost_value(text: str):

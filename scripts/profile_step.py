@@ -25,7 +25,7 @@ from gorgon.decode.argmax import target_argmax
 from gorgon.decode.attention import decoding_attention
 from gorgon.decode.bench import load_questions
 from gorgon.decode.calibrate import cpu_flags, cpu_name, measure_verify_costs, median_ms
-from gorgon.decode.kernels import kernels_in_use, one_row_kernel, use_cpu_kernels
+from gorgon.decode.kernels import kernels_in_use, stock_rows, use_cpu_kernels
 from gorgon.decode.options import add_model_arguments, load_drafter, read_tree
 from gorgon.decode.verify import features, keep_path, verify
 from gorgon.heads import HeadsDrafter, MedusaHeads
@@ -136,7 +136,7 @@ def main():
             "plain_ms": round(plain, 3),
             "verify_ratio": {str(n): round(ms / costs[1], 3) for n, ms in costs.items()},
             "step_ratio": round(spec / plain, 3), "tree_size": drafter.max_nodes, "kernels": kernels,
-            "one_row_kernel": one_row_kernel(model),
+            "stock_rows": stock_rows(model),
             "cpu_flags": cpu_flags(), "dtype": str(model.dtype).replace("torch.", ""),
             "threads": torch.get_num_threads(), "context": args.context,
             "cache": "conversation" if prompt is not None else "random tokens",
@@ -144,7 +144,8 @@ def main():
             "device": model.device.type if model.device.type == "cpu" else torch.cuda.get_device_name(model.device),
             "cpu": cpu_name(), "torch": torch.__version__}))
         return
-    print(f"{model.dtype}, {torch.get_num_threads()} thread(s), {kernels} kernels (one row: {one_row_kernel(model)}), "
+    print(f"{model.dtype}, {torch.get_num_threads()} thread(s), {kernels} kernels "
+          f"(products of up to {stock_rows(model)} rows on the stock kernel), "
           f"cache of {args.context} {'tokens of a conversation' if prompt is not None else 'random tokens'}, "
           f"tree of {drafter.max_nodes}; CPU flags: {' '.join(cpu_flags()) or '-'}")
     for name, ms in parts.items():

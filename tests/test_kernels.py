@@ -30,11 +30,12 @@ from gorgon.decode.acceptance import Sampling
 from gorgon.decode.bench import environment, markdown_table, run_bench
 from gorgon.decode.cli import parser as generate_parser
 from gorgon.decode.kernels import (
+    MAX_STOCK_ROWS,
     fast_kernels_unavailable,
     kernels_in_use,
-    one_row_kernel,
-    set_one_row_kernel,
+    set_stock_rows,
     stock_kernels,
+    stock_rows,
     use_cpu_kernels,
 )
 from gorgon.heads import GorgonError, HeadsDrafter, MedusaHeads, load_target
@@ -53,7 +54,7 @@ def test_fast_logits_match_stock_and_greedy_output_is_identical(arch):
         stock_logits = model(ids).logits
         stock_out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=20, do_sample=False)
     keys = list(model.state_dict())
-    assert use_cpu_kernels(model, "fast", one_row="onednn") == "fast" == kernels_in_use(model)
+    assert use_cpu_kernels(model, "fast", stock_rows=0) == "fast" == kernels_in_use(model)
     with torch.no_grad():
         torch.testing.assert_close(model(ids).logits, stock_logits, atol=1e-4, rtol=1e-4)
         fast_out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=20, do_sample=False)
@@ -64,40 +65,52 @@ def test_fast_logits_match_stock_and_greedy_output_is_identical(arch):
 
 
 @needs_onednn
-def test_one_row_kernel_is_chosen_by_timing_and_settable():
+def test_stock_rows_are_timed_and_settable_and_route_products_by_row_count(monkeypatch):
+    import gorgon.decode.kernels as kernels
+
     model = tiny_model("llama")
     use_cpu_kernels(model, "fast")
-    assert one_row_kernel(model) in ("onednn", "stock")
+    assert 0 <= stock_rows(model) <= MAX_STOCK_ROWS
+    calls = []
+    packed_linear = kernels.packed_linear
+    monkeypatch.setattr(kernels, "packed_linear", lambda x, *a: calls.append(x.numel() // x.shape[-1]) or
+                        packed_linear(x, *a))
     ids = torch.randint(0, VOCAB, (1, 9))
     outputs = {}
-    for kernel in ("onednn", "stock"):
-        set_one_row_kernel(model, kernel)
-        assert one_row_kernel(model) == kernel
-        outputs[kernel] = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False)
-    assert outputs["onednn"].tolist() == outputs["stock"].tolist()
-    with pytest.raises(GorgonError, match="unknown one-row kernel 'mkl'"):
-        set_one_row_kernel(model, "mkl")
-    assert one_row_kernel(tiny_model("llama")) is None
+    for rows in (0, 1, 3, MAX_STOCK_ROWS):
+        set_stock_rows(model, rows)
+        assert stock_rows(model) == rows
+        calls.clear()
+        with torch.no_grad():
+            for n in range(1, 6):
+                model(ids[:, :n])
+        assert sorted(set(calls)) == [n for n in range(1, 6) if n > rows]  # fewer rows never reach oneDNN
+        outputs[rows] = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False)
+    assert all(out.tolist() == outputs[0].tolist() for out in outputs.values())
+    for bad in (-1, 1.5, "onednn"):
+        with pytest.raises(GorgonError, match="stock rows must be a whole number >= 0"):
+            set_stock_rows(model, bad)
+    assert stock_rows(tiny_model("llama")) is None
 
 
 @needs_onednn
-def test_one_row_kernel_is_timed_on_any_module_and_a_drafter_in_another_dtype_gets_its_own(monkeypatch):
+def test_stock_rows_are_timed_on_any_module_and_a_drafter_in_another_dtype_gets_its_own(monkeypatch):
     import gorgon.decode.kernels as kernels
     from gorgon.decode.options import use_drafter_kernels
 
     layers = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 4))  # no causal LM: timed all the same
     use_cpu_kernels(layers, "fast")
-    assert one_row_kernel(layers) in ("onednn", "stock")
+    assert 0 <= stock_rows(layers) <= MAX_STOCK_ROWS
     target = tiny_model("llama")
-    use_cpu_kernels(target, "fast", one_row="stock")
-    monkeypatch.setattr(kernels, "fastest_one_row_kernel", lambda module, repeat=5: "onednn")
+    use_cpu_kernels(target, "fast", stock_rows=2)
+    monkeypatch.setattr(kernels, "fastest_stock_rows", lambda module, repeat=5, most=MAX_STOCK_ROWS: 0)
     same_dtype = MedusaHeads.for_target(target, num_heads=2)
     use_drafter_kernels(same_dtype, target, "fast")
-    assert one_row_kernel(same_dtype) == "stock"  # the target's choice, not timed again
+    assert stock_rows(same_dtype) == 2  # the target's, not timed again
     if fast_kernels_unavailable(torch.bfloat16) is None:
         other_dtype = copy.deepcopy(same_dtype).to(torch.bfloat16)
         use_drafter_kernels(other_dtype, target, "fast")
-        assert one_row_kernel(other_dtype) == "onednn"  # timed for its own dtype
+        assert stock_rows(other_dtype) == 0  # timed for its own dtype
 
 
 @needs_onednn
@@ -375,7 +388,7 @@ def test_verify_costs_are_timed_on_the_kernels_decoding_uses(monkeypatch):
     import gorgon.decode.kernels as kernels
 
     model = tiny_model("llama")
-    use_cpu_kernels(model, "fast", one_row="onednn")
+    use_cpu_kernels(model, "fast", stock_rows=0)
     rows = []
     packed_linear = kernels.packed_linear
     monkeypatch.setattr(kernels, "packed_linear", lambda x, *a: rows.append(x.numel() // x.shape[-1]) or
