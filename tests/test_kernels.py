@@ -103,7 +103,7 @@ def test_stock_rows_are_timed_on_any_module_and_a_drafter_in_another_dtype_gets_
     assert 0 <= stock_rows(layers) <= MAX_STOCK_ROWS
     target = tiny_model("llama")
     use_cpu_kernels(target, "fast", stock_rows=2)
-    monkeypatch.setattr(kernels, "fastest_stock_rows", lambda module, repeat=5, most=MAX_STOCK_ROWS: 0)
+    monkeypatch.setattr(kernels, "fastest_stock_rows", lambda module, repeat=3, most=MAX_STOCK_ROWS: 0)
     same_dtype = MedusaHeads.for_target(target, num_heads=2)
     use_drafter_kernels(same_dtype, target, "fast")
     assert stock_rows(same_dtype) == 2  # the target's, not timed again
