@@ -64,17 +64,22 @@ def test_fast_logits_match_stock_and_greedy_output_is_identical(arch):
     assert list(model.state_dict()) == keys  # parameters and names untouched
 
 
-@needs_onednn
-def test_stock_rows_are_timed_and_settable_and_route_products_by_row_count(monkeypatch):
+def rows_reaching_onednn(monkeypatch) -> list[int]:
+    """A list that records the row count of every product the fast path hands to oneDNN from now on."""
     import gorgon.decode.kernels as kernels
 
+    rows, packed_linear = [], kernels.packed_linear
+    monkeypatch.setattr(kernels, "packed_linear", lambda x, *a: rows.append(x.numel() // x.shape[-1]) or
+                        packed_linear(x, *a))
+    return rows
+
+
+@needs_onednn
+def test_stock_rows_are_timed_and_settable_and_route_products_by_row_count(monkeypatch):
     model = tiny_model("llama")
     use_cpu_kernels(model, "fast")
     assert 0 <= stock_rows(model) <= MAX_STOCK_ROWS
-    calls = []
-    packed_linear = kernels.packed_linear
-    monkeypatch.setattr(kernels, "packed_linear", lambda x, *a: calls.append(x.numel() // x.shape[-1]) or
-                        packed_linear(x, *a))
+    calls = rows_reaching_onednn(monkeypatch)
     ids = torch.randint(0, VOCAB, (1, 9))
     outputs = {}
     for rows in (0, 1, 3, MAX_STOCK_ROWS):
@@ -385,14 +390,9 @@ def test_measured_verify_costs_cover_the_sizes():
 def test_verify_costs_are_timed_on_the_kernels_decoding_uses(monkeypatch):
     """Timed with autograd on, the fast path would hand every product to torch's stock kernels and the tree
     sizes would follow their costs (a misplaced decorator once did that: 4 tokens 1.4x one instead of 0.9x)."""
-    import gorgon.decode.kernels as kernels
-
     model = tiny_model("llama")
     use_cpu_kernels(model, "fast", stock_rows=0)
-    rows = []
-    packed_linear = kernels.packed_linear
-    monkeypatch.setattr(kernels, "packed_linear", lambda x, *a: rows.append(x.numel() // x.shape[-1]) or
-                        packed_linear(x, *a))
+    rows = rows_reaching_onednn(monkeypatch)
     calibrate.measure_verify_costs(model, sizes=(1, 4), context=16, repeat=1)
     assert {1, 4} <= set(rows)
 
