@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from gorgon.heads.files import atomic_write_text
-from gorgon.heads.target import additive_mask, base_model, cache_dir, crop_cache, with_cache
+from gorgon.heads.target import additive_mask, base_model, cache_dir, crop_cache, growing_cache, with_cache
 from gorgon.heads.tree import build_tree
 
 from .argmax import argmax_in_use, target_argmax
@@ -87,12 +87,10 @@ def measure_verify_costs(model, sizes=None, context: int = 256, repeat: int = 20
 
     The tree for n is a chain (position ids 1..n): for the cost only the token count matters.
     """
-    from transformers import DynamicCache
-
     device = model.device
     sizes = sizes or measured_sizes(device)
     prompt = torch.randint(0, model.config.get_text_config().vocab_size, (1, context), device=device)
-    cache = DynamicCache()
+    cache = growing_cache()
     decoder = base_model(model)
     decoder(input_ids=prompt, **with_cache(decoder, cache), use_cache=True)
     chains = {n: build_tree([[0] * d for d in range(1, n)]).to(device) for n in sizes if n > 1}
@@ -123,11 +121,9 @@ def measure_verify_costs(model, sizes=None, context: int = 256, repeat: int = 20
 def draft_level_cost(draft, target_model, rows: int = 1, context: int = 256, repeat: int = 20) -> float:
     """One level of a draft model's search (a forward over `rows` new tokens on a cache of `context`, and its
     log-probabilities) in plain target steps: `level_cost`."""
-    from transformers import DynamicCache
-
     device = draft.device
     prompt = torch.randint(0, draft.config.get_text_config().vocab_size, (1, context + rows), device=device)
-    cache = DynamicCache()
+    cache = growing_cache()
     draft(input_ids=prompt[:, :context], **with_cache(draft, cache), use_cache=True)
 
     def level():
@@ -140,15 +136,13 @@ def draft_level_cost(draft, target_model, rows: int = 1, context: int = 256, rep
 def head_level_cost(head, target_model, rows: int = 1, context: int = 256, repeat: int = 20) -> float:
     """One level of a feature-level head's search (its layer over `rows` drafted features on a cache of
     `context`, its logits and their log-probabilities) in plain target steps: `level_cost`."""
-    from transformers import DynamicCache
-
     device, dtype = head.fc.weight.device, head.fc.weight.dtype
     features = torch.randn(1, context + rows, head.config.hidden_size, dtype=dtype, device=device)
     tokens = torch.randint(0, head.config.vocab_size, (1, context + rows), device=device)
     cos, sin = head.rope(torch.arange(context + rows, device=device)[None], dtype)
     causal = additive_mask(torch.ones(context, context, dtype=torch.bool, device=device).tril(), dtype)
     sees = torch.zeros(1, 1, rows, context + rows, dtype=dtype, device=device)
-    cache = DynamicCache()
+    cache = growing_cache()
     head.layer(features[:, :context], tokens[:, :context], (cos[:, :context], sin[:, :context]), causal[None, None],
                cache)
 

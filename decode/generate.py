@@ -19,7 +19,7 @@ import torch
 
 from gorgon.heads.drafter import Drafter
 from gorgon.heads.errors import GorgonError
-from gorgon.heads.target import base_model, lm_logits, with_cache
+from gorgon.heads.target import base_model, growing_cache, lm_logits, with_cache
 from gorgon.heads.tree import cut_tree, host_to_device
 
 from .acceptance import Sampling, accept_greedy, accept_sampled, accept_typical, target_probs
@@ -136,8 +136,6 @@ def speculative_generate(model, drafter: Drafter, input_ids: torch.Tensor, max_n
     sampling) or "typical" (Medusa's typical acceptance: LOSSY, faster on hard text).
     eos_token_id: "default" takes the model's generation config, like `generate`.
     """
-    from transformers import DynamicCache
-
     if acceptance not in ACCEPTANCE_RULES:
         raise GorgonError(f"unknown acceptance {acceptance!r}: use one of {', '.join(ACCEPTANCE_RULES)}")
     if acceptance == "typical" and sampling.greedy:
@@ -167,7 +165,7 @@ def speculative_generate(model, drafter: Drafter, input_ids: torch.Tensor, max_n
         return torch.multinomial(target_probs(lm_logits(model, hidden), sampling), 1, generator=generator)[0]
 
     with decoding_attention(input_ids.device):  # on CUDA, attention without per-shape setup
-        cache = DynamicCache()
+        cache = growing_cache()
         decoder = base_model(model)
         out = decoder(input_ids=input_ids, **with_cache(decoder, cache), use_cache=True,
                       output_hidden_states=layers is not None)

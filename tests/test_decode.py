@@ -12,7 +12,7 @@ from gorgon.decode.acceptance import Sampling
 from gorgon.decode.kernels import use_cpu_kernels
 from gorgon.decode.verify import accepted_rows, keep_path, verify
 from gorgon.heads import GorgonError, HeadsDrafter, MedusaHeads
-from gorgon.heads.target import with_cache
+from gorgon.heads.target import crop_cache, growing_cache, with_cache
 from gorgon.heads.tree import build_tree
 
 PATHS = [[0], [1], [2], [0, 0], [0, 1], [1, 0], [2, 0], [0, 0, 0], [0, 0, 1], [0, 1, 0], [0, 0, 0, 0]]
@@ -64,14 +64,15 @@ def test_greedy_equals_generate_when_drafts_are_accepted(arch, kernels, stock_ro
 
 # A sliding window of 2 is shorter than the tree (4 deep): nodes must not see their own early ancestors.
 @pytest.mark.parametrize("arch, window", [(arch, 6) for arch in ARCHS] + [("mistral", 2), ("gemma3", 2)])
-def test_cache_after_acceptance_equals_plain_forward(arch, window):
+@pytest.mark.parametrize("new_cache", [DynamicCache, growing_cache])
+def test_cache_after_acceptance_equals_plain_forward(arch, window, new_cache):
     model = tiny_model(arch, window=window)
     tree = build_tree(PATHS)
     prefix = torch.randint(0, VOCAB, (1, 9))
     tokens = torch.randint(0, VOCAB, (tree.size,))
     with torch.no_grad():
         for last in (0, 1, 3, 7, 10, tree.size - 1):  # 0 and 1: paths already in place (kept as a slice)
-            cache = DynamicCache()
+            cache = new_cache()
             model.get_decoder()(input_ids=prefix, **with_cache(model.get_decoder(), cache), use_cache=True)
             hidden = verify(model, cache, tokens, tree).last_hidden_state[0]
             path = tree.path_to[last]
@@ -87,6 +88,24 @@ def test_cache_after_acceptance_equals_plain_forward(arch, window):
                 torch.testing.assert_close(mine.values, theirs.values, atol=1e-5, rtol=1e-5)
             # and the verify forward's hidden state at the path end equals the plain forward's
             torch.testing.assert_close(hidden[last], out.last_hidden_state[0, -1], atol=1e-5, rtol=1e-5)
+
+
+def test_a_growing_cache_holds_what_a_dynamic_cache_holds_and_appends_in_place():
+    decoder = tiny_model("llama").get_decoder()
+    ids = torch.randint(0, VOCAB, (1, 420))
+    outputs, buffers = {}, set()
+    with torch.no_grad():
+        for new_cache in (DynamicCache, growing_cache):
+            cache, outputs[new_cache] = new_cache(), []
+            decoder(input_ids=ids[:, :10], **with_cache(decoder, cache), use_cache=True)
+            while (length := cache.get_seq_length()) < 400:  # five tokens verified, three kept, as decoding does
+                out = decoder(input_ids=ids[:, length:length + 5], **with_cache(decoder, cache), use_cache=True)
+                crop_cache(cache, length + 3)
+                outputs[new_cache].append(out.last_hidden_state)
+                if new_cache is growing_cache:
+                    buffers.add(cache.layers[0].keys.data_ptr())
+    assert all(torch.equal(a, b) for a, b in zip(outputs[DynamicCache], outputs[growing_cache], strict=True))
+    assert len(buffers) == 2  # one buffer until its room (256 positions past the prompt) ran out, then one more
 
 
 def test_heads_draft_from_the_last_accepted_token():

@@ -6,7 +6,7 @@ import torch
 
 from ..errors import GorgonError
 from ..search import check_level_cost, check_search, grow_tree
-from ..target import crop_cache, layer_masks, with_cache
+from ..target import crop_cache, growing_cache, layer_masks, with_cache
 from ..tree import MAX_TREE_NODES, tree_from_token_paths
 from .model import check_draft_vocab
 
@@ -70,14 +70,12 @@ class DraftModelDrafter:
                      context: torch.Tensor) -> list[tuple[list[int], float]]:
         """The step's best `nodes - 1` candidates, best first, parents before children: each a token path
         under the root with the product of the draft's probabilities along it."""
-        from transformers import DynamicCache
-
         model = self.model
         context = torch.cat([context, root.reshape(1)])
         n = min(self.seen.numel(), context.numel() - 1)  # always feed at least the newest token
         same = int((self.seen[:n] == context[:n]).cumprod(0).sum()) if n else 0
         if self.cache is None or same == 0:
-            self.cache, same = DynamicCache(), 0
+            self.cache, same = growing_cache(), 0
         crop_cache(self.cache, same)
         logits = model(input_ids=context[same:][None], **with_cache(model, self.cache), use_cache=True,
                        logits_to_keep=1).logits[0, -1]  # no LM head over a re-fed prompt

@@ -19,7 +19,7 @@ import torch
 
 from ..errors import GorgonError
 from ..search import check_level_cost, check_search, grow_tree
-from ..target import additive_mask, crop_cache
+from ..target import additive_mask, crop_cache, growing_cache
 from ..tree import tree_from_token_paths
 from .model import EagleHead
 
@@ -55,8 +55,6 @@ class EagleDrafter:
                      context: torch.Tensor) -> list[tuple[list[int], float]]:
         """The step's best `nodes - 1` candidates, best first, parents before children: each a token path
         under the root with its draft confidence (the product of draft probabilities along it)."""
-        from transformers import DynamicCache
-
         head, device = self.head, root.device
         n, m = context.numel(), features.shape[0]
         start = n - m  # the cache must hold the context before the new features
@@ -65,7 +63,7 @@ class EagleDrafter:
                 raise GorgonError(f"the drafter holds {self.committed} tokens of context but was given features for "
                                   f"the last {m} of {n}: pass the features of every token accepted since its last "
                                   "call (the whole prompt at the first)")
-            self.cache = DynamicCache()  # a new prompt
+            self.cache = growing_cache()  # a new prompt
         crop_cache(self.cache, start)  # proposing again on the same context recommits its last tokens
         dtype = head.fc.weight.dtype
         # One rotary call for the step: the accepted tokens' positions, then one per drafted level.
