@@ -384,6 +384,7 @@ def growing_cache():
 
 @functools.cache
 def _growing_layer_class():
+    """`GrowingLayer`, defined at first use: importing this module does not import transformers."""
     from transformers.cache_utils import DynamicLayer
 
     class GrowingLayer(DynamicLayer):
