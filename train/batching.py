@@ -14,47 +14,32 @@ layer keeps every token (no sliding-window cache) and the model's mask applies t
 from __future__ import annotations
 
 import torch
-from transformers.cache_utils import Cache, DynamicLayer
+from transformers.cache_utils import Cache
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopPLogitsWarper
 
-from gorgon.heads.target import with_cache
+from gorgon.heads.target import growing_layer_class, with_cache
 
 
-class RoomyLayer(DynamicLayer):
-    """A cache layer whose keys and values are views into buffers with spare room along time.
+class BatchLayer(growing_layer_class()):
+    """A growing cache layer (`gorgon.heads.target.growing_layer_class`: a decoding step writes its tokens in
+    place, where `DynamicLayer` concatenates, copying the whole cache every step, which for 32 rows is as much
+    memory traffic as the weights: embedded target, 32 rows x 300 tokens, one thread: 275 -> 246 ms a step)
+    whose batch rows the continuous batch replaces."""
 
-    A decoding step then writes its token in place; `DynamicLayer` concatenates, copying the
-    whole cache every step, which for 32 rows is as much memory traffic as the weights
-    (embedded target, 32 rows x 300 tokens, one thread: 275 -> 246 ms a step).
-    """
+    ROOM = 64  # spare time slots left after the rows a rebuild holds
 
-    ROOM = 64  # spare time slots allocated at a time
-
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        if not self.is_initialized:
-            self.dtype, self.device, self.is_initialized = key_states.dtype, key_states.device, True
-            self.keys, self.values = key_states[..., :0, :], value_states[..., :0, :]
-            self._keys, self._values = self.keys, self.values
-        n, m = self.keys.shape[-2], key_states.shape[-2]
-        if n + m > self._keys.shape[-2]:
-            self.replace_rows(list(zip(self.keys, self.values)), n, extra=m)
-        self._keys[..., n:n + m, :] = key_states
-        self._values[..., n:n + m, :] = value_states
-        self.keys, self.values = self._keys[..., :n + m, :], self._values[..., :n + m, :]
-        return self.keys, self.values
-
-    def replace_rows(self, rows: list[tuple[torch.Tensor, torch.Tensor]], width: int, extra: int = 0) -> None:
+    def replace_rows(self, rows: list[tuple[torch.Tensor, torch.Tensor]], width: int) -> None:
         """Hold these rows ((heads, time, dim) keys and values each), left-padded with zeros to `width`.
 
         Row by row, so each kept row is copied once however rows are dropped, trimmed or added."""
         k0, v0 = rows[0]
-        self._keys = k0.new_empty(len(rows), k0.shape[0], width + extra + self.ROOM, k0.shape[-1])
-        self._values = v0.new_empty(len(rows), v0.shape[0], width + extra + self.ROOM, v0.shape[-1])
+        self._key_room = k0.new_empty(len(rows), k0.shape[0], width + self.ROOM, k0.shape[-1])
+        self._value_room = v0.new_empty(len(rows), v0.shape[0], width + self.ROOM, v0.shape[-1])
         for j, (k, v) in enumerate(rows):
             pad = width - k.shape[-2]
-            self._keys[j, :, :pad], self._values[j, :, :pad] = 0, 0  # masked, but must not be NaN
-            self._keys[j, :, pad:width], self._values[j, :, pad:width] = k, v
-        self.keys, self.values = self._keys[..., :width, :], self._values[..., :width, :]
+            self._key_room[j, :, :pad], self._value_room[j, :, :pad] = 0, 0  # masked, but must not be NaN
+            self._key_room[j, :, pad:width], self._value_room[j, :, pad:width] = k, v
+        self.keys, self.values = self._key_room[..., :width, :], self._value_room[..., :width, :]
 
 
 PREFILL_SLACK = 0.1
@@ -186,7 +171,7 @@ def _prefill(model, prompts: list[list[int]], pad: int):
     device, width = model.device, max(map(len, prompts))
     ids = torch.stack([_left_pad(torch.tensor(p, device=device), width, 0, pad) for p in prompts])
     mask = torch.stack([_left_pad(torch.ones(len(p), dtype=torch.long, device=device), width, 0) for p in prompts])
-    cache = Cache(layer_class_to_replicate=RoomyLayer)
+    cache = Cache(layer_class_to_replicate=BatchLayer)
     logits = model(ids, attention_mask=mask, position_ids=(mask.cumsum(1) - 1).clamp(min=0), **with_cache(model, cache),
                    use_cache=True, logits_to_keep=1).logits[:, -1]
     return mask, cache, logits
