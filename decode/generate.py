@@ -10,6 +10,7 @@ one token.
 from __future__ import annotations
 
 import copy
+import numbers
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -57,7 +58,8 @@ class StopRule:
     def __init__(self, max_new_tokens: int, eos_token_id=None, stop_strings=(), tokenizer=None):
         self.stop_strings = [stop_strings] if isinstance(stop_strings, str) else list(stop_strings or ())
         if self.stop_strings and tokenizer is None:
-            raise GorgonError("stop strings need the tokenizer: pass tokenizer=...")
+            raise GorgonError("stop strings (given, or in the model's generation_config) need the tokenizer: pass "
+                              "tokenizer=...")
         if "" in self.stop_strings:
             raise GorgonError("an empty stop string would end the output at its first token: drop it, or give "
                               "the text to stop at")
@@ -76,24 +78,47 @@ class StopRule:
     def _completes_stop_string(self, tokens: list[int], i: int) -> bool:
         if not self.stop_strings:
             return False
-        before = self.tokenizer.decode(tokens[:i])
+        # A character split over byte-level tokens decodes as U+FFFD until its last byte: without those,
+        # `before` ends where the completed text may first differ from it.
+        before = self.tokenizer.decode(tokens[:i]).rstrip("\ufffd")
         text = self.tokenizer.decode(tokens[: i + 1])
         return any(s in text and text.rfind(s) + len(s) > len(before) for s in self.stop_strings)
 
 
-# Logits processors `generate` takes from a model's generation_config even when greedy, and sampling
-# warpers gorgon does not implement, each with its neutral value: the speculative decoder applies none.
-NOT_APPLIED = {"repetition_penalty": 1.0, "no_repeat_ngram_size": 0, "min_new_tokens": 0, "min_length": 0,
-               "bad_words_ids": None, "suppress_tokens": None, "begin_suppress_tokens": None, "sequence_bias": None,
-               "forced_bos_token_id": None, "forced_eos_token_id": None, "min_p": None, "typical_p": 1.0,
-               "epsilon_cutoff": 0.0, "eta_cutoff": 0.0}
+# generation_config keys that do not change which tokens `generate` picks (ids, caching, output format, beam
+# scoring, assisted decoding's own settings) or that gorgon applies itself (EOS, stop strings, length; when
+# sampling, temperature, top-k and top-p come from `Sampling`). Any other key set to other than its default is
+# a setting gorgon does not apply: a list of those to allow, so that a setting a later transformers adds is
+# named too, not skipped in silence.
+APPLIED_OR_NEUTRAL = {
+    "eos_token_id", "max_length", "max_new_tokens", "stop_strings", "pad_token_id", "bos_token_id",
+    "decoder_start_token_id", "do_sample", "temperature", "top_k", "top_p", "use_cache", "cache_implementation",
+    "cache_config", "max_cache_len", "compile_config", "disable_compile", "low_memory", "prefill_chunk_size",
+    "continuous_batching_config", "return_dict_in_generate", "output_attentions", "output_hidden_states",
+    "output_scores", "output_logits", "remove_invalid_values", "renormalize_logits", "transformers_version",
+    "_from_model_config", "early_stopping", "length_penalty", "is_assistant", "num_assistant_tokens",
+    "num_assistant_tokens_schedule", "assistant_confidence_threshold", "assistant_lookbehind", "target_lookbehind",
+    "assistant_early_exit", "prompt_lookup_num_tokens", "max_matching_ngram_size", "speculation_type"}
+# "Off" for the keys transformers' defaults leave at None although None would not switch them off in `generate`.
+OFF = {"min_new_tokens": 0}
+
+
+def neutral_value(key: str):
+    """A generation setting's value when it changes nothing: transformers' default, else None."""
+    from transformers import GenerationConfig
+
+    defaults = getattr(GenerationConfig, "_get_default_generation_params", dict)()
+    return OFF.get(key, defaults.get(key))
 
 
 def generation_settings_not_applied(model) -> list[str]:
-    """The settings of the model's generation_config that `generate` would apply and gorgon does not."""
+    """The settings of the model's generation_config that `generate` would apply and gorgon does not
+    (a repetition penalty, beam search, suppressed tokens, ...), sorted."""
     config = getattr(model, "generation_config", None)
-    return [key for key, neutral in NOT_APPLIED.items()
-            if getattr(config, key, None) not in (None, neutral)]
+    if config is None:
+        return []
+    return sorted(key for key, value in config.to_dict().items()
+                  if key not in APPLIED_OR_NEUTRAL and value is not None and value != neutral_value(key))
 
 
 def generation_config_as_applied(model):
@@ -102,8 +127,8 @@ def generation_config_as_applied(model):
     from the model's own config.)"""
     config = copy.deepcopy(model.generation_config)
     for key in generation_settings_not_applied(model):
-        if NOT_APPLIED[key] is not None:
-            setattr(config, key, NOT_APPLIED[key])
+        if neutral_value(key) is not None:
+            setattr(config, key, neutral_value(key))
     return config
 
 
@@ -117,8 +142,8 @@ def check_prompt(model, input_ids: torch.Tensor, max_new_tokens: int) -> None:
                           f"move the prompt there (input_ids.to('{embeddings}'))")
     if input_ids.shape[1] == 0:
         raise GorgonError("the prompt is empty: give at least one token (a chat template adds some)")
-    if max_new_tokens < 1:
-        raise GorgonError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, numbers.Integral) or max_new_tokens < 1:
+        raise GorgonError(f"max_new_tokens must be a whole number of at least 1, got {max_new_tokens!r}")
     context = getattr(model.config.get_text_config(), "max_position_embeddings", None)
     if context and input_ids.shape[1] + max_new_tokens > context:
         raise GorgonError(f"the prompt ({input_ids.shape[1]} tokens) plus max_new_tokens ({max_new_tokens}) exceeds "
@@ -134,7 +159,9 @@ def speculative_generate(model, drafter: Drafter, input_ids: torch.Tensor, max_n
 
     acceptance: "exact" (greedy when sampling.temperature == 0, else lossless rejection
     sampling) or "typical" (Medusa's typical acceptance: LOSSY, faster on hard text).
-    eos_token_id: "default" takes the model's generation config, like `generate`.
+    eos_token_id: "default" takes the model's generation config, like `generate`; so do stop_strings when
+    none are given. Other generation_config settings that would change `generate`'s output are named in a
+    warning (`generation_settings_not_applied`).
     """
     if acceptance not in ACCEPTANCE_RULES:
         raise GorgonError(f"unknown acceptance {acceptance!r}: use one of {', '.join(ACCEPTANCE_RULES)}")
@@ -153,8 +180,10 @@ def speculative_generate(model, drafter: Drafter, input_ids: torch.Tensor, max_n
         warnings.warn(f"the target's generation_config sets {', '.join(ignored)}, which speculative decoding does "
                       f"not apply: the output is generate's without {'it' if len(ignored) == 1 else 'them'}",
                       stacklevel=2)
+    config = getattr(model, "generation_config", None)
     if eos_token_id == "default":
-        eos_token_id = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+        eos_token_id = getattr(config, "eos_token_id", None)
+    stop_strings = stop_strings or getattr(config, "stop_strings", None)  # as `generate` takes them
     stop = StopRule(max_new_tokens, eos_token_id, stop_strings, tokenizer)
     layers = drafter.feature_layers
     start = time.perf_counter()

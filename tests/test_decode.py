@@ -1,6 +1,8 @@
 """The decoder's invariants: greedy output equals `generate`, and the cache after acceptance
 equals the cache of a plain forward over the accepted tokens, on every architecture family."""
 
+import copy
+
 import pytest
 import torch
 from helpers import ARCHS, VOCAB, OracleDrafter, tiny_model
@@ -214,6 +216,41 @@ def test_a_stop_string_ends_the_output_as_in_generate():
         assert StopRule(100, None, stop, tokenizer).cut(text, 0) == 3
 
 
+def test_a_stop_string_split_over_byte_level_tokens_ends_the_output_at_its_last_byte():
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from gorgon.decode.generate import StopRule
+
+    backend = Tokenizer(models.BPE({c: i for i, c in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}, []))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend)
+    text = tokenizer("a\u00f1b\U0001f600c", add_special_tokens=False).input_ids  # a, 2 bytes, b, 4 bytes, c
+    assert len(text) == 9
+    assert StopRule(100, None, ["\u00f1"], tokenizer).cut(text, 0) == 3
+    assert StopRule(100, None, ["b\U0001f600"], tokenizer).cut(text, 0) == 8
+    assert StopRule(100, None, ["\U0001f600c"], tokenizer).cut(text, 0) == 9
+
+
+def test_stop_strings_in_the_generation_config_end_the_output_as_in_generate():
+    from helpers import tiny_tokenizer
+
+    model = tiny_model("llama")
+    ids = torch.randint(0, VOCAB, (1, 5))
+    ref = reference(model, ids, 20)
+    tokenizer = tiny_tokenizer()
+    stop = tokenizer.decode(ref[3:5])
+    model.generation_config.stop_strings = [stop]
+    want = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=20, do_sample=False,
+                          tokenizer=tokenizer)[0, 5:].tolist()
+    assert len(want) < 20 and want == ref[:len(want)]
+    drafter = OracleDrafter(ref, 5, VOCAB, PATHS)
+    assert speculative_generate(model, drafter, ids, max_new_tokens=20, tokenizer=tokenizer).tokens == want
+    with pytest.raises(GorgonError, match="in the model's generation_config\\) need the tokenizer"):
+        speculative_generate(model, drafter, ids, max_new_tokens=20)
+
+
 def test_generation_config_settings_gorgon_does_not_apply_are_named_and_the_bench_baseline_skips_them():
     from gorgon.decode.bench import timed_generate
     from gorgon.decode.generate import generation_settings_not_applied
@@ -224,6 +261,17 @@ def test_generation_config_settings_gorgon_does_not_apply_are_named_and_the_benc
     model.generation_config.repetition_penalty = 1.3
     model.generation_config.suppress_tokens = [ref[0]]
     assert generation_settings_not_applied(model) == ["repetition_penalty", "suppress_tokens"]
+    named = {}
+    for key, value in [("num_beams", 2), ("encoder_repetition_penalty", 1.5), ("guidance_scale", 1.5),
+                       ("exponential_decay_length_penalty", (2, 3.0)), ("min_new_tokens", 3), ("max_time", 5.0),
+                       ("num_assistant_tokens", 5), ("num_beams", 1), ("use_cache", False), ("max_length", 9)]:
+        changed = copy.deepcopy(model)
+        setattr(changed.generation_config, key, value)
+        named[key, value] = key in generation_settings_not_applied(changed)
+    assert named == {("num_beams", 2): True, ("encoder_repetition_penalty", 1.5): True, ("guidance_scale", 1.5): True,
+                     ("exponential_decay_length_penalty", (2, 3.0)): True, ("min_new_tokens", 3): True,
+                     ("max_time", 5.0): True, ("num_assistant_tokens", 5): False, ("num_beams", 1): False,
+                     ("use_cache", False): False, ("max_length", 9): False}
     assert reference(model, ids, 20) != ref  # generate applies them, even greedy
     with pytest.warns(UserWarning, match="sets repetition_penalty, suppress_tokens, which speculative decoding"):
         result = speculative_generate(model, OracleDrafter(ref, 5, VOCAB, PATHS), ids, max_new_tokens=20)
