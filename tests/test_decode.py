@@ -328,6 +328,12 @@ def test_bad_inputs():
         speculative_generate(model, drafter, torch.zeros(1, 500, dtype=torch.long), max_new_tokens=20)
     with pytest.raises(GorgonError, match="unknown acceptance"):
         speculative_generate(model, drafter, torch.zeros(1, 3, dtype=torch.long), acceptance="fast")
+    for bad in (2.5, True, None):
+        with pytest.raises(GorgonError, match="max_new_tokens must be a whole number of at least 1"):
+            speculative_generate(model, drafter, torch.zeros(1, 3, dtype=torch.long), max_new_tokens=bad)
+    with pytest.raises(GorgonError, match=r"heads are in torch.bfloat16 but the target's lm_head they share in "
+                                          r"torch.float32: keep them in the target's dtype"):
+        HeadsDrafter(MedusaHeads.for_target(model, num_heads=2).to(torch.bfloat16))
     with pytest.raises(GorgonError, match="move the prompt there"):
         speculative_generate(model, drafter, torch.zeros(1, 3, dtype=torch.long, device="meta"))
     model.config._attn_implementation = "flash_attention_2"

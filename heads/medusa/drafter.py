@@ -16,7 +16,12 @@ class HeadsDrafter:
     feature_layers = None  # the target's last hidden state
 
     def __init__(self, heads: MedusaHeads, tree=None):
-        device = next(heads.parameters()).device
+        weight = next(heads.parameters())
+        device = weight.device
+        shared = heads.target.get_output_embeddings().weight if heads.lm_heads is None and heads.target else None
+        if shared is not None and shared.dtype != weight.dtype:
+            raise GorgonError(f"the heads are in {weight.dtype} but the target's lm_head they share in "
+                              f"{shared.dtype}: keep them in the target's dtype (heads.to({shared.dtype}))")
         self.heads = heads
         self.tree = build_tree(pick_tree(heads, tree, device.type)).to(device)
         if self.tree.max_depth > heads.config.num_heads:
