@@ -710,6 +710,28 @@ def test_loss_tokens_all_trains_on_every_position_and_evaluates_on_answers(tmp_p
     assert {dropout for *_, dropout in seen["train"] + seen["eval"]} == {0.1}
 
 
+def test_a_run_resumed_mid_epoch_with_dropout_equals_the_uninterrupted_run(tmp_path):
+    """Dropout and feature noise draw from torch's global generator, which the checkpoint saves: the resumed
+    run must draw the same noise (the loaders draw their seeds elsewhere). As a kill leaves it: the
+    uninterrupted run's checkpoint at step 3 of 6, copied into a run folder of its own, then resumed."""
+    import shutil
+
+    from gorgon.train.heads import HeadsTrainConfig, train
+    from gorgon.train.recipe import RUN_MARKER
+
+    target_path = tiny_chat_target(tmp_path)
+    data = toy_data(tmp_path / "toy.jsonl")  # 46 train conversations: 12 batches of 4 an epoch
+    settings = dict(data=data, target=str(target_path), arch="eagle", max_steps=6, batch_size=4, report_to="none",
+                    save_every=3, dropout=0.3, feature_noise=0.2)
+    whole = train(HeadsTrainConfig(out=str(tmp_path / "whole"), **settings))
+    killed = tmp_path / "killed"
+    shutil.copytree(whole / "checkpoints" / "step-3", killed / "checkpoints" / "step-3")
+    (killed / RUN_MARKER).write_text("")
+    train(HeadsTrainConfig(out=str(killed), resume=True, **settings))
+    a, b = load_file(whole / "model.safetensors"), load_file(killed / "model.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
 def test_train_lm_head_false_keeps_the_targets_rows(tmp_path):
     from gorgon.train.heads import HeadsTrainConfig, train
 

@@ -346,8 +346,13 @@ def setup(cfg: HeadsTrainConfig) -> Run:
         groups.append({"params": backbone, "lr": cfg.backbone_learning_rate})
     optimizer = torch.optim.AdamW(groups, weight_decay=cfg.weight_decay)
     pad = target.tokenizer.pad_token_id if target.tokenizer.pad_token_id is not None else 0
-    loader = torch.utils.data.DataLoader(train_ex, batch_sampler=train_batches, collate_fn=lambda b: collate(b, pad))
-    eval_loader = torch.utils.data.DataLoader(eval_ex, batch_sampler=eval_batches, collate_fn=lambda b: collate(b, pad))
+    # Each loader draws a seed when iterated: from a generator of its own, not from torch's global one, which
+    # dropout and feature noise use. Else a run resumed mid-epoch, whose loader is iterated anew after the
+    # checkpoint's random state is restored, would draw once more than the uninterrupted run and add other noise.
+    loader = torch.utils.data.DataLoader(train_ex, batch_sampler=train_batches, collate_fn=lambda b: collate(b, pad),
+                                         generator=torch.Generator())
+    eval_loader = torch.utils.data.DataLoader(eval_ex, batch_sampler=eval_batches, collate_fn=lambda b: collate(b, pad),
+                                              generator=torch.Generator())
     steps_per_epoch = max(1, math.ceil(len(train_batches) / (cfg.grad_accum * world)))
     total = cfg.max_steps if cfg.max_steps is not None else max(1, math.ceil(cfg.epochs * steps_per_epoch))
     lambdas = [schedule(cfg.warmup_steps, total)] + ([schedule(cfg.warmup_steps, total, cfg.heads_warmup_steps)]
