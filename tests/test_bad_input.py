@@ -196,6 +196,45 @@ def test_training_over_a_finished_run_needs_overwrite_and_leaves_nothing_stale(t
     assert not (out / "bench.png").exists()
 
 
+def test_an_overwrite_that_fails_or_is_cut_short_keeps_the_earlier_heads(tmp_path, monkeypatch):
+    """--overwrite removed a finished run's heads before training: a run that then failed (or was killed) left
+    none. Now they stay until the new run writes its own; a save cut short keeps them aside until one ends."""
+    import gorgon.heads.card
+    import gorgon.train.heads
+    from gorgon.train.recipe import EARLIER
+
+    target = str(tiny_chat_target(tmp_path))
+    data = toy_data(tmp_path / "toy.jsonl", n=8)
+    cfg = dict(data=data, out=str(tmp_path / "run"), target=target, max_steps=1, report_to="none", save_every=0)
+    out = train(HeadsTrainConfig(**cfg))
+    (out / "bench.json").write_text('{"command": "gorgon bench --heads run --out run/bench.json"}')
+
+    def files(folder):
+        return {str(path): data for path, data in snapshot(folder).items() if path.name != ".gorgon-run"}
+
+    earlier = files(out)
+
+    def fails(*args, **kwargs):
+        raise RuntimeError("out of memory")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(gorgon.train.heads, "train_steps", fails)
+        with pytest.raises(RuntimeError):
+            train(HeadsTrainConfig(**cfg, overwrite=True, learning_rate=0.5))
+    kept = files(out)
+    assert {k: v for k, v in kept.items() if k != "recipe.json"} == {k: v for k, v in earlier.items() if k in kept}
+    assert "model.safetensors" in kept and "recipe.json" not in kept  # loadable, no longer marked finished
+    with monkeypatch.context() as patch:  # the new heads written, then a kill before the card
+        patch.setattr(gorgon.heads.card, "write_model_card", fails)
+        with pytest.raises(RuntimeError):
+            train(HeadsTrainConfig(**cfg, learning_rate=0.5))
+    assert files(out / EARLIER)["model.safetensors"] == earlier["model.safetensors"]
+    train(HeadsTrainConfig(**cfg, learning_rate=0.5))  # an unfinished run of gorgon's: started again
+    final = files(out)
+    assert not (out / EARLIER).exists() and "bench.json" not in final and "recipe.json" in final
+    assert final["model.safetensors"] != earlier["model.safetensors"]
+
+
 def test_overwrite_refuses_a_file_of_the_users_inside_gorgons_output(tmp_path):
     """--overwrite replaced a run's folder or a dataset whole, notes or a serving config the user had put inside
     it included; now it is refused before any work, naming the file, and nothing is removed."""

@@ -183,9 +183,11 @@ def train(cfg: DraftTrainConfig) -> Path:
     from gorgon.train.recipe import (
         check_lora_targets,
         connect_cpu_processes,
+        finish_run_folder,
         full_state_dict,
         latest_checkpoint,
         prepare_output,
+        set_aside_earlier_run,
         wandb_offline_without_key,
     )
 
@@ -255,6 +257,7 @@ def train(cfg: DraftTrainConfig) -> Path:
             student = trainer.accelerator.unwrap_model(trainer.model)
     if state.is_main_process:
         out.mkdir(parents=True, exist_ok=True)
+        set_aside_earlier_run(out)
         save_draft(student, tokenizer, out, weights, token_map)
     state.wait_for_everyone()
     draft = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).to(state.device).eval()  # as users load it
@@ -278,8 +281,8 @@ def train(cfg: DraftTrainConfig) -> Path:
     }
     atomic_write_text(out / "metrics.json", json.dumps(metrics, indent=1) + "\n")
     recipe = asdict(cfg)
-    atomic_write_text(out / "recipe.json", json.dumps(recipe, indent=1) + "\n")
     write_draft_card(out, recipe, metrics)
+    finish_run_folder(out, recipe)
     print(f"gorgon draft: saved to {out} after {steps} steps: held-out KL {before['kl']:.3f} -> {after['kl']:.3f}, "
           f"top-1 agreement {before['top1']:.3f} -> {after['top1']:.3f}")
     if cfg.push_to_hub:

@@ -461,7 +461,7 @@ def save(run: Run) -> dict:
     Medusa-2's adapter, metrics, recipe, plot, card) from the main process; returns the metrics."""
     from gorgon.heads.card import plot_head_accuracy, write_model_card
     from gorgon.train.data import describe
-    from gorgon.train.recipe import full_state_dict
+    from gorgon.train.recipe import finish_run_folder, full_state_dict, set_aside_earlier_run
 
     cfg, accelerator, out = run.cfg, run.accelerator, run.out
     trained = count_all(accelerator, run.trained)
@@ -486,6 +486,7 @@ def save(run: Run) -> dict:
     trained_weights = full_state_dict(accelerator, run.objective)  # every process: it gathers shards
     if accelerator.is_main_process:
         out.mkdir(parents=True, exist_ok=True)
+        set_aside_earlier_run(out)
         # The heads' own buffers (the draft vocabulary) with the gathered trained weights.
         heads.save_pretrained(out, {**heads.state_dict(), **strip_prefix(trained_weights, "heads.")})
         if cfg.mode == "medusa2":
@@ -494,9 +495,9 @@ def save(run: Run) -> dict:
             follow_umask(out / ADAPTER_DIR)
         recipe = asdict(cfg)
         atomic_write_text(out / "metrics.json", json.dumps(metrics, indent=1) + "\n")
-        atomic_write_text(out / "recipe.json", json.dumps(recipe, indent=1) + "\n")
         plot_head_accuracy(metrics, out / "head_accuracy.png")
         write_model_card(out, recipe, metrics)
+        finish_run_folder(out, recipe)
     return metrics
 
 

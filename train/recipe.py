@@ -54,7 +54,8 @@ class TrainingSettings:
     save_every: int = setting(100, "checkpoint every N steps (0: never)")
     keep_checkpoints: int = setting(2, "newest checkpoints kept")
     resume: bool = setting(False, "continue from the newest checkpoint in --out")
-    overwrite: bool = setting(False, "replace an earlier run's output folder, checkpoints included")
+    overwrite: bool = setting(False, "replace an earlier run's output folder, checkpoints included (finished heads "
+                                     "stay until this run writes its own)")
     seed: int = setting(0, "seed of the held-out split, the shuffling and any initialisation")
     dtype: str = setting("auto", "the target's dtype: auto (bfloat16 on CUDA, float32 on a CPU), float32, "
                                  "bfloat16, float16")
@@ -309,9 +310,11 @@ def check_resume(checkpoint: Path, current: dict) -> None:
 
 
 RUN_MARKER = ".gorgon-run"  # written into a training --out when the run starts: this folder is gorgon's
+REPLACING = "replacing an earlier run\n"  # the marker's text while a run (--overwrite) replaces finished output
+EARLIER = ".earlier-run"  # where the replaced run's files wait while the new run writes its own
 # What a run writes in its --out (heads, a draft model and its tokenizer, checkpoints, the temporary files of
 # atomic writes): --overwrite replaces a folder holding these only, and gorgon bench reports with their plots.
-RUN_FILES = (RUN_MARKER, "checkpoints", "adapter", ".*.tmp", "config.json", "generation_config.json",
+RUN_FILES = (RUN_MARKER, EARLIER, "checkpoints", "adapter", ".*.tmp", "config.json", "generation_config.json",
              "model.safetensors", "model-*-of-*.safetensors", "model.safetensors.index.json", "trees.json",
              "metrics.json", "recipe.json", "head_accuracy.png", "README.md", "tokenizer.json", "tokenizer_config.json",
              "special_tokens_map.json", "added_tokens.json", "chat_template.jinja", "vocab.json", "merges.txt",
@@ -331,8 +334,9 @@ def prepare_output(out: Path, latest_checkpoint, resume: bool, overwrite: bool) 
     """Check a training script's --out before any work; returns the checkpoint to resume from.
 
     A run's own folder (its marker or recipe.json in it) is continued with --resume, or replaced
-    whole with --overwrite, so no stale file (an old bench report) stays beside new weights; an
-    unfinished run with no complete checkpoint starts over. A file, an unwritable place or a
+    whole with --overwrite, so no stale file (an old bench report) stays beside new weights: finished
+    output only once the new run writes its own (`set_aside_earlier_run`); an unfinished run with no
+    complete checkpoint starts over. A file, an unwritable place or a
     non-empty folder of other files is refused. The main process alone checks and changes the
     folder, then tells the others the checkpoint or its refusal, which each process raises: while
     they waited, a refusal on the main process alone ended them with gloo's traceback."""
@@ -368,10 +372,57 @@ def prepare_own_output(out: Path, latest_checkpoint, resume: bool, overwrite: bo
         if latest is not None:
             return latest
     if check_output(out, lambda _: ours, overwrite or (ours and not finished), own_entry=in_run_folder):
+        if finished or replacing(out):
+            # Finished output stays, loadable, until this run writes its own (`set_aside_earlier_run`), so a
+            # run that fails or is killed first loses nothing: only its checkpoints go now, and recipe.json,
+            # which marks the folder finished.
+            shutil.rmtree(out / "checkpoints", ignore_errors=True)
+            (out / "recipe.json").unlink(missing_ok=True)
+            atomic_write_text(out / RUN_MARKER, REPLACING)
+            return None
         shutil.rmtree(out)
         out.mkdir()
     atomic_write_text(out / RUN_MARKER, "")
     return None
+
+
+def replacing(out: Path) -> bool:
+    """Whether the run in `out` replaces a finished run's output (--overwrite), which it has not yet written over."""
+    try:
+        return (out / RUN_MARKER).read_text() == REPLACING
+    except OSError:
+        return False
+
+
+def set_aside_earlier_run(out: Path) -> None:
+    """Before a run that replaces finished output writes its own (main process): the earlier files go into
+    EARLIER, which `finish_run_folder` removes once the new ones are written; a kill in between leaves one
+    whole set of files. If EARLIER is there already, a save was cut short: what it wrote goes, the earlier
+    run's files stay aside."""
+    if not replacing(out):
+        return
+    aside = out / EARLIER
+    cut_short = aside.is_dir()
+    aside.mkdir(exist_ok=True)
+    # Listed before any moves: a bench plot is the run's by the report beside it.
+    entries = [e for e in out.iterdir() if e.name not in (RUN_MARKER, EARLIER, "checkpoints") and in_run_folder(e)]
+    for entry in entries:
+        if not cut_short:
+            os.replace(entry, aside / entry.name)
+        elif entry.is_dir() and not entry.is_symlink():
+            shutil.rmtree(entry)
+        else:
+            entry.unlink()
+
+
+def finish_run_folder(out: Path, recipe: dict) -> None:
+    """The last writes of a run's output (main process): the replaced run's files removed, then recipe.json,
+    which marks the folder finished (so a folder with it holds everything else a run writes)."""
+    from gorgon.heads.files import atomic_write_text
+
+    shutil.rmtree(out / EARLIER, ignore_errors=True)
+    atomic_write_text(out / RUN_MARKER, "")
+    atomic_write_text(out / "recipe.json", json.dumps(recipe, indent=1) + "\n")
 
 
 def wandb_offline_without_key(report_to: str) -> None:
