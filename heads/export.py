@@ -81,8 +81,11 @@ def replace_export(staging: Path, out: Path, written: list[str]) -> None:
     so a killed swap is replaced again by the next --overwrite."""
     try:
         earlier = json.loads((out / EXPORT_MARKER).read_text())
-    except ValueError:  # an older gorgon's empty marker, which meant the whole folder was the export
-        earlier = [str(f.relative_to(out)) for f in out.rglob("*") if f.is_file() and f.name != EXPORT_MARKER]
+    except ValueError:  # an older gorgon's empty marker: which files there are the export's is not known
+        shutil.rmtree(staging)
+        raise GorgonError(f"--out {out} holds an export by an older gorgon, whose {EXPORT_MARKER} does not list its "
+                          "files: remove the folder (after moving away any file of yours), or choose another --out"
+                          ) from None
     clashes = [name for name in written if (out / name).exists() and name not in earlier]
     if clashes:
         shutil.rmtree(staging)

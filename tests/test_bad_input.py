@@ -106,6 +106,12 @@ def test_export_overwrite_replaces_the_earlier_exports_files_only(tmp_path, caps
     assert gorgon(export + ["--format", "medusa", "--overwrite"]) == 2
     assert "holds medusa_lm_head.safetensors, which the earlier export did not write" in capsys.readouterr().err
     assert snapshot(out) == before and not list(tmp_path.glob(".export*"))
+    (out / "medusa_lm_head.safetensors").unlink()
+    (out / ".gorgon-export").write_text("")  # an older gorgon's marker, which lists nothing: refused, nothing removed
+    before = snapshot(out)
+    assert gorgon(export + ["--format", "medusa", "--overwrite"]) == 2
+    assert "holds an export by an older gorgon, whose .gorgon-export does not list its files" in capsys.readouterr().err
+    assert snapshot(out) == before and not list(tmp_path.glob(".export*"))
 
 
 def test_the_folders_written_beside_out_are_gorgons_own(tmp_path):
