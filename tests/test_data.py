@@ -239,6 +239,8 @@ def test_resume_with_other_settings_is_refused(tmp_path):
     with pytest.raises(GorgonError, match=r"o holds a dataset made with other settings \(max_new_tokens\): pass "
                                           r"--overwrite to regenerate it"):
         make_dataset(DataSettings(prompts=src, target=str(target), max_new_tokens=5), out, progress=False)
+    with pytest.raises(GorgonError, match=r"other settings \(cpu_kernels\)"):  # they may round a near-tie apart
+        make_dataset(settings, out, progress=False, cpu_kernels="stock")
 
 
 def test_an_edited_prompts_file_is_not_taken_for_the_one_a_run_used(tmp_path):

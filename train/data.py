@@ -281,7 +281,9 @@ def make_dataset(settings: DataSettings, out: str | os.PathLike, target: Target 
     if settings.prompts == "self" and not settings.limit:
         raise GorgonError("--prompts self needs --limit N: how many prompts the target should write")
     convs = None if settings.prompts == "self" else load_conversations(settings.prompts, settings.limit)
-    record = {"settings": asdict(settings), "prompts_sha256": prompts_hash(convs)}
+    # The CPU kernels round differently, which can resolve a near-tie the other way: a resume keeps them too.
+    kernels = cpu_kernels if settings.engine == "transformers" else None
+    record = {"settings": {**asdict(settings), "cpu_kernels": kernels}, "prompts_sha256": prompts_hash(convs)}
     if is_dataset(out) and not overwrite:
         diff = record_changes(read_metadata(out), record)
         if diff:
