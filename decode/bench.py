@@ -20,7 +20,7 @@ import torch
 
 from gorgon.heads import ContextDrafter, MergedDrafter
 from gorgon.heads.card import check_card_folder, refresh_model_card
-from gorgon.heads.errors import GorgonError, int_at_least
+from gorgon.heads.errors import ArgumentParser, GorgonError, int_at_least
 from gorgon.heads.files import atomic_write, atomic_write_text, check_report_output, read_jsonl
 from gorgon.heads.target import load_causal_lm
 
@@ -383,7 +383,7 @@ def is_report(path: Path) -> bool:
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = ArgumentParser(
         prog="gorgon bench",
         description="Measure gorgon against plain `generate` on MT-Bench-style questions, interleaved in one "
                     "process: tau (tokens per target forward), tokens/s, speedup, and (greedy) how many outputs are "

@@ -7,13 +7,15 @@ import sys
 
 import torch
 
+from gorgon.heads.errors import ArgumentParser
+
 from .acceptance import Sampling
 from .generate import speculative_generate
 from .options import add_model_arguments, load_drafter, read_tree
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = ArgumentParser(
         prog="gorgon generate",
         description="Generate with a target and a drafter: its heads (Medusa or feature-level), a draft "
                     "model, or prompt lookup (--context-draft). Greedy (the default) gives "

@@ -1,5 +1,6 @@
 """The one exception type users see: a single line that names the problem and the fix."""
 
+import argparse
 import dataclasses
 import difflib
 import errno
@@ -29,12 +30,18 @@ def user_error_line(err: Exception) -> str | None:
     return None
 
 
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse's parser, with a bad option in one line, as every other error (argparse prints its whole
+    usage before the error): the problem, then where the options are explained."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def int_at_least(low: int, high: int | None = None):
     """An argparse type: a whole number >= `low` (and <= `high`), so --limit 0 or --max-new-tokens -1 fail
     as they are parsed, before any model loads."""
     def parse(text: str) -> int:
-        import argparse
-
         try:
             value = int(text)
         except ValueError:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from .eagle import EagleHead
 from .eagle import formats as eagle_formats
-from .errors import GorgonError
+from .errors import ArgumentParser, GorgonError
 from .files import atomic_write_text, check_output, new_temp, remove_stale_temps
 from .loading import load_heads
 from .medusa import formats as medusa_formats
@@ -25,7 +25,7 @@ def is_export(folder: Path) -> bool:
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="gorgon export", description="Export heads for a serving engine. Medusa heads: "
+    p = ArgumentParser(prog="gorgon export", description="Export heads for a serving engine. Medusa heads: "
                                 "'vllm' (vLLM's Medusa model) or 'medusa' (FasterDecoding Medusa, which TGI and "
                                 "TensorRT-LLM read). A feature-level head: 'eagle3' (vLLM's and SGLang's EAGLE-3) or "
                                 "'speculators' (the speculators library's format, which vLLM reads).")

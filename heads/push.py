@@ -5,12 +5,12 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from .errors import GorgonError
+from .errors import ArgumentParser, GorgonError
 from .hub import CONFIG_NAME, upload_folder
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="gorgon push", description="Create the Hub repo if needed and upload a heads "
+    p = ArgumentParser(prog="gorgon push", description="Create the Hub repo if needed and upload a heads "
                                 "folder (heads, config, trees, metrics, plot, model card) in one commit.")
     p.add_argument("--heads", required=True, help="the heads folder to upload")
     p.add_argument("--repo-id", required=True, help="user/name on the Hub")

@@ -9,7 +9,6 @@ forward over a tree of --nodes (a chain and branches), lm_head included, on a ca
 ratio, the hidden states checked identical, and the CPU's flags.
 """
 
-import argparse
 import statistics
 import time
 
@@ -21,14 +20,14 @@ from gorgon.decode.calibrate import cpu_flags, cpu_name
 from gorgon.decode.kernels import use_cpu_kernels
 from gorgon.decode.verify import verify
 from gorgon.heads import load_target
-from gorgon.heads.errors import run_script
+from gorgon.heads.errors import ArgumentParser, run_script
 from gorgon.heads.target import base_model, crop_cache, lm_logits, with_cache
 from gorgon.heads.tree import REFERENCE_ACCURACIES, build_tree, tree_from_accuracies
 
 
 @torch.inference_mode()
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--target", default=None, help="hub id or local path (default: the embedded SmolLM2-135M-Instruct)")
     p.add_argument("--contexts", type=int, nargs="+", default=[128, 512, 1024], help="cache sizes to time at")
     p.add_argument("--nodes", type=int, default=8, help="tree nodes verified per forward (default 8)")

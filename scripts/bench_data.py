@@ -17,13 +17,13 @@ import torch
 
 from gorgon.decode.kernels import KERNELS
 from gorgon.heads import load_target
-from gorgon.heads.errors import int_at_least, run_script
+from gorgon.heads.errors import ArgumentParser, int_at_least, run_script
 from gorgon.train.data import DataSettings, Engine, chat_ids
 from gorgon.train.records import load_conversations
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--prompts", required=True, help="a prompts file, dataset folder or hub dataset, as `gorgon data` "
                    "takes")
     p.add_argument("--target", default=None, help="hub id or local path (default: the embedded SmolLM2-135M-Instruct)")

@@ -12,12 +12,12 @@ import time
 
 import torch
 
-from gorgon.heads.errors import int_at_least, run_script
+from gorgon.heads.errors import ArgumentParser, int_at_least, run_script
 from gorgon.heads.target import resolve_device, resolve_dtype
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--in", dest="n_in", type=int_at_least(1), default=1536,
                    help="input features (default 1536: Qwen2.5-1.5B's MLP)")
     p.add_argument("--out", dest="n_out", type=int_at_least(1), default=8960,

@@ -15,7 +15,7 @@ import time
 import torch
 
 from gorgon.heads import MedusaHeads, load_target
-from gorgon.heads.errors import int_at_least, run_script
+from gorgon.heads.errors import ArgumentParser, int_at_least, run_script
 from gorgon.heads.medusa.objective import heads_loss
 from gorgon.heads.target import base_model
 from gorgon.train.examples import collate, load_examples
@@ -29,7 +29,7 @@ def peak_memory_mb(device) -> float:
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--data", required=True, help="`gorgon data` output folder, or a .jsonl/.json file of conversations")
     p.add_argument("--target", default=None, help="hub id or local path (default: the embedded SmolLM2-135M-Instruct)")
     p.add_argument("--batch-size", type=int_at_least(1), default=8, help="conversations per step (default 8)")

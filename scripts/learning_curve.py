@@ -13,13 +13,12 @@ draft); tau is measured with nothing timed (`gorgon.decode.tau`), every drafter 
 top-1 against conversations, one line per method): a curve still rising says data limits tau.
 """
 
-import argparse
 import json
 from pathlib import Path
 
 from gorgon.decode.bench import load_questions
 from gorgon.decode.tau import measure_tau, per_category_sample
-from gorgon.heads.errors import int_at_least, run_script
+from gorgon.heads.errors import ArgumentParser, int_at_least, run_script
 from gorgon.heads.files import atomic_write, atomic_write_text, check_report_output
 from gorgon.heads.loading import drafter_for, load_heads
 
@@ -62,7 +61,7 @@ def plot(points: list[dict], path: Path) -> None:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--heads", nargs="+", required=True, help="heads folders from train/heads.py")
     p.add_argument("--questions", required=True, help="held-out MT-Bench/Spec-Bench .jsonl")
     p.add_argument("--per-category", type=int, default=None, help="the first N questions of each category only")

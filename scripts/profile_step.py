@@ -32,7 +32,7 @@ from gorgon.decode.kernels import kernels_in_use, stock_rows, use_cpu_kernels
 from gorgon.decode.options import add_model_arguments, load_drafter, read_tree
 from gorgon.decode.verify import features, keep_path, verify
 from gorgon.heads import HeadsDrafter, MedusaHeads
-from gorgon.heads.errors import run_script
+from gorgon.heads.errors import ArgumentParser, run_script
 from gorgon.heads.target import base_model, crop_cache, lm_logits, resolve_device, resolve_dtype, with_cache
 
 
@@ -110,7 +110,7 @@ def conversation(target, questions: str, length: int) -> torch.Tensor:
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_model_arguments(p)
     p.add_argument("--random-target", metavar="CONFIG",
                    help="instead of --heads/--draft: build the target from this config.json with random weights, "

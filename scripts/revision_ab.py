@@ -39,7 +39,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from gorgon.decode.bench import load_questions
 from gorgon.decode.options import add_model_arguments
-from gorgon.heads.errors import GorgonError, int_at_least, run_script
+from gorgon.heads.errors import ArgumentParser, GorgonError, int_at_least, run_script
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("heads", "decode")
@@ -149,7 +149,7 @@ class Side:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--against", required=True, help="the git revision to compare with (a commit, tag or branch), or "
                    "a folder holding another copy's heads/ and decode/")
     add_model_arguments(p)

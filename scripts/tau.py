@@ -10,18 +10,17 @@ scripts/profile_step.py for the cost of a forward over N tokens).
 `--json` prints one JSON line: {"drafter", "tau", "nodes_per_step", "per_category", "train_conversations", ...}.
 """
 
-import argparse
 import json
 from pathlib import Path
 
 from gorgon.decode.bench import load_questions
 from gorgon.decode.options import add_model_arguments, drafter_name, load_drafter, read_tree
 from gorgon.decode.tau import measure_tau, per_category_sample
-from gorgon.heads.errors import run_script
+from gorgon.heads.errors import ArgumentParser, run_script
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = ArgumentParser(description=__doc__.split("\n\n")[0])
     add_model_arguments(p)
     p.add_argument("--questions", required=True, help="MT-Bench/Spec-Bench .jsonl")
     p.add_argument("--per-category", type=int, default=None, help="the first N questions of each category only")

@@ -32,7 +32,7 @@ from gorgon.decode.acceptance import Sampling
 from gorgon.decode.attention import decoding_attention
 from gorgon.decode.bench import load_questions, timed_generate, timed_speculative
 from gorgon.decode.options import add_model_arguments, load_drafter, read_tree
-from gorgon.heads.errors import GorgonError, int_at_least, run_script
+from gorgon.heads.errors import ArgumentParser, GorgonError, int_at_least, run_script
 from gorgon.heads.files import atomic_write, check_writable
 
 # The decoder's step parts, as speculative_generate calls them: each is labelled in the trace.
@@ -89,7 +89,7 @@ def labelled_parts(drafter, count: OperatorCount):
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_model_arguments(p)
     p.add_argument("--questions", required=True, help="MT-Bench/Spec-Bench .jsonl, e.g. scripts/data/mt_bench.jsonl")
     p.add_argument("--limit", type=int_at_least(1), default=2, help="first N questions, first turns (default 2)")

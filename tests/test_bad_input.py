@@ -531,3 +531,20 @@ def test_accelerate_launch_quiet_prints_the_message_alone(tmp_path):
          "--max-steps", "-1"], env=env(), capture_output=True, text=True, cwd=tmp_path)
     assert run.returncode != 0
     assert run.stderr == "train/heads.py: error: max_steps must be at least 0 (0 saves the untrained heads), not -1\n"
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["generate", "--prompt", "hi", "--max-new-tokens", "0"],
+     "gorgon generate: error: argument --max-new-tokens: must be at least 1, not 0 (see gorgon generate --help)"),
+    (["data", "--prompts", "p.jsonl", "--out", "o", "--seed", "abc"],
+     "gorgon data: error: argument --seed: invalid int value: 'abc' (see gorgon data --help)"),
+    (["bench", "--questions", "q.jsonl", "--heads", "h", "--draft", "d"],
+     "gorgon bench: error: argument --draft: not allowed with argument --heads (see gorgon bench --help)"),
+    (["export", "--heads", "h", "--out", "o", "--format", "onnx"], "gorgon export: error: argument --format: invalid "
+     "choice: 'onnx'"),
+])
+def test_a_bad_option_is_one_line_without_the_usage(argv, says, capsys):
+    with pytest.raises(SystemExit) as exit:
+        gorgon(argv)
+    err = capsys.readouterr().err
+    assert exit.value.code == 2 and err.count("\n") == 1 and err.startswith(says)

@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 from gorgon.decode.kernels import KERNELS, use_cpu_kernels
-from gorgon.heads.errors import GorgonError, int_at_least
+from gorgon.heads.errors import ArgumentParser, GorgonError, int_at_least
 from gorgon.heads.files import atomic_write_text, check_output, new_temp, read_jsonl, remove_stale_temps
 from gorgon.heads.target import Target, load_target
 
@@ -386,7 +386,7 @@ def make_dataset(settings: DataSettings, out: str | os.PathLike, target: Target 
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = ArgumentParser(
         prog="gorgon data",
         description="Self-distillation: the frozen target answers prompts; the answers become the heads' training "
                     "data (a `datasets` folder with a `messages` column). Rerun the same command to resume.")
