@@ -190,6 +190,12 @@ def test_no_chat_template_is_a_clear_error(tmp_path):
     src = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "hi"}])
     with pytest.raises(GorgonError, match="no chat template: pass --chat-template"):
         make_dataset(DataSettings(prompts=src, target=str(path)), tmp_path / "o", progress=False)
+    # A broken one fails in one line before the unfinished run's folder is made, so a fixed one starts afresh.
+    (tmp_path / "broken.jinja").write_text("{% for m in messages %}{{ m.content ")
+    with pytest.raises(GorgonError, match=r"^--chat-template failed \(TemplateSyntaxError: unexpected end of template"):
+        make_dataset(DataSettings(prompts=src, target=str(path), chat_template=str(tmp_path / "broken.jinja")),
+                     tmp_path / "o", progress=False)
+    assert not (tmp_path / "o.partial").exists() and not (tmp_path / "o").exists()
 
 
 @pytest.mark.slow

@@ -123,8 +123,17 @@ class VllmEngine(Engine):
 
 
 def chat_ids(tok, messages: list[dict], template: str | None) -> list[int]:
-    return tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=True,
-                                   chat_template=template)["input_ids"]
+    """The prompt's token ids under the chat template (`template`, else the tokenizer's); a template that fails
+    (a syntax error, or its own raise_exception for these messages) is one line."""
+    from jinja2 import TemplateError
+
+    try:
+        return tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=True,
+                                       chat_template=template)["input_ids"]
+    except TemplateError as err:
+        which = "--chat-template" if template else "the tokenizer's chat template"
+        raise GorgonError(f"{which} failed ({type(err).__name__}: {' '.join(str(err).split())}): fix the "
+                          "template, or pass another with --chat-template FILE") from err
 
 
 def answer_conversations(engine: Engine, convs: list[dict], positions: list[int], settings: DataSettings,
@@ -309,6 +318,7 @@ def make_dataset(settings: DataSettings, out: str | os.PathLike, target: Target 
     tok = target.tokenizer
     if template is None and not getattr(tok, "chat_template", None):
         raise GorgonError(f"the tokenizer of {target.name} has no chat template: pass --chat-template FILE (Jinja)")
+    chat_ids(tok, [{"role": "user", "content": "Hello"}], template)  # a broken template fails before any work
     engine_settings = DataSettings(**{**asdict(settings), "chat_template": template})
     engine = (VllmEngine(target, engine_settings) if settings.engine == "vllm"
               else Engine(target, engine_settings, cpu_kernels))
