@@ -132,6 +132,14 @@ def read_text(path: Path) -> str:
         raise GorgonError(f"{path} is not UTF-8 text (byte {err.start} cannot be decoded): pass a text file") from err
 
 
+def read_config(path: Path, what: str = "heads") -> dict:
+    """A drafter folder's config.json; one that cannot be read or parsed is one line naming the fix."""
+    try:
+        return json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise GorgonError(f"cannot read {path} ({err.__class__.__name__}): re-save or re-download the {what}") from err
+
+
 def read_jsonl(path: Path) -> list:
     """One JSON value per line, blank lines skipped; a bad line is an error naming its number."""
     records = []
@@ -214,8 +222,17 @@ def reading_weights(folder: Path, weights_name: str):
     except (SafetensorError, OSError) as err:
         raise GorgonError(f"the weights in {folder} are corrupt ({err}): re-save or re-download the heads") from err
     except (RuntimeError, KeyError) as err:
-        raise GorgonError(f"the weights in {folder} do not match its config.json ({err.__class__.__name__}: "
-                          f"{str(err)[:80]}): re-save the heads") from err
+        raise GorgonError(f"the weights in {folder} do not match its config.json ({first_problem(err)}): re-save "
+                          "the heads") from err
+
+
+def first_problem(err: Exception, most: int = 240) -> str:
+    """One line for a load error: torch's state-dict error lists each mismatch on a line of its own under a
+    header; the first mismatch (the tensor and both shapes) is the one to show."""
+    lines = [" ".join(line.split()) for line in str(err).splitlines() if line.strip()]
+    listed = [line for line in lines[1:] if line.startswith(("size mismatch", "Missing key", "Unexpected key"))]
+    text = (listed or lines or [err.__class__.__name__])[0]
+    return text if len(text) <= most else text[: most - 3] + "..."
 
 
 def read_safetensors_folder(folder: Path, what: str) -> dict:

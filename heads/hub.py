@@ -16,6 +16,12 @@ CONFIG_NAME = "config.json"
 LOADED_FILES = ["*.safetensors", "*.safetensors.index.json", "medusa_lm_head.pt", "trees.json", "adapter/*"]
 
 
+def resolve_heads_folder(name_or_path: str | os.PathLike) -> Path:
+    """A local heads folder, or a hub repo id fetched to the hub cache: the files any heads folder
+    gorgon reads may hold (its own, an engine's layout with sharded weights, FasterDecoding's .pt)."""
+    return resolve_folder(name_or_path, "heads", [CONFIG_NAME, "*.md", *LOADED_FILES])
+
+
 def resolve_folder(name_or_path: str | os.PathLike, what: str, patterns: list[str]) -> Path:
     """A local folder with a config.json as is; anything else is a hub repo id, fetched to the hub cache
     (only the files matching `patterns`). `what` names the thing in errors ("heads")."""

@@ -15,9 +15,9 @@ from .eagle import EagleDrafter, EagleHead
 from .eagle.formats import foreign_format
 from .eagle.model import ARCH
 from .errors import GorgonError
-from .hub import CONFIG_NAME
+from .hub import CONFIG_NAME, resolve_heads_folder
 from .medusa import HeadsDrafter, MedusaHeads, load_with_heads
-from .medusa.model import ADAPTER_DIR, resolve_heads_folder
+from .medusa.model import ADAPTER_DIR
 from .target import Target, load_target
 
 

@@ -1,4 +1,5 @@
 import json
+import re
 
 import pytest
 import torch
@@ -121,6 +122,17 @@ def test_bad_checkpoints(tmp_path):
         (tmp_path / "config.json").write_text(json.dumps({**cfg, key: value}))
         with pytest.raises(GorgonError, match=rf"config.json has {key} = {value!r}, which is not {kind}: correct it"):
             MedusaHeads.from_pretrained(tmp_path)
+    (tmp_path / "config.json").write_bytes(b"\xff\xfe{}")  # not UTF-8: one line, as for a feature-level head
+    with pytest.raises(GorgonError, match=r"cannot read .*config.json \(UnicodeDecodeError\): re-save or re-download"):
+        MedusaHeads.from_pretrained(tmp_path)
+    weights = (tmp_path / "model.safetensors").read_bytes()
+    (tmp_path / "config.json").write_text(json.dumps({**cfg, "hidden_size": 2 * cfg["hidden_size"]}))
+    with pytest.raises(GorgonError) as wrong_shape:
+        MedusaHeads.from_pretrained(tmp_path)
+    assert "\n" not in str(wrong_shape.value) and re.search(
+        r"do not match its config.json \(size mismatch for blocks\.0\.0\.\w+\.weight: copying a param with shape "
+        r"torch.Size\(\[\d+, \d+\]\) from checkpoint, the shape in current model is torch.Size", str(wrong_shape.value))
+    (tmp_path / "model.safetensors").write_bytes(weights)
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     (tmp_path / "model.safetensors").write_bytes(b"\x00garbage")
     with pytest.raises(GorgonError, match="corrupt"):

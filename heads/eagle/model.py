@@ -31,8 +31,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import GorgonError, config_from_dict
-from ..files import atomic_write, atomic_write_text, reading_weights
-from ..hub import CONFIG_NAME, PushToHubMixin, resolve_folder
+from ..files import atomic_write, atomic_write_text, read_config, reading_weights
+from ..hub import CONFIG_NAME, PushToHubMixin, resolve_heads_folder
 from ..target import Target, attach_to_target, check_fits, with_cache
 from .formats import check_layer_fields, foreign_format, import_head
 
@@ -307,13 +307,9 @@ class EagleHead(PushToHubMixin, nn.Module):
         by fingerprint; a bare model by shape only). EAGLE-3 and speculators folders are read too."""
         from safetensors.torch import load_file
 
-        folder = resolve_folder(name_or_path, "heads", [CONFIG_NAME, "*.safetensors", "*.md"])
+        folder = resolve_heads_folder(name_or_path)
         config_path = folder / CONFIG_NAME
-        try:
-            data = json.loads(config_path.read_text())
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
-            raise GorgonError(f"cannot read {config_path} ({err.__class__.__name__}): re-save or re-download the "
-                              "head") from err
+        data = read_config(config_path, "head")
         model = target.model if isinstance(target, Target) else target
         with reading_weights(folder, WEIGHTS_NAME):
             fmt = foreign_format(data)

@@ -17,8 +17,8 @@ import torch
 from torch import nn
 
 from ..errors import GorgonError, config_from_dict
-from ..files import atomic_write, atomic_write_text, reading_weights
-from ..hub import CONFIG_NAME, LOADED_FILES, PushToHubMixin, resolve_folder
+from ..files import atomic_write, atomic_write_text, read_config, reading_weights
+from ..hub import CONFIG_NAME, PushToHubMixin, resolve_heads_folder
 from ..target import Target, attach_to_target, check_fits, lm_logits
 from ..tree import expected_accepted, tree_from_accuracies
 from .formats import foreign_format, import_heads
@@ -220,11 +220,7 @@ class MedusaHeads(PushToHubMixin, nn.Module):
 
         folder = resolve_heads_folder(name_or_path)
         config_path = folder / CONFIG_NAME
-        try:
-            data = json.loads(config_path.read_text())
-        except (OSError, json.JSONDecodeError) as err:
-            raise GorgonError(f"cannot read {config_path} ({err.__class__.__name__}): "
-                              "re-save or re-download the heads") from err
+        data = read_config(config_path)
         fmt = foreign_format(folder, data)
         with reading_weights(folder, WEIGHTS_NAME):
             if fmt:
@@ -267,7 +263,3 @@ def read_trees(path: Path) -> dict:
     return trees
 
 
-def resolve_heads_folder(name_or_path: str | os.PathLike) -> Path:
-    """A local heads folder, or a hub repo id fetched to the hub cache: the files any heads folder
-    gorgon reads may hold (its own, an engine's layout with sharded weights, FasterDecoding's .pt)."""
-    return resolve_folder(name_or_path, "heads", [CONFIG_NAME, "*.md", *LOADED_FILES])
