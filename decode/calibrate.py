@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from gorgon.heads.files import atomic_write_text
-from gorgon.heads.target import additive_mask, base_model, cache_dir, crop_cache, growing_cache, with_cache
+from gorgon.heads.target import base_model, cache_dir, crop_cache, growing_cache, with_cache
 from gorgon.heads.tree import build_tree
 
 from .argmax import argmax_in_use, target_argmax
@@ -118,40 +118,11 @@ def measure_verify_costs(model, sizes=None, context: int = 256, repeat: int = 20
 
 
 @torch.inference_mode()
-def draft_level_cost(draft, target_model, rows: int = 1, context: int = 256, repeat: int = 20) -> float:
-    """One level of a draft model's search (a forward over `rows` new tokens on a cache of `context`, and its
-    log-probabilities) in plain target steps: `level_cost`."""
-    device = draft.device
-    prompt = torch.randint(0, draft.config.get_text_config().vocab_size, (1, context + rows), device=device)
-    cache = growing_cache()
-    draft(input_ids=prompt[:, :context], **with_cache(draft, cache), use_cache=True)
-
-    def level():
-        draft(input_ids=prompt[:, context:], **with_cache(draft, cache), use_cache=True).logits.float().log_softmax(-1)
-
-    return level_cost(level, lambda: crop_cache(cache, context), target_model, device, repeat)
-
-
-@torch.inference_mode()
-def head_level_cost(head, target_model, rows: int = 1, context: int = 256, repeat: int = 20) -> float:
-    """One level of a feature-level head's search (its layer over `rows` drafted features on a cache of
-    `context`, its logits and their log-probabilities) in plain target steps: `level_cost`."""
-    device, dtype = head.fc.weight.device, head.fc.weight.dtype
-    features = torch.randn(1, context + rows, head.config.hidden_size, dtype=dtype, device=device)
-    tokens = torch.randint(0, head.config.vocab_size, (1, context + rows), device=device)
-    cos, sin = head.rope(torch.arange(context + rows, device=device)[None], dtype)
-    causal = additive_mask(torch.ones(context, context, dtype=torch.bool, device=device).tril(), dtype)
-    sees = torch.zeros(1, 1, rows, context + rows, dtype=dtype, device=device)
-    cache = growing_cache()
-    head.layer(features[:, :context], tokens[:, :context], (cos[:, :context], sin[:, :context]), causal[None, None],
-               cache)
-
-    def level():
-        drafted = head.layer(features[:, context:], tokens[:, context:], (cos[:, context:], sin[:, context:]), sees,
-                             cache)
-        head.logits(drafted).float().log_softmax(-1)
-
-    return level_cost(level, lambda: crop_cache(cache, context), target_model, device, repeat)
+def drafted_level_cost(drafter, target_model, repeat: int = 20) -> float:
+    """One level of a drafter's search (its `level_trial()`: a level of `topk` rows on a cache of 256) in plain
+    target steps: `level_cost`."""
+    level, reset = drafter.level_trial()
+    return level_cost(level, reset, target_model, target_model.device, repeat)
 
 
 def level_cost(level, reset, target_model, device: torch.device, repeat: int = 20) -> float:

@@ -11,23 +11,23 @@ from pathlib import Path
 import torch
 
 from gorgon.heads import (
+    MAX_DRAFT_TOKENS,
     ContextDrafter,
     DraftModelDrafter,
-    EagleHead,
     GorgonError,
     MergedDrafter,
+    load_draft,
     load_target,
 )
-from gorgon.heads.draft_model.drafter import MAX_DRAFT_TOKENS
-from gorgon.heads.draft_model.model import DRAFT_VOCAB_NAME, cut_to_draft_vocab, load_draft_vocab
 from gorgon.heads.errors import int_at_least
 from gorgon.heads.files import read_text
 from gorgon.heads.loading import drafter_for, load_heads, load_heads_for
-from gorgon.heads.target import check_same_tokenizer, load_causal_lm
 from gorgon.heads.tree import best_tree_size
 
-from .calibrate import draft_level_cost, head_level_cost, verify_costs
+from .calibrate import drafted_level_cost, verify_costs
 from .kernels import DRAFT_DTYPES, KERNELS, draft_dtype, stock_rows, use_cpu_kernels
+
+DRAFT_TOKENS = 4  # a --draft model's levels per step unless --draft-tokens says otherwise
 
 
 def add_model_arguments(p: argparse.ArgumentParser) -> None:
@@ -41,9 +41,9 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
     group = p.add_mutually_exclusive_group()
     group.add_argument("--heads", help="heads folder or hub id (from train/heads.py or save_pretrained)")
     group.add_argument("--draft", help="a small draft model (hub id or path) sharing the target's tokenizer")
-    p.add_argument("--draft-tokens", type=int_at_least(1, MAX_DRAFT_TOKENS), default=4,
+    p.add_argument("--draft-tokens", type=int_at_least(1, MAX_DRAFT_TOKENS), default=None,
                    help=f"levels a --draft model drafts per step (its chain's length), 1 to {MAX_DRAFT_TOKENS} "
-                        "(default 4)")
+                        f"(default {DRAFT_TOKENS})")
     p.add_argument("--draft-level-cost", type=draft_level_cost_value, default=None,
                    help="a --draft model or feature-level head stops drafting deeper in a step once its "
                         "candidates' chances sum below this (a level's drafting time in target steps): auto (the "
@@ -109,6 +109,12 @@ def load_drafter(args, tree):
                           "head)")
     if args.draft_topk and not (args.heads or args.draft):
         raise GorgonError("--draft-topk shapes a search: it needs --heads or --draft")
+    if args.draft_tokens and not args.draft:
+        raise GorgonError("--draft-tokens sets a --draft model's levels per step: it needs --draft (a feature-level "
+                          "head's are --draft-depth)")
+    if args.draft_dtype != "auto" and not (args.heads or args.draft):
+        raise GorgonError("--draft-dtype sets the dtype of a drafter's own weights: it needs --heads or --draft "
+                          "(context drafts have none)")
     context = context_drafter(args) if args.context_draft else None
     if not (args.heads or args.draft):
         if tree != "auto":
@@ -144,28 +150,19 @@ def load_model_drafter(args, tree):
                           "not rank paths")
     if args.heads:
         target, heads = load_heads(args.heads, args.target, device=args.device, dtype=args.dtype)
-        if args.draft_level_cost not in (None, "auto") and not isinstance(heads, EagleHead):
-            raise GorgonError(f"{args.heads} holds Medusa heads, which draft every level in one forward: "
-                              "--draft-level-cost has nothing to stop (it applies to --draft and feature-level heads)")
         use_cpu_kernels(target.model, args.cpu_kernels)
         return target, heads_drafter(heads, target, args, tree, args.heads)
     target = load_target(args.target, device=args.device, dtype=args.dtype)
-    # A folder of weights only has no tokenizer: the vocabulary size check is all there is to go on.
-    draft, draft_tokenizer = load_causal_lm(args.draft, "draft model", dtype=target.model.dtype, tokenizer="optional")
-    if draft_tokenizer is not None:
-        check_same_tokenizer(target.tokenizer, draft_tokenizer, f"draft {args.draft}")
+    draft, token_map = load_draft(args.draft, target)
     use_cpu_kernels(target.model, args.cpu_kernels)
-    token_map = load_draft_vocab(args.draft, draft.config.get_text_config().vocab_size)
     if token_map is not None:
-        cut_to_draft_vocab(draft, token_map)
-        print(f"gorgon: the draft drafts from its {len(token_map)}-token draft vocabulary ({DRAFT_VOCAB_NAME})",
-              file=sys.stderr)
+        print(f"gorgon: the draft drafts from its {len(token_map)}-token draft vocabulary", file=sys.stderr)
     draft = draft.to(target.model.device, draft_dtype(target.model, args.cpu_kernels, args.draft_dtype)).eval()
     use_drafter_kernels(draft, target.model, args.cpu_kernels)
-    nodes, topk = None if tree == "auto" else tree, args.draft_topk or 1
-    level_cost = chosen_level_cost(args, args.draft_tokens, lambda: draft_level_cost(draft, target.model, rows=topk))
-    drafter = DraftModelDrafter(draft, args.draft_tokens, topk, nodes, token_map, level_cost)
-    return target, drafter.check_vocab(target.model)
+    nodes = None if tree == "auto" else tree
+    drafter = DraftModelDrafter(draft, args.draft_tokens or DRAFT_TOKENS, args.draft_topk or 1, nodes, token_map)
+    drafter.level_cost = chosen_level_cost(args, drafter.depth, lambda: drafted_level_cost(drafter, target.model))
+    return target, drafter
 
 
 def chosen_level_cost(args, levels: int, measure) -> float:
@@ -184,19 +181,22 @@ def chosen_level_cost(args, levels: int, measure) -> float:
 def heads_drafter(heads, target, args, tree, folder: str):
     """The drafter for the heads of `folder`, loaded onto `target` (on its kernels already): the head in its
     draft dtype on the target's kernels, and with `--tree auto` the tree size that suits this machine."""
-    if isinstance(heads, EagleHead):  # Medusa heads share the target's lm_head, so keep its dtype
+    if heads.drafts_in_own_dtype:
         heads.to(draft_dtype(target.model, args.cpu_kernels, args.draft_dtype))
+    elif args.draft_dtype != "auto":
+        raise GorgonError(f"the heads in {folder} keep the target's dtype (they read its hidden states): drop "
+                          "--draft-dtype, which sets a feature-level head's or a --draft model's")
     use_drafter_kernels(heads, target.model, args.cpu_kernels)
     if tree == "auto" and heads.accuracies:
-        levels = (heads.level_accuracies(args.draft_depth) if isinstance(heads, EagleHead)
-                  else heads.accuracies[: heads.config.num_heads])
-        tree = best_tree_size(levels, verify_costs(target.model))
+        tree = best_tree_size(heads.level_accuracies(args.draft_depth), verify_costs(target.model))
         print(f"gorgon: a {tree}-node tree fits {folder} best on this machine (--tree N to choose another)",
               file=sys.stderr)
     drafter = drafter_for(heads, tree, args.draft_depth, args.draft_topk)
-    if isinstance(heads, EagleHead):  # the level's rows are the search's top-k, known once the drafter widened it
-        drafter.level_cost = chosen_level_cost(
-            args, drafter.depth, lambda: head_level_cost(heads, target.model, rows=drafter.topk))
+    if hasattr(drafter, "level_trial"):  # a search whose levels can stop: timed at its (possibly widened) top-k
+        drafter.level_cost = chosen_level_cost(args, drafter.depth, lambda: drafted_level_cost(drafter, target.model))
+    elif args.draft_level_cost not in (None, "auto"):
+        raise GorgonError(f"the heads in {folder} draft every level in one forward: --draft-level-cost has nothing "
+                          "to stop (it applies to --draft and feature-level heads)")
     return drafter
 
 

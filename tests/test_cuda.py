@@ -54,7 +54,7 @@ def test_feature_level_drafter_greedy_equals_generate_on_cuda_fp32(arch):
 def test_level_stops_and_a_draft_vocabulary_keep_greedy_output_exact_on_cuda_fp32():
     """The cost-aware stop (a level's cost timed on the device) for a feature-level head and for a draft model cut
     to a draft vocabulary (its ids mapped to the target's on the device) against `generate`."""
-    from gorgon.decode.calibrate import draft_level_cost, head_level_cost
+    from gorgon.decode.calibrate import drafted_level_cost
     from gorgon.heads import DraftModelDrafter
     from gorgon.heads.draft_model import cut_to_draft_vocab
 
@@ -64,12 +64,12 @@ def test_level_stops_and_a_draft_vocabulary_keep_greedy_output_exact_on_cuda_fp3
     torch.manual_seed(1)
     head = EagleHead.for_target(model).cuda()
     draft = cut_to_draft_vocab(tiny_model("llama", vocab=8, seed=7).cuda(), torch.tensor([0, 2, 3, 5, 6]))
-    costs = head_level_cost(head, model, rows=2, repeat=3), draft_level_cost(draft, model, rows=2, repeat=3)
-    assert all(0 < cost < float("inf") for cost in costs)
-    for cost in (0.0, 0.05, 0.5):
-        drafters = [EagleDrafter(head, nodes=8, depth=4, topk=2, level_cost=cost),
-                    DraftModelDrafter(draft, k=4, topk=2, token_map=torch.tensor([0, 2, 3, 5, 6]), level_cost=cost)]
+    for cost in (None, 0.05, 0.5):
+        drafters = [EagleDrafter(head, nodes=8, depth=4, topk=2),
+                    DraftModelDrafter(draft, k=4, topk=2, token_map=torch.tensor([0, 2, 3, 5, 6]))]
         for drafter in drafters:
+            drafter.level_cost = drafted_level_cost(drafter, model, repeat=3) if cost is None else cost
+            assert 0 < drafter.level_cost < float("inf")
             for seed in range(2):
                 ids = torch.randint(0, 8, (1, 6 + seed), generator=torch.Generator().manual_seed(seed)).cuda()
                 ref = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=24, do_sample=False)

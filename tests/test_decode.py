@@ -459,6 +459,11 @@ def test_a_level_that_cannot_pay_is_not_drafted():
             assert result.tokens == reference(model, ids[None], 20)
     with pytest.raises(GorgonError, match="a draft level's cost is a finite number of target steps >= 0, not -1"):
         DraftModelDrafter(draft, level_cost=-1)
+    from gorgon.decode.calibrate import drafted_level_cost
+
+    levels.clear()  # timed as a level runs: one forward over top-k new tokens (and the cache's prefill)
+    assert 0 < drafted_level_cost(DraftModelDrafter(draft, k=4, topk=3), model, repeat=2) < float("inf")
+    assert levels == [256] + [3] * 3
 
 
 def test_a_draft_vocabulary_is_saved_loaded_and_checked(tmp_path):

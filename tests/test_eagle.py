@@ -143,11 +143,11 @@ def test_stopping_the_expansion_early_leaves_the_tree_unchanged(monkeypatch):
 def test_a_level_that_cannot_pay_is_not_drafted(monkeypatch):
     """The head's search stops as a draft model's does once its frontier's chances sum below a level's cost
     (`can_grow`), with output still exact; the cost is measured as a positive number of target steps."""
-    from gorgon.decode.calibrate import head_level_cost
+    from gorgon.decode.calibrate import drafted_level_cost
 
     model = tiny_model("llama", vocab=8, layers=4)
     head = head_for(model, seed=1)
-    assert 0 < head_level_cost(head, model, rows=3, repeat=2) < float("inf")
+    assert 0 < drafted_level_cost(EagleDrafter(head, nodes=8, depth=4, topk=3), model, repeat=2) < float("inf")
     calls, layer = [], head.layer
     monkeypatch.setattr(head, "layer", lambda *args, **kwargs: calls.append(1) or layer(*args, **kwargs))
     ids = torch.randint(0, 8, (7,), generator=torch.Generator().manual_seed(0))
@@ -591,9 +591,16 @@ def test_cli_draft_depth_and_topk_shape_the_search(tmp_path, capsys):
                                                     "search; Medusa heads draft one level per head: choose their "
                                                     "tree with --tree")
     assert gorgon(medusa + ["--draft-level-cost", "0.1"] + common) == 2
-    assert capsys.readouterr().err.strip().endswith("holds Medusa heads, which draft every level in one forward: "
-                                                    "--draft-level-cost has nothing to stop (it applies to --draft "
-                                                    "and feature-level heads)")
+    assert capsys.readouterr().err.strip().endswith("medusa draft every level in one forward: --draft-level-cost "
+                                                    "has nothing to stop (it applies to --draft and feature-level "
+                                                    "heads)")
+    assert gorgon(medusa + ["--draft-dtype", "bfloat16"] + common) == 2  # ignored before
+    assert capsys.readouterr().err.strip().endswith("medusa keep the target's dtype (they read its hidden states): "
+                                                    "drop --draft-dtype, which sets a feature-level head's or a "
+                                                    "--draft model's")
+    assert gorgon(medusa + ["--draft-tokens", "3"] + common) == 2  # ignored before
+    assert capsys.readouterr().err.strip().endswith("--draft-tokens sets a --draft model's levels per step: it needs "
+                                                    "--draft (a feature-level head's are --draft-depth)")
     assert gorgon(["generate", "--context-draft", "--draft-topk", "2", "--prompt", "x"] + common) == 2
     assert capsys.readouterr().err.strip().endswith("--draft-topk shapes a search: it needs --heads or --draft")
 

@@ -6,7 +6,7 @@ the draft as a drafter (a greedy chain or a tree, with its own KV cache); object
 batches and the held-out agreement with the target.
 """
 
-from .drafter import DraftModelDrafter
-from .model import cut_to_draft_vocab, load_draft_vocab
+from .drafter import MAX_DRAFT_TOKENS, DraftModelDrafter
+from .model import cut_to_draft_vocab, load_draft, load_draft_vocab
 
-__all__ = ["DraftModelDrafter", "cut_to_draft_vocab", "load_draft_vocab"]
+__all__ = ["MAX_DRAFT_TOKENS", "DraftModelDrafter", "cut_to_draft_vocab", "load_draft", "load_draft_vocab"]

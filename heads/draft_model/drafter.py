@@ -27,7 +27,7 @@ class DraftModelDrafter:
 
     `token_map`: the target ids of the draft's output rows when its output layer was cut to a draft
     vocabulary (`cut_to_draft_vocab`); None when it outputs the whole vocabulary. `level_cost`: a
-    drafted level's time in plain target steps (measured: `gorgon.decode.calibrate.draft_level_cost`);
+    drafted level's time in plain target steps (measured: `level_trial`);
     a step drafts no deeper once its frontier's chances sum below it (`search.can_grow`), so an unsure
     draft does not spend forwards on levels the target would reject. 0 drafts all `k` levels.
     """
@@ -97,3 +97,19 @@ class DraftModelDrafter:
                           self.level_cost)
         crop_cache(self.cache, committed)
         return paths
+
+    def level_trial(self, context: int = 256):
+        """One level of this drafter's search to time (`gorgon.decode.calibrate.drafted_level_cost`): `level()` is a
+        forward of the draft over `topk` new tokens after `context` cached ones, and their log-probabilities;
+        `reset()` cuts them off the cache again."""
+        model = self.model
+        prompt = torch.randint(0, model.config.get_text_config().vocab_size, (1, context + self.topk),
+                               device=model.device)
+        cache = growing_cache()
+        model(input_ids=prompt[:, :context], **with_cache(model, cache), use_cache=True)
+
+        def level():
+            out = model(input_ids=prompt[:, context:], **with_cache(model, cache), use_cache=True)
+            out.logits.float().log_softmax(-1)
+
+        return level, lambda: crop_cache(cache, context)

@@ -14,13 +14,12 @@ from __future__ import annotations
 import copy
 import os
 import re
-import shutil
 from pathlib import Path
 
 import torch
 
 from ..errors import GorgonError
-from ..files import follow_umask
+from ..files import follow_umask, new_temp, remove_stale_temps
 from ..target import check_same_tokenizer, check_vocab, load_causal_lm
 
 DRAFT_VOCAB_NAME = "draft_vocab.safetensors"
@@ -74,8 +73,9 @@ def save_draft(student, tokenizer, out: Path, state_dict: dict | None = None,
     draft vocabulary's token ids, saved as DRAFT_VOCAB_NAME."""
     from safetensors.torch import save_file
 
-    tmp = out / ".draft.tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
+    out.mkdir(parents=True, exist_ok=True)
+    remove_stale_temps(out, ".draft-")
+    tmp = new_temp(out, ".draft-", is_dir=True)
     student.save_pretrained(tmp, state_dict=state_dict)
     tokenizer.save_pretrained(tmp)
     if token_map is not None:
@@ -103,6 +103,21 @@ def load_draft_vocab(name_or_path: str, vocab_size: int) -> torch.Tensor | None:
         raise GorgonError(f"{path} is not a draft vocabulary for a vocabulary of {vocab_size}: it must hold "
                           "`token_map`, increasing token ids below that size; delete it to draft from every token")
     return token_map
+
+
+def load_draft(name_or_path: str, target) -> tuple[torch.nn.Module, torch.Tensor | None]:
+    """A trained draft model for a loaded `target` (a folder or hub id), in the target's dtype: checked against
+    its tokenizer and vocabulary, and cut to its draft vocabulary when saved with one (returned too, as the
+    target ids of its output rows; else None)."""
+    # A folder of weights only has no tokenizer: the vocabulary size check is all there is to go on.
+    draft, tokenizer = load_causal_lm(name_or_path, "draft model", dtype=target.model.dtype, tokenizer="optional")
+    if tokenizer is not None:
+        check_same_tokenizer(target.tokenizer, tokenizer, f"draft {name_or_path}")
+    check_draft_vocab(draft, target.model)
+    token_map = load_draft_vocab(name_or_path, draft.config.get_text_config().vocab_size)
+    if token_map is not None:
+        cut_to_draft_vocab(draft, token_map)
+    return draft, token_map
 
 
 def cut_to_draft_vocab(draft: torch.nn.Module, token_map: torch.Tensor) -> torch.nn.Module:

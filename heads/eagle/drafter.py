@@ -27,7 +27,7 @@ from .model import EagleHead
 class EagleDrafter:
     """`nodes`, `depth`, `topk`: the search's (None: those saved with the head, top-k widened to fill the
     tree). `level_cost`: a drafted level's time in plain target steps (measured:
-    `gorgon.decode.calibrate.head_level_cost`); a step drafts no deeper once its frontier's chances sum
+    `level_trial`); a step drafts no deeper once its frontier's chances sum
     below it (`search.can_grow`). 0 drafts every level the tree could use."""
 
     def __init__(self, head: EagleHead, nodes: int | None = None, depth: int | None = None, topk: int | None = None,
@@ -89,6 +89,29 @@ class EagleDrafter:
                           self.level_cost)
         crop_cache(self.cache, self.committed)
         return paths
+
+
+    def level_trial(self, context: int = 256):
+        """One level of this drafter's search to time (`gorgon.decode.calibrate.drafted_level_cost`): `level()` runs
+        the head's layer over `topk` drafted features after `context` cached ones, its logits and their
+        log-probabilities; `reset()` cuts them off the cache again."""
+        head, rows = self.head, self.topk
+        device, dtype = head.fc.weight.device, head.fc.weight.dtype
+        features = torch.randn(1, context + rows, head.config.hidden_size, dtype=dtype, device=device)
+        tokens = torch.randint(0, head.config.vocab_size, (1, context + rows), device=device)
+        cos, sin = head.rope(torch.arange(context + rows, device=device)[None], dtype)
+        causal = additive_mask(torch.ones(context, context, dtype=torch.bool, device=device).tril(), dtype)
+        sees = torch.zeros(1, 1, rows, context + rows, dtype=dtype, device=device)
+        cache = growing_cache()
+        head.layer(features[:, :context], tokens[:, :context], (cos[:, :context], sin[:, :context]),
+                   causal[None, None], cache)
+
+        def level():
+            drafted = head.layer(features[:, context:], tokens[:, context:], (cos[:, context:], sin[:, context:]),
+                                 sees, cache)
+            head.logits(drafted).float().log_softmax(-1)
+
+        return level, lambda: crop_cache(cache, context)
 
 
 def filling_topk(saved: int, depth: int, nodes: int) -> int:

@@ -129,6 +129,9 @@ def _decoder_layer(layer_config: dict, attn_implementation: str):
 class EagleHead(PushToHubMixin, nn.Module):
     """The draft head. Call `attach(target_model)` before use: the embedding is the target's."""
 
+    # Its inputs are cast to its own weights' dtype, so it may draft in bfloat16 beside a float32 target.
+    drafts_in_own_dtype = True
+
     def __init__(self, config: EagleConfig, attn_implementation: str = "sdpa"):
         super().__init__()
         self.config = config

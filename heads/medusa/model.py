@@ -67,6 +67,9 @@ class ResBlock(nn.Module):
 class MedusaHeads(PushToHubMixin, nn.Module):
     """The K draft heads. Call `attach(target_model)` before use when the lm_head is shared."""
 
+    # They read the target's hidden states and may share its lm_head: they keep the target's dtype.
+    drafts_in_own_dtype = False
+
     def __init__(self, config: HeadsConfig):
         super().__init__()
         self.config = config
@@ -127,6 +130,11 @@ class MedusaHeads(PushToHubMixin, nn.Module):
     def accuracies(self) -> list[list[float]] | None:
         """Per head, the measured chance that each rank is the right token (None when never measured)."""
         return self.trees.get(ACCURACIES)
+
+    def level_accuracies(self, depth: int | None = None) -> list[list[float]]:
+        """Held-out rank accuracies per drafted level (for choosing a tree size): head k's for level k, the
+        first `depth` levels (default: every head's)."""
+        return (self.accuracies or [])[: depth or self.config.num_heads]
 
     def saved_tree(self, device_type: str) -> list[list[int]] | None:
         """The tree saved for this device type (else the CPU one), or None."""
