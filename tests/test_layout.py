@@ -80,7 +80,7 @@ def test_no_import_cycles_even_inside_functions():
 def test_decoding_reaches_the_drafting_methods_through_the_heads_package_only():
     """decode/ is method-agnostic: it names a method's classes where the options build them (from `gorgon.heads`),
     but nothing in it reaches into a method's folder (a head's layers, a draft's files)."""
-    methods = tuple(f"gorgon.heads.{path.name}" for path in (ROOT / "heads").iterdir() if (path / "__init__.py").is_file())
+    methods = tuple(f"gorgon.heads.{p.name}" for p in (ROOT / "heads").iterdir() if (p / "__init__.py").is_file())
     assert "gorgon.heads.eagle" in methods
     assert not [(a, b) for a, bs in imports().items() if a.startswith("gorgon.decode.") for b in bs
                 if b.startswith(methods)]
