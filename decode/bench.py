@@ -41,6 +41,9 @@ SPECULATIVE = ("no-context", "compare", "compare-no-context")
 
 def load_questions(path: str, limit: int | None = None) -> list[dict]:
     """MT-Bench / Spec-Bench questions: {"question_id", "category", "turns": [...]} per line."""
+    if Path(path).is_dir():
+        raise GorgonError(f"questions file {path} is a folder: pass a .jsonl in the MT-Bench format "
+                          '({"question_id", "category", "turns": [...]}), e.g. scripts/data/mt_bench.jsonl')
     if not Path(path).is_file():
         raise GorgonError(f"questions file {path} not found: pass a .jsonl in the MT-Bench format "
                           '({"question_id", "category", "turns": [...]}), e.g. scripts/data/mt_bench.jsonl')

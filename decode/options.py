@@ -30,8 +30,9 @@ from .kernels import DRAFT_DTYPES, KERNELS, draft_dtype, stock_rows, use_cpu_ker
 DRAFT_TOKENS = 4  # a --draft model's levels per step unless --draft-tokens says otherwise
 
 
-def add_model_arguments(p: argparse.ArgumentParser) -> None:
+def add_model_arguments(p: argparse.ArgumentParser, sampling: bool = True) -> None:
     """What `gorgon generate` and `gorgon bench` share: the target, the drafter, the tree, sampling, device.
+    Tools that decode greedily only (tau, step profiles, revision A/B) leave the sampling options out.
 
     The drafter: --heads (Medusa or feature-level heads) or --draft (a small model with the target's
     tokenizer), and/or --context-draft (prompt lookup, merged into the other's tree when both are given).
@@ -78,10 +79,11 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
                         "continuations, --draft-tokens levels deep)")
     p.add_argument("--max-new-tokens", type=int_at_least(1), default=256,
                    help="most tokens generated per answer (default 256)")
-    p.add_argument("--temperature", type=float, default=0.0, help="0 (default) is greedy")
-    p.add_argument("--top-k", type=int, default=0, help="0 (default) is off")
-    p.add_argument("--top-p", type=float, default=1.0, help="1 (default) is off")
-    p.add_argument("--seed", type=int, default=None, help="seed for sampling")
+    if sampling:
+        p.add_argument("--temperature", type=float, default=0.0, help="0 (default) is greedy")
+        p.add_argument("--top-k", type=int, default=0, help="0 (default) is off")
+        p.add_argument("--top-p", type=float, default=1.0, help="1 (default) is off")
+        p.add_argument("--seed", type=int, default=None, help="seed for sampling")
     p.add_argument("--device", default="auto", help="auto (default: cuda when there is a GPU, else cpu), cpu, "
                    "cuda or cuda:N")
     p.add_argument("--dtype", default="auto", help="auto (bf16 on CUDA, fp32 on CPU), float32, bfloat16, float16")

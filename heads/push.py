@@ -22,6 +22,10 @@ def parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     args = parser().parse_args(argv)
     folder = Path(args.heads)
+    if not folder.exists():
+        raise GorgonError(f"{folder} not found: pass the folder training wrote")
+    if not folder.is_dir():
+        raise GorgonError(f"{folder} is a file: pass the folder training wrote")
     if not (folder / CONFIG_NAME).is_file():
         raise GorgonError(f"{folder} is not a heads folder (no {CONFIG_NAME}): pass the folder training wrote")
     url = upload_folder(folder, args.repo_id, private=args.private, revision=args.revision)

@@ -64,7 +64,8 @@ def main() -> None:
     p = ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--heads", nargs="+", required=True, help="heads folders from train/heads.py")
     p.add_argument("--questions", required=True, help="held-out MT-Bench/Spec-Bench .jsonl")
-    p.add_argument("--per-category", type=int, default=None, help="the first N questions of each category only")
+    p.add_argument("--per-category", type=int_at_least(1), default=None,
+                   help="the first N questions of each category only")
     p.add_argument("--max-new-tokens", type=int_at_least(1), default=64, help="most tokens per answer (default 64)")
     p.add_argument("--nodes", type=int, default=8, help="tree nodes per step for every drafter (default 8)")
     p.add_argument("--out", required=True, help="the JSON to write (a PNG goes beside it)")

@@ -16,14 +16,15 @@ from pathlib import Path
 from gorgon.decode.bench import load_questions
 from gorgon.decode.options import add_model_arguments, drafter_name, load_drafter, read_tree
 from gorgon.decode.tau import measure_tau, per_category_sample
-from gorgon.heads.errors import ArgumentParser, run_script
+from gorgon.heads.errors import ArgumentParser, int_at_least, run_script
 
 
 def main() -> None:
     p = ArgumentParser(description=__doc__.split("\n\n")[0])
-    add_model_arguments(p)
+    add_model_arguments(p, sampling=False)
     p.add_argument("--questions", required=True, help="MT-Bench/Spec-Bench .jsonl")
-    p.add_argument("--per-category", type=int, default=None, help="the first N questions of each category only")
+    p.add_argument("--per-category", type=int_at_least(1), default=None,
+                   help="the first N questions of each category only")
     p.add_argument("--json", action="store_true", help="print one JSON line instead of the table")
     args = p.parse_args()
     questions = per_category_sample(load_questions(args.questions), args.per_category)

@@ -286,6 +286,8 @@ def test_bench_counts_only_the_questions_it_ran(tmp_path):
     questions.write_text(json.dumps(QUESTIONS[0]) + "\n")
     with pytest.raises(GorgonError, match="--limit must be at least 1"):
         load_questions(str(questions), limit=0)
+    with pytest.raises(GorgonError, match="questions file .* is a folder: pass a .jsonl"):
+        load_questions(str(tmp_path))
     with pytest.raises(GorgonError, match="--limit must be at least 1"):
         make_dataset(DataSettings(prompts=str(questions), limit=0), tmp_path / "data", progress=False)
 

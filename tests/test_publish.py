@@ -315,3 +315,14 @@ def test_heads_push_to_hub_uploads_what_save_pretrained_writes(tmp_path, hub):
     assert sum("/commit/" in p for m, p in FakeHub.calls if m == "POST") == 1
     assert set(FakeHub.files) == {"config.json", "model.safetensors"}
     assert json.loads(FakeHub.files["config.json"]) == json.loads((folder / "config.json").read_text())
+
+
+def test_push_names_a_missing_folder_or_a_file_for_what_it_is(tmp_path, capsys):
+    from gorgon.heads.cli import main as gorgon
+
+    (tmp_path / "file").write_text("x")
+    for heads, says in [(tmp_path / "nope", "nope not found"), (tmp_path / "file", "file is a file"),
+                        (tmp_path, "is not a heads folder (no config.json)")]:
+        assert gorgon(["push", "--heads", str(heads), "--repo-id", "you/x"]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and says in err and "pass the folder training wrote" in err
