@@ -79,6 +79,19 @@ def upload_folder(folder: str | os.PathLike, repo_id: str, private: bool = False
     return str(getattr(info, "commit_url", info))
 
 
+def check_can_upload(setting: str) -> None:
+    """Before long work that ends in an upload (`setting` names the option that asks for it): fail now, not after
+    it, when the Hub is switched off (HF_HUB_OFFLINE) or no login is found."""
+    from huggingface_hub import get_token, is_offline_mode
+
+    later = f"or drop {setting} and upload the result with `gorgon push` afterwards"
+    if is_offline_mode():
+        raise GorgonError(f"{setting} uploads the result at the end, but HF_HUB_OFFLINE is set: unset it, {later}")
+    if get_token() is None:
+        raise GorgonError(f"{setting} uploads the result at the end, but no Hub login was found: log in with `hf auth "
+                          f"login` (or set HF_TOKEN), {later}")
+
+
 def upload_fix(err: Exception) -> str:
     """What to do about a failed upload, by what failed: the repo id, the login, the Hub, or the connection."""
     from huggingface_hub.errors import HfHubHTTPError, HFValidationError

@@ -441,3 +441,10 @@ def test_a_malformed_hub_repo_id_is_refused_before_training(tmp_path):
     assert not (tmp_path / "o").exists()
     for good in ("someone/tiny-heads", "tiny_heads.v2"):
         HeadsTrainConfig(data="x", out="o", push_to_hub=good).check()
+    # A run that would end in an upload that cannot happen (offline here: the suite sets HF_HUB_OFFLINE) fails first.
+    for run, config in [(train, HeadsTrainConfig), (train_draft, DraftTrainConfig)]:
+        with pytest.raises(GorgonError, match=r"^push_to_hub uploads the result at the end, but HF_HUB_OFFLINE is "
+                                              r"set: unset it, or drop push_to_hub and upload the result with `gorgon "
+                                              r"push`"):
+            run(config(data="x", out=str(tmp_path / "o"), push_to_hub="someone/heads", report_to="none"))
+    assert not (tmp_path / "o").exists()
