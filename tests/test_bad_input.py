@@ -550,3 +550,18 @@ def test_a_bad_option_is_one_line_without_the_usage(argv, says, capsys):
         gorgon(argv)
     err = capsys.readouterr().err
     assert exit.value.code == 2 and err.count("\n") == 1 and err.startswith(says)
+
+
+def test_training_data_is_checked_before_the_target_loads(tmp_path):
+    """A bad --data fails first: an 8B target takes minutes to load. (The target here does not exist: the error
+    is the data's, so it came first.)"""
+    from gorgon.train.draft import DraftTrainConfig
+    from gorgon.train.draft import train as train_draft
+
+    (tmp_path / "empty.jsonl").write_text('{"messages": [{"role": "user", "content": "hi"}]}\n')
+    for data, says in [(tmp_path / "missing.jsonl", "missing.jsonl"), (tmp_path / "empty.jsonl", "no conversations "
+                                                                        "with assistant answers to train on")]:
+        for run, config in [(train, HeadsTrainConfig), (train_draft, DraftTrainConfig)]:
+            with pytest.raises(GorgonError, match=re.escape(says)):
+                run(config(data=str(data), out=str(tmp_path / "o"), target=str(tmp_path / "no-target"),
+                           report_to="none"))

@@ -179,7 +179,14 @@ def train(cfg: DraftTrainConfig) -> Path:
     from gorgon.heads.draft_model.model import load_student, save_draft
     from gorgon.heads.draft_model.objective import agreement, expected_tau
     from gorgon.train.data import describe
-    from gorgon.train.examples import answer_tokens, collate, frequent_tokens, load_examples, split
+    from gorgon.train.examples import (
+        answer_tokens,
+        collate,
+        frequent_tokens,
+        load_examples,
+        read_conversations,
+        split,
+    )
     from gorgon.train.recipe import (
         check_lora_targets,
         connect_cpu_processes,
@@ -212,13 +219,14 @@ def train(cfg: DraftTrainConfig) -> Path:
         raise GorgonError("lora: true merges the adapters into the draft's whole weights at the end, which FSDP and "
                           "DeepSpeed ZeRO-3 shard: train a LoRA draft with DDP (configs/accelerate/multi_gpu.yaml), "
                           "or set lora: false")
+    conversations = read_conversations(cfg.data)  # a bad --data fails before the target loads
     target = load_target(cfg.target, device=str(state.device), dtype=cfg.dtype)
     target.model.requires_grad_(False)
     tokenizer = target.tokenizer
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token_id = 0  # trl's trainer insists on one; padded positions are masked anyway
     pad = tokenizer.pad_token_id
-    examples = load_examples(cfg.data, tokenizer, cfg.max_length, target.fingerprints)
+    examples = load_examples(cfg.data, tokenizer, cfg.max_length, target.fingerprints, conversations)
     settings = resume_settings(cfg, state.num_processes, data_sha256(examples))
     if resume_from is not None:  # again, now with the data's contents
         check_resume(resume_from, settings)

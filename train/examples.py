@@ -34,9 +34,24 @@ def tokenize(tokenizer, messages: list[dict], max_length: int) -> tuple[list[int
     return ids[:max_length], mask[:max_length]
 
 
-def load_examples(source: str, tokenizer, max_length: int, target_fingerprints: tuple[str, ...] = ()) -> list[dict]:
-    """Tokenized examples from `gorgon data` output or any conversation file; refuses empty data, and data
-    another target wrote (`target_fingerprints`: those the trained target answers to, `Target.fingerprints`)."""
+def read_conversations(source: str) -> list[list[dict]]:
+    """The conversations with an assistant answer in `gorgon data` output or any conversation file: read before
+    the target loads, so a missing, malformed or empty --data fails at once."""
+    conversations = []
+    for record in read_records(source):
+        messages = (messages_of(record) if isinstance(record, dict) else None) or []
+        if any(m["role"] == "assistant" and m["content"] for m in messages):
+            conversations.append(messages)
+    if not conversations:
+        raise no_answers(source)
+    return conversations
+
+
+def load_examples(source: str, tokenizer, max_length: int, target_fingerprints: tuple[str, ...] = (),
+                  conversations: list[list[dict]] | None = None) -> list[dict]:
+    """Tokenized examples from `gorgon data` output or any conversation file (`conversations`: as
+    `read_conversations` read them already); refuses empty data, and data another target wrote
+    (`target_fingerprints`: those the trained target answers to, `Target.fingerprints`)."""
     meta = read_metadata(source)
     if meta is not None:
         if target_fingerprints and meta.get("target_fingerprint") not in (None, *target_fingerprints):
@@ -45,17 +60,18 @@ def load_examples(source: str, tokenizer, max_length: int, target_fingerprints: 
                               f"({target_fingerprints[0]}): regenerate the data with `gorgon data --target` for "
                               "this target")
     examples = []
-    for record in read_records(source):
-        messages = (messages_of(record) if isinstance(record, dict) else None) or []
-        if not any(m["role"] == "assistant" and m["content"] for m in messages):
-            continue
+    for messages in conversations if conversations is not None else read_conversations(source):
         ids, mask = tokenize(tokenizer, messages, max_length)
         if sum(mask) >= 2:
             examples.append({"input_ids": ids, "loss_mask": mask})
     if not examples:
-        raise GorgonError(f"{source} has no conversations with assistant answers to train on: "
-                          "generate them with `gorgon data --prompts ... --out DIR` and pass --data DIR")
+        raise no_answers(source)
     return examples
+
+
+def no_answers(source: str) -> GorgonError:
+    return GorgonError(f"{source} has no conversations with assistant answers to train on: "
+                       "generate them with `gorgon data --prompts ... --out DIR` and pass --data DIR")
 
 
 def split(examples: list[dict], eval_fraction: float, seed: int) -> tuple[list[dict], list[dict]]:

@@ -304,7 +304,7 @@ def setup(cfg: HeadsTrainConfig) -> Run:
     from accelerate.utils import DistributedDataParallelKwargs, set_seed
 
     from gorgon.heads import load_target
-    from gorgon.train.examples import EpochSampler, RankBatches, collate, load_examples, split
+    from gorgon.train.examples import EpochSampler, RankBatches, collate, load_examples, read_conversations, split
     from gorgon.train.recipe import connect_cpu_processes, prepare_output, wandb_offline_without_key
 
     cfg.check()
@@ -326,10 +326,11 @@ def setup(cfg: HeadsTrainConfig) -> Run:
     if resume_from is not None:  # the settings, before the target and data load
         check_resume(resume_from, resume_settings(cfg, accelerator.num_processes))
     set_seed(cfg.seed)
+    conversations = read_conversations(cfg.data)  # a bad --data fails before the target loads
     target = load_target(cfg.target, device=str(accelerator.device), dtype=cfg.dtype)
     cfg.check_target(target.model)
     target.model.requires_grad_(False)
-    examples = load_examples(cfg.data, target.tokenizer, cfg.max_length, target.fingerprints)
+    examples = load_examples(cfg.data, target.tokenizer, cfg.max_length, target.fingerprints, conversations)
     world = accelerator.num_processes
     settings = resume_settings(cfg, world, data_sha256(examples))
     if resume_from is not None:  # again, now with the data's contents
