@@ -271,20 +271,21 @@ def test_bad_settings_are_one_line_before_any_work(tmp_path, script, argv, messa
 
 
 def test_settings_that_count_the_targets_tokens_or_name_its_layers_fail_before_training(tmp_path):
-    """Known once the model has loaded: the heads' before their data loads (--data nowhere would be an error of
-    its own), the draft's before its student trains. tree_topk failed in the held-out evaluation after training;
-    a layer name LoRA cannot find stopped in peft with a traceback (or was left out if other names matched)."""
+    """Known once the model has loaded (after --data is read), before anything trains. tree_topk failed in the
+    held-out evaluation after training; a layer name LoRA cannot find stopped in peft with a traceback (or was
+    left out if other names matched)."""
     target = str(tiny_chat_target(tmp_path))  # a vocabulary of 128
+    data = toy_data(tmp_path / "toy.jsonl", n=8)
     common = dict(out=str(tmp_path / "o"), target=target, report_to="none")
     layers = "its linear layers are down_proj, gate_proj, k_proj, lm_head, o_proj, q_proj, up_proj, v_proj"
     for run, cfg, message in [
-            (train, HeadsTrainConfig(data="nowhere", tree_topk=200, **common),
+            (train, HeadsTrainConfig(data=data, tree_topk=200, **common),
              "tree_topk must be at most the target's vocabulary of 128 tokens, not 200"),
-            (train, HeadsTrainConfig(data="nowhere", arch="eagle", draft_vocab_size=1000, **common),
+            (train, HeadsTrainConfig(data=data, arch="eagle", draft_vocab_size=1000, **common),
              "draft_vocab_size must be at most the target's vocabulary of 128 tokens, not 1000"),
-            (train, HeadsTrainConfig(data="nowhere", mode="medusa2", lora_target_modules=["q_proj", "v_prj"], **common),
+            (train, HeadsTrainConfig(data=data, mode="medusa2", lora_target_modules=["q_proj", "v_prj"], **common),
              f"lora_target_modules: the target has no layer 'v_prj'; {layers}"),
-            (train_draft, DraftTrainConfig(data=toy_data(tmp_path / "toy.jsonl", n=8), student_layers=1, lora=True,
+            (train_draft, DraftTrainConfig(data=data, student_layers=1, lora=True,
                                            lora_target_modules=["foo_proj"], **common),
              f"lora_target_modules: the draft has no layer 'foo_proj'; {layers}")]:
         with pytest.raises(GorgonError, match=f"^{re.escape(message)}$"):
