@@ -565,3 +565,18 @@ def test_training_data_is_checked_before_the_target_loads(tmp_path):
             with pytest.raises(GorgonError, match=re.escape(says)):
                 run(config(data=str(data), out=str(tmp_path / "o"), target=str(tmp_path / "no-target"),
                            report_to="none"))
+
+
+def test_resume_on_a_finished_run_with_nothing_more_to_train_is_refused(tmp_path):
+    """It retrained the steps after the last checkpoint and replaced the finished heads with a copy."""
+    target = str(tiny_chat_target(tmp_path))
+    cfg = dict(data=toy_data(tmp_path / "toy.jsonl", n=8), out=str(tmp_path / "run"), target=target, max_steps=3,
+               save_every=2, report_to="none")
+    out = train(HeadsTrainConfig(**cfg))
+    before = snapshot(out)
+    with pytest.raises(GorgonError, match=r"holds a finished run with these epochs and max_steps: there is nothing to "
+                                          r"resume \(raise epochs or max_steps to train longer"):
+        train(HeadsTrainConfig(**cfg, resume=True))
+    assert snapshot(out) == before
+    train(HeadsTrainConfig(**{**cfg, "max_steps": 4}, resume=True))  # longer: resumed from step 2
+    assert json.loads((out / "metrics.json").read_text())["steps"] == 4

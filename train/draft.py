@@ -207,8 +207,7 @@ def train(cfg: DraftTrainConfig) -> Path:
     out = Path(cfg.out)
     ckpt_dir = out / "checkpoints"
     # The trainer writes trainer_state.json last into each checkpoint (after every process's part: Trainer above).
-    resume_from = prepare_output(out, lambda: latest_checkpoint(ckpt_dir, "checkpoint", "trainer_state.json"),
-                                 cfg.resume, cfg.overwrite)
+    resume_from = prepare_output(out, lambda: latest_checkpoint(ckpt_dir, "checkpoint", "trainer_state.json"), cfg)
     wandb_offline_without_key(cfg.report_to)
     os.environ.setdefault("WANDB_PROJECT", cfg.project)
     state = PartialState()

@@ -314,7 +314,7 @@ def setup(cfg: HeadsTrainConfig) -> Run:
         check_can_upload("push_to_hub")
     connect_cpu_processes()  # before anything creates accelerate's process state
     out = Path(cfg.out)
-    resume_from = prepare_output(out, lambda: latest_heads_checkpoint(out), cfg.resume, cfg.overwrite)
+    resume_from = prepare_output(out, lambda: latest_heads_checkpoint(out), cfg)
     wandb_offline_without_key(cfg.report_to)
     # Medusa-2's heads-only warmup leaves the adapters out of the loss, which DDP must be told.
     unused = DistributedDataParallelKwargs(find_unused_parameters=cfg.mode == "medusa2" and cfg.heads_warmup_steps > 0)

@@ -330,7 +330,7 @@ def in_run_folder(path: Path) -> bool:
             or (path.suffix == ".png" and is_report(path.with_suffix(".json"))))
 
 
-def prepare_output(out: Path, latest_checkpoint, resume: bool, overwrite: bool) -> Path | None:
+def prepare_output(out: Path, latest_checkpoint, cfg) -> Path | None:
     """Check a training script's --out before any work; returns the checkpoint to resume from.
 
     A run's own folder (its marker or recipe.json in it) is continued with --resume, or replaced
@@ -349,7 +349,7 @@ def prepare_output(out: Path, latest_checkpoint, resume: bool, overwrite: bool) 
     latest = refused = None
     if state.is_main_process:
         try:
-            latest = prepare_own_output(out, latest_checkpoint, resume, overwrite)
+            latest = prepare_own_output(out, latest_checkpoint, cfg)
         except Exception as err:
             refused = user_error_line(err)
             if refused is None:
@@ -361,12 +361,15 @@ def prepare_output(out: Path, latest_checkpoint, resume: bool, overwrite: bool) 
     return latest
 
 
-def prepare_own_output(out: Path, latest_checkpoint, resume: bool, overwrite: bool) -> Path | None:
+def prepare_own_output(out: Path, latest_checkpoint, cfg) -> Path | None:
     """prepare_output's work, on the main process."""
     from gorgon.heads.files import atomic_write_text, check_output
 
+    resume, overwrite = cfg.resume, cfg.overwrite
     finished = (out / "recipe.json").is_file()
     ours = finished or (out / RUN_MARKER).is_file()
+    if finished and resume and not overwrite:
+        check_more_to_train(out, cfg)
     if resume or not overwrite:  # checkpoints are looked for (and cut-short ones removed) in our folders only
         latest = resume_point(latest_checkpoint() if ours else None, resume, out)
         if latest is not None:
@@ -384,6 +387,18 @@ def prepare_own_output(out: Path, latest_checkpoint, resume: bool, overwrite: bo
         out.mkdir()
     atomic_write_text(out / RUN_MARKER, "")
     return None
+
+
+def check_more_to_train(out: Path, cfg) -> None:
+    """--resume on a finished run continues it only to train longer (more epochs or max_steps): as it was, it
+    would retrain the steps after its last checkpoint and replace the finished result with a copy."""
+    try:
+        recorded = json.loads((out / "recipe.json").read_text())
+    except (OSError, ValueError):
+        return
+    if all(recorded.get(key) == getattr(cfg, key) for key in ("epochs", "max_steps")):
+        raise GorgonError(f"{out} holds a finished run with these epochs and max_steps: there is nothing to resume "
+                          "(raise epochs or max_steps to train longer, or pass --overwrite true to train it again)")
 
 
 def replacing(out: Path) -> bool:
