@@ -568,8 +568,11 @@ def test_training_data_is_checked_before_the_target_loads(tmp_path):
 
 
 def test_resume_on_a_finished_run_with_nothing_more_to_train_is_refused(tmp_path):
-    """It retrained the steps after the last checkpoint and replaced the finished heads with a copy."""
+    """It retrained the steps after the last checkpoint and replaced the finished heads with a copy. (Also: --out
+    that is the --data folder is named as that.)"""
     target = str(tiny_chat_target(tmp_path))
+    with pytest.raises(GorgonError, match=r"^--out .*d is the --data folder: choose another --out$"):
+        train(HeadsTrainConfig(data=str(tmp_path / "d"), out=str(tmp_path / "d"), report_to="none"))
     cfg = dict(data=toy_data(tmp_path / "toy.jsonl", n=8), out=str(tmp_path / "run"), target=target, max_steps=3,
                save_every=2, report_to="none")
     out = train(HeadsTrainConfig(**cfg))

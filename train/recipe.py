@@ -365,6 +365,8 @@ def prepare_own_output(out: Path, latest_checkpoint, cfg) -> Path | None:
     """prepare_output's work, on the main process."""
     from gorgon.heads.files import atomic_write_text, check_output
 
+    if out.resolve() == Path(cfg.data).resolve():
+        raise GorgonError(f"--out {out} is the --data folder: choose another --out")
     resume, overwrite = cfg.resume, cfg.overwrite
     finished = (out / "recipe.json").is_file()
     ours = finished or (out / RUN_MARKER).is_file()
