@@ -59,7 +59,7 @@ def test_json_file_and_dataset_folder(tmp_path):
 
 
 def test_bad_prompt_files(tmp_path):
-    with pytest.raises(GorgonError, match="unknown shape.*accepted shapes: MT-Bench"):
+    with pytest.raises(GorgonError, match="record 1 has no shape gorgon reads.*accepted shapes: MT-Bench"):
         load_conversations(write_jsonl(tmp_path / "a.jsonl", [{"text": "hello"}]))
     (tmp_path / "b.jsonl").write_text('{"prompt": "ok"}\n{not json\n')
     with pytest.raises(GorgonError, match="line 2 is not valid JSON"):

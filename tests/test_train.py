@@ -410,13 +410,13 @@ def test_a_resume_on_other_data_at_the_same_path_is_refused(tmp_path):
     with pytest.raises(GorgonError, match=f"^{re.escape(message)}$"):
         train(dataclasses.replace(cfg, resume=True))
     data.write_text(original)
-    out = train(dataclasses.replace(cfg, resume=True))
+    out = train(dataclasses.replace(cfg, resume=True, max_steps=3, save_every=0))  # a finished run trains longer
     state = checkpoint / "gorgon_state.json"
     recorded = json.loads(state.read_text())
     assert json.loads((out / "metrics.json").read_text())["data_sha256"] == recorded["settings"].pop("data_sha256")
     state.write_text(json.dumps(recorded))  # as a version from before the hash wrote it
     data.write_text(original.replace("count from 3", "count from 9", 1))
-    train(dataclasses.replace(cfg, resume=True))
+    train(dataclasses.replace(cfg, resume=True, max_steps=4))
 
 
 def test_a_checkpoint_cut_short_while_being_written_is_removed_on_resume(tmp_path):
@@ -449,3 +449,9 @@ def test_a_malformed_hub_repo_id_is_refused_before_training(tmp_path):
                                               r"push`"):
             run(config(data="x", out=str(tmp_path / "o"), push_to_hub="someone/heads", report_to="none"))
     assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize("key", ["num_heads", "num_layers", "batch_size", "grad_accum"])
+def test_a_count_below_one_is_named_with_its_value(key):
+    with pytest.raises(GorgonError, match=f"^{key} must be at least 1, not 0$"):
+        HeadsTrainConfig(data="x", out="y", **{key: 0}).check()

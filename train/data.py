@@ -281,8 +281,9 @@ def make_dataset(settings: DataSettings, out: str | os.PathLike, target: Target 
     out = Path(out)
     if settings.turns not in ("first", "all"):
         raise GorgonError(f"--turns must be 'first' or 'all', not {settings.turns!r}")
-    if min(settings.batch_size, settings.shard_size, settings.max_new_tokens, settings.batch_tokens) < 1:
-        raise GorgonError("--batch-size, --shard-size, --batch-tokens and --max-new-tokens must be at least 1")
+    for name in ("batch_size", "shard_size", "batch_tokens", "max_new_tokens"):
+        if getattr(settings, name) < 1:
+            raise GorgonError(f"--{name.replace('_', '-')} must be at least 1, not {getattr(settings, name)}")
     for name in ("limit", "max_prompt_tokens"):
         if getattr(settings, name) is not None and getattr(settings, name) < 1:
             raise GorgonError(f"--{name.replace('_', '-')} must be at least 1, not {getattr(settings, name)}")

@@ -29,7 +29,15 @@ import torch
 
 from gorgon.heads.errors import GorgonError
 from gorgon.heads.files import atomic_write_text, follow_umask
-from gorgon.train.recipe import STATE_NAME, TrainingSettings, check_resume, data_sha256, resume_settings, setting
+from gorgon.train.recipe import (
+    STATE_NAME,
+    TrainingSettings,
+    check_more_to_train,
+    check_resume,
+    data_sha256,
+    resume_settings,
+    setting,
+)
 
 
 @dataclass
@@ -70,8 +78,9 @@ class DraftTrainConfig(TrainingSettings):
         from gorgon.train.recipe import check_draft_vocab_size, check_lora, check_optimisation
 
         check_optimisation(self)
-        if self.batch_size < 1 or self.grad_accum < 1 or self.draft_tokens < 1:
-            raise GorgonError("batch_size, grad_accum and draft_tokens must be at least 1")
+        for name in ("batch_size", "grad_accum", "draft_tokens"):
+            if getattr(self, name) < 1:
+                raise GorgonError(f"{name} must be at least 1, not {getattr(self, name)}")
         if self.max_new_tokens < 1:  # trl's GKD builds its sampling settings even with lmbda 0
             raise GorgonError(f"max_new_tokens must be at least 1 (the length of the draft's own answers with "
                               f"lmbda > 0), not {self.max_new_tokens}")
@@ -227,8 +236,9 @@ def train(cfg: DraftTrainConfig) -> Path:
     pad = tokenizer.pad_token_id
     examples = load_examples(cfg.data, tokenizer, cfg.max_length, target.fingerprints, conversations)
     settings = resume_settings(cfg, state.num_processes, data_sha256(examples))
-    if resume_from is not None:  # again, now with the data's contents
+    if resume_from is not None:  # again, now with the data's contents; then, for a finished run, the length
         check_resume(resume_from, settings)
+        check_more_to_train(out, cfg)
     train_ex, eval_ex = split(examples, cfg.eval_fraction, cfg.seed)
     if not train_ex or not eval_ex:
         raise GorgonError(f"{cfg.data} has too few conversations to train on and hold out an eval split: add data "

@@ -29,6 +29,7 @@ from gorgon.heads.tree import DEVICE_TREE_SIZE, MAX_TREE_NODES
 from gorgon.train.recipe import (
     STATE_NAME,
     TrainingSettings,
+    check_more_to_train,
     check_resume,
     data_sha256,
     numbered_checkpoints,
@@ -106,8 +107,9 @@ class HeadsTrainConfig(TrainingSettings):
         from gorgon.train.recipe import check_draft_vocab_size, check_lora, check_optimisation
 
         check_optimisation(self)
-        if self.num_heads < 1 or self.num_layers < 1 or self.batch_size < 1 or self.grad_accum < 1:
-            raise GorgonError("num_heads, num_layers, batch_size and grad_accum must be at least 1")
+        for name in ("num_heads", "num_layers", "batch_size", "grad_accum"):
+            if getattr(self, name) < 1:
+                raise GorgonError(f"{name} must be at least 1, not {getattr(self, name)}")
         if self.eval_every < 0:
             raise GorgonError(f"eval_every must be at least 0 (0: only at the end), not {self.eval_every}")
         if self.tree_topk < 1:
@@ -333,8 +335,9 @@ def setup(cfg: HeadsTrainConfig) -> Run:
     examples = load_examples(cfg.data, target.tokenizer, cfg.max_length, target.fingerprints, conversations)
     world = accelerator.num_processes
     settings = resume_settings(cfg, world, data_sha256(examples))
-    if resume_from is not None:  # again, now with the data's contents
+    if resume_from is not None:  # again, now with the data's contents; then, for a finished run, the length
         check_resume(resume_from, settings)
+        check_more_to_train(out, cfg)
     train_ex, eval_ex = split(examples, cfg.eval_fraction, cfg.seed)
     train_ex = train_ex[:cfg.train_conversations]  # the held-out split stays the same whatever the share
     if not train_ex:

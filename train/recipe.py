@@ -365,13 +365,11 @@ def prepare_own_output(out: Path, latest_checkpoint, cfg) -> Path | None:
     """prepare_output's work, on the main process."""
     from gorgon.heads.files import atomic_write_text, check_output
 
-    if out.resolve() == Path(cfg.data).resolve():
+    if os.path.realpath(out) == os.path.realpath(cfg.data):
         raise GorgonError(f"--out {out} is the --data folder: choose another --out")
     resume, overwrite = cfg.resume, cfg.overwrite
     finished = (out / "recipe.json").is_file()
     ours = finished or (out / RUN_MARKER).is_file()
-    if finished and resume and not overwrite:
-        check_more_to_train(out, cfg)
     if resume or not overwrite:  # checkpoints are looked for (and cut-short ones removed) in our folders only
         latest = resume_point(latest_checkpoint() if ours else None, resume, out)
         if latest is not None:
@@ -392,12 +390,13 @@ def prepare_own_output(out: Path, latest_checkpoint, cfg) -> Path | None:
 
 
 def check_more_to_train(out: Path, cfg) -> None:
-    """--resume on a finished run continues it only to train longer (more epochs or max_steps): as it was, it
-    would retrain the steps after its last checkpoint and replace the finished result with a copy."""
+    """--resume on a finished run (after its checkpoint's settings were checked) continues it only to train
+    longer, more epochs or max_steps: else it would retrain the steps after its last checkpoint and replace
+    the finished result with a copy."""
     try:
         recorded = json.loads((out / "recipe.json").read_text())
     except (OSError, ValueError):
-        return
+        return  # not finished
     if all(recorded.get(key) == getattr(cfg, key) for key in ("epochs", "max_steps")):
         raise GorgonError(f"{out} holds a finished run with these epochs and max_steps: there is nothing to resume "
                           "(raise epochs or max_steps to train longer, or pass --overwrite true to train it again)")

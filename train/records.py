@@ -95,7 +95,7 @@ def load_conversations(source: str, limit: int | None = None) -> list[dict]:
         conv = conversation(record, i) if isinstance(record, dict) else None
         if conv is None:
             keys = sorted(record)[:6] if isinstance(record, dict) else type(record).__name__
-            raise GorgonError(f"{source} record {i} has an unknown shape (keys: {keys}); accepted shapes: "
+            raise GorgonError(f"{source} record {i + 1} has no shape gorgon reads (keys: {keys}); accepted shapes: "
                               + "; ".join(SHAPES))
         if conv["turns"]:
             out.append(conv)
