@@ -52,7 +52,7 @@ def new_temp(folder: Path, prefix: str, is_dir: bool = False) -> Path:
     tempfile's are private (0600, 0700), and reading the umask means setting it, which other threads see.
     Its name says which machine and process made it, so `remove_stale_temps` can tell a killed writer's."""
     while True:
-        path = folder / f"{prefix}{_host()}-{os.getpid()}-{secrets.token_hex(4)}.tmp"
+        path = folder / f"{prefix}{host_name()}-{os.getpid()}-{secrets.token_hex(4)}.tmp"
         try:
             if is_dir:
                 os.mkdir(path, 0o777)
@@ -67,10 +67,10 @@ def remove_stale_temps(folder: Path, prefix: str) -> None:
     """Remove the `new_temp(folder, prefix)` files and folders whose process, on this machine, is gone (a kill
     during a write leaves them; an 8B model's weights would stay behind as a hidden copy). Another machine's
     (a shared disk) and a live process's are kept."""
-    name = re.compile(re.escape(prefix) + re.escape(_host()) + r"-(\d+)-[0-9a-f]{8}\.tmp")
+    name = re.compile(re.escape(prefix) + re.escape(host_name()) + r"-(\d+)-[0-9a-f]{8}\.tmp")
     for path in Path(folder).glob(f"{glob.escape(prefix)}*.tmp"):
         match = name.fullmatch(path.name)
-        if match and not _alive(int(match[1])):
+        if match and not process_alive(int(match[1])):
             if path.is_dir() and not path.is_symlink():
                 shutil.rmtree(path, ignore_errors=True)
             else:
@@ -78,11 +78,13 @@ def remove_stale_temps(folder: Path, prefix: str) -> None:
                     path.unlink()
 
 
-def _host() -> str:
+def host_name() -> str:
+    """This machine's name, as file names may hold it."""
     return re.sub(r"[^A-Za-z0-9]", "_", socket.gethostname())[:40] or "host"
 
 
-def _alive(pid: int) -> bool:
+def process_alive(pid: int) -> bool:
+    """Whether a process of this machine runs with this id."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:

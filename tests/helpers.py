@@ -3,6 +3,7 @@ propose known tokens, and the kill-and-resume and subprocess helpers."""
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import os
@@ -179,8 +180,13 @@ def kill_after_a_checkpoint(cmd: list[str], folder: Path, complete: str, cwd: Pa
     deadline = time.time() + 300
     while not list(folder.glob(complete)) and time.time() < deadline and proc.poll() is None:
         time.sleep(0.005)
-    if proc.poll() is None:  # the whole group: `accelerate launch` runs the training in children
-        os.killpg(proc.pid, signal.SIGKILL)
+    if proc.poll() is None:  # every descendant: `accelerate launch` runs the training in children of its own session
+        import psutil
+
+        tree = [proc.pid, *(child.pid for child in psutil.Process(proc.pid).children(recursive=True))]
+        for pid in tree:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
     proc.wait()
 
 

@@ -583,3 +583,27 @@ def test_resume_on_a_finished_run_with_nothing_more_to_train_is_refused(tmp_path
     assert snapshot(out) == before
     train(HeadsTrainConfig(**{**cfg, "max_steps": 4}, resume=True))  # longer: resumed from step 2
     assert json.loads((out / "metrics.json").read_text())["steps"] == 4
+
+
+def test_a_folder_another_live_run_is_writing_is_refused(tmp_path):
+    """Killing `accelerate launch` alone leaves its training processes running: a second run into the same folder
+    would write beside them. A lock naming a live process of this machine refuses it; a dead one's does not."""
+    from gorgon.heads.files import host_name
+    from gorgon.train.recipe import LOCK, RUN_MARKER
+
+    cfg = dict(data=toy_data(tmp_path / "toy.jsonl", n=8), out=str(tmp_path / "run"), target=str(tiny_chat_target(
+        tmp_path)), max_steps=1, report_to="none", save_every=0)
+    out = Path(cfg["out"])
+    out.mkdir()
+    (out / RUN_MARKER).write_text("")
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        (out / LOCK).write_text(f"{host_name()} {other.pid}\n")
+        with pytest.raises(GorgonError, match=rf"run is being written by another training run \(process {other.pid}, "
+                                              rf"still running\): wait for it to end, or stop it \(kill {other.pid}\)"):
+            train(HeadsTrainConfig(**cfg))
+    finally:
+        other.kill()
+        other.wait()
+    train(HeadsTrainConfig(**cfg))  # its process gone, the lock is stale
+    assert (out / "recipe.json").is_file() and not (out / LOCK).exists()

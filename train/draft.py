@@ -179,6 +179,14 @@ def read_indexed_cpu_locations() -> None:
 
 
 def train(cfg: DraftTrainConfig) -> Path:
+    """The whole run: distil the draft, evaluate it, save it with its card (pushed when asked)."""
+    from gorgon.train.recipe import lock_released_on_failure
+
+    with lock_released_on_failure(Path(cfg.out)):
+        return distil(cfg)
+
+
+def distil(cfg: DraftTrainConfig) -> Path:
     from accelerate import PartialState
     from accelerate.utils import DistributedType
     from transformers import AutoModelForCausalLM

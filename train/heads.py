@@ -511,9 +511,12 @@ def save(run: Run) -> dict:
 
 def train(cfg: HeadsTrainConfig) -> Path:
     """The whole run: setup, the steps, then evaluation and the saved heads folder (pushed when asked)."""
-    run = setup(cfg)
-    train_steps(run)
-    metrics = save(run)
+    from gorgon.train.recipe import lock_released_on_failure
+
+    with lock_released_on_failure(Path(cfg.out)):
+        run = setup(cfg)
+        train_steps(run)
+        metrics = save(run)
     if run.accelerator.is_main_process:
         row = "step" if cfg.arch == "eagle" else "head"
         summary = ", ".join(f"{row} {k}: top-1 {a:.3f} top-5 {b:.3f}"

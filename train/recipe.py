@@ -312,9 +312,10 @@ def check_resume(checkpoint: Path, current: dict) -> None:
 RUN_MARKER = ".gorgon-run"  # written into a training --out when the run starts: this folder is gorgon's
 REPLACING = "replacing an earlier run\n"  # the marker's text while a run (--overwrite) replaces finished output
 EARLIER = ".earlier-run"  # where the replaced run's files wait while the new run writes its own
+LOCK = ".gorgon-run.lock"  # this machine and the main process's id while a run writes the folder
 # What a run writes in its --out (heads, a draft model and its tokenizer, checkpoints, the temporary files of
 # atomic writes): --overwrite replaces a folder holding these only, and gorgon bench reports with their plots.
-RUN_FILES = (RUN_MARKER, EARLIER, "checkpoints", "adapter", ".*.tmp", "config.json", "generation_config.json",
+RUN_FILES = (RUN_MARKER, EARLIER, LOCK, "checkpoints", "adapter", ".*.tmp", "config.json", "generation_config.json",
              "model.safetensors", "model-*-of-*.safetensors", "model.safetensors.index.json", "trees.json",
              "metrics.json", "recipe.json", "head_accuracy.png", "README.md", "tokenizer.json", "tokenizer_config.json",
              "special_tokens_map.json", "added_tokens.json", "chat_template.jinja", "vocab.json", "merges.txt",
@@ -363,16 +364,18 @@ def prepare_output(out: Path, latest_checkpoint, cfg) -> Path | None:
 
 def prepare_own_output(out: Path, latest_checkpoint, cfg) -> Path | None:
     """prepare_output's work, on the main process."""
-    from gorgon.heads.files import atomic_write_text, check_output
+    from gorgon.heads.files import atomic_write_text, check_output, host_name
 
     if os.path.realpath(out) == os.path.realpath(cfg.data):
         raise GorgonError(f"--out {out} is the --data folder: choose another --out")
     resume, overwrite = cfg.resume, cfg.overwrite
     finished = (out / "recipe.json").is_file()
     ours = finished or (out / RUN_MARKER).is_file()
+    check_no_other_run(out)
     if resume or not overwrite:  # checkpoints are looked for (and cut-short ones removed) in our folders only
         latest = resume_point(latest_checkpoint() if ours else None, resume, out)
         if latest is not None:
+            atomic_write_text(out / LOCK, f"{host_name()} {os.getpid()}\n")
             return latest
     if check_output(out, lambda _: ours, overwrite or (ours and not finished), own_entry=in_run_folder):
         if finished or replacing(out):
@@ -382,11 +385,28 @@ def prepare_own_output(out: Path, latest_checkpoint, cfg) -> Path | None:
             shutil.rmtree(out / "checkpoints", ignore_errors=True)
             (out / "recipe.json").unlink(missing_ok=True)
             atomic_write_text(out / RUN_MARKER, REPLACING)
+            atomic_write_text(out / LOCK, f"{host_name()} {os.getpid()}\n")
             return None
         shutil.rmtree(out)
         out.mkdir()
     atomic_write_text(out / RUN_MARKER, "")
+    atomic_write_text(out / LOCK, f"{host_name()} {os.getpid()}\n")
     return None
+
+
+def check_no_other_run(out: Path) -> None:
+    """Refuse a folder that a live run on this machine is writing (its LOCK): killing `accelerate launch`
+    alone leaves its training processes running, and a second run there would write beside them. A lock
+    left by a killed run (its process gone) or from another machine is not in the way."""
+    from gorgon.heads.files import host_name, process_alive
+
+    try:
+        host, pid = (out / LOCK).read_text().split()
+    except (OSError, ValueError):
+        return
+    if host == host_name() and int(pid) != os.getpid() and process_alive(int(pid)):
+        raise GorgonError(f"{out} is being written by another training run (process {pid}, still running): wait for "
+                          f"it to end, or stop it (kill {pid}), then retry")
 
 
 def check_more_to_train(out: Path, cfg) -> None:
@@ -439,6 +459,7 @@ def finish_run_folder(out: Path, recipe: dict) -> None:
     shutil.rmtree(out / EARLIER, ignore_errors=True)
     atomic_write_text(out / RUN_MARKER, "")
     atomic_write_text(out / "recipe.json", json.dumps(recipe, indent=1) + "\n")
+    (out / LOCK).unlink(missing_ok=True)
 
 
 def wandb_offline_without_key(report_to: str) -> None:
@@ -533,16 +554,29 @@ def end_launched_process() -> None:
 
 
 @contextlib.contextmanager
+def lock_released_on_failure(out: Path):
+    """A run that fails or is refused after taking the folder's LOCK gives it back, so the folder is as it was
+    (a killed run cannot: its lock names a process that is gone, which no later run waits for)."""
+    try:
+        yield
+    except BaseException:
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            if int((out / LOCK).read_text().split()[1]) == os.getpid():
+                (out / LOCK).unlink()
+        raise
+
+
+@contextlib.contextmanager
 def no_empty_output_left(out: Path):
     """A run that fails before writing anything (bad data, too many processes) removes the --out folder it
     made, so a failed command leaves nothing behind. A folder that existed before, or holds more than the
-    run marker, is left as it is."""
+    run marker and lock, is left as it is."""
     existed = os.path.lexists(out)
     try:
         yield
     except BaseException:
         with contextlib.suppress(OSError):
-            if not existed and out.is_dir() and {p.name for p in out.iterdir()} <= {RUN_MARKER}:
+            if not existed and out.is_dir() and {p.name for p in out.iterdir()} <= {RUN_MARKER, LOCK}:
                 shutil.rmtree(out)
         raise
 
