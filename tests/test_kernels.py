@@ -489,7 +489,7 @@ def test_revision_ab_runs_a_revisions_own_code_beside_the_working_trees(tmp_path
             options = importlib.import_module(f"{name}.decode.options")
         finally:
             sys.path.remove(str(copy))
-        assert Path(options.__file__).is_relative_to(copy) and options.EagleHead.__module__.startswith(name)
+        assert Path(options.__file__).is_relative_to(copy) and options.ContextDrafter.__module__.startswith(name)
     with pytest.raises(GorgonError, match="this folder has no heads or decode"):
         revision_ab.revision_package(str(tmp_path / "eagle"), tmp_path / "copy-bad")
     script = [sys.executable, "scripts/revision_ab.py", "--target", str(target_path), "--heads",
