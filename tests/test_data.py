@@ -247,6 +247,12 @@ def test_resume_with_other_settings_is_refused(tmp_path):
         make_dataset(DataSettings(prompts=src, target=str(target), max_new_tokens=5), out, progress=False)
     with pytest.raises(GorgonError, match=r"other settings \(cpu_kernels\)"):  # they may round a near-tie apart
         make_dataset(settings, out, progress=False, cpu_kernels="stock")
+    # A run killed between swapping its dataset in and removing its shards left them: the next run removes them.
+    partial = tmp_path / "o.partial"
+    partial.mkdir()
+    (partial / "settings.json").write_text(json.dumps(read_metadata(out)))
+    (partial / "shard-00000.jsonl").write_text("{}\n")
+    assert make_dataset(settings, out, progress=False) == out and not partial.exists()
 
 
 def test_an_edited_prompts_file_is_not_taken_for_the_one_a_run_used(tmp_path):

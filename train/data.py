@@ -294,15 +294,18 @@ def make_dataset(settings: DataSettings, out: str | os.PathLike, target: Target 
     # The CPU kernels round differently, which can resolve a near-tie the other way: a resume keeps them too.
     kernels = cpu_kernels if settings.engine == "transformers" else None
     record = {"settings": {**asdict(settings), "cpu_kernels": kernels}, "prompts_sha256": prompts_hash(convs)}
+    partial = out.parent / f"{out.name}.partial"  # the unfinished run, resumed from here
     if is_dataset(out) and not overwrite:
         diff = record_changes(read_metadata(out), record)
         if diff:
             raise GorgonError(f"{out} holds a dataset made with other settings ({', '.join(diff)}): pass --overwrite "
                               "to regenerate it, or choose another --out")
+        if (partial / "settings.json").is_file() and not record_changes(json.loads(
+                (partial / "settings.json").read_text()), record):  # a run killed right after its swap
+            shutil.rmtree(partial)
         print(f"gorgon data: {out} is already complete; pass --overwrite to regenerate it")
         return out
     replace = check_output(out, is_dataset, overwrite, own_entry=in_dataset)
-    partial = out.parent / f"{out.name}.partial"  # the unfinished run, resumed from here
     if os.path.lexists(partial) and not partial.is_dir():
         raise GorgonError(f"{partial} is a file, where gorgon data keeps an unfinished run: move it away or choose "
                           "another --out")
@@ -397,6 +400,7 @@ def make_dataset(settings: DataSettings, out: str | os.PathLike, target: Target 
 
 
 def parser() -> argparse.ArgumentParser:
+    d = DataSettings(prompts="")  # the defaults, in one place
     p = ArgumentParser(
         prog="gorgon data",
         description="Self-distillation: the frozen target answers prompts; the answers become the heads' training "
@@ -407,25 +411,28 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, help="output dataset folder")
     p.add_argument("--target", default=None, help="hub id or path (default: the embedded SmolLM2-135M-Instruct)")
     p.add_argument("--limit", type=int_at_least(1), default=None, help="use at most N prompts")
-    p.add_argument("--max-new-tokens", type=int, default=512, help="longest answer per turn (default 512)")
-    p.add_argument("--batch-size", type=int, default=16,
-                   help="rows generated together (default 16); a finished row is replaced by a waiting prompt")
-    p.add_argument("--batch-tokens", type=int, default=32768,
+    p.add_argument("--max-new-tokens", type=int_at_least(1), default=d.max_new_tokens,
+                   help=f"longest answer per turn (default {d.max_new_tokens})")
+    p.add_argument("--batch-size", type=int_at_least(1), default=d.batch_size,
+                   help=f"rows generated together (default {d.batch_size}); a finished row is replaced by a waiting "
+                        "prompt")
+    p.add_argument("--batch-tokens", type=int_at_least(1), default=d.batch_tokens,
                    help="most cache slots (rows x (longest prompt + answer)) in the batch, so long prompts run "
                         "with fewer rows")
     p.add_argument("--max-prompt-tokens", type=int_at_least(1), default=None,
                    help="skip prompts longer than this (and count them): match your training max_length")
-    p.add_argument("--temperature", type=float, default=0.0, help="0 (default) is greedy")
-    p.add_argument("--top-p", type=float, default=1.0, help="with --temperature: nucleus sampling (1, the default, "
-                   "is off)")
-    p.add_argument("--seed", type=int, default=0, help="sampling seed (also for --prompts self): each answer's "
+    p.add_argument("--temperature", type=float, default=d.temperature, help="0 (default) is greedy")
+    p.add_argument("--top-p", type=float, default=d.top_p, help="with --temperature: nucleus sampling (1, the "
+                   "default, is off)")
+    p.add_argument("--seed", type=int, default=d.seed, help="sampling seed (also for --prompts self): each answer's "
                    "derives from it and the prompt's place in the run, so a resumed run samples what an uninterrupted "
                    "one would (default 0)")
-    p.add_argument("--turns", choices=["first", "all"], default="first",
+    p.add_argument("--turns", choices=["first", "all"], default=d.turns,
                    help="answer the first user turn only, or every turn with the target's own earlier answers")
-    p.add_argument("--shard-size", type=int, default=64, help="conversations per resumable shard (default 64)")
+    p.add_argument("--shard-size", type=int_at_least(1), default=d.shard_size,
+                   help=f"conversations per resumable shard (default {d.shard_size})")
     p.add_argument("--chat-template", default=None, help="a Jinja chat template file, for tokenizers without one")
-    p.add_argument("--engine", choices=["transformers", "vllm"], default="transformers",
+    p.add_argument("--engine", choices=["transformers", "vllm"], default=d.engine,
                    help="transformers (default; continuous batching) or vllm (a GPU path that has never run: vLLM "
                         "was not installable where gorgon is built)")
     p.add_argument("--cpu-kernels", choices=KERNELS, default="fast",
