@@ -36,6 +36,7 @@ from transformers import DynamicCache
 
 from ..feature_cache import FeatureCache
 from ..target import additive_mask, base_model, lm_logits
+from ..vocab import draft_index
 
 
 class EagleObjective(torch.nn.Module):
@@ -61,9 +62,7 @@ class EagleObjective(torch.nn.Module):
         token_map = self.heads.token_map
         if token_map is None:
             return input_ids
-        index = torch.full((self.heads.config.vocab_size,), -1, dtype=torch.long, device=input_ids.device)
-        index[token_map] = torch.arange(token_map.numel(), device=input_ids.device)
-        return index[input_ids]
+        return draft_index(token_map.to(input_ids.device), self.heads.config.vocab_size)[input_ids]
 
     @torch.no_grad()
     def target_outputs(self, input_ids, attention_mask) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -84,6 +83,8 @@ class EagleObjective(torch.nn.Module):
         return features, logits if token_map is None else logits[..., token_map], labels
 
     def forward(self, input_ids, attention_mask, loss_mask, train_backbone: bool = False):
+        """The loss over the unrolled steps, their statistics, and the ranks evaluation counts. (train_backbone:
+        the call every objective takes; the target stays frozen here.)"""
         head = self.heads
         features, teacher, labels = self.target_outputs(input_ids, attention_mask)
         features = features.to(head.fc.weight.dtype)  # the head trains in its own dtype (float32 beside bfloat16)
@@ -127,7 +128,8 @@ class EagleObjective(torch.nn.Module):
 
     def rank_counts(self, ranks, batch: dict, max_rank: int) -> torch.Tensor:
         """(steps, max_rank + 1) counts: how often the right token was the head's rank r at each unrolled
-        step, plus the total. A token outside the draft vocabulary counts as missed."""
+        step, plus the total. A token outside the draft vocabulary counts as missed. (`batch`: the call every
+        objective takes; the ranks already hold what is needed.)"""
         counts = torch.zeros(self.steps, max_rank + 1, dtype=torch.long)
         for j, (logits, right) in enumerate(ranks):
             top = logits.topk(min(max_rank, logits.shape[-1]), dim=-1).indices

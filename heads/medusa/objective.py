@@ -15,6 +15,7 @@ import torch.nn.functional as F
 
 from ..feature_cache import FeatureCache
 from ..target import base_model, lm_logits
+from ..vocab import draft_index
 
 
 def head_targets(loss_mask: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -41,8 +42,7 @@ def heads_loss(heads, hidden: torch.Tensor, input_ids: torch.Tensor, loss_mask: 
     stats = {}
     index = None
     if heads.token_map is not None:  # token id -> position in the draft vocabulary, -1 outside
-        index = torch.full((heads.config.vocab_size,), -1, dtype=torch.long, device=input_ids.device)
-        index[heads.token_map] = torch.arange(heads.token_map.numel(), device=input_ids.device)
+        index = draft_index(heads.token_map.to(input_ids.device), heads.config.vocab_size)
     for k in range(heads.config.num_heads):
         b, t = head_targets(loss_mask, k)
         count = int(b.numel())
