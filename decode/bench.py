@@ -21,7 +21,7 @@ import torch
 from gorgon.heads import ContextDrafter, MergedDrafter
 from gorgon.heads.card import check_card_folder, refresh_model_card
 from gorgon.heads.errors import ArgumentParser, GorgonError, int_at_least
-from gorgon.heads.files import atomic_write, atomic_write_text, check_report_output, read_jsonl
+from gorgon.heads.files import atomic_write, atomic_write_text, check_report_output
 from gorgon.heads.target import load_causal_lm
 
 from .acceptance import Sampling
@@ -31,37 +31,12 @@ from .calibrate import cpu_flags, cpu_name, sync
 from .generate import GenerationResult, generation_config_as_applied, speculative_generate
 from .kernels import kernels_in_use, stock_kernels, stock_rows
 from .options import add_model_arguments, compared_drafter, drafter_name, load_drafter, read_tree
-from .tau import per_category_sample
+from .questions import ask, load_questions, per_category_sample
 
 BASELINES = ("generate", "stock", "prompt-lookup", "no-context")
 # Methods that decode with a drafter: they also report tau and an identical count. "compare" is the
 # --compare-heads drafter, drafted as --heads is; "compare-no-context" the same heads without context drafts.
 SPECULATIVE = ("no-context", "compare", "compare-no-context")
-
-
-def load_questions(path: str, limit: int | None = None) -> list[dict]:
-    """MT-Bench / Spec-Bench questions: {"question_id", "category", "turns": [...]} per line."""
-    if Path(path).is_dir():
-        raise GorgonError(f"questions file {path} is a folder: pass a .jsonl in the MT-Bench format "
-                          '({"question_id", "category", "turns": [...]}), e.g. scripts/data/mt_bench.jsonl')
-    if not Path(path).is_file():
-        raise GorgonError(f"questions file {path} not found: pass a .jsonl in the MT-Bench format "
-                          '({"question_id", "category", "turns": [...]}), e.g. scripts/data/mt_bench.jsonl')
-    if limit is not None and limit < 1:
-        raise GorgonError(f"--limit must be at least 1, not {limit}")
-    questions = []
-    for i, q in enumerate(read_jsonl(Path(path)), 1):
-        if not isinstance(q, dict) or not isinstance(q.get("turns"), list) or not q["turns"] \
-                or not all(isinstance(t, str) and t.strip() for t in q["turns"]):
-            raise GorgonError(f"{path} record {i} has no usable 'turns' (a non-empty list of strings): each line "
-                              'must look like {"question_id": 1, "category": "writing", "turns": ["..."]}')
-        questions.append({"question_id": q.get("question_id", i), "category": q.get("category", "all"),
-                          "turns": q["turns"]})
-        if limit is not None and len(questions) >= limit:
-            break
-    if not questions:
-        raise GorgonError(f"{path} holds no questions")
-    return questions
 
 
 def timed_generate(model, ids, max_new_tokens: int, sampling: Sampling, **extra):
@@ -180,7 +155,7 @@ def run_bench(target, drafter, questions: list[dict], max_new_tokens: int = 256,
     stopped early (a time limit, Ctrl-C) still leaves what it measured."""
     from tqdm.auto import tqdm
 
-    model, tok = target.model, target.tokenizer
+    model = target.model
     generator = torch.Generator(device=model.device).manual_seed(seed)
     methods = timed_methods(model, drafter, baselines, assistant, sampling, generator, compare)
     stock = "stock" in methods
@@ -202,12 +177,9 @@ def run_bench(target, drafter, questions: list[dict], max_new_tokens: int = 256,
             row.update({f"{name}_tokens": 0, f"{name}_seconds": 0.0})
             if name in SPECULATIVE:
                 row.update({f"{name}_target_forwards": 0, f"{name}_identical": True})
-        messages = []
-        for turn in q["turns"]:
-            messages.append({"role": "user", "content": turn})
-            ids = target.chat_ids(messages)
-            if ids.shape[1] + max_new_tokens > context:
-                break  # a turn that no longer fits the context ends the question
+
+        def run_turn(ids):
+            """Every method on this turn, in this question's order; the baseline's reply continues it."""
             order = names[qi % len(names):] + names[:qi % len(names)]  # each goes first in turn
             runs = {name: methods[name](ids, max_new_tokens) for name in order}
             base, spec = runs["baseline"], runs["gorgon"]
@@ -229,10 +201,12 @@ def run_bench(target, drafter, questions: list[dict], max_new_tokens: int = 256,
                 if name in SPECULATIVE:
                     row[f"{name}_target_forwards"] += runs[name].target_forwards
                     row[f"{name}_identical"] &= runs[name].tokens == base.tokens
-            messages.append({"role": "assistant", "content": tok.decode(base.tokens, skip_special_tokens=True)})
-        if not row["target_forwards"]:  # not even the first turn fit: nothing was run, nothing is counted
+            return base.tokens
+
+        if not ask(target, q, max_new_tokens, run_turn):  # not even the first turn fit: nothing is counted
+            first = target.chat_ids([{"role": "user", "content": q["turns"][0]}]).shape[1]
             skipped.append({"question_id": q["question_id"], "category": q["category"],
-                            "reason": f"the first turn ({ids.shape[1]} tokens) plus --max-new-tokens {max_new_tokens} "
+                            "reason": f"the first turn ({first} tokens) plus --max-new-tokens {max_new_tokens} "
                                       f"exceeds the context of {context}"})
             continue
         base_rate = row["baseline_tokens"] / max(row["baseline_seconds"], 1e-9)

@@ -9,6 +9,7 @@ step costs. Greedy; a second turn is asked after gorgon's own first answer (whic
 from __future__ import annotations
 
 from .generate import speculative_generate
+from .questions import ask
 
 
 class CountingDrafter:
@@ -24,37 +25,23 @@ class CountingDrafter:
         return tokens, tree
 
 
-def per_category_sample(questions: list[dict], count: int | None) -> list[dict]:
-    """The first `count` questions of each category, in file order (all of them without a count)."""
-    if count is None:
-        return questions
-    seen: dict[str, int] = {}
-    picked = []
-    for q in questions:
-        seen[q["category"]] = seen.get(q["category"], 0) + 1
-        if seen[q["category"]] <= count:
-            picked.append(q)
-    return picked
-
-
 def measure_tau(target, drafter, questions: list[dict], max_new_tokens: int) -> dict:
     """{"tau", "nodes_per_step", "tokens", "per_category": {category: the same}} over the questions."""
     counting = CountingDrafter(drafter)
     totals: dict[str, list[int]] = {}  # category -> [tokens, target forwards, verify steps, nodes]
     for q in questions:
-        messages = []
-        for turn in q["turns"]:
-            messages.append({"role": "user", "content": turn})
-            ids = target.chat_ids(messages)
+        row = totals.setdefault(q["category"], [0, 0, 0, 0])
+
+        def run_turn(ids):
             before = len(counting.nodes)
             result = speculative_generate(target.model, counting, ids, max_new_tokens)
-            row = totals.setdefault(q["category"], [0, 0, 0, 0])
             row[0] += len(result.tokens)
             row[1] += result.target_forwards
             row[2] += len(counting.nodes) - before
             row[3] += sum(counting.nodes[before:])
-            messages.append({"role": "assistant",
-                             "content": target.tokenizer.decode(result.tokens, skip_special_tokens=True)})
+            return result.tokens
+
+        ask(target, q, max_new_tokens, run_turn)
 
     def figures(rows):
         tokens, forwards, steps, nodes = (sum(r[i] for r in rows) for i in range(4))

@@ -16,8 +16,8 @@ top-1 against conversations, one line per method): a curve still rising says dat
 import json
 from pathlib import Path
 
-from gorgon.decode.bench import load_questions
-from gorgon.decode.tau import measure_tau, per_category_sample
+from gorgon.decode.questions import load_questions, per_category_sample
+from gorgon.decode.tau import measure_tau
 from gorgon.heads.errors import ArgumentParser, int_at_least, run_script
 from gorgon.heads.files import atomic_write, atomic_write_text, check_report_output
 from gorgon.heads.loading import drafter_for, load_heads

@@ -26,10 +26,10 @@ from transformers import DynamicCache
 from gorgon.decode.acceptance import accept_greedy
 from gorgon.decode.argmax import target_argmax
 from gorgon.decode.attention import decoding_attention
-from gorgon.decode.bench import load_questions
 from gorgon.decode.calibrate import cpu_flags, cpu_name, measure_verify_costs, median_ms
 from gorgon.decode.kernels import kernels_in_use, stock_rows, use_cpu_kernels
 from gorgon.decode.options import add_model_arguments, load_drafter, read_tree
+from gorgon.decode.questions import load_questions
 from gorgon.decode.verify import features, keep_path, verify
 from gorgon.heads import HeadsDrafter, MedusaHeads
 from gorgon.heads.errors import ArgumentParser, run_script

@@ -37,8 +37,8 @@ from pathlib import Path
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from gorgon.decode.bench import load_questions
 from gorgon.decode.options import add_model_arguments
+from gorgon.decode.questions import load_questions
 from gorgon.heads.errors import ArgumentParser, GorgonError, int_at_least, run_script
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -13,9 +13,9 @@ scripts/profile_step.py for the cost of a forward over N tokens).
 import json
 from pathlib import Path
 
-from gorgon.decode.bench import load_questions
 from gorgon.decode.options import add_model_arguments, drafter_name, load_drafter, read_tree
-from gorgon.decode.tau import measure_tau, per_category_sample
+from gorgon.decode.questions import load_questions, per_category_sample
+from gorgon.decode.tau import measure_tau
 from gorgon.heads.errors import ArgumentParser, int_at_least, run_script
 
 

@@ -30,8 +30,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import gorgon.decode.generate as generate_module
 from gorgon.decode.acceptance import Sampling
 from gorgon.decode.attention import decoding_attention
-from gorgon.decode.bench import load_questions, timed_generate, timed_speculative
+from gorgon.decode.bench import timed_generate, timed_speculative
 from gorgon.decode.options import add_model_arguments, load_drafter, read_tree
+from gorgon.decode.questions import load_questions
 from gorgon.heads.errors import ArgumentParser, GorgonError, int_at_least, run_script
 from gorgon.heads.files import atomic_write, check_writable
 

@@ -16,8 +16,9 @@ from transformers import AutoModelForCausalLM
 
 import gorgon.train.recipe as recipe
 from gorgon.decode import Sampling, speculative_generate
-from gorgon.decode.bench import load_questions, run_bench
+from gorgon.decode.bench import run_bench
 from gorgon.decode.options import read_tree
+from gorgon.decode.questions import load_questions
 from gorgon.heads import DraftModelDrafter, GorgonError, HeadsDrafter, MedusaHeads, load_target
 from gorgon.heads.cli import main as gorgon
 from gorgon.heads.errors import run_script

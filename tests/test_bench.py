@@ -11,7 +11,8 @@ from helpers import QUESTIONS, ROOT, chat_target_with_heads, questions_file, tin
 import gorgon.decode.acceptance as acceptance
 import gorgon.decode.bench as bench
 import gorgon.decode.generate as generate_module
-from gorgon.decode.bench import load_questions, markdown_table, run_bench, summarize
+from gorgon.decode.bench import markdown_table, run_bench, summarize
+from gorgon.decode.questions import load_questions
 from gorgon.heads import GorgonError, HeadsDrafter, MedusaHeads, load_target
 
 
@@ -194,7 +195,8 @@ def test_bench_with_a_draft_model(tmp_path):
 
 def test_tau_without_timing_counts_every_step(setup):
     from gorgon.decode.generate import speculative_generate
-    from gorgon.decode.tau import measure_tau, per_category_sample
+    from gorgon.decode.questions import per_category_sample
+    from gorgon.decode.tau import measure_tau
 
     target, drafter = setup
     assert [q["question_id"] for q in per_category_sample(QUESTIONS, 1)] == [0, 1, 3]  # one writing, math, coding
