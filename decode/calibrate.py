@@ -20,8 +20,9 @@ from pathlib import Path
 
 import torch
 
+from gorgon.heads.cache import crop_cache, growing_cache, with_cache
 from gorgon.heads.files import atomic_write_text
-from gorgon.heads.target import base_model, cache_dir, crop_cache, growing_cache, with_cache
+from gorgon.heads.target import base_model, cache_dir
 from gorgon.heads.tree import build_tree
 
 from .argmax import argmax_in_use, target_argmax

@@ -18,9 +18,10 @@ from typing import Callable
 
 import torch
 
+from gorgon.heads.cache import growing_cache, with_cache
 from gorgon.heads.drafter import Drafter
 from gorgon.heads.errors import GorgonError
-from gorgon.heads.target import base_model, growing_cache, lm_logits, with_cache
+from gorgon.heads.target import base_model, lm_logits
 from gorgon.heads.tree import cut_tree, host_to_device
 
 from .acceptance import Sampling, accept_greedy, accept_sampled, accept_typical, target_probs

@@ -14,7 +14,9 @@ from collections.abc import Sequence
 
 import torch
 
-from gorgon.heads.target import additive_mask, base_model, crop_cache, layer_masks, with_cache
+from gorgon.heads.cache import crop_cache, with_cache
+from gorgon.heads.masks import additive_mask, layer_masks
+from gorgon.heads.target import base_model
 from gorgon.heads.tree import Tree, host_to_device
 
 

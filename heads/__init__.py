@@ -1,9 +1,10 @@
 """Targets and the drafting methods that speed them up.
 
-The core every stage uses: loading a target and its fingerprint (target.py), one-line errors
-(errors.py), atomic files (files.py), the Hub (hub.py), candidate trees (tree.py), the drafter
-interface (drafter.py), model cards (card.py), loading any heads folder (loading.py) and the
-frozen target's outputs kept across epochs (feature_cache.py). Each
+The core every stage uses: loading a target and its fingerprint (target.py), KV caches (cache.py),
+tree attention masks (masks.py), one-line errors (errors.py), atomic files (files.py), the Hub
+(hub.py), candidate trees (tree.py), the drafter interface (drafter.py), the tree search two
+methods share (search.py), draft vocabularies (vocab.py), model cards (card.py), loading any heads
+folder (loading.py) and the frozen target's outputs kept across epochs (feature_cache.py). Each
 drafting method keeps its model, drafter and training objective in its own subpackage: medusa/
 (Medusa heads), eagle/ (a feature-level head, EAGLE-3's layout), draft_model/ (a small distilled
 causal LM), context/ (prompt lookup, which needs no model, and merging it into another tree).

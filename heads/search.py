@@ -21,7 +21,7 @@ from collections.abc import Callable
 import torch
 
 from .errors import GorgonError
-from .target import additive_mask
+from .masks import additive_mask
 from .tree import MAX_TREE_NODES
 
 # expand(level, parent, tokens, sees) -> (k, V) log-probabilities: see grow_tree

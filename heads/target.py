@@ -1,4 +1,5 @@
-"""Loading the target model: the embedded default, a hub id or a local path, and its fingerprint.
+"""Loading the target model (the embedded default, a hub id or a local path) and its fingerprint, and what
+drafters take from it: its decoder stack, its logits, a check that a drafter fits it.
 
 Heads only make sense for the exact model they were trained on, so every target carries a
 fingerprint (a hash of its shape and a sample of its output-embedding weights) that heads
@@ -7,10 +8,8 @@ record at training time and check at load time.
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import importlib.util
-import inspect
 import json
 import os
 import shutil
@@ -313,119 +312,6 @@ def logit_softcap(model: torch.nn.Module) -> float | None:
 def base_model(model: torch.nn.Module) -> torch.nn.Module:
     """The decoder stack without the LM head, which returns the last (normed) hidden state."""
     return model.get_decoder()
-
-
-def with_cache(module: torch.nn.Module, cache) -> dict:
-    """The keyword argument that passes a KV cache to a transformers module's forward: `cache` from
-    transformers 5.24 on (which deprecates `past_key_values`, to be removed in 5.40), else
-    `past_key_values`."""
-    return {_cache_keyword(type(module)): cache}
-
-
-@functools.cache
-def _cache_keyword(module_type: type) -> str:
-    return "cache" if "cache" in inspect.signature(module_type.forward).parameters else "past_key_values"
-
-
-def additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """An attention mask as the model's forward takes it, from a bool (..., queries, keys) of what may be seen:
-    0 where a query may attend, the dtype's lowest value elsewhere."""
-    mask = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
-    return mask.masked_fill_(~allowed, torch.finfo(dtype).min)
-
-
-_MASK_KINDS = {"full_attention", "sliding_attention"}
-
-
-def layer_kinds(config) -> set[str]:
-    """Which attention kinds a model's layers use: full, sliding, or both."""
-    cfg = config.get_text_config()
-    types = getattr(cfg, "layer_types", None)
-    if types:
-        kinds = set(types)
-        if not kinds <= _MASK_KINDS:
-            raise GorgonError(f"layer types {sorted(kinds - _MASK_KINDS)} are not supported by tree attention: "
-                              "use a model with full or sliding-window attention")
-        return kinds
-    return {"sliding_attention"} if getattr(cfg, "sliding_window", None) else {"full_attention"}
-
-
-def layer_masks(config, mask: torch.Tensor, query_positions: torch.Tensor, key_positions):
-    """The attention_mask argument of a model's forward over tree nodes, from the additive (..., queries, keys)
-    `mask` of what each may see in a cache built without the config (every layer keeps every token): as it
-    is for full attention, with keys a sliding window leaves behind masked too (a query at position p sees
-    position q only when p - q < window), and one mask per layer kind where a model mixes them (Gemma 2, 3).
-    `key_positions()` gives the cache's positions; it is called only for sliding-window layers, so a model
-    with full attention alone builds nothing per step."""
-    kinds = layer_kinds(config)
-    window = getattr(config.get_text_config(), "sliding_window", None)
-
-    def windowed():
-        behind = (query_positions[:, None] - key_positions()[None, :]) >= window
-        return mask.masked_fill(behind, torch.finfo(mask.dtype).min)
-
-    masks = {"full_attention": lambda: mask, "sliding_attention": windowed}
-    if len(kinds) == 1:
-        return masks[kinds.pop()]()
-    return {kind: make() for kind, make in masks.items()}
-
-
-def growing_cache():
-    """A `DynamicCache` whose layers append in place (`growing_layer_class`): transformers' own concatenates,
-    which copies a layer's whole cache at every forward, so a step costs more the longer the context. Measured
-    with scripts/revision_ab.py on one CPU thread: 2.4-3.5% less a token on Spec-Bench's RAG and
-    summarization prompts (670-1,190 tokens), 0-0.7% on MT-Bench's short ones."""
-    from transformers import DynamicCache
-
-    cache = DynamicCache()
-    cache.layer_class_to_replicate = growing_layer_class()
-    return cache
-
-
-@functools.cache
-def growing_layer_class():
-    """`GrowingLayer`, defined at first use: importing this module does not import transformers."""
-    from transformers.cache_utils import DynamicLayer
-
-    class GrowingLayer(DynamicLayer):
-        """A `DynamicLayer` whose keys and values are views into buffers with room to spare (`_key_room`,
-        `_value_room`), so an update writes the new positions after them instead of copying everything into
-        a new tensor. `crop_cache` and `keep_path` slice and write through the views; anything that puts
-        other tensors in their place costs one copy into a new buffer at the next update."""
-
-        def update(self, key_states, value_states, *args, **kwargs):
-            if not self.is_initialized:
-                self.lazy_initialization(key_states, value_states)
-            self.keys = _append(self, "_key_room", self.keys, key_states)
-            self.values = _append(self, "_value_room", self.values, value_states)
-            return self.keys, self.values
-
-    return GrowingLayer
-
-
-def _append(layer, room_name: str, old: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
-    """`old` then `new` along the sequence (dim -2), as a view of the layer's buffer `room_name`: written in
-    place when `old` is that buffer's front and it has room, else into a new buffer with a quarter to spare."""
-    room = getattr(layer, room_name, None)
-    length = old.shape[-2] if old.dim() == new.dim() else 0  # a new layer's keys are an empty 1-D tensor
-    end = length + new.shape[-2]
-    fits = (room is not None and room.shape[-2] >= end and room.shape[:-2] == new.shape[:-2]
-            and (room.dtype, room.device) == (new.dtype, new.device))
-    if not (fits and (length == 0 or (old.data_ptr() == room.data_ptr() and old.stride() == room.stride()))):
-        room = new.new_empty(*new.shape[:-2], end + max(256, end // 4), new.shape[-1])
-        if length:
-            room[..., :length, :] = old
-        setattr(layer, room_name, room)
-    room[..., length:end, :] = new
-    return room[..., :end, :]
-
-
-def crop_cache(cache, length: int) -> None:
-    """Keep the first `length` positions of every layer of a `DynamicCache`. This slices the tensors
-    directly: `Cache.crop` changed meaning between transformers releases (an absolute length in 5.17,
-    a count to remove later)."""
-    for layer in cache.layers:
-        layer.keys, layer.values = layer.keys[:, :, :length], layer.values[:, :, :length]
 
 
 def attach_to_target(module: torch.nn.Module, target, device=None, dtype=None) -> torch.nn.Module:

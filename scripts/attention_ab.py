@@ -20,8 +20,9 @@ from gorgon.decode.calibrate import cpu_flags, cpu_name
 from gorgon.decode.kernels import use_cpu_kernels
 from gorgon.decode.verify import verify
 from gorgon.heads import load_target
+from gorgon.heads.cache import crop_cache, with_cache
 from gorgon.heads.errors import ArgumentParser, run_script
-from gorgon.heads.target import base_model, crop_cache, lm_logits, with_cache
+from gorgon.heads.target import base_model, lm_logits
 from gorgon.heads.tree import REFERENCE_ACCURACIES, build_tree, tree_from_accuracies
 
 

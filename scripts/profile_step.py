@@ -32,8 +32,9 @@ from gorgon.decode.options import add_model_arguments, load_drafter, read_tree
 from gorgon.decode.questions import load_questions
 from gorgon.decode.verify import features, keep_path, verify
 from gorgon.heads import HeadsDrafter, MedusaHeads
+from gorgon.heads.cache import crop_cache, with_cache
 from gorgon.heads.errors import ArgumentParser, run_script
-from gorgon.heads.target import base_model, crop_cache, lm_logits, resolve_device, resolve_dtype, with_cache
+from gorgon.heads.target import base_model, lm_logits, resolve_device, resolve_dtype
 
 
 def profile(model, drafter, context: int, repeat: int, prompt: torch.Tensor | None = None) -> dict[str, float]:

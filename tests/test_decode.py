@@ -14,7 +14,7 @@ from gorgon.decode.acceptance import Sampling
 from gorgon.decode.kernels import use_cpu_kernels
 from gorgon.decode.verify import accepted_rows, keep_path, verify
 from gorgon.heads import GorgonError, HeadsDrafter, MedusaHeads
-from gorgon.heads.target import crop_cache, growing_cache, with_cache
+from gorgon.heads.cache import crop_cache, growing_cache, with_cache
 from gorgon.heads.tree import build_tree
 
 PATHS = [[0], [1], [2], [0, 0], [0, 1], [1, 0], [2, 0], [0, 0, 0], [0, 0, 1], [0, 1, 0], [0, 0, 0, 0]]
@@ -491,7 +491,7 @@ def test_a_draft_vocabulary_is_saved_loaded_and_checked(tmp_path):
 def test_attention_of_another_kind_is_refused_in_one_line():
     from transformers import LlamaConfig
 
-    from gorgon.heads.target import layer_masks
+    from gorgon.heads.masks import layer_masks
 
     config = LlamaConfig(num_hidden_layers=2, layer_types=["full_attention", "chunked_attention"])
     with pytest.raises(GorgonError, match=r"layer types \['chunked_attention'\] are not supported by tree attention"):

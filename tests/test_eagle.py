@@ -175,7 +175,7 @@ def test_each_candidate_scores_what_the_head_gives_its_path_drafted_alone():
     """A candidate's confidence is the product of the head's probabilities along its path, drafted one token at
     a time with no cache: the search's parents, features, positions and masks must reproduce it. Greedy output
     is exact whatever tree is proposed, so the decoding tests cannot see a wrong tree, only a slower one."""
-    from gorgon.heads.target import additive_mask
+    from gorgon.heads.masks import additive_mask
 
     model = tiny_model("llama", vocab=8, layers=4)
     head = head_for(model)
@@ -798,7 +798,7 @@ def test_the_training_time_test_sees_what_drafting_sees():
     from transformers import DynamicCache
 
     from gorgon.heads.eagle.objective import EagleObjective
-    from gorgon.heads.target import additive_mask
+    from gorgon.heads.masks import additive_mask
 
     model = tiny_model("llama", layers=4)
     head = head_for(model)

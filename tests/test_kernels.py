@@ -137,7 +137,7 @@ def test_tree_attention_shares_key_value_heads_and_changes_nothing(arch, monkeyp
     (enable_gqa) instead of transformers' copies, with bit-identical hidden states; stock is as it was."""
     import gorgon.decode.attention as attention
     from gorgon.decode.verify import verify
-    from gorgon.heads.target import with_cache
+    from gorgon.heads.cache import with_cache
     from gorgon.heads.tree import build_tree
 
     model = tiny_model(arch)

@@ -17,11 +17,11 @@ import torch
 from transformers.cache_utils import Cache
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopPLogitsWarper
 
-from gorgon.heads.target import growing_layer_class, with_cache
+from gorgon.heads.cache import growing_layer_class, with_cache
 
 
 class BatchLayer(growing_layer_class()):
-    """A growing cache layer (`gorgon.heads.target.growing_layer_class`: a decoding step writes its tokens in
+    """A growing cache layer (`gorgon.heads.cache.growing_layer_class`: a decoding step writes its tokens in
     place, where `DynamicLayer` concatenates, copying the whole cache every step, which for 32 rows is as much
     memory traffic as the weights: embedded target, 32 rows x 300 tokens, one thread: 275 -> 246 ms a step)
     whose batch rows the continuous batch replaces."""

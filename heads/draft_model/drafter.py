@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import torch
 
+from ..cache import crop_cache, growing_cache, with_cache
 from ..errors import GorgonError
+from ..masks import layer_masks
 from ..search import check_level_cost, check_search, grow_tree
-from ..target import crop_cache, growing_cache, layer_masks, with_cache
 from ..tree import MAX_TREE_NODES, tree_from_token_paths
 from .model import check_draft_vocab
 

@@ -17,9 +17,10 @@ import math
 
 import torch
 
+from ..cache import crop_cache, growing_cache
 from ..errors import GorgonError
+from ..masks import additive_mask
 from ..search import check_level_cost, check_search, grow_tree
-from ..target import additive_mask, crop_cache, growing_cache
 from ..tree import tree_from_token_paths
 from .model import EagleHead
 

@@ -30,10 +30,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..cache import with_cache
 from ..errors import GorgonError, config_from_dict
 from ..files import atomic_write, atomic_write_text, read_config, reading_weights
 from ..hub import CONFIG_NAME, PushToHubMixin, resolve_heads_folder
-from ..target import Target, attach_to_target, check_fits, with_cache
+from ..target import Target, attach_to_target, check_fits
 from .formats import check_layer_fields, foreign_format, import_head
 
 WEIGHTS_NAME = "model.safetensors"

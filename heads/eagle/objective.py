@@ -35,7 +35,8 @@ import torch.nn.functional as F
 from transformers import DynamicCache
 
 from ..feature_cache import FeatureCache
-from ..target import additive_mask, base_model, lm_logits
+from ..masks import additive_mask
+from ..target import base_model, lm_logits
 from ..vocab import draft_index
 
 
