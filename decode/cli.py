@@ -7,7 +7,7 @@ import sys
 
 import torch
 
-from gorgon.heads.errors import ArgumentParser
+from gorgon.heads.errors import ArgumentParser, GorgonError
 
 from .acceptance import Sampling
 from .generate import speculative_generate
@@ -53,6 +53,13 @@ class TextStream:
 def main(argv=None) -> int:
     args = parser().parse_args(argv)
     sampling = Sampling(args.temperature, args.top_k, args.top_p)
+    # What needs no model is refused before the target loads.
+    if args.acceptance == "typical" and sampling.greedy:
+        raise GorgonError("--acceptance typical needs --temperature > 0 (with temperature 0 decoding is exact greedy)")
+    if "" in args.stop:
+        raise GorgonError("--stop '' would end the output at its first token: drop it, or give the text to stop at")
+    if args.system is not None and args.raw:
+        raise GorgonError("--system goes through the chat template, which --raw skips: drop one of them")
     target, drafter = load_drafter(args, read_tree(args.tree))
     tok = target.tokenizer
     generator = None

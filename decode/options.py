@@ -22,7 +22,7 @@ from gorgon.heads import (
 from gorgon.heads.errors import int_at_least
 from gorgon.heads.files import read_text
 from gorgon.heads.loading import drafter_for, load_heads, load_heads_for
-from gorgon.heads.tree import best_tree_size
+from gorgon.heads.tree import MAX_TREE_NODES, best_tree_size
 
 from .calibrate import drafted_level_cost, verify_costs
 from .kernels import DRAFT_DTYPES, KERNELS, draft_dtype, stock_rows, use_cpu_kernels
@@ -239,7 +239,9 @@ def read_tree(value: str):
     if value == "auto":
         return "auto"
     if value.lstrip("+-").isdigit():
-        return int(value)  # its range is checked where the tree is sized
+        if not 2 <= int(value) <= MAX_TREE_NODES:  # before any model loads
+            raise GorgonError(f"--tree {value}: a tree needs 2 (the root and one candidate) to {MAX_TREE_NODES} nodes")
+        return int(value)
     path = Path(value)
     if not path.is_file():
         raise GorgonError(f"tree file {value} not found: pass 'auto', a node count or a JSON file with a list of "

@@ -337,7 +337,19 @@ def test_arguments_are_range_checked(tmp_path, capsys):
     with pytest.raises(SystemExit):
         gorgon(["generate", "--draft", "x", "--prompt", "hi", "--draft-tokens", "65"])
     assert "--draft-tokens: must be at most 64, not 65" in capsys.readouterr().err
-    assert read_tree("-3") == -3  # a node count, checked where the tree is sized (it was "tree file -3 not found")
+    for bad in ("-3", "1", "300"):  # a node count (it was "tree file -3 not found"), checked before any model loads
+        with pytest.raises(GorgonError, match=rf"^--tree {bad}: a tree needs 2 \(the root and one candidate\) to 256 "
+                                              r"nodes$"):
+            read_tree(bad)
+    assert read_tree("8") == 8
+    for argv, says in [(["--acceptance", "typical"], "--acceptance typical needs --temperature > 0"),
+                       (["--stop", ""], "--stop '' would end the output at its first token"),
+                       (["--system", "be brief", "--raw"], "--system goes through the chat template, which --raw "
+                                                           "skips")]:
+        # the target named does not exist: refused before it would load
+        assert gorgon(["generate", "--target", str(tmp_path / "no-target"), "--context-draft", "--prompt", "hi",
+                       *argv]) == 2
+        assert says in capsys.readouterr().err
     with pytest.raises(GorgonError, match="from 2 .* to 256, not -3"):
         HeadsDrafter(heads, tree=-3)
     with pytest.raises(GorgonError, match="an empty stop string would end the output at its first token"):
