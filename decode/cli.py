@@ -11,7 +11,7 @@ from gorgon.heads.errors import ArgumentParser, GorgonError
 
 from .acceptance import Sampling
 from .generate import speculative_generate
-from .options import add_model_arguments, load_drafter, read_tree
+from .options import add_model_arguments, chosen_sampling, load_drafter, read_tree
 
 
 def parser() -> argparse.ArgumentParser:
@@ -52,15 +52,15 @@ class TextStream:
 
 def main(argv=None) -> int:
     args = parser().parse_args(argv)
-    sampling = Sampling(args.temperature, args.top_k, args.top_p)
-    # What needs no model is refused before the target loads.
-    if args.acceptance == "typical" and sampling.greedy:
+    Sampling(args.temperature)  # its range check, and what else needs no model, before the target loads
+    if args.acceptance == "typical" and args.temperature == 0:
         raise GorgonError("--acceptance typical needs --temperature > 0 (with temperature 0 decoding is exact greedy)")
     if "" in args.stop:
         raise GorgonError("--stop '' would end the output at its first token: drop it, or give the text to stop at")
     if args.system is not None and args.raw:
         raise GorgonError("--system goes through the chat template, which --raw skips: drop one of them")
     target, drafter = load_drafter(args, read_tree(args.tree))
+    sampling = chosen_sampling(args, target.model)
     tok = target.tokenizer
     generator = None
     if args.seed is not None:

@@ -24,6 +24,7 @@ from gorgon.heads.files import read_text
 from gorgon.heads.loading import drafter_for, load_heads, load_heads_for
 from gorgon.heads.tree import MAX_TREE_NODES, best_tree_size
 
+from .acceptance import Sampling
 from .calibrate import drafted_level_cost, verify_costs
 from .kernels import DRAFT_DTYPES, KERNELS, draft_dtype, stock_rows, use_cpu_kernels
 
@@ -81,8 +82,12 @@ def add_model_arguments(p: argparse.ArgumentParser, sampling: bool = True) -> No
                    help="most tokens generated per answer (default 256)")
     if sampling:
         p.add_argument("--temperature", type=float, default=0.0, help="0 (default) is greedy")
-        p.add_argument("--top-k", type=int, default=0, help="0 (default) is off")
-        p.add_argument("--top-p", type=float, default=1.0, help="1 (default) is off")
+        p.add_argument("--top-k", type=int_at_least(0), default=None,
+                       help="when sampling, keep the k likeliest tokens; 0 is off (default: the target's "
+                            "generation_config, as `generate` takes it: 50 where it sets none)")
+        p.add_argument("--top-p", type=probability, default=None,
+                       help="when sampling, keep the likeliest tokens whose chances sum to p; 1 is off (default: "
+                            "the target's generation_config, as `generate` takes it: 1 where it sets none)")
         p.add_argument("--seed", type=int, default=None, help="seed for sampling")
     p.add_argument("--device", default="auto", help="auto (default: cuda when there is a GPU, else cpu), cpu, "
                    "cuda or cuda:N")
@@ -219,6 +224,34 @@ def use_drafter_kernels(drafter: torch.nn.Module, target_model: torch.nn.Module,
     if weight.device.type == "cpu":
         same = weight.dtype == target_weight.dtype
         use_cpu_kernels(drafter, kernels, stock_rows=(stock_rows(target_model) or 0) if same else "measure")
+
+
+def chosen_sampling(args, model) -> Sampling:
+    """--temperature, --top-k and --top-p as a Sampling; a top-k or top-p not given is the target's
+    generation_config's, with transformers' defaults where it sets none (top-k 50, top-p 1): what
+    `model.generate(do_sample=True, temperature=...)` samples from, so gorgon's samples follow the same
+    distribution."""
+    config = getattr(model, "generation_config", None)
+
+    def given_or_configured(value, key: str, default):
+        if value is not None:
+            return value
+        configured = getattr(config, key, None)
+        return default if configured is None else configured
+
+    return Sampling(args.temperature, given_or_configured(args.top_k, "top_k", 50),
+                    given_or_configured(args.top_p, "top_p", 1.0))
+
+
+def probability(text: str) -> float:
+    """--top-p: a number in (0, 1]."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"expected a number in (0, 1] (1 is off), not {text!r}")
+    return value
 
 
 def draft_level_cost_value(text: str):
