@@ -364,7 +364,7 @@ def prepare_output(out: Path, latest_checkpoint, cfg) -> Path | None:
 
 def prepare_own_output(out: Path, latest_checkpoint, cfg) -> Path | None:
     """prepare_output's work, on the main process."""
-    from gorgon.heads.files import atomic_write_text, check_output, host_name
+    from gorgon.heads.files import atomic_write_text, check_output
 
     if os.path.realpath(out) == os.path.realpath(cfg.data):
         raise GorgonError(f"--out {out} is the --data folder: choose another --out")
@@ -375,7 +375,7 @@ def prepare_own_output(out: Path, latest_checkpoint, cfg) -> Path | None:
     if resume or not overwrite:  # checkpoints are looked for (and cut-short ones removed) in our folders only
         latest = resume_point(latest_checkpoint() if ours else None, resume, out)
         if latest is not None:
-            atomic_write_text(out / LOCK, f"{host_name()} {os.getpid()}\n")
+            hold_folder(out)
             return latest
     if check_output(out, lambda _: ours, overwrite or (ours and not finished), own_entry=in_run_folder):
         if finished or replacing(out):
@@ -385,12 +385,12 @@ def prepare_own_output(out: Path, latest_checkpoint, cfg) -> Path | None:
             shutil.rmtree(out / "checkpoints", ignore_errors=True)
             (out / "recipe.json").unlink(missing_ok=True)
             atomic_write_text(out / RUN_MARKER, REPLACING)
-            atomic_write_text(out / LOCK, f"{host_name()} {os.getpid()}\n")
+            hold_folder(out)
             return None
         shutil.rmtree(out)
         out.mkdir()
     atomic_write_text(out / RUN_MARKER, "")
-    atomic_write_text(out / LOCK, f"{host_name()} {os.getpid()}\n")
+    hold_folder(out)
     return None
 
 
@@ -407,6 +407,14 @@ def check_no_other_run(out: Path) -> None:
     if host == host_name() and int(pid) != os.getpid() and process_alive(int(pid)):
         raise GorgonError(f"{out} is being written by another training run (process {pid}, still running): wait for "
                           f"it to end, or stop it (kill {pid}), then retry")
+
+
+def hold_folder(out: Path) -> None:
+    """Mark `out` as this run's (LOCK: this machine, this process) until it finishes (`finish_run_folder`) or
+    fails (`lock_released_on_failure`)."""
+    from gorgon.heads.files import atomic_write_text, host_name
+
+    atomic_write_text(out / LOCK, f"{host_name()} {os.getpid()}\n")
 
 
 def check_more_to_train(out: Path, cfg) -> None:
