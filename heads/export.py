@@ -8,11 +8,11 @@ import os
 import shutil
 from pathlib import Path
 
-from .eagle import EagleHead
 from .eagle import formats as eagle_formats
 from .errors import ArgumentParser, GorgonError
 from .files import atomic_write_text, check_output, new_temp, remove_stale_temps
-from .loading import load_heads
+from .hub import resolve_heads_folder
+from .loading import is_eagle, load_heads
 from .medusa import formats as medusa_formats
 
 EXPORT_MARKER = ".gorgon-export"  # written into a complete export: the files it wrote, which --overwrite replaces
@@ -48,12 +48,13 @@ def main(argv=None) -> int:
     if Path(args.heads).is_dir() and out.exists() and out.resolve() == Path(args.heads).resolve():
         raise GorgonError(f"--out {out} is the heads folder itself: choose another folder for the export")
     replace = check_output(out, is_export, args.overwrite)
-    target, heads = load_heads(args.heads, args.target, device="cpu", dtype="float32")
-    eagle = isinstance(heads, EagleHead)
+    folder = resolve_heads_folder(args.heads)
+    eagle = is_eagle(folder)  # read from its config.json: a wrong --format fails before the target loads
     if (args.format in eagle_formats.FORMATS) != eagle:
         kind, formats = ("a feature-level head", eagle_formats.FORMATS) if eagle else \
             ("Medusa heads", medusa_formats.FORMATS)
         raise GorgonError(f"{args.heads} holds {kind}, which export as {' or '.join(formats)}, not {args.format}")
+    target, heads = load_heads(folder, args.target, device="cpu", dtype="float32")
     # Written whole beside --out first, so a killed export leaves no half-written folder behind.
     out.parent.mkdir(parents=True, exist_ok=True)
     remove_stale_temps(out.parent, f".{out.name}.exporting-")  # a killed export's own

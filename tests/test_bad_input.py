@@ -620,3 +620,13 @@ def test_a_folder_another_live_run_is_writing_is_refused(tmp_path):
         other.wait()
     train(HeadsTrainConfig(**cfg))  # its process gone, the lock is stale
     assert (out / "recipe.json").is_file() and not (out / LOCK).exists()
+
+
+def test_an_export_format_for_the_other_method_is_refused_before_the_target_loads(tmp_path, capsys):
+    heads = tmp_path / "heads"
+    MedusaHeads.for_target(tiny_model()).save_pretrained(heads)
+    assert gorgon(["export", "--heads", str(heads), "--target", str(tmp_path / "no-target"), "--format", "eagle3",
+                   "--out", str(tmp_path / "e3")]) == 2  # the target does not exist: the format's error came first
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.strip().endswith("holds Medusa heads, which export as vllm or medusa, not "
+                                                         "eagle3")
