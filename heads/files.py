@@ -192,7 +192,18 @@ def check_report_output(out: Path, is_report, overwrite: bool) -> None:
         raise GorgonError("--out is the JSON report, and its plot is written beside it with the suffix .png: "
                           "pass a .json path")
     check_output(out, is_report, overwrite, kind="file")
-    check_output(out.with_suffix(".png"), lambda png: is_report(out), overwrite, kind="file")
+    check_output(out.with_suffix(".png"), lambda png: is_report(out) and is_plot(png), overwrite, kind="file")
+
+
+def is_plot(path: Path) -> bool:
+    """A PNG that matplotlib wrote (it names itself in the file's Software text, ahead of the image data), as
+    gorgon's plots are: an image of the user's own beside a report is not taken for the report's plot."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(4096)
+    except OSError:
+        return False
+    return head.startswith(b"\x89PNG") and b"Software\x00Matplotlib" in head
 
 
 def check_writable(folder: Path, fix: str = "choose a writable --out") -> None:

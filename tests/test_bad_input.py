@@ -69,6 +69,12 @@ def test_every_command_leaves_a_foreign_out_folder_alone(tmp_path, capsys):
     foreign = tmp_path / "victim-bench" / "precious.txt"
     assert gorgon(commands["bench"] + ["--out", str(foreign), "--overwrite"]) == 2
     assert "gorgon did not write" in capsys.readouterr().err and foreign.read_text() == "mine"
+    # A report of gorgon's with an image of the user's where its plot goes: the image is not taken for the plot.
+    report = tmp_path / "r.json"
+    report.write_text('{"command": "gorgon bench --out r.json"}')
+    (tmp_path / "r.png").write_bytes(b"\x89PNG\r\n\x1a\n a screenshot of mine")
+    assert gorgon(commands["bench"] + ["--out", str(report), "--overwrite"]) == 2
+    assert "r.png already holds files gorgon did not write" in capsys.readouterr().err
 
 
 def test_a_checkpoint_in_an_engines_layout_is_not_taken_for_an_export(tmp_path, capsys):
@@ -195,7 +201,14 @@ def test_training_over_a_finished_run_needs_overwrite_and_leaves_nothing_stale(t
     cfg = dict(data=data, out=str(tmp_path / "run"), target=target, max_steps=1, report_to="none", save_every=0)
     out = train(HeadsTrainConfig(**cfg))
     (out / "bench.json").write_text('{"command": "gorgon bench --heads run --out run/bench.json"}')  # of the old heads
-    (out / "bench.png").write_text("its plot")
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig = plt.figure()
+    fig.savefig(out / "bench.png")  # its plot, as matplotlib writes one
+    plt.close(fig)
     with pytest.raises(GorgonError, match="holds earlier gorgon output: pass --overwrite"):
         train(HeadsTrainConfig(**cfg))
     train(HeadsTrainConfig(**cfg, overwrite=True))

@@ -326,9 +326,10 @@ def in_run_folder(path: Path) -> bool:
     """An entry of a training --out that --overwrite may remove: what a run writes, or a gorgon bench report (and
     its plot) of the earlier heads."""
     from gorgon.decode.bench import is_report
+    from gorgon.heads.files import is_plot
 
     return (any(fnmatch.fnmatch(path.name, name) for name in RUN_FILES) or is_report(path)
-            or (path.suffix == ".png" and is_report(path.with_suffix(".json"))))
+            or (path.suffix == ".png" and is_report(path.with_suffix(".json")) and is_plot(path)))
 
 
 def prepare_output(out: Path, latest_checkpoint, cfg) -> Path | None:
