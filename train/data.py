@@ -281,11 +281,8 @@ def make_dataset(settings: DataSettings, out: str | os.PathLike, target: Target 
     out = Path(out)
     if settings.turns not in ("first", "all"):
         raise GorgonError(f"--turns must be 'first' or 'all', not {settings.turns!r}")
-    for name in ("batch_size", "shard_size", "batch_tokens", "max_new_tokens"):
-        if getattr(settings, name) < 1:
-            raise GorgonError(f"--{name.replace('_', '-')} must be at least 1, not {getattr(settings, name)}")
-    for name in ("limit", "max_prompt_tokens"):
-        if getattr(settings, name) is not None and getattr(settings, name) < 1:
+    for name in ("batch_size", "shard_size", "batch_tokens", "max_new_tokens", "limit", "max_prompt_tokens"):
+        if getattr(settings, name) is not None and getattr(settings, name) < 1:  # limit and max_prompt_tokens: None
             raise GorgonError(f"--{name.replace('_', '-')} must be at least 1, not {getattr(settings, name)}")
     Sampling(settings.temperature, 0, settings.top_p)  # the range check of temperature and top-p
     if settings.prompts == "self" and not settings.limit:

@@ -216,10 +216,6 @@ def distil(cfg: DraftTrainConfig) -> Path:
     )
 
     cfg.check()
-    if cfg.push_to_hub:
-        from gorgon.heads.hub import check_can_upload
-
-        check_can_upload("push_to_hub")
     connect_cpu_processes()  # before anything creates accelerate's process state
     out = Path(cfg.out)
     ckpt_dir = out / "checkpoints"

@@ -310,10 +310,6 @@ def setup(cfg: HeadsTrainConfig) -> Run:
     from gorgon.train.recipe import connect_cpu_processes, prepare_output, wandb_offline_without_key
 
     cfg.check()
-    if cfg.push_to_hub:
-        from gorgon.heads.hub import check_can_upload
-
-        check_can_upload("push_to_hub")
     connect_cpu_processes()  # before anything creates accelerate's process state
     out = Path(cfg.out)
     resume_from = prepare_output(out, lambda: latest_heads_checkpoint(out), cfg)

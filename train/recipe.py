@@ -333,7 +333,8 @@ def in_run_folder(path: Path) -> bool:
 
 
 def prepare_output(out: Path, latest_checkpoint, cfg) -> Path | None:
-    """Check a training script's --out before any work; returns the checkpoint to resume from.
+    """Check a training script's --out (and that its push_to_hub upload can happen) before any work; returns the
+    checkpoint to resume from.
 
     A run's own folder (its marker or recipe.json in it) is continued with --resume, or replaced
     whole with --overwrite, so no stale file (an old bench report) stays beside new weights: finished
@@ -369,6 +370,10 @@ def prepare_own_output(out: Path, latest_checkpoint, cfg) -> Path | None:
 
     if os.path.realpath(out) == os.path.realpath(cfg.data):
         raise GorgonError(f"--out {out} is the --data folder: choose another --out")
+    if cfg.push_to_hub:  # the upload at the end must be possible before the work
+        from gorgon.heads.hub import check_can_upload
+
+        check_can_upload("push_to_hub")
     resume, overwrite = cfg.resume, cfg.overwrite
     finished = (out / "recipe.json").is_file()
     ours = finished or (out / RUN_MARKER).is_file()

@@ -91,7 +91,6 @@ class EagleDrafter:
         crop_cache(self.cache, self.committed)
         return paths
 
-
     def level_trial(self, context: int = 256):
         """One level of this drafter's search to time (`gorgon.decode.calibrate.drafted_level_cost`): `level()` runs
         the head's layer over `topk` drafted features after `context` cached ones, its logits and their
