@@ -94,6 +94,31 @@ def process_alive(pid: int) -> bool:
     return True
 
 
+def check_unlocked(lock: Path, writer: str) -> None:
+    """Refuse when a live process of this machine holds `lock` (`take_lock`): a second writer would write beside
+    it. A lock left by a killed process (gone) or taken on another machine is not in the way. `writer` names
+    the holder in the message ("training run")."""
+    try:
+        host, pid = lock.read_text().split()
+    except (OSError, ValueError):
+        return
+    if host == host_name() and int(pid) != os.getpid() and process_alive(int(pid)):
+        raise GorgonError(f"{lock.parent} is being written by another {writer} (process {pid}, still running): wait "
+                          f"for it to end, or stop it (kill {pid}), then retry")
+
+
+def take_lock(lock: Path) -> None:
+    """Mark `lock`'s folder as this process's (this machine's name and this process's id) until `drop_lock`."""
+    atomic_write_text(lock, f"{host_name()} {os.getpid()}\n")
+
+
+def drop_lock(lock: Path) -> None:
+    """Give back `lock` if this process holds it."""
+    with contextlib.suppress(OSError, ValueError, IndexError):
+        if int(lock.read_text().split()[1]) == os.getpid():
+            lock.unlink()
+
+
 def follow_umask(folder: Path) -> None:
     """Give every file under `folder` the mode any new file gets (0666 less the umask): safetensors writes
     private files (0600), and with it save_pretrained, peft and accelerate's save_state, so weights that

@@ -255,6 +255,39 @@ def test_resume_with_other_settings_is_refused(tmp_path):
     assert make_dataset(settings, out, progress=False) == out and not partial.exists()
 
 
+def test_an_unfinished_run_another_live_process_writes_is_refused(tmp_path):
+    """Two `gorgon data` into one --out raced: the second wrote the same shards, one removed OUT.partial at its
+    swap under the other, and --overwrite started the other's shards over. The writer's lock refuses a second
+    run while its process lives; a killed run's lock is not in the way; a run that fails before writing anything
+    leaves no OUT.partial."""
+    from gorgon.heads.files import host_name
+    from gorgon.train.data import LOCK
+
+    target = tiny_chat_target(tmp_path)
+    src = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "a"}])
+    settings = DataSettings(prompts=src, target=str(target), max_new_tokens=4)
+    with pytest.raises(GorgonError, match="no target at"):
+        make_dataset(DataSettings(**{**settings.__dict__, "target": str(tmp_path / "missing")}), tmp_path / "o",
+                     progress=False)
+    assert not (tmp_path / "o.partial").exists()
+    partial = tmp_path / "o.partial"
+    partial.mkdir()
+    (partial / "settings.json").write_text(json.dumps({"settings": settings.__dict__}))
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        (partial / LOCK).write_text(f"{host_name()} {other.pid}\n")
+        for overwrite in (False, True):
+            with pytest.raises(GorgonError, match=rf"o.partial is being written by another gorgon data run \(process "
+                                                  rf"{other.pid}, still running\): wait for it to end, or stop it"):
+                make_dataset(settings, tmp_path / "o", progress=False, overwrite=overwrite)
+            assert (partial / "settings.json").is_file()
+    finally:
+        other.kill()
+        other.wait()
+    out = make_dataset(settings, tmp_path / "o", progress=False)  # its process gone, the lock is stale
+    assert read_metadata(out)["conversations"] == 1 and not partial.exists()
+
+
 def test_an_edited_prompts_file_is_not_taken_for_the_one_a_run_used(tmp_path):
     target = tiny_chat_target(tmp_path)
     src = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "a"}, {"prompt": "b"}])

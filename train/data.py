@@ -13,6 +13,7 @@ the shards become a `datasets` dataset at OUT with `id` and `messages` columns, 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import fnmatch
 import hashlib
 import json
@@ -27,7 +28,16 @@ import torch
 
 from gorgon.decode.kernels import KERNELS, use_cpu_kernels
 from gorgon.heads.errors import ArgumentParser, GorgonError, int_at_least
-from gorgon.heads.files import atomic_write_text, check_output, new_temp, read_jsonl, remove_stale_temps
+from gorgon.heads.files import (
+    atomic_write_text,
+    check_output,
+    check_unlocked,
+    drop_lock,
+    new_temp,
+    read_jsonl,
+    remove_stale_temps,
+    take_lock,
+)
 from gorgon.heads.target import Target, load_target
 
 from .batching import continuous_generate
@@ -39,6 +49,7 @@ METADATA_NAME = "gorgon_data.json"
 # so the fewer calls, the fuller the batch (128 ShareGPT prompts at batch 32: one call was 1.29x
 # faster than two of 64), at the cost of redoing up to one call's work after a kill.
 BATCHES_PER_CALL = 8
+LOCK = ".gorgon-data.lock"  # in OUT.partial while a run writes it: this machine and the process's id
 
 
 @dataclass
@@ -213,9 +224,10 @@ def check_settings(partial: Path, record: dict, restart: bool, fingerprints: tup
         if diff and not restart:
             raise GorgonError(f"{partial} holds an unfinished run with other settings ({', '.join(diff)}): rerun "
                               "with the same options to resume it, or pass --overwrite to start over")
-        if diff:
-            shutil.rmtree(partial)
-            partial.mkdir()
+        if diff:  # its shards, settings and prompts go; this run's lock stays
+            for entry in partial.iterdir():
+                if entry.name != LOCK:
+                    shutil.rmtree(entry) if entry.is_dir() else entry.unlink()
     if not path.exists() and "fingerprint" in record:  # a new run, or one started over
         atomic_write_text(path, json.dumps(record, indent=1))
 
@@ -267,6 +279,25 @@ def describe(folder: str | os.PathLike) -> str:
     return line
 
 
+@contextlib.contextmanager
+def holding(partial: Path):
+    """Make `partial` this process's (its LOCK) while the run writes it, so a second `gorgon data` into the same
+    --out is refused instead of racing it (at the final swap, or --overwrite starting the shards over). A run that
+    fails gives the lock back, and removes the folder if it made it and wrote nothing there. A finished run
+    removes the folder, lock and all."""
+    made = not partial.exists()
+    partial.mkdir(parents=True, exist_ok=True)
+    take_lock(partial / LOCK)
+    try:
+        yield
+    except BaseException:
+        drop_lock(partial / LOCK)
+        if made:
+            with contextlib.suppress(OSError):
+                partial.rmdir()  # only if empty: settings or shards stay, to resume
+        raise
+
+
 def make_dataset(settings: DataSettings, out: str | os.PathLike, target: Target | None = None,
                  progress: bool = True, overwrite: bool = False, cpu_kernels: str = "fast") -> Path:
     """Generate the self-distillation dataset at `out`; resumes from `out`.partial when present.
@@ -299,6 +330,7 @@ def make_dataset(settings: DataSettings, out: str | os.PathLike, target: Target 
                               "to regenerate it, or choose another --out")
         if (partial / "settings.json").is_file() and not record_changes(json.loads(
                 (partial / "settings.json").read_text()), record):  # a run killed right after its swap
+            check_unlocked(partial / LOCK, "gorgon data run")  # not one that --overwrite regenerates
             shutil.rmtree(partial)
         print(f"gorgon data: {out} is already complete; pass --overwrite to regenerate it")
         return out
@@ -306,93 +338,95 @@ def make_dataset(settings: DataSettings, out: str | os.PathLike, target: Target 
     if os.path.lexists(partial) and not partial.is_dir():
         raise GorgonError(f"{partial} is a file, where gorgon data keeps an unfinished run: move it away or choose "
                           "another --out")
-    if partial.is_dir() and any(partial.iterdir()) and not (partial / "settings.json").is_file():
+    if partial.is_dir() and not (partial / "settings.json").is_file() \
+            and any(entry.name != LOCK for entry in partial.iterdir()):
         raise GorgonError(f"{partial} holds files gorgon did not write, where it keeps an unfinished run: move them "
                           "away or choose another --out")
+    check_unlocked(partial / LOCK, "gorgon data run")  # before --overwrite could start its shards over
     check_settings(partial, record, restart=overwrite)
     template = None
     if settings.chat_template:
         if not Path(settings.chat_template).is_file():
             raise GorgonError(f"chat template {settings.chat_template} not found: pass a Jinja file")
         template = Path(settings.chat_template).read_text()
-    target = target or load_target(settings.target)
-    tok = target.tokenizer
-    if template is None and not getattr(tok, "chat_template", None):
-        raise GorgonError(f"the tokenizer of {target.name} has no chat template: pass --chat-template FILE (Jinja)")
-    chat_ids(tok, [{"role": "user", "content": "Hello"}], template)  # a broken template fails before any work
-    engine_settings = DataSettings(**{**asdict(settings), "chat_template": template})
-    engine = (VllmEngine(target, engine_settings) if settings.engine == "vllm"
-              else Engine(target, engine_settings, cpu_kernels))
-    partial.mkdir(parents=True, exist_ok=True)
-    check_settings(partial, {**record, "fingerprint": target.fingerprint}, restart=overwrite,
-                   fingerprints=target.fingerprints)
-    if convs is None:
-        prompts_file = partial / "self_prompts.jsonl"
-        if not prompts_file.exists():
-            written = self_prompts(engine, engine_settings, settings.limit)
-            atomic_write_text(prompts_file, "".join(json.dumps(c) + "\n" for c in written))
-        convs = read_jsonl(prompts_file)
-    context = getattr(target.model.config.get_text_config(), "max_position_embeddings", None) or 10**9
-    n_shards = math.ceil(len(convs) / settings.shard_size)
+    with holding(partial):
+        target = target or load_target(settings.target)
+        tok = target.tokenizer
+        if template is None and not getattr(tok, "chat_template", None):
+            raise GorgonError(f"the tokenizer of {target.name} has no chat template: pass --chat-template FILE (Jinja)")
+        chat_ids(tok, [{"role": "user", "content": "Hello"}], template)  # a broken template fails before any work
+        engine_settings = DataSettings(**{**asdict(settings), "chat_template": template})
+        engine = (VllmEngine(target, engine_settings) if settings.engine == "vllm"
+                  else Engine(target, engine_settings, cpu_kernels))
+        check_settings(partial, {**record, "fingerprint": target.fingerprint}, restart=overwrite,
+                       fingerprints=target.fingerprints)
+        if convs is None:
+            prompts_file = partial / "self_prompts.jsonl"
+            if not prompts_file.exists():
+                written = self_prompts(engine, engine_settings, settings.limit)
+                atomic_write_text(prompts_file, "".join(json.dumps(c) + "\n" for c in written))
+            convs = read_jsonl(prompts_file)
+        context = getattr(target.model.config.get_text_config(), "max_position_embeddings", None) or 10**9
+        n_shards = math.ceil(len(convs) / settings.shard_size)
 
-    def shard_positions(i: int) -> range:
-        return range(i * settings.shard_size, min((i + 1) * settings.shard_size, len(convs)))
+        def shard_positions(i: int) -> range:
+            return range(i * settings.shard_size, min((i + 1) * settings.shard_size, len(convs)))
 
-    done = {p.name for p in partial.glob("shard-*.jsonl")}
-    todo = [i for i in range(n_shards) if f"shard-{i:05d}.jsonl" not in done]
-    start, tokens = time.perf_counter(), 0
-    left = sum(len(shard_positions(i)) for i in todo)  # prompts not yet in a shard
-    bar = tqdm(total=len(convs), unit="prompt", desc="gorgon data", disable=not progress, dynamic_ncols=True,
-               initial=len(convs) - left)
+        done = {p.name for p in partial.glob("shard-*.jsonl")}
+        todo = [i for i in range(n_shards) if f"shard-{i:05d}.jsonl" not in done]
+        start, tokens = time.perf_counter(), 0
+        left = sum(len(shard_positions(i)) for i in todo)  # prompts not yet in a shard
+        bar = tqdm(total=len(convs), unit="prompt", desc="gorgon data", disable=not progress, dynamic_ncols=True,
+                   initial=len(convs) - left)
 
-    def on_batch(n_prompts: int, n_tokens: int) -> None:
-        nonlocal tokens
-        tokens += n_tokens
-        if settings.turns == "first":  # a finished answer is a finished conversation
-            bar.update(n_prompts)
-        bar.set_postfix(tok_per_s=f"{tokens / (time.perf_counter() - start):.1f}")
+        def on_batch(n_prompts: int, n_tokens: int) -> None:
+            nonlocal tokens
+            tokens += n_tokens
+            if settings.turns == "first":  # a finished answer is a finished conversation
+                bar.update(n_prompts)
+            bar.set_postfix(tok_per_s=f"{tokens / (time.perf_counter() - start):.1f}")
 
-    per_call = max(1, BATCHES_PER_CALL * settings.batch_size // settings.shard_size)
-    for shards in (todo[k: k + per_call] for k in range(0, len(todo), per_call)):
-        positions = [j for i in shards for j in shard_positions(i)]
-        answers = dict(zip(positions, answer_conversations(engine, [convs[j] for j in positions], positions,
-                                                           engine_settings, context, on_batch)))
-        for i in shards:
-            shard = [answers[j] for j in shard_positions(i)]
-            atomic_write_text(partial / f"shard-{i:05d}.jsonl",
-                              json.dumps({"skipped": sum(n for _, n in shard)}) + "\n"
-                              + "".join(json.dumps(r) + "\n" for r, _ in shard if r is not None))
-        left -= len(positions)
-        bar.n = len(convs) - left  # counts the skipped prompts too
-        bar.refresh()
-    bar.close()
-    rows, skipped = [], 0
-    for i in range(n_shards):
-        header, *records = read_jsonl(partial / f"shard-{i:05d}.jsonl")
-        skipped += header["skipped"]
-        rows += records
-    if not rows:
-        if settings.max_prompt_tokens:
-            raise GorgonError(f"no prompt fit --max-prompt-tokens {settings.max_prompt_tokens} and the context of "
-                              f"{context} tokens with --max-new-tokens {settings.max_new_tokens}: raise "
-                              "--max-prompt-tokens, lower --max-new-tokens or use shorter prompts")
-        raise GorgonError(f"no prompt fit the context of {context} tokens with --max-new-tokens "
-                          f"{settings.max_new_tokens}: lower --max-new-tokens or use shorter prompts")
-    metadata = {"target": target.name, "target_fingerprint": target.fingerprint, **record,
-                "conversations": len(rows), "skipped_turns_too_long": skipped}
-    remove_stale_temps(out.parent, f".{out.name}.writing-")  # a killed run's
-    tmp = new_temp(out.parent, f".{out.name}.writing-", is_dir=True)
-    datasets.Dataset.from_list(rows).save_to_disk(str(tmp))
-    atomic_write_text(tmp / METADATA_NAME, json.dumps(metadata, indent=1) + "\n")
-    if replace:
-        shutil.rmtree(out)
-    os.replace(tmp, out)  # onto a missing or empty folder
-    shutil.rmtree(partial)
-    secs = time.perf_counter() - start
-    turns = sum(sum(m["role"] == "assistant" for m in r["messages"]) for r in rows)
-    print(f"gorgon data: {len(rows)} conversations ({turns} answers) written to {out}; "
-          f"{tokens} tokens generated this run in {secs:.0f} s ({tokens / max(secs, 1e-9):.1f} tokens/s); "
-          f"{skipped} turns skipped as too long for the context or --max-prompt-tokens")
+        per_call = max(1, BATCHES_PER_CALL * settings.batch_size // settings.shard_size)
+        for shards in (todo[k: k + per_call] for k in range(0, len(todo), per_call)):
+            positions = [j for i in shards for j in shard_positions(i)]
+            answers = dict(zip(positions, answer_conversations(engine, [convs[j] for j in positions], positions,
+                                                               engine_settings, context, on_batch)))
+            for i in shards:
+                shard = [answers[j] for j in shard_positions(i)]
+                atomic_write_text(partial / f"shard-{i:05d}.jsonl",
+                                  json.dumps({"skipped": sum(n for _, n in shard)}) + "\n"
+                                  + "".join(json.dumps(r) + "\n" for r, _ in shard if r is not None))
+            left -= len(positions)
+            bar.n = len(convs) - left  # counts the skipped prompts too
+            bar.refresh()
+        bar.close()
+        rows, skipped = [], 0
+        for i in range(n_shards):
+            header, *records = read_jsonl(partial / f"shard-{i:05d}.jsonl")
+            skipped += header["skipped"]
+            rows += records
+        if not rows:
+            if settings.max_prompt_tokens:
+                raise GorgonError(f"no prompt fit --max-prompt-tokens {settings.max_prompt_tokens} and the context of "
+                                  f"{context} tokens with --max-new-tokens {settings.max_new_tokens}: raise "
+                                  "--max-prompt-tokens, lower --max-new-tokens or use shorter prompts")
+            raise GorgonError(f"no prompt fit the context of {context} tokens with --max-new-tokens "
+                              f"{settings.max_new_tokens}: lower --max-new-tokens or use shorter prompts")
+        metadata = {"target": target.name, "target_fingerprint": target.fingerprint, **record,
+                    "conversations": len(rows), "skipped_turns_too_long": skipped}
+        remove_stale_temps(out.parent, f".{out.name}.writing-")  # a killed run's
+        tmp = new_temp(out.parent, f".{out.name}.writing-", is_dir=True)
+        datasets.Dataset.from_list(rows).save_to_disk(str(tmp))
+        atomic_write_text(tmp / METADATA_NAME, json.dumps(metadata, indent=1) + "\n")
+        if replace:
+            shutil.rmtree(out)
+        os.replace(tmp, out)  # onto a missing or empty folder
+        shutil.rmtree(partial)
+        secs = time.perf_counter() - start
+        turns = sum(sum(m["role"] == "assistant" for m in r["messages"]) for r in rows)
+        print(f"gorgon data: {len(rows)} conversations ({turns} answers) written to {out}; "
+              f"{tokens} tokens generated this run in {secs:.0f} s ({tokens / max(secs, 1e-9):.1f} tokens/s); "
+              f"{skipped} turns skipped as too long for the context or --max-prompt-tokens")
     return out
 
 

@@ -366,7 +366,7 @@ def prepare_output(out: Path, latest_checkpoint, cfg) -> Path | None:
 
 def prepare_own_output(out: Path, latest_checkpoint, cfg) -> Path | None:
     """prepare_output's work, on the main process."""
-    from gorgon.heads.files import atomic_write_text, check_output
+    from gorgon.heads.files import atomic_write_text, check_output, check_unlocked, take_lock
 
     if os.path.realpath(out) == os.path.realpath(cfg.data):
         raise GorgonError(f"--out {out} is the --data folder: choose another --out")
@@ -377,11 +377,11 @@ def prepare_own_output(out: Path, latest_checkpoint, cfg) -> Path | None:
     resume, overwrite = cfg.resume, cfg.overwrite
     finished = (out / "recipe.json").is_file()
     ours = finished or (out / RUN_MARKER).is_file()
-    check_no_other_run(out)
+    check_unlocked(out / LOCK, "training run")  # killing `accelerate launch` alone leaves its workers running
     if resume or not overwrite:  # checkpoints are looked for (and cut-short ones removed) in our folders only
         latest = resume_point(latest_checkpoint() if ours else None, resume, out)
         if latest is not None:
-            hold_folder(out)
+            take_lock(out / LOCK)
             return latest
     if check_output(out, lambda _: ours, overwrite or (ours and not finished), own_entry=in_run_folder):
         if finished or replacing(out):
@@ -391,36 +391,13 @@ def prepare_own_output(out: Path, latest_checkpoint, cfg) -> Path | None:
             shutil.rmtree(out / "checkpoints", ignore_errors=True)
             (out / "recipe.json").unlink(missing_ok=True)
             atomic_write_text(out / RUN_MARKER, REPLACING)
-            hold_folder(out)
+            take_lock(out / LOCK)
             return None
         shutil.rmtree(out)
         out.mkdir()
     atomic_write_text(out / RUN_MARKER, "")
-    hold_folder(out)
+    take_lock(out / LOCK)
     return None
-
-
-def check_no_other_run(out: Path) -> None:
-    """Refuse a folder that a live run on this machine is writing (its LOCK): killing `accelerate launch`
-    alone leaves its training processes running, and a second run there would write beside them. A lock
-    left by a killed run (its process gone) or from another machine is not in the way."""
-    from gorgon.heads.files import host_name, process_alive
-
-    try:
-        host, pid = (out / LOCK).read_text().split()
-    except (OSError, ValueError):
-        return
-    if host == host_name() and int(pid) != os.getpid() and process_alive(int(pid)):
-        raise GorgonError(f"{out} is being written by another training run (process {pid}, still running): wait for "
-                          f"it to end, or stop it (kill {pid}), then retry")
-
-
-def hold_folder(out: Path) -> None:
-    """Mark `out` as this run's (LOCK: this machine, this process) until it finishes (`finish_run_folder`) or
-    fails (`lock_released_on_failure`)."""
-    from gorgon.heads.files import atomic_write_text, host_name
-
-    atomic_write_text(out / LOCK, f"{host_name()} {os.getpid()}\n")
 
 
 def check_more_to_train(out: Path, cfg) -> None:
@@ -571,12 +548,12 @@ def end_launched_process() -> None:
 def lock_released_on_failure(out: Path):
     """A run that fails or is refused after taking the folder's LOCK gives it back, so the folder is as it was
     (a killed run cannot: its lock names a process that is gone, which no later run waits for)."""
+    from gorgon.heads.files import drop_lock
+
     try:
         yield
     except BaseException:
-        with contextlib.suppress(OSError, ValueError, IndexError):
-            if int((out / LOCK).read_text().split()[1]) == os.getpid():
-                (out / LOCK).unlink()
+        drop_lock(out / LOCK)
         raise
 
 
