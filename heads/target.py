@@ -154,6 +154,32 @@ def resolve_dtype(dtype: str | torch.dtype = "auto", device: torch.device | None
     return names[dtype]
 
 
+def target_source(name_or_path: str | None) -> str:
+    """Where the target loads from: the embedded copy (converted on first use) for None, else the path or hub
+    id, with a local path that does not exist refused in one line (not as a failed hub download)."""
+    if name_or_path in (None, "", "embedded", EMBEDDED_NAME):
+        return str(embedded_target_dir())
+    problem = local_path_problem(name_or_path)
+    if problem:
+        raise GorgonError(f"target {problem}: pass a folder, a hub id, or nothing for the embedded default")
+    if not Path(name_or_path).exists() and looks_like_path(name_or_path):
+        raise GorgonError(f"no target at {name_or_path}: pass an existing folder, a hub id, "
+                          "or nothing for the embedded default")
+    return name_or_path
+
+
+def target_text_config(name_or_path: str | None):
+    """The target's (text) config alone, read before its weights load, so settings that count its layers or
+    tokens fail in seconds, not after minutes of loading a large target."""
+    from transformers import AutoConfig
+
+    source = target_source(name_or_path)
+    try:
+        return AutoConfig.from_pretrained(source).get_text_config()
+    except (OSError, ValueError) as err:
+        raise cannot_load("target", source, err) from err
+
+
 def load_target(name_or_path: str | None = None, device: str = "auto", dtype: str | torch.dtype = "auto",
                 attn_implementation: str | None = None, adapter: str | os.PathLike | None = None) -> Target:
     """Load a causal LM and its tokenizer: None means the embedded SmolLM2-135M-Instruct.
@@ -161,19 +187,11 @@ def load_target(name_or_path: str | None = None, device: str = "auto", dtype: st
     `adapter`: a LoRA adapter folder (Medusa-2 training writes one beside its heads), merged into
     the weights. The fingerprint stays the base model's, which is what the heads record.
     """
-    name = name_or_path or EMBEDDED_NAME
-    source = embedded_target_dir() if name_or_path in (None, "", "embedded", EMBEDDED_NAME) else name_or_path
-    problem = local_path_problem(str(source))
-    if problem:
-        raise GorgonError(f"target {problem}: pass a folder, a hub id, or nothing for the embedded default")
-    if name_or_path and not Path(str(source)).exists() and looks_like_path(str(source)):
-        raise GorgonError(f"no target at {source}: pass an existing folder, a hub id, "
-                          "or nothing for the embedded default")
     dev = resolve_device(device)
     kwargs = {"attn_implementation": attn_implementation} if attn_implementation else {}
-    model, tokenizer = load_causal_lm(str(source), "target", dtype=resolve_dtype(dtype, dev), **kwargs)
+    model, tokenizer = load_causal_lm(target_source(name_or_path), "target", dtype=resolve_dtype(dtype, dev), **kwargs)
     model.to(dev).eval()
-    target = Target(model=model, tokenizer=tokenizer, name=name)
+    target = Target(model=model, tokenizer=tokenizer, name=name_or_path or EMBEDDED_NAME)
     if adapter is not None:
         from peft import PeftModel
 
@@ -181,6 +199,15 @@ def load_target(name_or_path: str | None = None, device: str = "auto", dtype: st
         target.model = PeftModel.from_pretrained(model, str(adapter)).merge_and_unload().eval()
         target._fingerprints = base_fingerprints
     return target
+
+
+def cannot_load(what: str, name: str, err: Exception) -> GorgonError:
+    """transformers' error loading a model or its config, as one line: a folder of something else, or a name
+    found neither on disk nor on the Hub."""
+    if Path(name).expanduser().is_dir():
+        return GorgonError(f"{what} {name} is a folder, but not a model transformers can load: "
+                           f"{what_folder_holds(Path(name).expanduser())}")
+    return not_found_locally_or_on_hub(what, name, err)
 
 
 def what_folder_holds(folder: Path) -> str:
@@ -204,10 +231,7 @@ def load_causal_lm(name: str, what: str, dtype: torch.dtype | None = None, token
     try:
         model = AutoModelForCausalLM.from_pretrained(name, **({"dtype": dtype} if dtype else {}), **kwargs)
     except (OSError, ValueError) as err:  # ValueError: a malformed hub id, or a folder of something else
-        if Path(name).expanduser().is_dir():
-            raise GorgonError(f"{what} {name} is a folder, but not a model transformers can load: "
-                              f"{what_folder_holds(Path(name).expanduser())}") from err
-        raise not_found_locally_or_on_hub(what, name, err) from err
+        raise cannot_load(what, name, err) from err
     tok = None
     if tokenizer != "none":
         try:

@@ -9,6 +9,9 @@ import torch
 from helpers import embedded_available
 
 torch.set_num_threads(1)
+# huggingface_hub reads HF_HUB_OFFLINE once, when it is imported (as test modules are collected): set it first,
+# so a plain `pytest` run (not scripts/test.sh) never reaches for the Hub either.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
 @pytest.fixture(scope="session")

@@ -3,6 +3,7 @@
 import dataclasses
 import json
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -271,18 +272,28 @@ def test_bad_settings_are_one_line_before_any_work(tmp_path, script, argv, messa
 
 
 def test_settings_that_count_the_targets_tokens_or_name_its_layers_fail_before_training(tmp_path):
-    """Known once the model has loaded (after --data is read), before anything trains. tree_topk failed in the
-    held-out evaluation after training; a layer name LoRA cannot find stopped in peft with a traceback (or was
-    left out if other names matched)."""
-    target = str(tiny_chat_target(tmp_path))  # a vocabulary of 128
+    """Counts of the target's tokens or layers fail from its config.json, before its weights load (after --data
+    is read): shown by a target folder with no weights. tree_topk failed in the held-out evaluation after
+    training. A layer name LoRA cannot find (known once the model has loaded) stopped in peft with a traceback
+    (or was left out if other names matched)."""
+    target = str(tiny_chat_target(tmp_path))  # a vocabulary of 128, 2 layers
+    no_weights = tmp_path / "config-only"
+    no_weights.mkdir()
+    shutil.copy(Path(target) / "config.json", no_weights)
     data = toy_data(tmp_path / "toy.jsonl", n=8)
     common = dict(out=str(tmp_path / "o"), target=target, report_to="none")
+    early = {**common, "target": str(no_weights)}
     layers = "its linear layers are down_proj, gate_proj, k_proj, lm_head, o_proj, q_proj, up_proj, v_proj"
     for run, cfg, message in [
-            (train, HeadsTrainConfig(data=data, tree_topk=200, **common),
+            (train, HeadsTrainConfig(data=data, tree_topk=200, **early),
              "tree_topk must be at most the target's vocabulary of 128 tokens, not 200"),
-            (train, HeadsTrainConfig(data=data, arch="eagle", draft_vocab_size=1000, **common),
+            (train, HeadsTrainConfig(data=data, arch="eagle", draft_vocab_size=1000, **early),
              "draft_vocab_size must be at most the target's vocabulary of 128 tokens, not 1000"),
+            (train, HeadsTrainConfig(data=data, arch="eagle", feature_layers=[1, 3], **early),
+             "feature_layers must lie between 1 and 2 (the target's layers), not [1, 3]"),
+            (train_draft, DraftTrainConfig(data=data, draft_vocab_size=1000, **early),
+             "draft_vocab_size 1000 is larger than the target's vocabulary (128): use a smaller one, or unset it to "
+             "draft from every token"),
             (train, HeadsTrainConfig(data=data, mode="medusa2", lora_target_modules=["q_proj", "v_prj"], **common),
              f"lora_target_modules: the target has no layer 'v_prj'; {layers}"),
             (train_draft, DraftTrainConfig(data=data, student_layers=1, lora=True,

@@ -191,10 +191,10 @@ def distil(cfg: DraftTrainConfig) -> Path:
     from accelerate.utils import DistributedType
     from transformers import AutoModelForCausalLM
 
-    from gorgon.heads import load_target
     from gorgon.heads.card import write_draft_card
     from gorgon.heads.draft_model.model import load_student, save_draft
     from gorgon.heads.draft_model.objective import agreement, expected_tau
+    from gorgon.heads.target import load_target, target_text_config
     from gorgon.train.data import describe
     from gorgon.train.examples import (
         answer_tokens,
@@ -232,6 +232,10 @@ def distil(cfg: DraftTrainConfig) -> Path:
                           "DeepSpeed ZeRO-3 shard: train a LoRA draft with DDP (configs/accelerate/multi_gpu.yaml), "
                           "or set lora: false")
     conversations = read_conversations(cfg.data)  # a bad --data fails before the target loads
+    vocab = target_text_config(cfg.target).vocab_size  # and a draft vocabulary too large for it
+    if cfg.draft_vocab_size is not None and cfg.draft_vocab_size > vocab:
+        raise GorgonError(f"draft_vocab_size {cfg.draft_vocab_size} is larger than the target's vocabulary ({vocab}): "
+                          "use a smaller one, or unset it to draft from every token")
     target = load_target(cfg.target, device=str(state.device), dtype=cfg.dtype)
     target.model.requires_grad_(False)
     tokenizer = target.tokenizer
@@ -247,10 +251,6 @@ def distil(cfg: DraftTrainConfig) -> Path:
     if not train_ex or not eval_ex:
         raise GorgonError(f"{cfg.data} has too few conversations to train on and hold out an eval split: add data "
                           "or change eval_fraction")
-    vocab = target.model.config.get_text_config().vocab_size
-    if cfg.draft_vocab_size is not None and cfg.draft_vocab_size > vocab:
-        raise GorgonError(f"draft_vocab_size {cfg.draft_vocab_size} is larger than the target's vocabulary ({vocab}): "
-                          "use a smaller one, or unset it to draft from every token")
     token_map = coverage = None
     if cfg.draft_vocab_size:  # its share of the training answers' tokens, and of the held-out ones (drafting sees)
         token_map, train_share = frequent_tokens(train_ex, cfg.draft_vocab_size, vocab)

@@ -155,19 +155,17 @@ class HeadsTrainConfig(TrainingSettings):
             raise GorgonError("train_lm_head: false keeps a feature-level head's LM head at the target's rows: use it "
                               "with arch: eagle (Medusa heads share the target's frozen one with shared_lm_head: true)")
 
-    def check_target(self, model) -> None:
-        """The settings that depend on the target, checked once it has loaded, before the data and training:
-        tree_topk and draft_vocab_size count its tokens (the held-out ranks would fail after training), and
-        Medusa-2's adapters go on its layers."""
-        from gorgon.train.recipe import check_lora_targets
+    def check_target(self, config) -> None:
+        """The settings that count the target's layers or tokens, checked against its text config before its
+        weights load (the held-out ranks would fail only after training)."""
+        from gorgon.heads.eagle.model import check_feature_layers
 
-        vocab = model.config.get_text_config().vocab_size
         for key in ("tree_topk", "draft_vocab_size"):
-            if (getattr(self, key) or 0) > vocab:
-                raise GorgonError(f"{key} must be at most the target's vocabulary of {vocab} tokens, not "
+            if (getattr(self, key) or 0) > config.vocab_size:
+                raise GorgonError(f"{key} must be at most the target's vocabulary of {config.vocab_size} tokens, not "
                                   f"{getattr(self, key)}")
-        if self.mode == "medusa2":
-            check_lora_targets(model, self.lora_target_modules, "the target")
+        if self.feature_layers:
+            check_feature_layers(self.feature_layers, config.num_hidden_layers)
 
 
 def schedule(warmup: int, total: int, delay: int = 0):
@@ -305,9 +303,9 @@ def setup(cfg: HeadsTrainConfig) -> Run:
     from accelerate import Accelerator
     from accelerate.utils import DistributedDataParallelKwargs, set_seed
 
-    from gorgon.heads import load_target
+    from gorgon.heads.target import load_target, target_text_config
     from gorgon.train.examples import EpochSampler, RankBatches, collate, load_examples, read_conversations, split
-    from gorgon.train.recipe import connect_cpu_processes, prepare_output, wandb_offline_without_key
+    from gorgon.train.recipe import check_lora_targets, connect_cpu_processes, prepare_output, wandb_offline_without_key
 
     cfg.check()
     connect_cpu_processes()  # before anything creates accelerate's process state
@@ -325,8 +323,10 @@ def setup(cfg: HeadsTrainConfig) -> Run:
         check_resume(resume_from, resume_settings(cfg, accelerator.num_processes))
     set_seed(cfg.seed)
     conversations = read_conversations(cfg.data)  # a bad --data fails before the target loads
+    cfg.check_target(target_text_config(cfg.target))
     target = load_target(cfg.target, device=str(accelerator.device), dtype=cfg.dtype)
-    cfg.check_target(target.model)
+    if cfg.mode == "medusa2":  # its adapters go on the target's layers
+        check_lora_targets(target.model, cfg.lora_target_modules, "the target")
     target.model.requires_grad_(False)
     examples = load_examples(cfg.data, target.tokenizer, cfg.max_length, target.fingerprints, conversations)
     world = accelerator.num_processes

@@ -98,6 +98,12 @@ def computes_rms_norm(norm: nn.Module) -> bool:
         return torch.allclose(probe(x), fused, rtol=1e-5, atol=1e-6)
 
 
+def check_feature_layers(layers: list[int], num_layers: int) -> None:
+    """The hidden states a head reads must be the outputs of the target's layers (1 to `num_layers`)."""
+    if not all(isinstance(i, int) and 0 < i <= num_layers for i in layers):
+        raise GorgonError(f"feature_layers must lie between 1 and {num_layers} (the target's layers), not {layers}")
+
+
 def _decoder_layer(layer_config: dict, attn_implementation: str):
     """One decoder layer of the target's architecture, built from its config, with attention that reads
     twice the width (the token's embedding beside the features), and the rotary embedding for it."""
@@ -166,9 +172,7 @@ class EagleHead(PushToHubMixin, nn.Module):
         `draft_tokens`: the target ids to draft from (None: the whole vocabulary)."""
         cfg = target_model.config.get_text_config()
         layers = feature_layers or default_feature_layers(cfg.num_hidden_layers)
-        if not all(isinstance(i, int) and 0 < i <= cfg.num_hidden_layers for i in layers):
-            raise GorgonError(f"feature_layers must lie between 1 and {cfg.num_hidden_layers} (the target's layers), "
-                              f"not {layers}")
+        check_feature_layers(layers, cfg.num_hidden_layers)
         draft_size = None if draft_tokens is None else int(draft_tokens.numel())
         if draft_size is not None and not 1 <= draft_size <= cfg.vocab_size:
             raise GorgonError(f"a draft vocabulary of {draft_size} tokens does not fit the target's {cfg.vocab_size}: "
