@@ -9,6 +9,7 @@ import importlib
 import sys
 
 from .errors import user_error_line, write_error_line
+from .hub import offline_if_hub_unreachable
 
 COMMANDS = {
     "data": ("gorgon.train.data", "self-distillation: the target answers prompts; writes a datasets folder"),
@@ -39,6 +40,7 @@ def main(argv: list[str] | None = None) -> int:
     if name not in COMMANDS:
         print(f"gorgon: unknown command {name!r}\n\n{usage()}", file=sys.stderr)
         return 2
+    offline_if_hub_unreachable()  # before the command's imports: huggingface_hub reads HF_HUB_OFFLINE once
     try:  # the import too: Ctrl-C in the first seconds lands in it
         return importlib.import_module(COMMANDS[name][0]).main(rest) or 0
     except KeyboardInterrupt:

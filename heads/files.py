@@ -35,17 +35,6 @@ def local_path_problem(text: str) -> str | None:
     return None if path.is_dir() else f"{text} is a file, not a folder"
 
 
-def not_found_locally_or_on_hub(what: str, text: str, err: Exception) -> GorgonError:
-    """The error for a name that is neither a local folder nor reachable on the hub."""
-    problem = local_path_problem(text)
-    if problem:
-        return GorgonError(f"{what} {problem}: pass a folder")
-    where = ("the local hub cache (HF_HUB_OFFLINE is set)" if os.environ.get("HF_HUB_OFFLINE", "0") not in ("", "0")
-             else "the hub (or it is unreachable)")
-    return GorgonError(f"no {what} {text!r}: no local folder by that name, and {where} has none "
-                       f"({err.__class__.__name__}): check the path or the hub id")
-
-
 def new_temp(folder: Path, prefix: str, is_dir: bool = False) -> Path:
     """A new, uniquely named file (or folder) in `folder` with the mode any new one gets (0666, or
     0777, less the umask), so another user (a serving engine) can read what is renamed from it:

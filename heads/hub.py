@@ -3,17 +3,71 @@
 from __future__ import annotations
 
 import os
+import socket
+import sys
 import tempfile
+import threading
 from pathlib import Path
+from urllib.parse import urlparse
 
 from .errors import GorgonError
-from .files import local_path_problem, looks_like_path, not_found_locally_or_on_hub
+from .files import local_path_problem, looks_like_path
 
 CONFIG_NAME = "config.json"
 # Files a heads loader reads besides config.json (Medusa's and engines' weights, trees.json, Medusa-2's
 # adapter/): a download fetches them, and an upload deletes an earlier push's that it does not replace in
 # the same commit, so a stale one cannot change what loads. The repo's other files (the user's) stay.
 LOADED_FILES = ["*.safetensors", "*.safetensors.index.json", "medusa_lm_head.pt", "trees.json", "adapter/*"]
+UNREACHABLE = "GORGON_HUB_UNREACHABLE"  # the Hub's host, set beside HF_HUB_OFFLINE when it did not resolve
+PROXIES = ("HTTPS_PROXY", "https_proxy", "HTTP_PROXY", "http_proxy", "ALL_PROXY", "all_proxy")
+
+
+def offline_if_hub_unreachable() -> None:
+    """At a command's start: when the Hub's host name does not resolve (no network), work from the local cache
+    as HF_HUB_OFFLINE=1 does. Without it huggingface_hub retries each file five times (about 25 s a file) before
+    it falls back to the cache or fails. Left to the user when they set HF_HUB_OFFLINE either way or a proxy
+    (which resolves names itself), and once huggingface_hub is imported (it reads HF_HUB_OFFLINE then)."""
+    if "HF_HUB_OFFLINE" in os.environ or any(os.environ.get(name) for name in PROXIES) \
+            or "huggingface_hub" in sys.modules:
+        return
+    host = urlparse(os.environ.get("HF_ENDPOINT") or "https://huggingface.co").hostname
+    if host and not resolves(host):
+        os.environ["HF_HUB_OFFLINE"] = "1"
+        os.environ[UNREACHABLE] = host
+
+
+def resolves(host: str, wait: float = 3.0) -> bool:
+    """Whether `host` resolves; a lookup still running after `wait` seconds counts as yes (a slow network)."""
+    result = {}
+
+    def look_up():
+        try:
+            socket.getaddrinfo(host, 443)
+            result["ok"] = True
+        except OSError:
+            result["ok"] = False
+
+    thread = threading.Thread(target=look_up, daemon=True)
+    thread.start()
+    thread.join(wait)
+    return result.get("ok", True)
+
+
+def offline_reason() -> str:
+    """Why gorgon works from the local cache only: the unreachable Hub it found, or the user's HF_HUB_OFFLINE."""
+    host = os.environ.get(UNREACHABLE)
+    return f"the Hub's {host} does not resolve" if host else "HF_HUB_OFFLINE is set"
+
+
+def not_found_locally_or_on_hub(what: str, text: str, err: Exception) -> GorgonError:
+    """The error for a name that is neither a local folder nor reachable on the hub."""
+    problem = local_path_problem(text)
+    if problem:
+        return GorgonError(f"{what} {problem}: pass a folder")
+    where = (f"the local hub cache ({offline_reason()})" if os.environ.get("HF_HUB_OFFLINE", "0") not in ("", "0")
+             else "the hub (or it is unreachable)")
+    return GorgonError(f"no {what} {text!r}: no local folder by that name, and {where} has none "
+                       f"({err.__class__.__name__}): check the path or the hub id")
 
 
 def resolve_heads_folder(name_or_path: str | os.PathLike) -> Path:
@@ -86,7 +140,8 @@ def check_can_upload(setting: str) -> None:
 
     later = f"or drop {setting} and upload the result with `gorgon push` afterwards"
     if is_offline_mode():
-        raise GorgonError(f"{setting} uploads the result at the end, but HF_HUB_OFFLINE is set: unset it, {later}")
+        fix = "connect" if os.environ.get(UNREACHABLE) else "unset it"
+        raise GorgonError(f"{setting} uploads the result at the end, but {offline_reason()}: {fix}, {later}")
     if get_token() is None:
         raise GorgonError(f"{setting} uploads the result at the end, but no Hub login was found: log in with `hf auth "
                           f"login` (or set HF_TOKEN), {later}")

@@ -25,9 +25,9 @@ from .files import (
     local_path_problem,
     looks_like_path,
     new_temp,
-    not_found_locally_or_on_hub,
     remove_stale_temps,
 )
+from .hub import not_found_locally_or_on_hub
 
 EMBEDDED_NAME = "SmolLM2-135M-Instruct"
 EMBEDDED_HUB_ID = f"HuggingFaceTB/{EMBEDDED_NAME}"  # the same model on the Hub, named in model cards

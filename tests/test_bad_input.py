@@ -487,6 +487,30 @@ def test_one_line_errors_instead_of_tracebacks(tmp_path, capsys):
         read_records("runs/missing")
 
 
+def test_a_hub_that_does_not_resolve_is_not_retried(tmp_path):
+    """With no network and HF_HUB_OFFLINE unset, huggingface_hub retried every file five times (48 s for a missing
+    target) before its error or the cache: a command now finds the Hub's host unknown and works from the cache at
+    once, saying why. The user's HF_HUB_OFFLINE, either way, is left as set."""
+    from gorgon.heads.hub import PROXIES, resolves
+
+    if resolves("hub.invalid"):  # a resolver that answers (or hangs) for the reserved .invalid
+        pytest.skip("this machine's resolver does not fail on hub.invalid")
+    unset = {**{k: v for k, v in env().items() if k not in ("HF_HUB_OFFLINE", *PROXIES)},
+             "HF_ENDPOINT": "https://hub.invalid"}
+    run = subprocess.run([sys.executable, "-m", "gorgon.heads.cli", "generate", "--target", "someone/model",
+                          "--context-draft", "--prompt", "hi"], env=unset, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 2 and "Retrying" not in run.stderr, run.stderr
+    assert run.stderr.strip().splitlines()[-1] == (
+        "gorgon generate: error: no target 'someone/model': no local folder by that name, and the local hub cache "
+        "(the Hub's hub.invalid does not resolve) has none (OSError): check the path or the hub id")
+    probe = ("import os; from gorgon.heads.hub import offline_if_hub_unreachable as f; f(); "
+             "print(os.environ.get('HF_HUB_OFFLINE'))")
+    for extra, expected in [({}, "1"), ({"HF_HUB_OFFLINE": "0"}, "0"), ({"HTTPS_PROXY": "http://proxy:3128"}, "None")]:
+        out = subprocess.run([sys.executable, "-c", probe], env={**unset, **extra}, capture_output=True, text=True,
+                             check=True).stdout.strip()
+        assert out == expected, extra
+
+
 def test_a_folder_that_is_not_a_model_says_what_it_holds(tmp_path, capsys):
     """Heads passed as the target, a model without its tokenizer, an empty folder: each named for what it is."""
     heads = saved_heads(tmp_path)

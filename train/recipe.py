@@ -24,6 +24,7 @@ from pathlib import Path
 import yaml
 
 from gorgon.heads.errors import GorgonError, check_keys, user_error_line
+from gorgon.heads.hub import offline_if_hub_unreachable
 
 
 def setting(default=dataclasses.MISSING, help: str = "", *, factory=dataclasses.MISSING):
@@ -512,6 +513,7 @@ def recipe_main(cls, train, doc: str, argv: list[str] | None = None) -> int:
         print(doc)
         print_settings(cls)
         return 0
+    offline_if_hub_unreachable()
     overrides = parse_overrides(argv)
     cfg = load_recipe(cls, overrides.pop("config", None), overrides)
     out = Path(cfg.out)

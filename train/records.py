@@ -11,7 +11,8 @@ import json
 from pathlib import Path
 
 from gorgon.heads.errors import GorgonError
-from gorgon.heads.files import local_path_problem, looks_like_path, not_found_locally_or_on_hub, read_jsonl, read_text
+from gorgon.heads.files import local_path_problem, looks_like_path, read_jsonl, read_text
+from gorgon.heads.hub import not_found_locally_or_on_hub
 
 SHAPES = ('MT-Bench/Spec-Bench {"turns": [...]}', 'ShareGPT {"conversations": [{"from", "value"}]}',
           'OpenAI {"messages": [{"role", "content"}]}', '{"prompt": ...}', 'Alpaca {"instruction", "input"}')
