@@ -18,7 +18,7 @@ from .errors import GorgonError
 from .hub import CONFIG_NAME, resolve_heads_folder
 from .medusa import HeadsDrafter, MedusaHeads, load_with_heads
 from .medusa.model import ADAPTER_DIR
-from .target import Target, load_target
+from .target import Target, check_folder_fits, load_target
 
 
 def is_eagle(folder) -> bool:
@@ -36,6 +36,7 @@ def load_heads(heads: str | os.PathLike, target: str | None = None, device: str 
     folder = resolve_heads_folder(heads)  # fail before the slower target load
     if not is_eagle(folder):
         return load_with_heads(folder, target, device=device, dtype=dtype)
+    check_folder_fits(folder, target)
     loaded = load_target(target, device=device, dtype=dtype)
     return loaded, EagleHead.from_pretrained(folder, target=loaded)
 

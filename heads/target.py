@@ -25,6 +25,7 @@ from .files import (
     local_path_problem,
     looks_like_path,
     new_temp,
+    read_config,
     remove_stale_temps,
 )
 from .hub import not_found_locally_or_on_hub
@@ -250,11 +251,10 @@ def check_vocab(mine: int, theirs: int, what: str) -> None:
                           "target (the same tokenizer)")
 
 
-def check_fits(config, target_model: torch.nn.Module, fingerprints: tuple[str, ...] = ()) -> None:
-    """Refuse a target that a drafter's `config` (hidden_size, vocab_size, target_name, target_fingerprint)
-    was not trained for: its shapes, and its fingerprint when both sides have one (`fingerprints`: those
-    the target answers to, `Target.fingerprints`)."""
-    cfg = target_model.config.get_text_config()
+def check_fits(config, cfg, fingerprints: tuple[str, ...] = ()) -> None:
+    """Refuse a target (its text config `cfg`) that a drafter's `config` (hidden_size, vocab_size, target_name,
+    target_fingerprint) was not trained for: its shapes, and its fingerprint when both sides have one
+    (`fingerprints`: those the target answers to, `Target.fingerprints`)."""
     trained_for = config.target_name or "another target"
     if cfg.hidden_size != config.hidden_size:
         raise GorgonError(f"these heads were trained for hidden size {config.hidden_size} but the target has "
@@ -264,6 +264,19 @@ def check_fits(config, target_model: torch.nn.Module, fingerprints: tuple[str, .
         raise GorgonError(f"these heads were trained for target {config.target_name!r} (fingerprint "
                           f"{config.target_fingerprint}) but this target's fingerprint is {fingerprints[0]}: "
                           "train heads for this target, or load the target they were trained for")
+
+
+def check_folder_fits(folder: Path, target: str | None) -> None:
+    """Heads saved by gorgon (their config.json records the target's fingerprint) for another target's shapes
+    fail from the two config.json files, before the target's weights load (minutes for a large one). An
+    engine's layout is checked once it has loaded."""
+    from types import SimpleNamespace
+
+    data = read_config(folder / "config.json")
+    keys = ("hidden_size", "vocab_size", "target_name", "target_fingerprint")
+    if isinstance(data, dict) and "target_fingerprint" in data \
+            and all(isinstance(data.get(k), int) for k in ("hidden_size", "vocab_size")):
+        check_fits(SimpleNamespace(**{k: data.get(k) for k in keys}), target_text_config(target))
 
 
 def fingerprint(model: torch.nn.Module) -> str:

@@ -106,6 +106,25 @@ def test_heads_refuse_another_target(tmp_path):
         MedusaHeads.from_pretrained(tmp_path, target=narrow)
 
 
+def test_heads_for_another_targets_shapes_fail_before_its_weights_load(tmp_path):
+    """From the two config.json files: shown by a target folder that holds a config and no weights (which would
+    fail to load). Medusa heads and a feature-level head, by hidden size and by vocabulary."""
+    from gorgon.heads import EagleHead, load_heads
+
+    model = tiny_model("llama")
+    MedusaHeads.for_target(model, target_name="tiny").save_pretrained(tmp_path / "medusa")
+    EagleHead.for_target(model, target_name="tiny").save_pretrained(tmp_path / "eagle")
+    for name, change, message in [("wide", {"vocab_size": VOCAB * 2}, rf"a vocabulary of {VOCAB}, but the target has "
+                                                                     rf"{VOCAB * 2}"),
+                                  ("narrow", {"hidden_size": 16}, "trained for hidden size 32 but the target has 16")]:
+        folder = tmp_path / name
+        folder.mkdir()
+        (folder / "config.json").write_text(json.dumps({**model.config.to_dict(), **change}))
+        for heads in ("medusa", "eagle"):
+            with pytest.raises(GorgonError, match=message):
+                load_heads(tmp_path / heads, str(folder), device="cpu")
+
+
 def test_bad_checkpoints(tmp_path):
     with pytest.raises(GorgonError, match="no heads at"):
         MedusaHeads.from_pretrained(tmp_path / "missing" / "deeper")

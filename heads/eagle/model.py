@@ -207,7 +207,7 @@ class EagleHead(PushToHubMixin, nn.Module):
         """Check this head fits `target_model` and bind its embedding. Refuses another target, and one too
         shallow for the layers it reads (a head without a fingerprint is otherwise checked by shape only,
         and would fail indexing the target's hidden states mid-decode)."""
-        check_fits(self.config, target_model, fingerprints)
+        check_fits(self.config, target_model.config.get_text_config(), fingerprints)
         count = target_model.config.get_text_config().num_hidden_layers
         if max(self.feature_layers) > count:
             raise GorgonError(f"this head reads the target's hidden states {list(self.feature_layers)} and this "

@@ -115,7 +115,7 @@ class MedusaHeads(PushToHubMixin, nn.Module):
 
     def attach(self, target_model: nn.Module, fingerprints: tuple[str, ...] = ()) -> "MedusaHeads":
         """Check these heads fit `target_model` and bind its lm_head. Refuses another target."""
-        check_fits(self.config, target_model, fingerprints)
+        check_fits(self.config, target_model.config.get_text_config(), fingerprints)
         object.__setattr__(self, "_target", target_model)
         return self
 
@@ -246,9 +246,10 @@ class MedusaHeads(PushToHubMixin, nn.Module):
 def load_with_heads(heads: str | os.PathLike, target: str | None = None, device: str = "auto",
                     dtype: str | torch.dtype = "auto") -> tuple[Target, "MedusaHeads"]:
     """The target and its heads as one: a Medusa-2 heads folder's LoRA adapter is merged into the target."""
-    from ..target import load_target
+    from ..target import check_folder_fits, load_target
 
     folder = resolve_heads_folder(heads)  # fail before the slower target load
+    check_folder_fits(folder, target)
     adapter = folder / ADAPTER_DIR if (folder / ADAPTER_DIR).is_dir() else None
     loaded = load_target(target, device=device, dtype=dtype, adapter=adapter)
     return loaded, MedusaHeads.from_pretrained(folder, target=loaded)
