@@ -82,6 +82,8 @@ def speed_section(bench: dict | None, flag: str) -> str:
                   f"gives). Against `generate` on torch's stock kernels ({bench['stock_tokens_per_s']:.1f} tokens/s), "
                   f"the end-to-end gain: **{bench['speedup_vs_stock']:.2f}x**, outputs identical {same}.\n\n")
     kernels = f", {bench['kernels']} kernels" if "kernels" in bench else ""
+    if bench.get("cpu_flags") and bench["device"].startswith("cpu"):  # they decide which kernels are fast
+        kernels += f" (CPU flags: {', '.join(bench['cpu_flags'])})"
     return table + (f"Measured on {bench['device']}, {bench['dtype']}, {bench['threads']} thread(s){kernels}, "
                     f"a tree of {bench['tree_size']} nodes, max {bench['max_new_tokens']} new tokens, by\n"
                     f"`{bench['command']}`")

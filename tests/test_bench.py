@@ -156,6 +156,9 @@ def test_update_card_writes_the_measured_figures(tmp_path):
     assert run.returncode == 0, run.stderr[-2000:]
     card = (heads / "README.md").read_text()
     assert "Not measured yet" not in card and "| questions | tau |" in card and "gorgon bench --target" in card
+    from gorgon.decode.calibrate import cpu_flags
+
+    assert not cpu_flags() or f"(CPU flags: {', '.join(cpu_flags())})" in card  # the flags decide the kernels' speed
 
 
 @pytest.mark.slow
