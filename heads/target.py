@@ -155,11 +155,12 @@ def resolve_dtype(dtype: str | torch.dtype = "auto", device: torch.device | None
     return names[dtype]
 
 
-def target_source(name_or_path: str | None) -> str:
+def target_source(name_or_path: str | os.PathLike | None) -> str:
     """Where the target loads from: the embedded copy (converted on first use) for None, else the path or hub
     id, with a local path that does not exist refused in one line (not as a failed hub download)."""
     if name_or_path in (None, "", "embedded", EMBEDDED_NAME):
         return str(embedded_target_dir())
+    name_or_path = os.fspath(name_or_path)  # a Path too
     problem = local_path_problem(name_or_path)
     if problem:
         raise GorgonError(f"target {problem}: pass a folder, a hub id, or nothing for the embedded default")
@@ -169,7 +170,7 @@ def target_source(name_or_path: str | None) -> str:
     return name_or_path
 
 
-def target_text_config(name_or_path: str | None):
+def target_text_config(name_or_path: str | os.PathLike | None):
     """The target's (text) config alone, read before its weights load, so settings that count its layers or
     tokens fail in seconds, not after minutes of loading a large target."""
     from transformers import AutoConfig
