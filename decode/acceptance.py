@@ -111,7 +111,12 @@ def accept_sampled(tree: Tree, tokens: torch.Tensor, probs: torch.Tensor,
     valid = tree.children >= 0
     child_nodes = tree.children.clamp(min=0)
     child_tokens = tokens[child_nodes]                              # (T, C)
-    child_p = probs.gather(1, child_tokens) * valid                 # (T, C)
+    # A token an earlier sibling already proposed was removed from the target's distribution when that
+    # sibling was rejected: trying it again would give it its chance twice (a drafter may repeat a token).
+    earlier = torch.ones(child_tokens.shape[1], child_tokens.shape[1], dtype=torch.bool,
+                         device=tokens.device).tril(-1)             # [i, j]: sibling j comes before i
+    repeat = ((child_tokens[:, :, None] == child_tokens[:, None, :]) & valid[:, None, :] & earlier).any(-1)
+    child_p = probs.gather(1, child_tokens) * (valid & ~repeat)     # (T, C)
     chances = child_accept_chances(child_p)
     u = torch.rand(child_p.shape, generator=generator, device=probs.device)
     accepted = (u < chances) & valid

@@ -193,3 +193,13 @@ def test_draft_vocabulary_restricts_drafts_and_survives_save_load(tmp_path):
                 back.lm_head_weight(k).add_(torch.randn_like(back.lm_head_weight(k)))
         expected = vocab[back(hidden)[..., vocab].topk(3, dim=-1).indices]
         assert torch.equal(back.draft_topk(hidden, 3), expected) and not torch.equal(expected, top)
+
+
+def test_a_draft_vocabulary_lists_each_token_once():
+    """A repeated id would be proposed twice among siblings; an id past the vocabulary indexes nothing."""
+    heads = MedusaHeads.for_target(tiny_model("llama"))
+    for ids in ([1, 1, 2], [0, VOCAB], [-1, 3], []):
+        with pytest.raises(GorgonError, match=rf"a draft vocabulary lists token ids from 0 to {VOCAB - 1}, each once"):
+            heads.set_draft_vocab(torch.tensor(ids, dtype=torch.long))
+    heads.set_draft_vocab(torch.tensor([5, 2, 9]))
+    assert heads.token_map.tolist() == [2, 5, 9]

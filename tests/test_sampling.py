@@ -106,6 +106,20 @@ def test_a_broken_acceptance_rule_fails_the_test(peaky_model, monkeypatch):
     assert chi_square_p(exact_distribution(peaky_model, prompt, s), counts) < 1e-6
 
 
+def test_a_token_two_siblings_propose_keeps_its_probability():
+    """A drafter may propose one token twice among siblings (a draft vocabulary listing an id twice did): the
+    second try must not give it its chance again, or it comes out with about twice its probability."""
+    tree = build_tree([[0], [1], [2]])
+    probs = torch.tensor([[0.4, 0.3, 0.2, 0.1]]).expand(tree.size, -1)
+    gen = torch.Generator().manual_seed(0)
+    for tokens in ([3, 2, 2, 1], [3, 2, 1, 2]):  # the repeat next to, and after another sibling
+        counts = torch.zeros(4)
+        for _ in range(4000):
+            _, emitted = acceptance.accept_sampled(tree, torch.tensor(tokens), probs, gen)
+            counts[emitted[0]] += 1
+        assert chisquare(counts.tolist(), (probs[0] * 4000).tolist()).pvalue > 1e-3, (tokens, counts)
+
+
 @pytest.mark.parametrize("temperature, top_k, top_p", [(1.0, 0, 1.0), (0.6, 10, 1.0), (1.3, 0, 0.8), (0.9, 7, 0.5)])
 def test_target_probs_match_transformers_warpers(temperature, top_k, top_p):
     from transformers import GenerationConfig

@@ -92,6 +92,10 @@ class MedusaHeads(PushToHubMixin, nn.Module):
     def set_draft_vocab(self, token_ids: torch.Tensor) -> None:
         """Draft from these token ids only (e.g. the most frequent in the training data)."""
         ids = torch.as_tensor(token_ids, dtype=torch.long).sort().values
+        repeated = int(ids.numel() - ids.unique().numel())
+        if ids.dim() != 1 or not len(ids) or int(ids[0]) < 0 or int(ids[-1]) >= self.config.vocab_size or repeated:
+            raise GorgonError(f"a draft vocabulary lists token ids from 0 to {self.config.vocab_size - 1}, each "
+                              f"once: these {ids.numel()} ids have {repeated} repeated or lie outside")
         self.config.draft_vocab_size = int(ids.numel())
         self.token_map = ids.to(self.blocks[0][0].linear.weight.device)
 
