@@ -328,8 +328,15 @@ def check_same_tokenizer(target_tokenizer, draft_tokenizer, draft_name: str) -> 
 
 
 def lm_logits(model: torch.nn.Module, hidden: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
-    """The target's logits from its last hidden state, with final soft-capping where the model has it;
-    with `rows`, only those vocabulary entries."""
+    """The target's logits from its last hidden state, as its own forward gives them: with final soft-capping
+    and the scale some families apply after the LM head (`logit_scale`); with `rows`, only those entries."""
+    logits = head_logits(model, hidden, rows)
+    scale = logit_scale(model)
+    return logits if scale == 1.0 else logits * scale
+
+
+def head_logits(model: torch.nn.Module, hidden: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
+    """The LM head's output, soft-capped where the model's config says so (Gemma 2)."""
     head = model.get_output_embeddings()
     if rows is None:  # through the module, so the CPU fast kernels (gorgon.decode.kernels) apply to it too
         logits = head(hidden.to(head.weight.dtype))
@@ -339,6 +346,37 @@ def lm_logits(model: torch.nn.Module, hidden: torch.Tensor, rows: torch.Tensor |
     if cap:
         logits = torch.tanh(logits / cap) * cap
     return logits
+
+
+@torch.no_grad()
+def logit_scale(model: torch.nn.Module) -> float:
+    """What the model's forward multiplies the (soft-capped) LM head's output by: 1 for most families; Granite
+    divides by its `logits_scaling`, Cohere multiplies by `logit_scale`, HyperCLOVA X multiplies by its
+    `logits_scaling`. The same config name means opposite things in two families, so the scale is measured,
+    once per model: three tokens through the forward and through the decoder and LM head. The greedy argmax
+    does not depend on it, but sampling and the training targets do. A change that is not a scale (up to a
+    shift, which softmax ignores) is refused: gorgon could not sample from the target's distribution."""
+    known = getattr(model, "_gorgon_logit_scale", None)
+    if known is not None:
+        return known
+    ids = torch.arange(min(3, model.config.get_text_config().vocab_size), device=model.device)[None]
+    training = model.training  # dropout (Medusa-2's adapters in training) would tell the two forwards apart
+    model.eval()
+    try:
+        theirs = model(input_ids=ids, use_cache=False).logits[0].float()
+        ours = head_logits(model, base_model(model)(input_ids=ids, use_cache=False).last_hidden_state)[0].float()
+    finally:
+        model.train(training)
+    theirs, ours = theirs - theirs.mean(-1, keepdim=True), ours - ours.mean(-1, keepdim=True)
+    fit = (theirs * ours).sum() / (ours * ours).sum().clamp(min=1e-30)
+    scale, error, size = torch.stack([fit, (ours * fit - theirs).abs().max(), theirs.abs().max()]).tolist()
+    if error > 1e-2 * size + 1e-5:
+        raise GorgonError(f"{type(model).__name__} changes its logits after its LM head in a way gorgon does not "
+                          "reproduce (not a scale): its sampled output would not follow the model's distribution; "
+                          "use another model family, or report it")
+    scale = 1.0 if abs(scale - 1) < 1e-3 else scale
+    model._gorgon_logit_scale = scale
+    return scale
 
 
 def logit_softcap(model: torch.nn.Module) -> float | None:

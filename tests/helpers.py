@@ -48,6 +48,10 @@ def tiny_model(arch: str = "llama", vocab: int = VOCAB, seed: int = 0, window: i
         cfg, cls = tf.Gemma3TextConfig(sliding_window=window, head_dim=8,
                                        layer_types=["sliding_attention", "full_attention"] * (layers // 2),
                                        **common), tf.Gemma3ForCausalLM
+    elif arch == "granite":  # its forward divides the LM head's output by logits_scaling
+        cfg, cls = tf.GraniteConfig(logits_scaling=4.0, **common), tf.GraniteForCausalLM
+    elif arch == "cohere":  # its forward multiplies the LM head's output by logit_scale
+        cfg, cls = tf.CohereConfig(logit_scale=0.25, **common), tf.CohereForCausalLM
     else:
         raise ValueError(arch)
     model = cls(cfg).eval()

@@ -15,6 +15,7 @@ from gorgon.decode.kernels import use_cpu_kernels
 from gorgon.decode.verify import accepted_rows, keep_path, verify
 from gorgon.heads import GorgonError, HeadsDrafter, MedusaHeads
 from gorgon.heads.cache import crop_cache, growing_cache, with_cache
+from gorgon.heads.target import logit_scale
 from gorgon.heads.tree import build_tree
 
 PATHS = [[0], [1], [2], [0, 0], [0, 1], [1, 0], [2, 0], [0, 0, 0], [0, 0, 1], [0, 1, 0], [0, 0, 0, 0]]
@@ -170,6 +171,7 @@ def test_verify_steps_read_no_single_values_from_the_device(sampling, acceptance
     tree = [[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0]]
     drafter = HeadsDrafter(MedusaHeads.for_target(model, num_heads=3), tree=tree)
     ids = torch.randint(0, VOCAB, (1, 7), generator=torch.Generator().manual_seed(0))
+    logit_scale(model)  # measured once per model, before its first decoding
     with CountScalarReads() as counter:
         result = speculative_generate(model, drafter, ids, max_new_tokens=30, sampling=sampling,
                                       acceptance=acceptance, generator=torch.Generator().manual_seed(0))

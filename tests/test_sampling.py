@@ -106,6 +106,41 @@ def test_a_broken_acceptance_rule_fails_the_test(peaky_model, monkeypatch):
     assert chi_square_p(exact_distribution(peaky_model, prompt, s), counts) < 1e-6
 
 
+@pytest.mark.parametrize("arch", ["granite", "cohere", "llama"])
+def test_the_target_logits_are_its_forwards_also_where_it_scales_them(arch):
+    """Granite divides its LM head's output by logits_scaling, Cohere multiplies it by logit_scale: gorgon's
+    logits (decoder, then LM head) took neither, so it sampled from another temperature than the model's."""
+    from gorgon.heads.target import base_model, lm_logits, logit_scale
+
+    model = tiny_model(arch)
+    ids = torch.tensor([[5, 7, 9, 11]])
+    with torch.no_grad():
+        assert torch.allclose(lm_logits(model, base_model(model)(ids).last_hidden_state), model(ids).logits,
+                              atol=1e-6)
+    assert logit_scale(model) == {"granite": 0.25, "cohere": 0.25, "llama": 1.0}[arch]
+
+
+def test_logits_changed_otherwise_than_by_a_scale_are_refused():
+    model = tiny_model("llama")
+    forward = model.forward
+    model.forward = lambda *a, **k: type(out := forward(*a, **k))(logits=out.logits ** 2)
+    with pytest.raises(GorgonError, match="LlamaForCausalLM changes its logits after its LM head in a way gorgon "
+                                          r"does not reproduce \(not a scale\)"):
+        speculative_generate(model, TargetRolloutDrafter(model, PATHS), torch.tensor([[1, 2]]), max_new_tokens=2,
+                             sampling=Sampling(temperature=1.0))
+
+
+@pytest.mark.slow
+def test_sampling_is_exact_where_the_forward_scales_the_logits():
+    model = tiny_model("granite", vocab=V, seed=3)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(160)  # four times the peaky model's: Granite divides by 4
+    s = Sampling(temperature=1.0)
+    prompt = torch.tensor([[1, 5, 2]])
+    counts, _ = sample_counts(model, prompt, s)
+    assert chi_square_p(exact_distribution(model, prompt, s), counts) > 1e-3
+
+
 def test_a_token_two_siblings_propose_keeps_its_probability():
     """A drafter may propose one token twice among siblings (a draft vocabulary listing an id twice did): the
     second try must not give it its chance again, or it comes out with about twice its probability."""

@@ -36,7 +36,7 @@ from transformers import DynamicCache
 
 from ..feature_cache import FeatureCache
 from ..masks import additive_mask
-from ..target import base_model, lm_logits
+from ..target import base_model, lm_logits, logit_scale
 from ..vocab import draft_index
 
 
@@ -49,6 +49,7 @@ class EagleObjective(torch.nn.Module):
         self.target, self.heads = target, heads
         self.steps, self.decay, self.hidden_weight = steps, decay, hidden_weight
         self.cache, self.noise, self.dropout = cache, noise, dropout
+        logit_scale(target)  # the teacher's logits are the forward's: measured now, before training
 
     def state_dict(self, *args, **kwargs):
         """Only the head: checkpoints need not repeat the frozen target."""

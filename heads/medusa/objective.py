@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from ..feature_cache import FeatureCache
-from ..target import base_model, lm_logits
+from ..target import base_model, lm_logits, logit_scale
 from ..vocab import draft_index
 
 
@@ -100,6 +100,7 @@ class HeadsObjective(torch.nn.Module):
         self.target, self.heads = target, heads
         self.mode, self.loss, self.decay, self.base_kl_weight = mode, loss, decay, base_kl_weight
         self.cache = cache
+        logit_scale(target)  # the teacher's logits are the forward's: measured now, before training
 
     def state_dict(self, *args, **kwargs):
         """Only what training changes: checkpoints need not repeat the frozen target (540 MB for SmolLM2)."""
