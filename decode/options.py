@@ -38,8 +38,8 @@ def add_model_arguments(p: argparse.ArgumentParser, sampling: bool = True) -> No
     The drafter: --heads (Medusa or feature-level heads) or --draft (a small model with the target's
     tokenizer), and/or --context-draft (prompt lookup, merged into the other's tree when both are given).
     """
-    p.add_argument("--target", default=None, help="hub id or local path of the target (default: the embedded "
-                   "SmolLM2-135M-Instruct)")
+    p.add_argument("--target", default=None, help="hub id or local path of the target (default: with --heads, the "
+                   "target their config.json records; else the embedded SmolLM2-135M-Instruct)")
     group = p.add_mutually_exclusive_group()
     group.add_argument("--heads", help="heads folder or hub id (from train/heads.py or save_pretrained)")
     group.add_argument("--draft", help="a small draft model (hub id or path) sharing the target's tokenizer")

@@ -34,8 +34,8 @@ def parser() -> argparse.ArgumentParser:
                    help="the serving engine's layout: vllm or medusa for Medusa heads, eagle3 or speculators for a "
                         "feature-level head")
     p.add_argument("--out", required=True, help="output folder")
-    p.add_argument("--target", default=None, help="the target (default: the embedded SmolLM2); its lm_head is "
-                   "written out when the heads share it")
+    p.add_argument("--target", default=None, help="the target (default: the one the heads' config.json records, "
+                   "else the embedded SmolLM2); its lm_head is written out when the heads share it")
     p.add_argument("--base-model", default=None, help="base_model_name_or_path to record (default: the target name)")
     p.add_argument("--overwrite", action="store_true",
                    help="replace the files of an earlier export at --out (other files there stay)")

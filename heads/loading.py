@@ -18,7 +18,7 @@ from .errors import GorgonError
 from .hub import CONFIG_NAME, resolve_heads_folder
 from .medusa import HeadsDrafter, MedusaHeads, load_with_heads
 from .medusa.model import ADAPTER_DIR
-from .target import Target, check_folder_fits, load_target
+from .target import Target, check_folder_fits, load_target, target_for_heads
 
 
 def is_eagle(folder) -> bool:
@@ -32,8 +32,10 @@ def is_eagle(folder) -> bool:
 
 def load_heads(heads: str | os.PathLike, target: str | None = None, device: str = "auto",
                dtype: str | torch.dtype = "auto") -> tuple[Target, object]:
-    """The target and the heads in a folder or hub repo (a Medusa-2 folder's LoRA adapter merged in)."""
+    """The target and the heads in a folder or hub repo (a Medusa-2 folder's LoRA adapter merged in). `target`
+    None: the one the heads were trained for (`target_for_heads`)."""
     folder = resolve_heads_folder(heads)  # fail before the slower target load
+    target = target_for_heads(folder, target)
     if not is_eagle(folder):
         return load_with_heads(folder, target, device=device, dtype=dtype)
     check_folder_fits(folder, target)

@@ -13,6 +13,7 @@ import importlib.util
 import json
 import os
 import shutil
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -257,14 +258,35 @@ def check_fits(config, cfg, fingerprints: tuple[str, ...] = ()) -> None:
     target_fingerprint) was not trained for: its shapes, and its fingerprint when both sides have one
     (`fingerprints`: those the target answers to, `Target.fingerprints`)."""
     trained_for = config.target_name or "another target"
+    fix = (f"pass the target they were trained for (--target {config.target_name}), or heads trained for this one"
+           if config.target_name else "use heads trained for this target")
     if cfg.hidden_size != config.hidden_size:
-        raise GorgonError(f"these heads were trained for hidden size {config.hidden_size} but the target has "
-                          f"{cfg.hidden_size}: use heads trained for {trained_for}")
-    check_vocab(config.vocab_size, cfg.vocab_size, f"heads trained for {trained_for}")
+        raise GorgonError(f"these heads were trained for {trained_for}, of hidden size {config.hidden_size}, but the "
+                          f"target has {cfg.hidden_size}: {fix}")
+    if cfg.vocab_size != config.vocab_size:
+        raise GorgonError(f"these heads were trained for {trained_for}, of a vocabulary of {config.vocab_size}, but "
+                          f"the target has {cfg.vocab_size}: {fix}")
     if fingerprints and config.target_fingerprint and config.target_fingerprint not in fingerprints:
         raise GorgonError(f"these heads were trained for target {config.target_name!r} (fingerprint "
                           f"{config.target_fingerprint}) but this target's fingerprint is {fingerprints[0]}: "
                           "train heads for this target, or load the target they were trained for")
+
+
+def target_for_heads(folder: Path, target: str | os.PathLike | None) -> str | os.PathLike | None:
+    """The target to load heads onto: the one asked for; else the one their config.json records (as PEFT
+    loads an adapter's base model), said on stderr; else (nothing recorded, or the embedded target) None,
+    the embedded default."""
+    if target is not None:
+        return target
+    data = read_config(folder / "config.json")
+    name = data.get("target_name") if isinstance(data, dict) else None
+    if not isinstance(name, str) or name in ("", "embedded", EMBEDDED_NAME):
+        return None
+    if looks_like_path(name) and not Path(name).expanduser().exists():
+        raise GorgonError(f"these heads were trained for the target at {name}, which is not on this machine: pass "
+                          "--target (that model, from the Hub or a copy)")
+    print(f"gorgon: target {name}, which the heads were trained for (--target chooses another)", file=sys.stderr)
+    return name
 
 
 def check_folder_fits(folder: Path, target: str | None) -> None:

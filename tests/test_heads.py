@@ -114,9 +114,12 @@ def test_heads_for_another_targets_shapes_fail_before_its_weights_load(tmp_path)
     model = tiny_model("llama")
     MedusaHeads.for_target(model, target_name="tiny").save_pretrained(tmp_path / "medusa")
     EagleHead.for_target(model, target_name="tiny").save_pretrained(tmp_path / "eagle")
-    for name, change, message in [("wide", {"vocab_size": VOCAB * 2}, rf"a vocabulary of {VOCAB}, but the target has "
-                                                                     rf"{VOCAB * 2}"),
-                                  ("narrow", {"hidden_size": 16}, "trained for hidden size 32 but the target has 16")]:
+    fix = r"pass the target they were trained for \(--target tiny\), or heads trained for this one"
+    for name, change, message in [("wide", {"vocab_size": VOCAB * 2}, rf"these heads were trained for tiny, of a "
+                                                                     rf"vocabulary of {VOCAB}, but the target has "
+                                                                     rf"{VOCAB * 2}: {fix}"),
+                                  ("narrow", {"hidden_size": 16}, rf"these heads were trained for tiny, of hidden size "
+                                                                  rf"32, but the target has 16: {fix}")]:
         folder = tmp_path / name
         folder.mkdir()
         (folder / "config.json").write_text(json.dumps({**model.config.to_dict(), **change}))
@@ -203,3 +206,25 @@ def test_a_draft_vocabulary_lists_each_token_once():
             heads.set_draft_vocab(torch.tensor(ids, dtype=torch.long))
     heads.set_draft_vocab(torch.tensor([5, 2, 9]))
     assert heads.token_map.tolist() == [2, 5, 9]
+
+
+def test_heads_load_onto_the_target_they_record(tmp_path, capsys):
+    """As PEFT loads an adapter's base model: without --target, the target the heads were trained for, said on
+    stderr (it was the embedded SmolLM2, so heads for any other target failed with a shape error)."""
+    from helpers import tiny_chat_target
+
+    from gorgon.heads import load_heads
+    from gorgon.heads.cli import main as gorgon
+
+    target = tiny_chat_target(tmp_path)
+    model = tiny_model("llama", vocab=128)  # its shapes
+    MedusaHeads.for_target(model, target_name=str(target)).save_pretrained(tmp_path / "heads")
+    loaded, _ = load_heads(tmp_path / "heads", device="cpu")
+    assert loaded.name == str(target)
+    said = capsys.readouterr().err
+    assert f"gorgon: target {target}, which the heads were trained for (--target chooses another)" in said
+    MedusaHeads.for_target(model, target_name=str(tmp_path / "gone")).save_pretrained(tmp_path / "elsewhere")
+    assert gorgon(["generate", "--heads", str(tmp_path / "elsewhere"), "--prompt", "hi"]) == 2
+    assert capsys.readouterr().err.strip().endswith(f"these heads were trained for the target at {tmp_path / 'gone'}, "
+                                                    "which is not on this machine: pass --target (that model, from the "
+                                                    "Hub or a copy)")

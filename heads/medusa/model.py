@@ -250,9 +250,10 @@ class MedusaHeads(PushToHubMixin, nn.Module):
 def load_with_heads(heads: str | os.PathLike, target: str | None = None, device: str = "auto",
                     dtype: str | torch.dtype = "auto") -> tuple[Target, "MedusaHeads"]:
     """The target and its heads as one: a Medusa-2 heads folder's LoRA adapter is merged into the target."""
-    from ..target import check_folder_fits, load_target
+    from ..target import check_folder_fits, load_target, target_for_heads
 
     folder = resolve_heads_folder(heads)  # fail before the slower target load
+    target = target_for_heads(folder, target)
     check_folder_fits(folder, target)
     adapter = folder / ADAPTER_DIR if (folder / ADAPTER_DIR).is_dir() else None
     loaded = load_target(target, device=device, dtype=dtype, adapter=adapter)
