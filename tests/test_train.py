@@ -271,6 +271,24 @@ def test_bad_settings_are_one_line_before_any_work(tmp_path, script, argv, messa
     assert not out.exists()
 
 
+def test_conversations_whose_answers_start_past_max_length_are_counted_or_named(tmp_path, capsys):
+    """They were left out silently; when none was left, the error sent the user to regenerate the data."""
+    import json as js
+
+    target = str(tiny_chat_target(tmp_path))
+    data = tmp_path / "mixed.jsonl"
+    data.write_text("".join(js.dumps({"messages": [{"role": "user", "content": "word " * n},
+                                                   {"role": "assistant", "content": "an answer " * 4}]}) + "\n"
+                            for n in (2, 2, 2, 2, 2, 2, 60, 60)))
+    common = dict(data=str(data), target=target, report_to="none", max_steps=1, save_every=0)
+    train(HeadsTrainConfig(out=str(tmp_path / "o"), max_length=48, **common))
+    assert ("gorgon train: 2 conversations left out: their answers start past max_length 48 tokens (raise max_length "
+            "to train on them)") in capsys.readouterr().out
+    with pytest.raises(GorgonError, match=r"mixed.jsonl: no conversation has an answer within max_length 8 tokens "
+                                          r"\(the prompts fill it\): raise max_length"):
+        train(HeadsTrainConfig(out=str(tmp_path / "p"), max_length=8, **common))
+
+
 def test_settings_that_count_the_targets_tokens_or_name_its_layers_fail_before_training(tmp_path):
     """Counts of the target's tokens or layers fail from its config.json, before its weights load (after --data
     is read): shown by a target folder with no weights. tree_topk failed in the held-out evaluation after

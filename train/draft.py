@@ -242,7 +242,8 @@ def distil(cfg: DraftTrainConfig) -> Path:
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token_id = 0  # trl's trainer insists on one; padded positions are masked anyway
     pad = tokenizer.pad_token_id
-    examples = load_examples(cfg.data, tokenizer, cfg.max_length, target.fingerprints, conversations)
+    examples = load_examples(cfg.data, tokenizer, cfg.max_length, target.fingerprints, conversations,
+                             lambda line: state.print(f"gorgon draft: {line}"))
     settings = resume_settings(cfg, state.num_processes, data_sha256(examples))
     if resume_from is not None:  # again, now with the data's contents; then, for a finished run, the length
         check_resume(resume_from, settings)

@@ -48,10 +48,12 @@ def read_conversations(source: str) -> list[list[dict]]:
 
 
 def load_examples(source: str, tokenizer, max_length: int, target_fingerprints: tuple[str, ...] = (),
-                  conversations: list[list[dict]] | None = None) -> list[dict]:
+                  conversations: list[list[dict]] | None = None, say=None) -> list[dict]:
     """Tokenized examples from `gorgon data` output or any conversation file (`conversations`: as
     `read_conversations` read them already); refuses empty data, and data another target wrote
-    (`target_fingerprints`: those the trained target answers to, `Target.fingerprints`)."""
+    (`target_fingerprints`: those the trained target answers to, `Target.fingerprints`). A conversation
+    whose answers start past `max_length` (a long prompt) has nothing to train on and is left out, which
+    `say` (a print function) reports."""
     meta = read_metadata(source)
     if meta is not None:
         if target_fingerprints and meta.get("target_fingerprint") not in (None, *target_fingerprints):
@@ -59,13 +61,21 @@ def load_examples(source: str, tokenizer, max_length: int, target_fingerprints: 
                               f"{meta.get('target_fingerprint')}), not the one being trained "
                               f"({target_fingerprints[0]}): regenerate the data with `gorgon data --target` for "
                               "this target")
-    examples = []
+    examples, cut_off = [], 0
     for messages in conversations if conversations is not None else read_conversations(source):
         ids, mask = tokenize(tokenizer, messages, max_length)
         if sum(mask) >= 2:
             examples.append({"input_ids": ids, "loss_mask": mask})
+        else:
+            cut_off += any(m["role"] == "assistant" and m.get("content") for m in messages)
+    if not examples and cut_off:
+        raise GorgonError(f"{source}: no conversation has an answer within max_length {max_length} tokens (the "
+                          "prompts fill it): raise max_length")
     if not examples:
         raise no_answers(source)
+    if cut_off and say:
+        say(f"{cut_off} conversations left out: their answers start past max_length {max_length} tokens "
+            "(raise max_length to train on them)")
     return examples
 
 

@@ -328,7 +328,8 @@ def setup(cfg: HeadsTrainConfig) -> Run:
     if cfg.mode == "medusa2":  # its adapters go on the target's layers
         check_lora_targets(target.model, cfg.lora_target_modules, "the target")
     target.model.requires_grad_(False)
-    examples = load_examples(cfg.data, target.tokenizer, cfg.max_length, target.fingerprints, conversations)
+    examples = load_examples(cfg.data, target.tokenizer, cfg.max_length, target.fingerprints, conversations,
+                             lambda line: accelerator.print(f"gorgon train: {line}"))
     world = accelerator.num_processes
     settings = resume_settings(cfg, world, data_sha256(examples))
     if resume_from is not None:  # again, now with the data's contents; then, for a finished run, the length

@@ -41,7 +41,8 @@ class TrainingSettings:
     data: str = setting(help="`gorgon data` output folder, or a .jsonl/.json file of conversations")
     out: str = setting(help="output folder: the trained drafter, its metrics and model card")
     target: str | None = setting(None, "hub id or path of the target; None: the embedded SmolLM2-135M-Instruct")
-    max_length: int = setting(1024, "most tokens per training conversation (longer ones are cut)")
+    max_length: int = setting(1024, "most tokens per training conversation: longer ones are cut, and one whose "
+                                    "answers start past it is left out (the run says how many)")
     batch_size: int = setting(4, "conversations per step and process")
     grad_accum: int = setting(1, "steps whose gradients are summed per optimizer step")
     learning_rate: float = setting(1e-3, "peak learning rate (linear warmup, then cosine decay)")
