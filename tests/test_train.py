@@ -355,6 +355,14 @@ def test_resume_without_a_checkpoint_is_refused(tmp_path):
         with pytest.raises(GorgonError, match=r"^--resume: no complete checkpoint in .*checkpoints: run without "
                                               r"--resume to start$"):
             run(cfg)
+    # A finished run shorter than save_every has none: "run without --resume" would be refused there too.
+    short = dict(data=toy_data(tmp_path / "toy.jsonl", n=8), out=str(tmp_path / "short"),
+                 target=str(tiny_chat_target(tmp_path)), max_steps=1, report_to="none")
+    train(HeadsTrainConfig(**short))
+    with pytest.raises(GorgonError, match=r"^--resume: .*short holds a finished run without a checkpoint to continue "
+                                          r"from \(the run was shorter than save_every\): pass --overwrite true to "
+                                          r"train it again, for longer$"):
+        train(HeadsTrainConfig(**short, resume=True))
 
 
 def first_checkpoint(tmp_path, **settings) -> HeadsTrainConfig:

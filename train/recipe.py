@@ -247,6 +247,9 @@ def resume_point(latest: Path | None, resume: bool, out: Path) -> Path | None:
     if latest is not None and not resume:
         raise GorgonError(f"{out} already has checkpoints: pass --resume true to continue, --overwrite true to start "
                           "over, or choose another --out")
+    if resume and latest is None and (out / "recipe.json").is_file():
+        raise GorgonError(f"--resume: {out} holds a finished run without a checkpoint to continue from (the run was "
+                          "shorter than save_every): pass --overwrite true to train it again, for longer")
     if resume and latest is None:
         raise GorgonError(f"--resume: no complete checkpoint in {out / 'checkpoints'}: run without --resume to start")
     return latest
