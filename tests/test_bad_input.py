@@ -511,6 +511,15 @@ def test_a_hub_that_does_not_resolve_is_not_retried(tmp_path):
         assert out == expected, extra
 
 
+def test_a_model_passed_as_heads_says_so(tmp_path, capsys):
+    """A draft model (or the target) given as --heads was "unknown key 'architectures' in config.json"."""
+    target = tiny_chat_target(tmp_path)
+    capsys.readouterr()
+    assert gorgon(["generate", "--heads", str(target), "--target", str(tmp_path / "nowhere"), "--prompt", "hi"]) == 2
+    assert capsys.readouterr().err.strip() == (f"gorgon generate: error: {target} holds a model (LlamaForCausalLM), "
+                                               "not heads: pass a draft model as --draft, a target as --target")
+
+
 def test_a_folder_that_is_not_a_model_says_what_it_holds(tmp_path, capsys):
     """Heads passed as the target, a model without its tokenizer, an empty folder: each named for what it is."""
     heads = saved_heads(tmp_path)

@@ -239,6 +239,7 @@ class MedusaHeads(PushToHubMixin, nn.Module):
                 fields, state = import_heads(folder, data, fmt)
                 heads = cls(HeadsConfig(**fields))
             else:
+                check_not_a_model(folder, data)
                 heads = cls(HeadsConfig.from_dict(data, source=str(config_path)))
                 state = load_file(folder / WEIGHTS_NAME)
             heads.load_state_dict(state)
@@ -247,12 +248,22 @@ class MedusaHeads(PushToHubMixin, nn.Module):
         return attach_to_target(heads, target, device, dtype)
 
 
+def check_not_a_model(folder: Path, data) -> None:
+    """A model's folder (a draft model, the target) passed as heads: said as such, not as an unknown key of
+    the heads' config."""
+    if isinstance(data, dict) and data.get("architectures") and "target_name" not in data \
+            and foreign_format(folder, data) is None:
+        raise GorgonError(f"{folder} holds a model ({', '.join(map(str, data['architectures']))}), not heads: pass a "
+                          "draft model as --draft, a target as --target")
+
+
 def load_with_heads(heads: str | os.PathLike, target: str | None = None, device: str = "auto",
                     dtype: str | torch.dtype = "auto") -> tuple[Target, "MedusaHeads"]:
     """The target and its heads as one: a Medusa-2 heads folder's LoRA adapter is merged into the target."""
     from ..target import check_folder_fits, load_target, target_for_heads
 
     folder = resolve_heads_folder(heads)  # fail before the slower target load
+    check_not_a_model(folder, read_config(folder / CONFIG_NAME))
     target = target_for_heads(folder, target)
     check_folder_fits(folder, target)
     adapter = folder / ADAPTER_DIR if (folder / ADAPTER_DIR).is_dir() else None
