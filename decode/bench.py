@@ -434,7 +434,11 @@ def main(argv=None) -> int:
                        compare=compare, checkpoint=(lambda partial: record(partial, False)) if args.out else None)
     record(report, True)
     print(markdown_table(report))
-    print(f"\n{report['device']}, {report['dtype']} (drafts in {report['draft_dtype'] or 'no weights'}), "
+    print("\ntau: tokens per target forward; speedup: gorgon's tokens/s over plain `generate`'s (the baseline, on "
+          "the same kernels), each question timed for both in one rotation; median: of the per-question ratios"
+          + ("; vs stock: over `generate` on torch's default kernels" if "speedup_vs_stock" in report else ""))
+    drafts = f"drafts in {report['draft_dtype']}" if report["draft_dtype"] else "drafts from the context"
+    print(f"{report['device']}, {report['dtype']} ({drafts}), "
           f"{report['threads']} thread(s), "
           + (f"tree of {report['tree_size']} nodes" if isinstance(report["tree"], list)
              else f"tree built per step, up to {report['tree_size']} nodes"))

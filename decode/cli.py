@@ -79,7 +79,8 @@ def main(argv=None) -> int:
                                       tokenizer=tok, generator=generator, streamer=stream)
         print(flush=True)
         if args.stats:
-            print(f"[{len(result.tokens)} tokens, {result.target_forwards} target forwards, tau {result.tau:.2f}, "
+            print(f"[{len(result.tokens)} tokens, {result.target_forwards} target forwards, tau (tokens per target "
+                  f"forward) {result.tau:.2f}, "
                   f"{result.tokens_per_s:.1f} tokens/s]", file=sys.stderr)
         text = tok.decode(result.tokens, skip_special_tokens=True)
         messages.append({"role": "assistant", "content": text})

@@ -5,10 +5,11 @@ Stages are imported only when chosen, so `gorgon generate` never imports the tra
 
 from __future__ import annotations
 
+import difflib
 import importlib
 import sys
 
-from .errors import user_error_line, write_error_line
+from .errors import reader_gone, user_error_line, write_error_line
 from .hub import offline_if_hub_unreachable
 
 COMMANDS = {
@@ -38,13 +39,17 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     name, rest = argv[0], argv[1:]
     if name not in COMMANDS:
-        print(f"gorgon: unknown command {name!r}\n\n{usage()}", file=sys.stderr)
+        close = difflib.get_close_matches(name, COMMANDS, n=1)
+        hint = f" (did you mean {close[0]}?)" if close else ""
+        print(f"gorgon: unknown command {name!r}{hint}\n\n{usage()}", file=sys.stderr)
         return 2
     offline_if_hub_unreachable()  # before the command's imports: huggingface_hub reads HF_HUB_OFFLINE once
     try:  # the import too: Ctrl-C in the first seconds lands in it
         return importlib.import_module(COMMANDS[name][0]).main(rest) or 0
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:
+        return reader_gone()
     except Exception as err:
         line = user_error_line(err)
         if line is None:

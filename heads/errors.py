@@ -4,6 +4,7 @@ import argparse
 import dataclasses
 import difflib
 import errno
+import os
 import sys
 import types
 import typing
@@ -34,8 +35,27 @@ class ArgumentParser(argparse.ArgumentParser):
     """argparse's parser, with a bad option in one line, as every other error (argparse prints its whole
     usage before the error): the problem, then where the options are explained."""
 
+    def parse_known_args(self, args=None, namespace=None):
+        self._given = list(sys.argv[1:] if args is None else args)
+        return super().parse_known_args(args, namespace)
+
     def error(self, message: str):
-        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+        self.exit(2, f"{self.prog}: error: {self.unknown_option() or message} (see {self.prog} --help)\n")
+
+    def unknown_option(self) -> str | None:
+        """The first long option given that this parser lacks, with the closest it has. argparse names a missing
+        required option before an unrecognised one, which hides a typo (--promt), and gives no hint for the
+        training scripts' spelling (--max_new_tokens)."""
+        known = [name for action in self._actions for name in action.option_strings if name.startswith("--")]
+        for token in getattr(self, "_given", []):
+            if token == "--":
+                break
+            name = token.split("=", 1)[0]
+            if not name.startswith("--") or name in known or sum(k.startswith(name) for k in known) == 1:
+                continue
+            close = difflib.get_close_matches(name.replace("_", "-"), known, n=1, cutoff=0.6)
+            return f"unrecognized option {name}" + (f" (did you mean {close[0]}?)" if close else "")
+        return None
 
 
 def int_at_least(low: int, high: int | None = None):
@@ -105,12 +125,21 @@ def run_script(main, name: str) -> None:
         sys.exit(main())
     except KeyboardInterrupt:
         sys.exit(130)
+    except BrokenPipeError:
+        sys.exit(reader_gone())
     except Exception as err:
         line = user_error_line(err)
         if line is None:
             raise
         write_error_line(f"{name}: error: {line}")
         sys.exit(2)
+
+
+def reader_gone() -> int:
+    """The end of a pipe reading our output closed early (`--help | head`): no traceback, and stdout pointed at
+    /dev/null so the interpreter's last flush does not fail again. The exit status is a shell's for SIGPIPE."""
+    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    return 141
 
 
 def write_error_line(text: str) -> None:

@@ -603,12 +603,32 @@ def test_accelerate_launch_quiet_prints_the_message_alone(tmp_path):
      "gorgon bench: error: argument --draft: not allowed with argument --heads (see gorgon bench --help)"),
     (["export", "--heads", "h", "--out", "o", "--format", "onnx"], "gorgon export: error: argument --format: invalid "
      "choice: 'onnx'"),
+    # The training scripts' spelling, and a typo that argparse hid behind the missing --prompt it made.
+    (["generate", "--context-draft", "--prompt", "hi", "--max_new_tokens", "4"], "gorgon generate: error: "
+     "unrecognized option --max_new_tokens (did you mean --max-new-tokens?) (see gorgon generate --help)"),
+    (["generate", "--context-draft", "--promt", "hi"], "gorgon generate: error: unrecognized option --promt (did you "
+     "mean --prompt?) (see gorgon generate --help)"),
 ])
 def test_a_bad_option_is_one_line_without_the_usage(argv, says, capsys):
     with pytest.raises(SystemExit) as exit:
         gorgon(argv)
     err = capsys.readouterr().err
     assert exit.value.code == 2 and err.count("\n") == 1 and err.startswith(says)
+
+
+def test_help_into_a_pipe_closed_early_ends_without_a_traceback():
+    """`python train/heads.py --help | head` ended in a BrokenPipeError traceback."""
+    for argv in (["train/heads.py", "--help"], ["-m", "gorgon.heads.cli", "train", "--help"]):
+        proc = subprocess.Popen([sys.executable, *argv], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                env=env())
+        proc.stdout.close()  # the reader is gone before the help is written (at exit, stdout being a pipe)
+        err = proc.stderr.read().decode()
+        assert proc.wait() == 141 and "Traceback" not in err, err
+
+
+def test_a_mistyped_command_is_named_with_the_closest(capsys):
+    assert gorgon(["generat"]) == 2
+    assert capsys.readouterr().err.startswith("gorgon: unknown command 'generat' (did you mean generate?)")
 
 
 def test_training_data_is_checked_before_the_target_loads(tmp_path):

@@ -515,11 +515,13 @@ def train(cfg: HeadsTrainConfig) -> Path:
         train_steps(run)
         metrics = save(run)
     if run.accelerator.is_main_process:
-        row = "step" if cfg.arch == "eagle" else "head"
-        summary = ", ".join(f"{row} {k}: top-1 {a:.3f} top-5 {b:.3f}"
-                            for k, (a, b) in enumerate(zip(metrics["top1"], metrics["top5"])))
-        print(f"gorgon train: saved heads to {run.out} ({summary}; expected tau cpu "
-              f"{metrics['expected_tau']['cpu']:.2f}, gpu {metrics['expected_tau']['cuda']:.2f})")
+        rows = [f"draft step {k + 1}" if cfg.arch == "eagle" else f"head {k + 1} (t+{k + 2})"
+                for k in range(len(metrics["top1"]))]  # as the card numbers them
+        summary = ", ".join(f"{row}: top-1 {a:.3f} top-5 {b:.3f}"
+                            for row, a, b in zip(rows, metrics["top1"], metrics["top5"]))
+        print(f"gorgon train: saved heads to {run.out} (held-out {summary}; expected tau, tokens per target "
+              f"forward: {metrics['expected_tau']['cpu']:.2f} on a CPU's tree, {metrics['expected_tau']['cuda']:.2f} "
+              "on a GPU's)")
         if cfg.push_to_hub:
             from gorgon.heads.hub import upload_folder
 
@@ -568,10 +570,10 @@ def log_window(accelerator, window: dict, step: int, scheduler, bar) -> list[flo
         logs[f"train/top1_head{k}"] = top1 / max(1, count)
         logs[f"train/top5_head{k}"] = top5 / max(1, count)
     accelerator.log(logs, step=step)
-    heads_text = " ".join(f"h{k} {logs[f'train/loss_head{k}']:.2f}/{logs[f'train/top1_head{k}']:.2f}"
-                          for k in range(len(losses)))
+    heads_text = " ".join(f"{k + 1}: {logs[f'train/loss_head{k}']:.2f}/{logs[f'train/top1_head{k}']:.2f}"
+                          for k in range(len(losses)))  # numbered as the card numbers heads (and draft steps)
     if accelerator.is_main_process:
-        bar.write(f"step {step}: loss/top-1 {heads_text} | {logs['train/tokens_per_s']:.0f} tok/s | "
+        bar.write(f"step {step}: loss/top-1 of draft {heads_text} | {logs['train/tokens_per_s']:.0f} tok/s | "
                   f"lr {logs['train/lr']:.2e}")
     return losses
 
