@@ -258,7 +258,7 @@ def write_eagle_card(out: Path, recipe: dict, metrics: dict, bench: dict | None 
     base = hub_id(target_name)
     pairs = zip(metrics["top1"], metrics["top5"])
     rows = "\n".join(f"| {k + 1} | {a:.3f} | {b:.3f} |" for k, (a, b) in enumerate(pairs))
-    layers = recipe.get("feature_layers") or "EAGLE-3's low, middle and high"
+    layers = ", ".join(map(str, json.loads((out / "config.json").read_text())["feature_layers"]))  # as saved
     text = f"""---
 base_model: {base}
 library_name: gorgon

@@ -282,8 +282,12 @@ def test_conversations_whose_answers_start_past_max_length_are_counted_or_named(
                             for n in (2, 2, 2, 2, 2, 2, 60, 60)))
     common = dict(data=str(data), target=target, report_to="none", max_steps=1, save_every=0)
     train(HeadsTrainConfig(out=str(tmp_path / "o"), max_length=48, **common))
+    said = capsys.readouterr().out
     assert ("gorgon train: 2 conversations left out: their answers start past max_length 48 tokens (raise max_length "
-            "to train on them)") in capsys.readouterr().out
+            "to train on them)") in said
+    # And a run shorter than its warmup (20 steps) says why its learning rate stays low.
+    assert ("gorgon train: warmup_steps 20 is not shorter than the run's 1 steps: the learning rate never reaches "
+            "learning_rate 0.001 (lower warmup_steps)") in said
     with pytest.raises(GorgonError, match=r"mixed.jsonl: no conversation has an answer within max_length 8 tokens "
                                           r"\(the prompts fill it\): raise max_length"):
         train(HeadsTrainConfig(out=str(tmp_path / "p"), max_length=8, **common))
@@ -304,9 +308,10 @@ def test_settings_that_count_the_targets_tokens_or_name_its_layers_fail_before_t
     layers = "its linear layers are down_proj, gate_proj, k_proj, lm_head, o_proj, q_proj, up_proj, v_proj"
     for run, cfg, message in [
             (train, HeadsTrainConfig(data=data, tree_topk=200, **early),
-             "tree_topk must be at most the target's vocabulary of 128 tokens, not 200"),
+             "tree_topk must be at most the target's vocabulary of 128 tokens, not 200: lower it"),
             (train, HeadsTrainConfig(data=data, arch="eagle", draft_vocab_size=1000, **early),
-             "draft_vocab_size must be at most the target's vocabulary of 128 tokens, not 1000"),
+             "draft_vocab_size must be at most the target's vocabulary of 128 tokens, not 1000: lower it, or set "
+             "it to null to draft from every token"),
             (train, HeadsTrainConfig(data=data, arch="eagle", feature_layers=[1, 3], **early),
              "feature_layers must lie between 1 and 2 (the target's layers), not [1, 3]"),
             (train_draft, DraftTrainConfig(data=data, draft_vocab_size=1000, **early),

@@ -208,6 +208,9 @@ def self_prompts(engine: Engine, settings: DataSettings, count: int) -> list[dic
             if len(key) >= 8 and key not in seen:
                 seen.add(key)
                 convs.append({"id": f"self-{len(convs)}", "system": None, "turns": [text]})
+    if len(convs) < count:
+        print(f"gorgon data: the target wrote {len(convs)} distinct prompts of the {count} asked for (in 10 rounds of "
+              "drawing, the others repeated one or were under 8 characters); raise --temperature for more variety")
     return convs[:count]
 
 
@@ -425,7 +428,7 @@ def make_dataset(settings: DataSettings, out: str | os.PathLike, target: Target 
         secs = time.perf_counter() - start
         turns = sum(sum(m["role"] == "assistant" for m in r["messages"]) for r in rows)
         print(f"gorgon data: {len(rows)} conversations ({turns} answers) written to {out}; "
-              f"{tokens} tokens generated this run in {secs:.0f} s ({tokens / max(secs, 1e-9):.1f} tokens/s); "
+              f"{tokens} tokens generated this run in {secs:.1f} s ({tokens / max(secs, 1e-9):.1f} tokens/s); "
               f"{skipped} turns skipped as too long for the context or --max-prompt-tokens")
     return out
 

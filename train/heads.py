@@ -160,10 +160,11 @@ class HeadsTrainConfig(TrainingSettings):
         weights load (the held-out ranks would fail only after training)."""
         from gorgon.heads.eagle.model import check_feature_layers
 
-        for key in ("tree_topk", "draft_vocab_size"):
+        for key, fix in (("tree_topk", "lower it"),
+                         ("draft_vocab_size", "lower it, or set it to null to draft from every token")):
             if (getattr(self, key) or 0) > config.vocab_size:
                 raise GorgonError(f"{key} must be at most the target's vocabulary of {config.vocab_size} tokens, not "
-                                  f"{getattr(self, key)}")
+                                  f"{getattr(self, key)}: {fix}")
         if self.feature_layers:
             check_feature_layers(self.feature_layers, config.num_hidden_layers)
 
@@ -381,6 +382,9 @@ def setup(cfg: HeadsTrainConfig) -> Run:
     method = cfg.mode if cfg.arch == "medusa" else "eagle"
     accelerator.print(f"gorgon train: {method} on {target.name}, {len(train_ex)} train / {len(eval_ex)} eval "
                       f"conversations, {total} steps on {world} x {accelerator.device}")
+    if cfg.warmup_steps >= total:
+        accelerator.print(f"gorgon train: warmup_steps {cfg.warmup_steps} is not shorter than the run's {total} steps: "
+                          f"the learning rate never reaches learning_rate {cfg.learning_rate} (lower warmup_steps)")
     return run
 
 
