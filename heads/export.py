@@ -37,6 +37,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--target", default=None, help="the target (default: the one the heads' config.json records, "
                    "else the embedded SmolLM2); its lm_head is written out when the heads share it")
     p.add_argument("--base-model", default=None, help="base_model_name_or_path to record (default: the target name)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                   help="the dtype the target loads in for the export and the weights are written in (default: "
+                        "float32, as trained; bfloat16, what engines serve in, halves the memory and the files)")
     p.add_argument("--overwrite", action="store_true",
                    help="replace the files of an earlier export at --out (other files there stay)")
     return p
@@ -54,7 +57,7 @@ def main(argv=None) -> int:
         kind, formats = ("a feature-level head", eagle_formats.FORMATS) if eagle else \
             ("Medusa heads", medusa_formats.FORMATS)
         raise GorgonError(f"{args.heads} holds {kind}, which export as {' or '.join(formats)}, not {args.format}")
-    target, heads = load_heads(folder, args.target, device="cpu", dtype="float32")
+    target, heads = load_heads(folder, args.target, device="cpu", dtype=args.dtype)
     # Written whole beside --out first, so a killed export leaves no half-written folder behind.
     out.parent.mkdir(parents=True, exist_ok=True)
     remove_stale_temps(out.parent, f".{out.name}.exporting-")  # a killed export's own

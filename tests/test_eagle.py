@@ -332,12 +332,15 @@ def test_a_head_over_the_whole_vocabulary_exports_without_a_token_map(tmp_path, 
 
 @pytest.mark.parametrize("arch", LAYOUTS)
 @pytest.mark.parametrize("fmt", ["eagle3", "speculators"])
-def test_export_key_names_shapes_and_import_with_identical_drafts(tmp_path, arch, fmt):
+def test_export_key_names_shapes_and_import_with_identical_drafts(tmp_path, arch, fmt, capsys):
     model = tiny_model(arch, layers=6)
     model.config.dtype = torch.bfloat16  # as a target loaded from a bfloat16 checkpoint says
     head = head_for(model, draft=torch.arange(0, VOCAB, 2))
     assert head.feature_layers == (1, 3, 5)  # default_feature_layers(6)
     out = export_head(head, fmt, tmp_path / fmt, "tiny/target")
+    # SGLang's EAGLE-3 loader drops q/k/v biases without a word: the export says so.
+    assert ("SGLang's EAGLE-3 loader builds its attention without biases" in capsys.readouterr().err) == (
+        fmt == "eagle3" and head.midlayer.self_attn.q_proj.bias is not None)
     state, config = load_file(out / "model.safetensors"), json.loads((out / "config.json").read_text())
     H, kv = 32, 2 * 8  # hidden 32; 2 key-value heads of 8
     layer = "midlayer" if fmt == "eagle3" else "layers.0"

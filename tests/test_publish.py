@@ -171,6 +171,19 @@ def test_legacy_pt_is_read_safely_and_code_is_refused(tmp_path):
         MedusaHeads.from_pretrained(tmp_path / "m", target=model)
 
 
+def test_export_in_bfloat16_writes_bfloat16_weights(tmp_path):
+    """--dtype bfloat16: the target loads (an 8B one needed 32 GB in float32) and the weights are written in it."""
+    from gorgon.heads.cli import main as gorgon
+
+    target = tiny_chat_target(tmp_path)
+    MedusaHeads.for_target(load_target(str(target), device="cpu").model, num_heads=2).save_pretrained(tmp_path / "h")
+    assert gorgon(["export", "--heads", str(tmp_path / "h"), "--target", str(target), "--format", "vllm",
+                   "--dtype", "bfloat16", "--out", str(tmp_path / "x")]) == 0
+    floats = [t.dtype for f in (tmp_path / "x").glob("*.safetensors") for t in load_file(f).values()
+              if t.is_floating_point()]
+    assert floats and set(floats) == {torch.bfloat16}
+
+
 def test_export_of_shared_heads_needs_the_target(tmp_path):
     heads = MedusaHeads.for_target(tiny_model("llama"))
     object.__setattr__(heads, "_target", None)

@@ -42,6 +42,7 @@ dtype, not the target's.
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import torch
@@ -82,7 +83,11 @@ def export_head(head, fmt: str, out: str | Path, base_model: str | None = None) 
     attn = head.midlayer.self_attn
     state = {k: v for k, v in head.state_dict().items() if k != "token_map"}
     if attn.q_proj.bias is not None and attn.o_proj.bias is None:  # Llama's attention_bias covers o_proj too
-        state["midlayer.self_attn.o_proj.bias"] = torch.zeros(attn.o_proj.out_features)
+        state["midlayer.self_attn.o_proj.bias"] = attn.o_proj.weight.new_zeros(attn.o_proj.out_features)
+    if attn.q_proj.bias is not None and fmt == "eagle3":
+        print("gorgon export: note: this head's q/k/v have biases (its target's family has them): vLLM reads them, "
+              "but SGLang's EAGLE-3 loader builds its attention without biases and leaves them out, so the head "
+              "drafts worse there", file=sys.stderr)
     layer = with_top_level_rope(engine_layer(head, state))
     vocab, draft = head.config.vocab_size, head.config.draft_vocab_size or head.config.vocab_size
     if head.token_map is not None:
