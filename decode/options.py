@@ -88,7 +88,8 @@ def add_model_arguments(p: argparse.ArgumentParser, sampling: bool = True) -> No
         p.add_argument("--top-p", type=probability, default=None,
                        help="when sampling, keep the likeliest tokens whose chances sum to p; 1 is off (default: "
                             "the target's generation_config, as `generate` takes it: 1 where it sets none)")
-        p.add_argument("--seed", type=int, default=None, help="seed for sampling")
+        p.add_argument("--seed", type=int, default=None, help="seed for sampling (default: generate draws a fresh "
+                       "one each run; bench uses 0, so its runs repeat)")
     p.add_argument("--device", default="auto", help="auto (default: cuda when there is a GPU, else cpu), cpu, "
                    "cuda or cuda:N")
     p.add_argument("--dtype", default="auto", help="auto (bf16 on CUDA, fp32 on CPU), float32, bfloat16, float16")

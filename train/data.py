@@ -444,7 +444,7 @@ def parser() -> argparse.ArgumentParser:
                    "writes the prompts itself; needs --limit)")
     p.add_argument("--out", required=True, help="output dataset folder")
     p.add_argument("--target", default=None, help="hub id or path (default: the embedded SmolLM2-135M-Instruct)")
-    p.add_argument("--limit", type=int_at_least(1), default=None, help="use at most N prompts")
+    p.add_argument("--limit", type=int_at_least(1), default=None, help="use at most N prompts (default: all)")
     p.add_argument("--max-new-tokens", type=int_at_least(1), default=d.max_new_tokens,
                    help=f"longest answer per turn (default {d.max_new_tokens})")
     p.add_argument("--batch-size", type=int_at_least(1), default=d.batch_size,
@@ -452,9 +452,10 @@ def parser() -> argparse.ArgumentParser:
                         "prompt")
     p.add_argument("--batch-tokens", type=int_at_least(1), default=d.batch_tokens,
                    help="most cache slots (rows x (longest prompt + answer)) in the batch, so long prompts run "
-                        "with fewer rows")
+                        f"with fewer rows (default {d.batch_tokens})")
     p.add_argument("--max-prompt-tokens", type=int_at_least(1), default=None,
-                   help="skip prompts longer than this (and count them): match your training max_length")
+                   help="skip prompts longer than this (and count them): match your training max_length "
+                        "(default: none skipped but those past the context)")
     p.add_argument("--temperature", type=float, default=d.temperature, help="0 (default) is greedy")
     p.add_argument("--top-p", type=float, default=d.top_p, help="with --temperature: nucleus sampling (1, the "
                    "default, is off)")
@@ -462,7 +463,8 @@ def parser() -> argparse.ArgumentParser:
                    "derives from it and the prompt's place in the run, so a resumed run samples what an uninterrupted "
                    "one would (default 0)")
     p.add_argument("--turns", choices=["first", "all"], default=d.turns,
-                   help="answer the first user turn only, or every turn with the target's own earlier answers")
+                   help="answer the first user turn only (default), or every turn with the target's own earlier "
+                        "answers")
     p.add_argument("--shard-size", type=int_at_least(1), default=d.shard_size,
                    help=f"conversations per resumable shard (default {d.shard_size})")
     p.add_argument("--chat-template", default=None, help="a Jinja chat template file, for tokenizers without one")
