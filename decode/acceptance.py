@@ -45,6 +45,20 @@ class Sampling:
     def greedy(self) -> bool:
         return self.temperature == 0
 
+    @classmethod
+    def like_generate(cls, model, temperature: float, top_k: int | None = None,
+                      top_p: float | None = None) -> "Sampling":
+        """What `model.generate(do_sample=True, temperature=...)` samples from: a top-k or top-p not given is
+        the model's generation_config's, else transformers' defaults (top-k 50, top-p 1). `Sampling(t)` alone
+        keeps the whole distribution (top-k off)."""
+        config = getattr(model, "generation_config", None)
+
+        def given_or_configured(value, key: str, default):
+            configured = getattr(config, key, None) if value is None else value
+            return default if configured is None else configured
+
+        return cls(temperature, given_or_configured(top_k, "top_k", 50), given_or_configured(top_p, "top_p", 1.0))
+
 
 def target_probs(logits: torch.Tensor, s: Sampling) -> torch.Tensor:
     """Softmax of the logits after temperature, top-k then top-p: what `generate` samples from."""

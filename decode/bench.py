@@ -30,7 +30,7 @@ from .attention import decoding_attention
 from .calibrate import cpu_flags, cpu_name, sync
 from .generate import GenerationResult, generation_config_as_applied, speculative_generate
 from .kernels import kernels_in_use, stock_kernels, stock_rows
-from .options import add_model_arguments, chosen_sampling, compared_drafter, drafter_name, load_drafter, read_tree
+from .options import add_model_arguments, compared_drafter, drafter_name, load_drafter, read_tree
 from .questions import ask, load_questions, per_category_sample
 
 BASELINES = ("generate", "stock", "prompt-lookup", "no-context")
@@ -409,7 +409,7 @@ def main(argv=None) -> int:
     Sampling(args.temperature)  # its range check, before the target loads
     tree = read_tree(args.tree)
     target, drafter = load_drafter(args, tree)
-    sampling = chosen_sampling(args, target.model)
+    sampling = Sampling.like_generate(target.model, args.temperature, args.top_k, args.top_p)
     compare = compared_drafter(args, target, tree, drafter) if args.compare_heads else None
     assistant = None
     if args.assistant:

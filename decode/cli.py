@@ -11,7 +11,7 @@ from gorgon.heads.errors import ArgumentParser, GorgonError
 
 from .acceptance import Sampling
 from .generate import speculative_generate
-from .options import add_model_arguments, chosen_sampling, load_drafter, read_tree
+from .options import add_model_arguments, load_drafter, read_tree
 
 
 def parser() -> argparse.ArgumentParser:
@@ -60,7 +60,7 @@ def main(argv=None) -> int:
     if args.system is not None and args.raw:
         raise GorgonError("--system goes through the chat template, which --raw skips: drop one of them")
     target, drafter = load_drafter(args, read_tree(args.tree))
-    sampling = chosen_sampling(args, target.model)
+    sampling = Sampling.like_generate(target.model, args.temperature, args.top_k, args.top_p)
     tok = target.tokenizer
     generator = None
     if args.seed is not None:

@@ -24,7 +24,6 @@ from gorgon.heads.files import read_text
 from gorgon.heads.loading import drafter_for, load_heads, load_heads_for
 from gorgon.heads.tree import MAX_TREE_NODES, best_tree_size
 
-from .acceptance import Sampling
 from .calibrate import drafted_level_cost, verify_costs
 from .kernels import DRAFT_DTYPES, KERNELS, draft_dtype, stock_rows, use_cpu_kernels
 
@@ -225,23 +224,6 @@ def use_drafter_kernels(drafter: torch.nn.Module, target_model: torch.nn.Module,
     if weight.device.type == "cpu":
         same = weight.dtype == target_weight.dtype
         use_cpu_kernels(drafter, kernels, stock_rows=(stock_rows(target_model) or 0) if same else "measure")
-
-
-def chosen_sampling(args, model) -> Sampling:
-    """--temperature, --top-k and --top-p as a Sampling; a top-k or top-p not given is the target's
-    generation_config's, with transformers' defaults where it sets none (top-k 50, top-p 1): what
-    `model.generate(do_sample=True, temperature=...)` samples from, so gorgon's samples follow the same
-    distribution."""
-    config = getattr(model, "generation_config", None)
-
-    def given_or_configured(value, key: str, default):
-        if value is not None:
-            return value
-        configured = getattr(config, key, None)
-        return default if configured is None else configured
-
-    return Sampling(args.temperature, given_or_configured(args.top_k, "top_k", 50),
-                    given_or_configured(args.top_p, "top_p", 1.0))
 
 
 def probability(text: str) -> float:

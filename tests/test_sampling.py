@@ -237,20 +237,16 @@ def test_typical_acceptance_judges_each_token_by_its_parents_distribution():
     assert accept_typical(tree, tokens, probs, generator)[0] == (0, 1)
 
 
-def test_the_command_lines_sampling_is_what_generate_would_sample_from():
-    """`gorgon generate --temperature T` samples as `model.generate(do_sample=True, temperature=T)` does: a top-k
-    or top-p not given is the model's generation_config's, else transformers' defaults (it sampled from the whole
-    vocabulary, where generate keeps the top 50)."""
-    from argparse import Namespace
-
+def test_sampling_like_generate_is_what_generate_would_sample_from():
+    """`gorgon generate --temperature T` (and `Sampling.like_generate`) samples as `model.generate(do_sample=True,
+    temperature=T)` does: a top-k or top-p not given is the model's generation_config's, else transformers'
+    defaults (it sampled from the whole vocabulary, where generate keeps the top 50)."""
     from transformers import GenerationConfig
 
-    from gorgon.decode.options import chosen_sampling
-
     model = tiny_model("llama")
-    unset = Namespace(temperature=0.7, top_k=None, top_p=None)
     defaults = GenerationConfig._get_default_generation_params()
-    assert chosen_sampling(unset, model) == Sampling(0.7, defaults["top_k"], defaults["top_p"]) == Sampling(0.7, 50)
+    expected = Sampling(0.7, defaults["top_k"], defaults["top_p"])
+    assert Sampling.like_generate(model, 0.7) == expected == Sampling(0.7, 50)
     model.generation_config.top_k, model.generation_config.top_p = 20, 0.8  # as Qwen2.5-Instruct's config sets
-    assert chosen_sampling(unset, model) == Sampling(0.7, 20, 0.8)
-    assert chosen_sampling(Namespace(temperature=0.7, top_k=0, top_p=1.0), model) == Sampling(0.7, 0, 1.0)
+    assert Sampling.like_generate(model, 0.7) == Sampling(0.7, 20, 0.8)
+    assert Sampling.like_generate(model, 0.7, top_k=0, top_p=1.0) == Sampling(0.7, 0, 1.0)
