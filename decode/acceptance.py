@@ -15,6 +15,7 @@ node. Each computes on the device and reads back to the host once per step. Each
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass
 
 import torch
@@ -33,12 +34,12 @@ class Sampling:
 
     def __post_init__(self):
         """The one range check of the sampling settings, for the command line and Python alike."""
-        if not (isinstance(self.temperature, (int, float)) and math.isfinite(self.temperature)
+        if not (isinstance(self.temperature, numbers.Real) and math.isfinite(self.temperature)
                 and self.temperature >= 0):
             raise GorgonError(f"temperature must be a finite number >= 0 (0 is greedy), not {self.temperature}")
-        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, numbers.Integral) or self.top_k < 0:
             raise GorgonError(f"top-k must be a whole number >= 0 (0 is off), not {self.top_k}")
-        if not (isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1):
+        if not (isinstance(self.top_p, numbers.Real) and 0 < self.top_p <= 1):
             raise GorgonError(f"top-p must lie in (0, 1] (1 is off), not {self.top_p}")
 
     @property

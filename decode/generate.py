@@ -14,7 +14,6 @@ import numbers
 import time
 import warnings
 from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
 
@@ -65,6 +64,8 @@ class StopRule:
             raise GorgonError("an empty stop string would end the output at its first token: drop it, or give "
                               "the text to stop at")
         self.max_new_tokens = max_new_tokens
+        if isinstance(eos_token_id, torch.Tensor):
+            eos_token_id = eos_token_id.flatten().tolist()
         eos = eos_token_id if isinstance(eos_token_id, (list, tuple, set)) else [eos_token_id]
         self.eos = {int(e) for e in eos if e is not None}
         self.tokenizer = tokenizer
@@ -134,6 +135,9 @@ def generation_config_as_applied(model):
 
 
 def check_prompt(model, input_ids: torch.Tensor, max_new_tokens: int) -> None:
+    if not isinstance(input_ids, torch.Tensor):
+        raise GorgonError(f"input_ids must be a tensor of shape (1, n) (tokenizer(text, return_tensors='pt')"
+                          f"['input_ids']), not a {type(input_ids).__name__}")
     if input_ids.ndim != 2 or input_ids.shape[0] != 1:
         raise GorgonError(f"input_ids must have shape (1, n), got {tuple(input_ids.shape)}: "
                           "the decoder runs one sequence at a time")
@@ -146,29 +150,80 @@ def check_prompt(model, input_ids: torch.Tensor, max_new_tokens: int) -> None:
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, numbers.Integral) or max_new_tokens < 1:
         raise GorgonError(f"max_new_tokens must be a whole number of at least 1, got {max_new_tokens!r}")
     context = getattr(model.config.get_text_config(), "max_position_embeddings", None)
-    if context and input_ids.shape[1] + max_new_tokens > context:
+    if context and input_ids.shape[1] + max_new_tokens - 1 > context:  # the last token is never fed back
         raise GorgonError(f"the prompt ({input_ids.shape[1]} tokens) plus max_new_tokens ({max_new_tokens}) exceeds "
                           f"the target's context of {context}: shorten the prompt or lower max_new_tokens")
 
 
+def without_padding(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
+    """The prompt without its left padding, which `generate` masks out: the positions `attention_mask` leaves
+    out, or, without one, leading pad tokens (as `generate` infers the mask from pad_token_id when it is not
+    an EOS token). Padding inside the prompt is refused: one row decodes unpadded."""
+    if attention_mask is None:
+        config = getattr(model, "generation_config", None)
+        pad, eos = getattr(config, "pad_token_id", None), getattr(config, "eos_token_id", None)
+        eos = set(eos if isinstance(eos, (list, tuple)) else [eos])
+        if not isinstance(pad, int) or pad in eos or not bool((input_ids == pad).any()):
+            return input_ids
+        attention_mask = input_ids != pad
+    if not isinstance(attention_mask, torch.Tensor) or attention_mask.shape != input_ids.shape:
+        raise GorgonError(f"attention_mask must be a tensor of input_ids' shape {tuple(input_ids.shape)}")
+    keep = attention_mask[0].bool()
+    first = int(keep.int().argmax())
+    if not bool(keep[first:].all()):
+        raise GorgonError("the prompt has padding (or masked tokens) after its start: only left padding is taken "
+                          "off; pass the row without padding")
+    return input_ids[:, first:] if bool(keep.any()) else input_ids[:, :0]
+
+
+def stream_to(streamer, input_ids: torch.Tensor):
+    """The step-by-step feed and the end of a streamer: a callable takes each step's new tokens (a list); a
+    transformers streamer (TextStreamer, TextIteratorStreamer: put/end) is fed as `generate` feeds it, the
+    prompt first."""
+    if streamer is None:
+        return None, None
+    if hasattr(streamer, "put") and hasattr(streamer, "end"):
+        streamer.put(input_ids.cpu())
+        return lambda tokens: tokens and streamer.put(torch.tensor(tokens)), streamer.end
+    return streamer, None
+
+
 @torch.inference_mode()
-def speculative_generate(model, drafter: Drafter, input_ids: torch.Tensor, max_new_tokens: int = 256,
-                         sampling: Sampling = Sampling(), acceptance: str = "exact", eos_token_id="default",
+def speculative_generate(model, drafter: Drafter, input_ids: torch.Tensor, max_new_tokens: int | None = None,
+                         sampling: Sampling | None = None, acceptance: str = "exact", eos_token_id="default",
                          stop_strings=(), tokenizer=None, generator: torch.Generator | None = None,
-                         streamer: Callable[[list[int]], None] | None = None) -> GenerationResult:
+                         streamer=None, attention_mask: torch.Tensor | None = None) -> GenerationResult:
     """Generate up to `max_new_tokens` after `input_ids` (1, n) with the drafter's tree.
 
-    acceptance: "exact" (greedy when sampling.temperature == 0, else lossless rejection
+    max_new_tokens: None takes the model's generation_config's, else 256. sampling: None is greedy (a
+    generation_config that samples is named in a warning: `Sampling.like_generate(model, T)` samples as
+    `generate` would). acceptance: "exact" (greedy when sampling.temperature == 0, else lossless rejection
     sampling) or "typical" (Medusa's typical acceptance: LOSSY, faster on hard text).
     eos_token_id: "default" takes the model's generation config, like `generate`; so do stop_strings when
     none are given. Other generation_config settings that would change `generate`'s output are named in a
-    warning (`generation_settings_not_applied`).
+    warning (`generation_settings_not_applied`). attention_mask (or, without it, leading pad tokens) takes
+    left padding off, as `generate` masks it. streamer: a callable given each step's new tokens, or a
+    transformers streamer (TextStreamer, TextIteratorStreamer).
     """
+    config = getattr(model, "generation_config", None)
+    if max_new_tokens is None:
+        max_new_tokens = getattr(config, "max_new_tokens", None) or 256
+    if sampling is None:
+        if getattr(config, "do_sample", False):
+            warnings.warn("the target's generation_config samples (do_sample=True), as `generate` does by default; "
+                          "this decodes greedily: pass sampling=Sampling.like_generate(model, temperature) to sample",
+                          stacklevel=2)
+        sampling = Sampling()
+    if not isinstance(sampling, Sampling):
+        raise GorgonError(f"sampling must be a Sampling (Sampling(0.7), or Sampling.like_generate(model, 0.7)), not "
+                          f"a {type(sampling).__name__}")
     if acceptance not in ACCEPTANCE_RULES:
         raise GorgonError(f"unknown acceptance {acceptance!r}: use one of {', '.join(ACCEPTANCE_RULES)}")
     if acceptance == "typical" and sampling.greedy:
         raise GorgonError("typical acceptance needs a temperature > 0 (with temperature 0 use exact greedy)")
     check_prompt(model, input_ids, max_new_tokens)
+    input_ids = without_padding(model, input_ids, attention_mask)
+    check_prompt(model, input_ids, max_new_tokens)  # once more, without the padding
     attention = getattr(model.config, "_attn_implementation", None) or ""
     if "flash" in attention:
         raise GorgonError(f"the target runs {attention}, which takes no tree mask: load it with "
@@ -181,12 +236,12 @@ def speculative_generate(model, drafter: Drafter, input_ids: torch.Tensor, max_n
         warnings.warn(f"the target's generation_config sets {', '.join(ignored)}, which speculative decoding does "
                       f"not apply: the output is generate's without {'it' if len(ignored) == 1 else 'them'}",
                       stacklevel=2)
-    config = getattr(model, "generation_config", None)
     if eos_token_id == "default":
         eos_token_id = getattr(config, "eos_token_id", None)
     stop_strings = stop_strings or getattr(config, "stop_strings", None)  # as `generate` takes them
     stop = StopRule(max_new_tokens, eos_token_id, stop_strings, tokenizer)
     layers = drafter.feature_layers
+    feed, end = stream_to(streamer, input_ids)
     start = time.perf_counter()
 
     def next_token(hidden):
@@ -205,13 +260,14 @@ def speculative_generate(model, drafter: Drafter, input_ids: torch.Tensor, max_n
         new = [int(root)]
         result = GenerationResult(tokens=new, target_forwards=1, accepted=[1])
         keep = stop.cut(new, 0)
-        if streamer:
-            streamer(new[:keep])
+        if feed:
+            feed(new[:keep])
         while keep is None:
             tokens, tree = drafter.propose(root, fresh, context)
-            # A node at depth d would be the output's (len(new) + d)-th token: deeper ones than the output has
-            # room for are never kept, and near the context's end their positions may lie past it.
-            tokens, tree = cut_tree(tokens, tree, max_new_tokens - len(new))
+            # A node at depth d would be the output's (len(new) + d)-th token, and the target's token after it the
+            # next: a node whose next token the output has no room for need not be verified (the token at the
+            # output's last place comes as the bonus), and near the context's end its position may lie past it.
+            tokens, tree = cut_tree(tokens, tree, max_new_tokens - len(new) - 1)
             past_len = cache.get_seq_length()
             out = verify(model, cache, tokens, tree, hidden_states=layers is not None)
             hidden = out.last_hidden_state[0]
@@ -228,10 +284,13 @@ def speculative_generate(model, drafter: Drafter, input_ids: torch.Tensor, max_n
             keep = stop.cut(new, before)
             result.target_forwards += 1
             result.accepted.append(len(emitted))
-            if streamer:
-                streamer(new[before:keep])
+            if feed:
+                feed(new[before:keep])
             fresh = features(out, layers)[nodes]
             root = host_to_device(torch.tensor(emitted[-1]), tokens.device)
+    result.accepted[-1] -= len(new) - keep  # the tokens the last step emitted past the end are not kept
     del new[keep:]
     result.seconds = time.perf_counter() - start
+    if end:
+        end()
     return result

@@ -330,9 +330,17 @@ def test_bad_inputs():
         speculative_generate(model, drafter, torch.zeros(1, 500, dtype=torch.long), max_new_tokens=20)
     with pytest.raises(GorgonError, match="unknown acceptance"):
         speculative_generate(model, drafter, torch.zeros(1, 3, dtype=torch.long), acceptance="fast")
-    for bad in (2.5, True, None):
+    for bad in (2.5, True, 0):
         with pytest.raises(GorgonError, match="max_new_tokens must be a whole number of at least 1"):
             speculative_generate(model, drafter, torch.zeros(1, 3, dtype=torch.long), max_new_tokens=bad)
+    with pytest.raises(GorgonError, match=r"input_ids must be a tensor of shape \(1, n\) .*not a list"):
+        speculative_generate(model, drafter, [[1, 2, 3]])
+    with pytest.raises(GorgonError, match=r"sampling must be a Sampling \(Sampling\(0.7\), or Sampling.like_generate"
+                                          r"\(model, 0.7\)\), not a float"):
+        speculative_generate(model, drafter, torch.zeros(1, 3, dtype=torch.long), sampling=0.7)
+    with pytest.raises(GorgonError, match="only left padding is taken off"):
+        speculative_generate(model, drafter, torch.ones(1, 3, dtype=torch.long),
+                             attention_mask=torch.tensor([[1, 0, 1]]))
     with pytest.raises(GorgonError, match=r"heads are in torch.bfloat16 but the target's lm_head they share in "
                                           r"torch.float32: keep them in the target's dtype"):
         HeadsDrafter(MedusaHeads.for_target(model, num_heads=2).to(torch.bfloat16))
@@ -505,3 +513,48 @@ def test_a_draft_with_another_vocabulary_is_refused():
 
     with pytest.raises(GorgonError, match="the draft model: a vocabulary of 72, but the target has 64"):
         DraftModelDrafter(tiny_model("llama", vocab=VOCAB + 8)).check_vocab(tiny_model("llama"))
+
+
+def test_the_api_takes_what_generate_takes():
+    """Found by a helper calling the API as transformers users do: a left-padded row was decoded with its padding
+    (generate masks it), generate's max_new_tokens and sampling in the generation_config were dropped without a
+    word, a transformers streamer and an EOS tensor crashed, a prompt one token short of the context was refused,
+    and `accepted` counted tokens cut off at the end."""
+    import numpy as np
+    from transformers.generation.streamers import BaseStreamer
+
+    model = tiny_model("llama")
+    ids = torch.randint(1, VOCAB, (1, 6), generator=torch.Generator().manual_seed(0))
+    drafter = HeadsDrafter(MedusaHeads.for_target(model, num_heads=2), tree=[[0], [1], [0, 0]])
+    plain = speculative_generate(model, drafter, ids, max_new_tokens=12, eos_token_id=None).tokens
+    padded = torch.cat([torch.zeros(1, 3, dtype=torch.long), ids], 1)
+    mask = torch.cat([torch.zeros(1, 3, dtype=torch.long), torch.ones_like(ids)], 1)
+    assert speculative_generate(model, drafter, padded, 12, attention_mask=mask, eos_token_id=None).tokens == plain
+    model.generation_config.pad_token_id = 0  # as generate infers the mask from a pad token that is not EOS
+    assert speculative_generate(model, drafter, padded, 12, eos_token_id=None).tokens == plain
+    model.generation_config.max_new_tokens = 5
+    assert len(speculative_generate(model, drafter, ids, eos_token_id=None).tokens) == 5
+    model.generation_config.do_sample = True
+    with pytest.warns(UserWarning, match=r"generation_config samples \(do_sample=True\).*Sampling.like_generate"):
+        speculative_generate(model, drafter, ids, 3)
+
+    class Collect(BaseStreamer):
+        def __init__(self):
+            self.seen, self.ended = [], False
+
+        def put(self, value):
+            self.seen.append(value.tolist())
+
+        def end(self):
+            self.ended = True
+
+    streamer = Collect()
+    result = speculative_generate(model, drafter, ids, 12, Sampling(), eos_token_id=torch.tensor([plain[7], 63]),
+                                  streamer=streamer)
+    assert result.tokens == plain[:8] and streamer.ended
+    assert streamer.seen[0] == ids.tolist() and sum(streamer.seen[1:], []) == plain[:8]
+    assert sum(result.accepted) == len(result.tokens)  # the step past the EOS kept only what precedes it
+    assert Sampling(np.float32(0.7), np.int64(5)).top_k == 5  # numpy numbers are numbers
+    # The last new token is never fed back: a prompt of 511 and 2 new tokens fit a context of 512.
+    assert len(speculative_generate(model, drafter, torch.ones(1, 511, dtype=torch.long), 2, Sampling(),
+                                    eos_token_id=None).tokens) == 2

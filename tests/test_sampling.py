@@ -18,8 +18,10 @@ from gorgon.decode.acceptance import accept_typical, target_probs
 from gorgon.heads import GorgonError
 from gorgon.heads.tree import build_tree
 
-V, N_NEW, SAMPLES = 8, 3, 3000
-PATHS = [[0], [1], [2], [0, 0], [0, 1], [1, 0]]  # depth 2: with the root, all 3 new tokens
+V, N_NEW, SAMPLES = 8, 4, 3000
+# Depth 2: after the prefill's token, one step verifies the whole tree (a node whose next token the output has
+# no room for is not verified) and may emit the remaining 3 new tokens.
+PATHS = [[0], [1], [2], [0, 0], [0, 1], [1, 0]]
 
 
 @pytest.fixture(scope="module")

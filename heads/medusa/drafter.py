@@ -18,7 +18,8 @@ class HeadsDrafter:
     def __init__(self, heads: MedusaHeads, tree=None):
         weight = next(heads.parameters())
         device = weight.device
-        shared = heads.target.get_output_embeddings().weight if heads.lm_heads is None and heads.target else None
+        shares = heads.lm_heads is None and heads.target is not None  # `is not None`: a compiled model has no len
+        shared = heads.target.get_output_embeddings().weight if shares else None
         if shared is not None and shared.dtype != weight.dtype:
             raise GorgonError(f"the heads are in {weight.dtype} but the target's lm_head they share in "
                               f"{shared.dtype}: keep them in the target's dtype (heads.to({shared.dtype}))")
