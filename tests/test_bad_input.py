@@ -647,21 +647,43 @@ def test_training_data_is_checked_before_the_target_loads(tmp_path):
 
 
 def test_resume_on_a_finished_run_with_nothing_more_to_train_is_refused(tmp_path):
-    """It retrained the steps after the last checkpoint and replaced the finished heads with a copy. (Also: --out
-    that is the --data folder is named as that.)"""
+    """It retrained the steps after the last checkpoint and replaced the finished heads with a copy, and with a
+    smaller max_steps with an earlier state. A rerun without --resume names the finished run. (Also: --out that is
+    the --data path is named as that.)"""
     target = str(tiny_chat_target(tmp_path))
-    with pytest.raises(GorgonError, match=r"^--out .*d is the --data folder: choose another --out$"):
+    with pytest.raises(GorgonError, match=r"^--out .*d is the --data path: choose another --out$"):
         train(HeadsTrainConfig(data=str(tmp_path / "d"), out=str(tmp_path / "d"), report_to="none"))
     cfg = dict(data=toy_data(tmp_path / "toy.jsonl", n=8), out=str(tmp_path / "run"), target=target, max_steps=3,
                save_every=2, report_to="none")
     out = train(HeadsTrainConfig(**cfg))
     before = snapshot(out)
-    with pytest.raises(GorgonError, match=r"holds a finished run with these epochs and max_steps: there is nothing to "
-                                          r"resume \(raise epochs or max_steps to train longer"):
-        train(HeadsTrainConfig(**cfg, resume=True))
+    for shorter in (3, 2):
+        with pytest.raises(GorgonError, match=r"holds a finished run of 3 steps, and these settings train no longer: "
+                                              r"there is nothing to resume \(raise epochs or max_steps"):
+            train(HeadsTrainConfig(**{**cfg, "max_steps": shorter}, resume=True))
+    with pytest.raises(GorgonError, match=r"holds a finished run: pass --overwrite true to train it again, --resume "
+                                          r"true with more epochs or max_steps to train it longer"):
+        train(HeadsTrainConfig(**cfg))
     assert snapshot(out) == before
     train(HeadsTrainConfig(**{**cfg, "max_steps": 4}, resume=True))  # longer: resumed from step 2
     assert json.loads((out / "metrics.json").read_text())["steps"] == 4
+
+
+def test_a_run_replacing_finished_output_keeps_its_lock_while_it_saves(tmp_path, monkeypatch):
+    """Setting the finished run's files aside moved the live run's lock with them: from then until the end a
+    second run was let into the folder (found by a helper pausing a 2-process run in its save)."""
+    import gorgon.train.recipe as recipe_module
+    from gorgon.train.recipe import LOCK
+
+    cfg = dict(data=toy_data(tmp_path / "toy.jsonl", n=8), out=str(tmp_path / "run"), target=str(tiny_chat_target(
+        tmp_path)), max_steps=1, report_to="none", save_every=0)
+    train(HeadsTrainConfig(**cfg))
+    set_aside = recipe_module.set_aside_earlier_run
+    locked = []
+    monkeypatch.setattr(recipe_module, "set_aside_earlier_run",
+                        lambda out: (set_aside(out), locked.append((out / LOCK).is_file())))
+    train(HeadsTrainConfig(**cfg, overwrite=True))
+    assert locked == [True]
 
 
 def test_a_folder_another_live_run_is_writing_is_refused(tmp_path):

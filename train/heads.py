@@ -333,9 +333,8 @@ def setup(cfg: HeadsTrainConfig) -> Run:
                              lambda line: accelerator.print(f"gorgon train: {line}"))
     world = accelerator.num_processes
     settings = resume_settings(cfg, world, data_sha256(examples))
-    if resume_from is not None:  # again, now with the data's contents; then, for a finished run, the length
+    if resume_from is not None:  # again, now with the data's contents
         check_resume(resume_from, settings)
-        check_more_to_train(out, cfg)
     train_ex, eval_ex = split(examples, cfg.eval_fraction, cfg.seed)
     train_ex = train_ex[:cfg.train_conversations]  # the held-out split stays the same whatever the share
     if not train_ex:
@@ -361,6 +360,8 @@ def setup(cfg: HeadsTrainConfig) -> Run:
                                               generator=torch.Generator())
     steps_per_epoch = max(1, math.ceil(len(train_batches) / (cfg.grad_accum * world)))
     total = cfg.max_steps if cfg.max_steps is not None else max(1, math.ceil(cfg.epochs * steps_per_epoch))
+    if resume_from is not None:  # a finished run continues only to train longer
+        check_more_to_train(out, cfg, total)
     lambdas = [schedule(cfg.warmup_steps, total)] + ([schedule(cfg.warmup_steps, total, cfg.heads_warmup_steps)]
                                                      if backbone else [])
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambdas)

@@ -244,6 +244,9 @@ def latest_checkpoint(folder: Path, prefix: str, written_last: str) -> Path | No
 def resume_point(latest: Path | None, resume: bool, out: Path) -> Path | None:
     """The checkpoint to continue from: a run's checkpoints are never trained over without --resume,
     and --resume without one is an error rather than a silent fresh start."""
+    if latest is not None and not resume and (out / "recipe.json").is_file():
+        raise GorgonError(f"{out} holds a finished run: pass --overwrite true to train it again, --resume true with "
+                          "more epochs or max_steps to train it longer, or choose another --out")
     if latest is not None and not resume:
         raise GorgonError(f"{out} already has checkpoints: pass --resume true to continue, --overwrite true to start "
                           "over, or choose another --out")
@@ -374,7 +377,7 @@ def prepare_own_output(out: Path, latest_checkpoint, cfg) -> Path | None:
     from gorgon.heads.files import atomic_write_text, check_output, check_unlocked, take_lock
 
     if os.path.realpath(out) == os.path.realpath(cfg.data):
-        raise GorgonError(f"--out {out} is the --data folder: choose another --out")
+        raise GorgonError(f"--out {out} is the --data path: choose another --out")
     if cfg.push_to_hub:  # the upload at the end must be possible before the work
         from gorgon.heads.hub import check_can_upload
 
@@ -405,17 +408,26 @@ def prepare_own_output(out: Path, latest_checkpoint, cfg) -> Path | None:
     return None
 
 
-def check_more_to_train(out: Path, cfg) -> None:
+def check_more_to_train(out: Path, cfg, steps: int | None = None) -> None:
     """--resume on a finished run (after its checkpoint's settings were checked) continues it only to train
-    longer, more epochs or max_steps: else it would retrain the steps after its last checkpoint and replace
-    the finished result with a copy."""
+    longer: `steps`, the run's length when known (else more epochs, or a max_steps past the steps done), must
+    pass the steps it finished. Else it would retrain from its last checkpoint and replace the finished
+    result with a copy, or with an earlier state."""
     try:
         recorded = json.loads((out / "recipe.json").read_text())
-    except (OSError, ValueError):
+        done = json.loads((out / "metrics.json").read_text())["steps"]
+    except (OSError, ValueError, KeyError, TypeError):
         return  # not finished
-    if all(recorded.get(key) == getattr(cfg, key) for key in ("epochs", "max_steps")):
-        raise GorgonError(f"{out} holds a finished run with these epochs and max_steps: there is nothing to resume "
-                          "(raise epochs or max_steps to train longer, or pass --overwrite true to train it again)")
+    if steps is not None:
+        longer = steps > done
+    elif cfg.max_steps is not None:
+        longer = cfg.max_steps > done
+    else:
+        longer = recorded.get("max_steps") is not None or cfg.epochs > recorded.get("epochs", cfg.epochs)
+    if not longer:
+        raise GorgonError(f"{out} holds a finished run of {done} steps, and these settings train no longer: there is "
+                          "nothing to resume (raise epochs or max_steps to train longer, or pass --overwrite true to "
+                          "train it again)")
 
 
 def replacing(out: Path) -> bool:
@@ -437,7 +449,9 @@ def set_aside_earlier_run(out: Path) -> None:
     cut_short = aside.is_dir()
     aside.mkdir(exist_ok=True)
     # Listed before any moves: a bench plot is the run's by the report beside it.
-    entries = [e for e in out.iterdir() if e.name not in (RUN_MARKER, EARLIER, "checkpoints") and in_run_folder(e)]
+    # The lock stays: it is this run's, and without it a second run would be let into the folder.
+    entries = [e for e in out.iterdir()
+               if e.name not in (RUN_MARKER, EARLIER, LOCK, "checkpoints") and in_run_folder(e)]
     for entry in entries:
         if not cut_short:
             os.replace(entry, aside / entry.name)
