@@ -182,10 +182,15 @@ def stream_to(streamer, input_ids: torch.Tensor):
     prompt first."""
     if streamer is None:
         return None, None
-    if hasattr(streamer, "put") and hasattr(streamer, "end"):
-        streamer.put(input_ids.cpu())
-        return lambda tokens: tokens and streamer.put(torch.tensor(tokens)), streamer.end
-    return streamer, None
+    if not (hasattr(streamer, "put") and hasattr(streamer, "end")):
+        return streamer, None
+    streamer.put(input_ids.cpu())
+
+    def put(tokens: list[int]) -> None:
+        if tokens:
+            streamer.put(torch.tensor(tokens))
+
+    return put, streamer.end
 
 
 @torch.inference_mode()
