@@ -229,6 +229,8 @@ def speculative_generate(model, drafter: Drafter, input_ids: torch.Tensor, max_n
     check_prompt(model, input_ids, max_new_tokens)
     input_ids = without_padding(model, input_ids, attention_mask)
     check_prompt(model, input_ids, max_new_tokens)  # once more, without the padding
+    if hasattr(drafter, "check_target"):  # one built for a model of other shapes would fail inside torch
+        drafter.check_target(model)
     attention = getattr(model.config, "_attn_implementation", None) or ""
     if "flash" in attention:
         raise GorgonError(f"the target runs {attention}, which takes no tree mask: load it with "

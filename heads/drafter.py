@@ -16,6 +16,9 @@ prompt at the first call): row i belongs to context[-len(features) + i]. They te
 what was accepted, so one with its own cache can follow. Which hidden states they are is the
 drafter's `feature_layers`: None for the last (normed) one, else indices into the model's
 `hidden_states` (0 the embeddings, i the output of layer i), concatenated.
+
+A drafter with weights also gives `check_target(model)`, which refuses, in one line, a target of other
+shapes than the one it was built for: the decoder calls it before the prefill.
 """
 
 from __future__ import annotations

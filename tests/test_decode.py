@@ -371,7 +371,7 @@ def test_a_draft_model_gives_exact_greedy_output(arch, topk):
     model = tiny_model(arch)
     gen = torch.Generator().manual_seed(5)
     for draft, k in [(tiny_model(arch, seed=7), 3), (model, 4)]:   # another model, and the target itself
-        drafter = DraftModelDrafter(draft, k=k, topk=topk).check_vocab(model)
+        drafter = DraftModelDrafter(draft, k=k, topk=topk).check_target(model)
         taus = []
         for _ in range(4):
             ids = torch.randint(0, VOCAB, (1, int(torch.randint(2, 12, (1,), generator=gen))), generator=gen)
@@ -421,7 +421,7 @@ def test_a_draft_cut_to_a_draft_vocabulary_drafts_its_best_tokens_there_and_stay
     whole = tiny_model("llama", seed=7)
     cut = cut_to_draft_vocab(tiny_model("llama", seed=7), token_map)
     ids = torch.randint(0, VOCAB, (1, 9), generator=torch.Generator().manual_seed(1))
-    drafter = DraftModelDrafter(cut, k=4, topk=topk, token_map=token_map).check_vocab(model)
+    drafter = DraftModelDrafter(cut, k=4, topk=topk, token_map=token_map).check_target(model)
     with torch.no_grad():
         scored = drafter.scored_paths(ids[0, -1], None, ids[0, :-1])
         text, chain = ids[0], []
@@ -512,7 +512,7 @@ def test_a_draft_with_another_vocabulary_is_refused():
     from gorgon.heads import DraftModelDrafter
 
     with pytest.raises(GorgonError, match="the draft model: a vocabulary of 72, but the target has 64"):
-        DraftModelDrafter(tiny_model("llama", vocab=VOCAB + 8)).check_vocab(tiny_model("llama"))
+        DraftModelDrafter(tiny_model("llama", vocab=VOCAB + 8)).check_target(tiny_model("llama"))
 
 
 def test_the_api_takes_what_generate_takes():
@@ -558,3 +558,17 @@ def test_the_api_takes_what_generate_takes():
     # The last new token is never fed back: a prompt of 511 and 2 new tokens fit a context of 512.
     assert len(speculative_generate(model, drafter, torch.ones(1, 511, dtype=torch.long), 2, Sampling(),
                                     eos_token_id=None).tokens) == 2
+
+
+def test_a_drafter_for_a_model_of_other_shapes_is_refused_in_one_line():
+    """It failed inside torch (a shape mismatch in a matmul, an index out of range) after the prefill."""
+    from gorgon.heads import ContextDrafter, DraftModelDrafter, EagleDrafter, EagleHead, MergedDrafter
+
+    model, wider = tiny_model("llama"), tiny_model("llama", vocab=VOCAB + 16)
+    ids = torch.ones(1, 3, dtype=torch.long)
+    for drafter in (HeadsDrafter(MedusaHeads.for_target(model)), EagleDrafter(EagleHead.for_target(model)),
+                    MergedDrafter(HeadsDrafter(MedusaHeads.for_target(model)), ContextDrafter())):
+        with pytest.raises(GorgonError, match=rf"of a vocabulary of {VOCAB}, but the target has {VOCAB + 16}"):
+            speculative_generate(wider, drafter, ids, 4)
+    with pytest.raises(GorgonError, match=rf"the draft model: a vocabulary of {VOCAB}, but the target has"):
+        speculative_generate(wider, DraftModelDrafter(tiny_model("llama", seed=1)), ids, 4)

@@ -135,6 +135,8 @@ class MergedDrafter:
     def __init__(self, drafter, context: ContextDrafter, budget: int | None = None,
                  costs: dict[int, float] | None = None):
         self.drafter, self.context, self.costs = drafter, context, costs
+        if hasattr(drafter, "check_target"):  # the context drafter has no weights to check
+            self.check_target = drafter.check_target
         self.budget = budget if budget is not None else max(DEFAULT_BUDGET, drafter.max_nodes)
         if not (isinstance(self.budget, int) and 2 <= self.budget <= 256):
             raise GorgonError(f"a merged tree needs a budget of 2 (the root and one candidate) to 256 nodes, "

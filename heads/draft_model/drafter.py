@@ -54,7 +54,7 @@ class DraftModelDrafter:
         self.cache = None
         self.seen = torch.empty(0, dtype=torch.long, device=draft_model.device)  # tokens in self.cache
 
-    def check_vocab(self, target_model) -> "DraftModelDrafter":
+    def check_target(self, target_model) -> "DraftModelDrafter":
         """Refuse a draft whose vocabulary differs from the target's (its token ids would mean other text)."""
         check_draft_vocab(self.model, target_model)
         return self

@@ -21,6 +21,7 @@ from ..cache import crop_cache, growing_cache
 from ..errors import GorgonError
 from ..masks import additive_mask
 from ..search import check_level_cost, check_search, grow_tree
+from ..target import check_fits
 from ..tree import tree_from_token_paths
 from .model import EagleHead
 
@@ -47,6 +48,9 @@ class EagleDrafter:
     @property
     def max_nodes(self) -> int:
         return self.nodes
+
+    def check_target(self, model) -> None:
+        check_fits(self.head.config, model.config.get_text_config())
 
     def propose(self, root: torch.Tensor, features: torch.Tensor, context: torch.Tensor):
         return tree_from_token_paths(root, [path for path, _ in self.scored_paths(root, features, context)])

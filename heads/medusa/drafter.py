@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from ..errors import GorgonError
+from ..target import check_fits
 from ..tree import REFERENCE_ACCURACIES, build_tree, default_tree, path_chance, token_paths, tree_from_accuracies
 from .model import MedusaHeads
 
@@ -38,6 +39,9 @@ class HeadsDrafter:
     @property
     def max_nodes(self) -> int:
         return self.tree.size
+
+    def check_target(self, model) -> None:
+        check_fits(self.heads.config, model.config.get_text_config())
 
     def propose(self, root: torch.Tensor, features: torch.Tensor, context: torch.Tensor):
         """The heads read the hidden state at the last accepted token only."""
