@@ -15,10 +15,11 @@ from .eagle import EagleDrafter, EagleHead
 from .eagle.formats import foreign_format
 from .eagle.model import ARCH
 from .errors import GorgonError
+from .files import read_config
 from .hub import CONFIG_NAME, resolve_heads_folder
 from .medusa import HeadsDrafter, MedusaHeads, load_with_heads
 from .medusa.model import ADAPTER_DIR
-from .target import Target, check_folder_fits, load_target, target_for_heads
+from .target import Target, check_config_fits, load_target, target_for_heads
 
 
 def is_eagle(folder) -> bool:
@@ -35,10 +36,11 @@ def load_heads(heads: str | os.PathLike, target: str | None = None, device: str 
     """The target and the heads in a folder or hub repo (a Medusa-2 folder's LoRA adapter merged in). `target`
     None: the one the heads were trained for (`target_for_heads`)."""
     folder = resolve_heads_folder(heads)  # fail before the slower target load
-    target = target_for_heads(folder, target)
     if not is_eagle(folder):
         return load_with_heads(folder, target, device=device, dtype=dtype)
-    check_folder_fits(folder, target)
+    config = read_config(folder / CONFIG_NAME, "head")
+    target = target_for_heads(config, target)
+    check_config_fits(config, target)
     loaded = load_target(target, device=device, dtype=dtype)
     return loaded, EagleHead.from_pretrained(folder, target=loaded)
 

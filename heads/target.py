@@ -26,7 +26,6 @@ from .files import (
     local_path_problem,
     looks_like_path,
     new_temp,
-    read_config,
     remove_stale_temps,
 )
 from .hub import not_found_locally_or_on_hub
@@ -272,14 +271,13 @@ def check_fits(config, cfg, fingerprints: tuple[str, ...] = ()) -> None:
                           "train heads for this target, or load the target they were trained for")
 
 
-def target_for_heads(folder: Path, target: str | os.PathLike | None) -> str | os.PathLike | None:
-    """The target to load heads onto: the one asked for; else the one their config.json records (as PEFT
-    loads an adapter's base model), said on stderr; else (nothing recorded, or the embedded target) None,
+def target_for_heads(config: dict, target: str | os.PathLike | None) -> str | os.PathLike | None:
+    """The target to load heads onto: the one asked for; else the one their config.json (`config`) records (as
+    PEFT loads an adapter's base model), said on stderr; else (nothing recorded, or the embedded target) None,
     the embedded default."""
     if target is not None:
         return target
-    data = read_config(folder / "config.json")
-    name = data.get("target_name") if isinstance(data, dict) else None
+    name = config.get("target_name") if isinstance(config, dict) else None
     if not isinstance(name, str) or name in ("", "embedded", EMBEDDED_NAME):
         return None
     if looks_like_path(name) and not Path(name).expanduser().exists():
@@ -289,17 +287,16 @@ def target_for_heads(folder: Path, target: str | os.PathLike | None) -> str | os
     return name
 
 
-def check_folder_fits(folder: Path, target: str | None) -> None:
-    """Heads saved by gorgon (their config.json records the target's fingerprint) for another target's shapes
-    fail from the two config.json files, before the target's weights load (minutes for a large one). An
-    engine's layout is checked once it has loaded."""
+def check_config_fits(config: dict, target: str | None) -> None:
+    """Heads saved by gorgon (their config.json, `config`, records the target's fingerprint) for another target's
+    shapes fail from the two config.json files, before the target's weights load (minutes for a large one).
+    An engine's layout is checked once it has loaded."""
     from types import SimpleNamespace
 
-    data = read_config(folder / "config.json")
     keys = ("hidden_size", "vocab_size", "target_name", "target_fingerprint")
-    if isinstance(data, dict) and "target_fingerprint" in data \
-            and all(isinstance(data.get(k), int) for k in ("hidden_size", "vocab_size")):
-        check_fits(SimpleNamespace(**{k: data.get(k) for k in keys}), target_text_config(target))
+    if isinstance(config, dict) and "target_fingerprint" in config \
+            and all(isinstance(config.get(k), int) for k in ("hidden_size", "vocab_size")):
+        check_fits(SimpleNamespace(**{k: config.get(k) for k in keys}), target_text_config(target))
 
 
 def fingerprint(model: torch.nn.Module) -> str:

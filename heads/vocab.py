@@ -12,3 +12,11 @@ def draft_index(token_map: torch.Tensor, vocab_size: int) -> torch.Tensor:
     index = torch.full((vocab_size,), -1, dtype=torch.long, device=token_map.device)
     index[token_map] = torch.arange(token_map.numel(), device=token_map.device)
     return index
+
+
+def is_draft_vocab(token_map: torch.Tensor, vocab_size: int) -> bool:
+    """Whether `token_map` can be a draft vocabulary of a `vocab_size` one: a non-empty 1-D list of whole token
+    ids below `vocab_size`, increasing (so each id once: one repeated would be proposed twice among siblings)."""
+    return (token_map.dim() == 1 and token_map.dtype == torch.long and len(token_map) > 0
+            and int(token_map[0]) >= 0 and int(token_map[-1]) < vocab_size
+            and not bool((token_map[1:] <= token_map[:-1]).any()))

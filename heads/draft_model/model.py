@@ -21,6 +21,7 @@ import torch
 from ..errors import GorgonError
 from ..files import follow_umask, new_temp, remove_stale_temps
 from ..target import check_same_tokenizer, check_vocab, load_causal_lm
+from ..vocab import is_draft_vocab
 
 DRAFT_VOCAB_NAME = "draft_vocab.safetensors"
 
@@ -97,9 +98,7 @@ def load_draft_vocab(name_or_path: str, vocab_size: int) -> torch.Tensor | None:
     if path is None:
         return None
     token_map = load_file(path).get("token_map")
-    if (token_map is None or token_map.dim() != 1 or token_map.dtype != torch.long or not len(token_map)
-            or int(token_map.min()) < 0 or int(token_map.max()) >= vocab_size
-            or bool((token_map[1:] <= token_map[:-1]).any())):
+    if token_map is None or not is_draft_vocab(token_map, vocab_size):
         raise GorgonError(f"{path} is not a draft vocabulary for a vocabulary of {vocab_size}: it must hold "
                           "`token_map`, increasing token ids below that size; delete it to draft from every token")
     return token_map

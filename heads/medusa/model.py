@@ -21,6 +21,7 @@ from ..files import atomic_write, atomic_write_text, read_config, reading_weight
 from ..hub import CONFIG_NAME, PushToHubMixin, resolve_heads_folder
 from ..target import Target, attach_to_target, check_fits, lm_logits
 from ..tree import expected_accepted, tree_from_accuracies
+from ..vocab import is_draft_vocab
 from .formats import foreign_format, import_heads
 
 WEIGHTS_NAME = "model.safetensors"
@@ -92,8 +93,8 @@ class MedusaHeads(PushToHubMixin, nn.Module):
     def set_draft_vocab(self, token_ids: torch.Tensor) -> None:
         """Draft from these token ids only (e.g. the most frequent in the training data)."""
         ids = torch.as_tensor(token_ids, dtype=torch.long).sort().values
-        repeated = int(ids.numel() - ids.unique().numel())
-        if ids.dim() != 1 or not len(ids) or int(ids[0]) < 0 or int(ids[-1]) >= self.config.vocab_size or repeated:
+        if not is_draft_vocab(ids, self.config.vocab_size):
+            repeated = int(ids.numel() - ids.unique().numel())
             raise GorgonError(f"a draft vocabulary lists token ids from 0 to {self.config.vocab_size - 1}, each "
                               f"once: these {ids.numel()} ids have {repeated} repeated or lie outside")
         self.config.draft_vocab_size = int(ids.numel())
@@ -260,12 +261,13 @@ def check_not_a_model(folder: Path, data) -> None:
 def load_with_heads(heads: str | os.PathLike, target: str | None = None, device: str = "auto",
                     dtype: str | torch.dtype = "auto") -> tuple[Target, "MedusaHeads"]:
     """The target and its heads as one: a Medusa-2 heads folder's LoRA adapter is merged into the target."""
-    from ..target import check_folder_fits, load_target, target_for_heads
+    from ..target import check_config_fits, load_target, target_for_heads
 
     folder = resolve_heads_folder(heads)  # fail before the slower target load
-    check_not_a_model(folder, read_config(folder / CONFIG_NAME))
-    target = target_for_heads(folder, target)
-    check_folder_fits(folder, target)
+    config = read_config(folder / CONFIG_NAME)
+    check_not_a_model(folder, config)
+    target = target_for_heads(config, target)
+    check_config_fits(config, target)
     adapter = folder / ADAPTER_DIR if (folder / ADAPTER_DIR).is_dir() else None
     loaded = load_target(target, device=device, dtype=dtype, adapter=adapter)
     return loaded, MedusaHeads.from_pretrained(folder, target=loaded)
