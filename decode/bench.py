@@ -22,7 +22,7 @@ from gorgon.heads import ContextDrafter, MergedDrafter
 from gorgon.heads.card import check_card_folder, refresh_model_card
 from gorgon.heads.errors import ArgumentParser, GorgonError, int_at_least
 from gorgon.heads.files import atomic_write, atomic_write_text, check_report_output
-from gorgon.heads.target import load_causal_lm
+from gorgon.heads.target import context_length, load_causal_lm
 
 from .acceptance import Sampling
 from .argmax import argmax_in_use
@@ -165,7 +165,7 @@ def run_bench(target, drafter, questions: list[dict], max_new_tokens: int = 256,
     for method in methods.values():
         method(warm, 8)
 
-    context = getattr(model.config.get_text_config(), "max_position_embeddings", None) or 10**9
+    context = context_length(model)
     rows, skipped, histogram = [], [], {}
     names = list(methods)
     for qi, q in enumerate(tqdm(questions, desc="gorgon bench", disable=not progress, dynamic_ncols=True)):

@@ -20,7 +20,7 @@ import torch
 from gorgon.heads.cache import growing_cache, with_cache
 from gorgon.heads.drafter import Drafter
 from gorgon.heads.errors import GorgonError
-from gorgon.heads.target import base_model, lm_logits
+from gorgon.heads.target import base_model, context_length, fits_context, lm_logits
 from gorgon.heads.tree import cut_tree, host_to_device
 
 from .acceptance import Sampling, accept_greedy, accept_sampled, accept_typical, target_probs
@@ -149,8 +149,8 @@ def check_prompt(model, input_ids: torch.Tensor, max_new_tokens: int) -> None:
         raise GorgonError("the prompt is empty: give at least one token (a chat template adds some)")
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, numbers.Integral) or max_new_tokens < 1:
         raise GorgonError(f"max_new_tokens must be a whole number of at least 1, got {max_new_tokens!r}")
-    context = getattr(model.config.get_text_config(), "max_position_embeddings", None)
-    if context and input_ids.shape[1] + max_new_tokens - 1 > context:  # the last token is never fed back
+    context = context_length(model)
+    if not fits_context(context, input_ids.shape[1], max_new_tokens):
         raise GorgonError(f"the prompt ({input_ids.shape[1]} tokens) plus max_new_tokens ({max_new_tokens}) exceeds "
                           f"the target's context of {context}: shorten the prompt or lower max_new_tokens")
 

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from gorgon.heads.errors import GorgonError
 from gorgon.heads.files import read_jsonl
+from gorgon.heads.target import context_length, fits_context
 
 
 def load_questions(path: str, limit: int | None = None) -> list[dict]:
@@ -53,12 +54,12 @@ def ask(target, question: dict, max_new_tokens: int, answer) -> int:
     prompt ids and returns the reply's token ids, which become the assistant's message the next turn reads. A
     turn that no longer fits the target's context (with `max_new_tokens` to come) ends the question. Returns
     how many turns were asked."""
-    context = getattr(target.model.config.get_text_config(), "max_position_embeddings", None) or 10**9
+    context = context_length(target.model)
     messages = []
     for asked, turn in enumerate(question["turns"]):
         messages.append({"role": "user", "content": turn})
         ids = target.chat_ids(messages)
-        if ids.shape[1] + max_new_tokens > context:
+        if not fits_context(context, ids.shape[1], max_new_tokens):
             return asked
         reply = answer(ids)
         messages.append({"role": "assistant", "content": target.tokenizer.decode(reply, skip_special_tokens=True)})

@@ -245,6 +245,17 @@ def load_causal_lm(name: str, what: str, dtype: torch.dtype | None = None, token
     return model, tok
 
 
+def context_length(model) -> int | None:
+    """The target's context (its config's max_position_embeddings); None where the config gives none."""
+    return getattr(model.config.get_text_config(), "max_position_embeddings", None) or None
+
+
+def fits_context(context: int | None, prompt_tokens: int, max_new_tokens: int) -> bool:
+    """Whether a prompt and a reply of `max_new_tokens` fit a context of `context` positions: the last new
+    token is never fed back, so the positions used are 0 .. prompt_tokens + max_new_tokens - 2."""
+    return context is None or prompt_tokens + max_new_tokens - 1 <= context
+
+
 def check_vocab(mine: int, theirs: int, what: str) -> None:
     """Drafts are token ids of the target's vocabulary: refuse a drafter built for another size."""
     if mine != theirs:

@@ -306,6 +306,19 @@ def test_bench_counts_only_the_questions_it_ran(tmp_path):
         make_dataset(DataSettings(prompts=str(questions), limit=0), tmp_path / "data", progress=False)
 
 
+def test_a_turn_fits_the_context_as_the_decoder_counts_it(tmp_path):
+    """The bench asked a turn only with a position to spare, while the decoder takes a reply whose last token
+    lands on the context's end (that token is never fed back): both now count as `fits_context` does."""
+    from gorgon.decode.questions import ask
+
+    target = load_target(str(tiny_chat_target(tmp_path)), device="cpu")  # context 512, one token per character
+    base = target.chat_ids([{"role": "user", "content": "x"}]).shape[1]
+    for extra, asked in [(0, 1), (1, 0)]:  # a prompt of 505 (+ 8 new - 1 = 512 positions), then of 506
+        turn = "x" * (512 - 8 + 1 - base + 1 + extra)
+        question = {"question_id": 1, "category": "writing", "turns": [turn]}
+        assert ask(target, question, 8, lambda ids: [5] * 8) == asked
+
+
 def test_arguments_are_range_checked(tmp_path, capsys):
     for bad, match in [(dict(temperature=-1), "temperature"), (dict(temperature=math.nan), "temperature"),
                        (dict(temperature=1, top_k=-1), "top-k"), (dict(temperature=1, top_p=2), "top-p"),

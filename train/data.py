@@ -38,7 +38,7 @@ from gorgon.heads.files import (
     remove_stale_temps,
     take_lock,
 )
-from gorgon.heads.target import Target, load_target
+from gorgon.heads.target import Target, context_length, fits_context, load_target
 
 from .batching import continuous_generate
 from .recipe import changed_settings
@@ -148,7 +148,7 @@ def chat_ids(tok, messages: list[dict], template: str | None) -> list[int]:
 
 
 def answer_conversations(engine: Engine, convs: list[dict], positions: list[int], settings: DataSettings,
-                         context: int, on_batch=None) -> list[tuple[dict | None, int]]:
+                         context: int | None, on_batch=None) -> list[tuple[dict | None, int]]:
     """Regenerate the assistant turns of some conversations, round by round so each round is one call.
 
     `positions`: where each conversation sits in the run, which seeds its sampling. Returns, per
@@ -166,7 +166,7 @@ def answer_conversations(engine: Engine, convs: list[dict], positions: list[int]
             if alive[i] and r < len(c["turns"]):
                 ids = chat_ids(tok, histories[i] + [{"role": "user", "content": c["turns"][r]}], template)
                 too_long = settings.max_prompt_tokens and len(ids) > settings.max_prompt_tokens
-                if too_long or len(ids) + settings.max_new_tokens > context:
+                if too_long or not fits_context(context, len(ids), settings.max_new_tokens):
                     skipped[i] = len(c["turns"]) - r if settings.turns == "all" else 1
                     alive[i] = False
                     continue
@@ -369,7 +369,7 @@ def make_dataset(settings: DataSettings, out: str | os.PathLike, target: Target 
                 written = self_prompts(engine, engine_settings, settings.limit)
                 atomic_write_text(prompts_file, "".join(json.dumps(c) + "\n" for c in written))
             convs = read_jsonl(prompts_file)
-        context = getattr(target.model.config.get_text_config(), "max_position_embeddings", None) or 10**9
+        context = context_length(target.model)
         n_shards = math.ceil(len(convs) / settings.shard_size)
 
         def shard_positions(i: int) -> range:
