@@ -134,7 +134,8 @@ def generation_config_as_applied(model):
     return config
 
 
-def check_prompt(model, input_ids: torch.Tensor, max_new_tokens: int) -> None:
+def check_input_ids(model, input_ids: torch.Tensor) -> None:
+    """A tensor of one row on the model's device: what the padding is read from."""
     if not isinstance(input_ids, torch.Tensor):
         raise GorgonError(f"input_ids must be a tensor of shape (1, n) (tokenizer(text, return_tensors='pt')"
                           f"['input_ids']), not a {type(input_ids).__name__}")
@@ -145,11 +146,14 @@ def check_prompt(model, input_ids: torch.Tensor, max_new_tokens: int) -> None:
     if input_ids.device != embeddings:
         raise GorgonError(f"input_ids are on {input_ids.device} but the model's embeddings on {embeddings}: "
                           f"move the prompt there (input_ids.to('{embeddings}'))")
+
+
+def check_prompt(input_ids: torch.Tensor, max_new_tokens: int, context: int | None) -> None:
+    """The prompt without its padding: not empty, and room in the context for the reply."""
     if input_ids.shape[1] == 0:
         raise GorgonError("the prompt is empty: give at least one token (a chat template adds some)")
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, numbers.Integral) or max_new_tokens < 1:
         raise GorgonError(f"max_new_tokens must be a whole number of at least 1, got {max_new_tokens!r}")
-    context = context_length(model)
     if not fits_context(context, input_ids.shape[1], max_new_tokens):
         raise GorgonError(f"the prompt ({input_ids.shape[1]} tokens) plus max_new_tokens ({max_new_tokens}) exceeds "
                           f"the target's context of {context}: shorten the prompt or lower max_new_tokens")
@@ -226,9 +230,9 @@ def speculative_generate(model, drafter: Drafter, input_ids: torch.Tensor, max_n
         raise GorgonError(f"unknown acceptance {acceptance!r}: use one of {', '.join(ACCEPTANCE_RULES)}")
     if acceptance == "typical" and sampling.greedy:
         raise GorgonError("typical acceptance needs a temperature > 0 (with temperature 0 use exact greedy)")
-    check_prompt(model, input_ids, max_new_tokens)
+    check_input_ids(model, input_ids)
     input_ids = without_padding(model, input_ids, attention_mask)
-    check_prompt(model, input_ids, max_new_tokens)  # once more, without the padding
+    check_prompt(input_ids, max_new_tokens, context_length(model))
     if hasattr(drafter, "check_target"):  # one built for a model of other shapes would fail inside torch
         drafter.check_target(model)
     attention = getattr(model.config, "_attn_implementation", None) or ""
