@@ -19,7 +19,7 @@ from helpers import (
     tiny_model,
     toy_data,
 )
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 from gorgon.decode import speculative_generate
 from gorgon.decode.kernels import draft_dtype, fast_kernels_unavailable, use_cpu_kernels
@@ -524,6 +524,17 @@ def test_bad_input_is_one_line(tmp_path):
         EagleHead.from_pretrained(tmp_path / "h", target=Target(other, tokenizer=None, name="other"))
     with pytest.raises(GorgonError, match="a draft vocabulary of 65 tokens does not fit the target's 64"):
         EagleHead.for_target(model, draft_tokens=torch.arange(65))
+    for bad in ([3, 3, 5], [1, 64]):  # a repeated id, an id past the vocabulary
+        with pytest.raises(GorgonError, match="draft_tokens must be distinct token ids below the target's 64"):
+            EagleHead.for_target(model, draft_tokens=torch.tensor(bad))
+    # A foreign EAGLE-3 folder whose d2t repeats a token or leaves the vocabulary (it failed mid-decode or proposed
+    # a token twice among siblings) is refused where it loads.
+    out = export_head(EagleHead.for_target(model, draft_tokens=torch.arange(0, 64, 2)), "eagle3", tmp_path / "d2t")
+    state = load_file(out / "model.safetensors")
+    state["d2t"][1] -= 2  # draft id 1 now maps to target id 0, as draft id 0 does
+    save_file(state, out / "model.safetensors")
+    with pytest.raises(GorgonError, match=r"d2t\) is not distinct token ids below 64 in increasing order"):
+        EagleHead.from_pretrained(out, target=model)
     with pytest.raises(GorgonError, match="the draft depth must be a whole number >= 1"):
         EagleDrafter(head, depth=0)
     with pytest.raises(GorgonError, match="a tree needs 2 .* to 256 nodes, not 1"):

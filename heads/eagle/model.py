@@ -35,6 +35,7 @@ from ..errors import GorgonError, config_from_dict
 from ..files import atomic_write, atomic_write_text, read_config, reading_weights
 from ..hub import CONFIG_NAME, PushToHubMixin, resolve_heads_folder
 from ..target import Target, attach_to_target, check_fits
+from ..vocab import is_draft_vocab
 from .formats import check_layer_fields, foreign_format, import_head
 
 WEIGHTS_NAME = "model.safetensors"
@@ -183,6 +184,8 @@ class EagleHead(PushToHubMixin, nn.Module):
         head = cls(config, getattr(target_model.config, "_attn_implementation", None) or "sdpa")
         if draft_tokens is not None:
             head.token_map = torch.as_tensor(draft_tokens, dtype=torch.long).sort().values
+            if not is_draft_vocab(head.token_map, cfg.vocab_size):
+                raise GorgonError(f"draft_tokens must be distinct token ids below the target's {cfg.vocab_size}")
         lm_weight = target_model.get_output_embeddings().weight.detach()
         source = target_model.get_decoder().layers[-1]
         with torch.no_grad():
@@ -329,4 +332,8 @@ class EagleHead(PushToHubMixin, nn.Module):
             attn = getattr(model.config, "_attn_implementation", None) if model is not None else None
             head = cls(config, attn or "sdpa")
             head.load_state_dict(state)
+        if head.token_map is not None and not is_draft_vocab(head.token_map, config.vocab_size):
+            saved_as = "d2t" if fmt else "token_map"
+            raise GorgonError(f"{folder}'s draft vocabulary ({saved_as}) is not distinct token ids below "
+                              f"{config.vocab_size} in increasing order: re-export the head")
         return attach_to_target(head, target, device, dtype)
