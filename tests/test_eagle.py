@@ -21,7 +21,7 @@ from helpers import (
 )
 from safetensors.torch import load_file, save_file
 
-from gorgon.decode import speculative_generate
+from gorgon.decode import Sampling, speculative_generate
 from gorgon.decode.kernels import draft_dtype, fast_kernels_unavailable, use_cpu_kernels
 from gorgon.heads import EagleConfig, EagleDrafter, EagleHead, GorgonError, Target, fingerprint, load_target
 from gorgon.heads.eagle.formats import check_exportable_layers, export_head
@@ -513,6 +513,21 @@ def test_default_feature_layers_are_three_valid_layers_for_any_depth():
             assert layers == [2, count // 2, count - 3]  # the engines' own choice
         head = EagleHead.for_target(tiny_model("llama", layers=count))
         assert head.feature_layers == tuple(layers) and head.fc.weight.shape == (32, 3 * 32)
+
+
+def test_a_head_for_a_target_under_an_unmerged_adapter_starts_from_its_base_layer():
+    """for_target failed with an AttributeError on a PEFT model (its layers hold `base_layer` modules)."""
+    from peft import LoraConfig, get_peft_model
+
+    model = tiny_model("llama", layers=4)
+    plain = EagleHead.for_target(model).state_dict()
+    adapted = get_peft_model(model, LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    head = EagleHead.for_target(adapted)
+    assert head.state_dict().keys() == plain.keys()
+    assert all(torch.equal(value, plain[key]) for key, value in head.state_dict().items())
+    ids = torch.randint(0, VOCAB, (1, 8), generator=torch.Generator().manual_seed(0))
+    expected = adapted.generate(ids, do_sample=False, max_new_tokens=12)[0, 8:].tolist()
+    assert speculative_generate(adapted, EagleDrafter(head), ids, 12, Sampling(), eos_token_id=None).tokens == expected
 
 
 def test_bad_input_is_one_line(tmp_path):

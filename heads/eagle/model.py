@@ -194,15 +194,15 @@ class EagleHead(PushToHubMixin, nn.Module):
             # fc starts by passing the highest feature layer through, so the layer sees familiar features
             head.fc.weight.zero_()
             head.fc.weight[:, -cfg.hidden_size:].copy_(torch.eye(cfg.hidden_size))
-            for name, module in source.named_modules():
-                mine = head.midlayer.get_submodule(name) if name else head.midlayer
-                for pname, param in module.named_parameters(recurse=False):
-                    ours = getattr(mine, pname)
-                    if ours.shape == param.shape:
-                        ours.copy_(param)
-                    else:  # a doubled q/k/v input: the features half starts as the target's projection
-                        ours.zero_()
-                        ours[:, param.shape[1]:].copy_(param)
+            for name, ours in head.midlayer.named_parameters():
+                if name.startswith("hidden_norm."):
+                    continue  # the features' norm is the head's own
+                theirs = source.get_parameter(name)  # a layer under an unmerged PEFT adapter gives its base weight
+                if ours.shape == theirs.shape:
+                    ours.copy_(theirs)
+                else:  # a doubled q/k/v input: the features half starts as the target's projection
+                    ours.zero_()
+                    ours[:, theirs.shape[1]:].copy_(theirs)
         head.to(device=lm_weight.device, dtype=lm_weight.dtype)
         return head.attach(target_model)
 
