@@ -98,6 +98,8 @@ def test_distillation_lowers_held_out_kl_and_the_draft_works_as_assistant_model(
     cut = cut_to_draft_vocab(AutoModelForCausalLM.from_pretrained(out).eval(), token_map)
     result = speculative_generate(target.model, DraftModelDrafter(cut, 3, token_map=token_map), ids, max_new_tokens=40)
     assert result.tokens == plain[0, ids.shape[1]:].tolist()
+    # --overwrite replaces the run, its draft vocabulary too (refused as a file gorgon did not write)
+    assert train(dataclasses.replace(cfg, max_steps=2, overwrite=True)) == out
 
 
 def test_student_with_another_tokenizer_or_vocabulary_is_refused(tmp_path):

@@ -23,8 +23,10 @@ from pathlib import Path
 
 import yaml
 
+from gorgon.heads.draft_model.model import DRAFT_VOCAB_NAME
 from gorgon.heads.errors import GorgonError, check_keys, user_error_line
 from gorgon.heads.hub import offline_if_hub_unreachable
+from gorgon.heads.medusa.model import ADAPTER_DIR, TREES_NAME
 
 
 def setting(default=dataclasses.MISSING, help: str = "", *, factory=dataclasses.MISSING):
@@ -323,11 +325,11 @@ EARLIER = ".earlier-run"  # where the replaced run's files wait while the new ru
 LOCK = ".gorgon-run.lock"  # this machine and the main process's id while a run writes the folder
 # What a run writes in its --out (heads, a draft model and its tokenizer, checkpoints, the temporary files of
 # atomic writes): --overwrite replaces a folder holding these only, and gorgon bench reports with their plots.
-RUN_FILES = (RUN_MARKER, EARLIER, LOCK, "checkpoints", "adapter", ".*.tmp", "config.json", "generation_config.json",
-             "model.safetensors", "model-*-of-*.safetensors", "model.safetensors.index.json", "trees.json",
-             "metrics.json", "recipe.json", "head_accuracy.png", "README.md", "tokenizer.json", "tokenizer_config.json",
-             "special_tokens_map.json", "added_tokens.json", "chat_template.jinja", "vocab.json", "merges.txt",
-             "tokenizer.model")
+RUN_FILES = (RUN_MARKER, EARLIER, LOCK, "checkpoints", ADAPTER_DIR, ".*.tmp", "config.json", "generation_config.json",
+             "model.safetensors", "model-*-of-*.safetensors", "model.safetensors.index.json", TREES_NAME,
+             DRAFT_VOCAB_NAME, "metrics.json", "recipe.json", "head_accuracy.png", "README.md", "tokenizer.json",
+             "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json", "chat_template.jinja",
+             "vocab.json", "merges.txt", "tokenizer.model")
 
 
 def in_run_folder(path: Path) -> bool:
