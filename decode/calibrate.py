@@ -80,8 +80,11 @@ def measured_sizes(device: torch.device) -> tuple[int, ...]:
     return CUDA_SIZES if device.type == "cuda" else CPU_SIZES
 
 
+TIMED_CONTEXT = 256  # cached positions before the timed tokens: a short conversation's
+
+
 @torch.inference_mode()
-def measure_verify_costs(model, sizes=None, context: int = 256, repeat: int = 20) -> dict[int, float]:
+def measure_verify_costs(model, sizes=None, context: int = TIMED_CONTEXT, repeat: int = 20) -> dict[int, float]:
     """Milliseconds of one target forward over n tree tokens plus its greedy choice at each, for each n:
     the median of `repeat` rounds that each time every size once, so a machine that slows or speeds up
     meanwhile shifts every size alike, not the sizes timed during the change alone.
@@ -120,9 +123,9 @@ def measure_verify_costs(model, sizes=None, context: int = 256, repeat: int = 20
 
 @torch.inference_mode()
 def drafted_level_cost(drafter, target_model, repeat: int = 20) -> float:
-    """One level of a drafter's search (its `level_trial()`: a level of `topk` rows on a cache of 256) in plain
-    target steps: `level_cost`."""
-    level, reset = drafter.level_trial()
+    """One level of a drafter's search (its `level_trial`: a level of `topk` rows on a cache of TIMED_CONTEXT)
+    in plain target steps: `level_cost`."""
+    level, reset = drafter.level_trial(TIMED_CONTEXT)
     return level_cost(level, reset, target_model, target_model.device, repeat)
 
 
@@ -153,19 +156,18 @@ def calibration_key(model) -> dict:
 _NOT_CACHED: dict[str, dict[int, float]] = {}
 
 
-def verify_costs(model, refresh: bool = False) -> dict[int, float]:
+def verify_costs(model) -> dict[int, float]:
     """Measured verify costs for this model on this machine, from the cache when they were measured before."""
     key = calibration_key(model)
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
     path = cache_dir() / "calibration" / f"{digest}.json"
-    if not refresh:
-        if digest in _NOT_CACHED:
-            return _NOT_CACHED[digest]
-        if path.is_file():
-            try:
-                return {int(n): float(ms) for n, ms in json.loads(path.read_text())["costs_ms"].items()}
-            except (ValueError, KeyError, TypeError):
-                pass  # a damaged cache entry is measured again
+    if digest in _NOT_CACHED:
+        return _NOT_CACHED[digest]
+    if path.is_file():
+        try:
+            return {int(n): float(ms) for n, ms in json.loads(path.read_text())["costs_ms"].items()}
+        except (ValueError, KeyError, TypeError):
+            pass  # a damaged cache entry is measured again
     costs = measure_verify_costs(model)
     others = busy_cores()
     if others > 0.5:  # a busy machine's costs would size every later run's tree wrongly

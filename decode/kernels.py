@@ -115,19 +115,22 @@ def stock_rows(model: torch.nn.Module) -> int | None:
     return None if packed is None else packed.stock_rows
 
 
+STOCK_ROWS_ROUNDS = 3  # timed rounds per row count: 3 chose the same as 5 (docstring below)
+
+
 @torch.inference_mode()
-def fastest_stock_rows(module: torch.nn.Module, repeat: int = 3, most: int = MAX_STOCK_ROWS) -> int:
+def fastest_stock_rows(module: torch.nn.Module) -> int:
     """The row counts the stock kernel serves faster, timed on this machine: for 1, 2, ... rows, a product
     through every packed linear layer of the module (as a forward over that many tokens makes them), on
     each kernel, interleaved; the stock kernel keeps the counts before the first that oneDNN wins (its
-    advantage grows with the rows), at most `most`. The answer depends on the dtype as well as the
+    advantage grows with the rows), at most MAX_STOCK_ROWS. The answer depends on the dtype as well as the
     machine (`set_stock_rows`). About 1.5 s for the embedded target on the Intel Xeon (4 row counts; 3 rounds chose
     the same as 5, four times out of four)."""
     linears = [m for m in module.modules() if _ATTR in m.__dict__]
-    for rows in range(1, most + 1):
+    for rows in range(1, MAX_STOCK_ROWS + 1):
         inputs = [torch.ones(rows, m.in_features, dtype=m.weight.dtype, device=m.weight.device) for m in linears]
         times = {"stock": [], "onednn": []}
-        for _ in range(repeat + 1):  # the first round warms up
+        for _ in range(STOCK_ROWS_ROUNDS + 1):  # the first round warms up
             for kernel in times:
                 set_stock_rows(module, rows if kernel == "stock" else 0)
                 start = time.perf_counter()
@@ -136,7 +139,7 @@ def fastest_stock_rows(module: torch.nn.Module, repeat: int = 3, most: int = MAX
                 times[kernel].append(time.perf_counter() - start)
         if statistics.median(times["onednn"][1:]) < statistics.median(times["stock"][1:]):
             return rows - 1
-    return most
+    return MAX_STOCK_ROWS
 
 
 def kernels_in_use(model: torch.nn.Module) -> str:

@@ -18,6 +18,8 @@ class CountingDrafter:
     def __init__(self, drafter):
         self.drafter, self.nodes = drafter, []
         self.feature_layers, self.max_nodes = drafter.feature_layers, drafter.max_nodes
+        if hasattr(drafter, "check_target"):
+            self.check_target = drafter.check_target
 
     def propose(self, root, features, context):
         tokens, tree = self.drafter.propose(root, features, context)

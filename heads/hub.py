@@ -71,32 +71,27 @@ def not_found_locally_or_on_hub(what: str, text: str, err: Exception) -> GorgonE
 
 
 def resolve_heads_folder(name_or_path: str | os.PathLike) -> Path:
-    """A local heads folder, or a hub repo id fetched to the hub cache: the files any heads folder
-    gorgon reads may hold (its own, an engine's layout with sharded weights, FasterDecoding's .pt)."""
-    return resolve_folder(name_or_path, "heads", [CONFIG_NAME, "*.md", *LOADED_FILES])
-
-
-def resolve_folder(name_or_path: str | os.PathLike, what: str, patterns: list[str]) -> Path:
-    """A local folder with a config.json as is; anything else is a hub repo id, fetched to the hub cache
-    (only the files matching `patterns`). `what` names the thing in errors ("heads")."""
+    """A local heads folder (with its config.json) as is; anything else is a hub repo id, fetched to the hub
+    cache: only the files any heads folder gorgon reads may hold (its own, an engine's layout with sharded
+    weights, FasterDecoding's .pt)."""
     path = Path(name_or_path)
     if path.is_dir():
         if not (path / CONFIG_NAME).is_file():
-            raise GorgonError(f"{path} has no {CONFIG_NAME}: it is not a {what} folder (train {what} with "
+            raise GorgonError(f"{path} has no {CONFIG_NAME}: it is not a heads folder (train heads with "
                               "train/heads.py or pass the folder that `save_pretrained` wrote)")
         return path
     text = str(name_or_path)
     problem = local_path_problem(text)
     if problem:
-        raise GorgonError(f"{what} {problem}: pass a folder written by save_pretrained or a hub id like user/repo")
+        raise GorgonError(f"heads {problem}: pass a folder written by save_pretrained or a hub id like user/repo")
     if looks_like_path(text) or text.count("/") != 1:
-        raise GorgonError(f"no {what} at {text}: pass a folder written by save_pretrained or a hub id like user/repo")
+        raise GorgonError(f"no heads at {text}: pass a folder written by save_pretrained or a hub id like user/repo")
     from huggingface_hub import snapshot_download
 
     try:
-        return Path(snapshot_download(text, allow_patterns=patterns))
+        return Path(snapshot_download(text, allow_patterns=[CONFIG_NAME, "*.md", *LOADED_FILES]))
     except Exception as err:  # the hub client raises many types; all mean "not reachable or not there"
-        raise not_found_locally_or_on_hub(what, text, err) from err
+        raise not_found_locally_or_on_hub("heads", text, err) from err
 
 
 def check_repo_id(repo_id: str, setting: str) -> None:

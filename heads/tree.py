@@ -213,7 +213,7 @@ def interpolate_cost(costs: dict[int, float], size: int) -> float:
     return costs[sizes[-1]] * size / sizes[-1]
 
 
-def best_tree_size(accuracies, costs: dict[int, float], max_size: int | None = None) -> int:
+def best_tree_size(accuracies, costs: dict[int, float]) -> int:
     """The node count whose best tree gives the most tokens per unit of time on this machine.
 
     The best tree of n nodes is the first n - 1 paths of the best-first order (`tree_from_accuracies`),
@@ -223,7 +223,7 @@ def best_tree_size(accuracies, costs: dict[int, float], max_size: int | None = N
     """
     if 1 not in costs:
         raise GorgonError("verify costs must include a one-token forward (size 1)")
-    max_size = max_size or max(costs)
+    max_size = max(costs)
     chances = [path_chance(accuracies, p) for p in tree_from_accuracies(accuracies, max_size)]
     chances += [0.0] * (max_size - 1 - len(chances))  # past the last path a larger size adds nothing
     return 1 + worth_verifying(chances, costs, at_least=1)

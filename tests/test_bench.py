@@ -6,7 +6,7 @@ import subprocess
 import sys
 
 import pytest
-from helpers import QUESTIONS, ROOT, chat_target_with_heads, questions_file, tiny_chat_target
+from helpers import QUESTIONS, ROOT, chat_target_with_heads, questions_file, tiny_chat_target, tiny_model
 
 import gorgon.decode.acceptance as acceptance
 import gorgon.decode.bench as bench
@@ -212,6 +212,10 @@ def test_tau_without_timing_counts_every_step(setup):
                                                return_dict=True)["input_ids"]
     alone = speculative_generate(target.model, drafter, ids, 10)
     assert measure_tau(target, drafter, one, max_new_tokens=10)["tau"] == alone.tau
+    # The drafter's check of its target is passed through too (skipped, heads for other shapes failed inside torch)
+    from gorgon.heads import GorgonError, HeadsDrafter, MedusaHeads
+    with pytest.raises(GorgonError, match="trained for another target, of a vocabulary of 64, but the target has 128"):
+        measure_tau(target, HeadsDrafter(MedusaHeads.for_target(tiny_model("llama"))), one, max_new_tokens=10)
 
 
 def test_tau_scripts_refuse_bad_input_in_one_line(tmp_path):

@@ -99,7 +99,7 @@ class DraftModelDrafter:
         crop_cache(self.cache, committed)
         return paths
 
-    def level_trial(self, context: int = 256):
+    def level_trial(self, context: int):
         """One level of this drafter's search to time (`gorgon.decode.calibrate.drafted_level_cost`): `level()` is a
         forward of the draft over `topk` new tokens after `context` cached ones, and their log-probabilities;
         `reset()` cuts them off the cache again."""

@@ -95,7 +95,7 @@ class EagleDrafter:
         crop_cache(self.cache, self.committed)
         return paths
 
-    def level_trial(self, context: int = 256):
+    def level_trial(self, context: int):
         """One level of this drafter's search to time (`gorgon.decode.calibrate.drafted_level_cost`): `level()` runs
         the head's layer over `topk` drafted features after `context` cached ones, its logits and their
         log-probabilities; `reset()` cuts them off the cache again."""

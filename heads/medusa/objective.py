@@ -27,8 +27,8 @@ def head_targets(loss_mask: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.T
 
 
 def heads_loss(heads, hidden: torch.Tensor, input_ids: torch.Tensor, loss_mask: torch.Tensor, *,
-               loss: str = "ce", decay: float = 0.8, target_logits: torch.Tensor | None = None,
-               topk: int = 5) -> tuple[torch.Tensor, dict]:
+               loss: str = "ce", decay: float = 0.8, target_logits: torch.Tensor | None = None
+               ) -> tuple[torch.Tensor, dict]:
     """Weighted sum over heads of CE to the data's tokens or KL to the target's own distribution.
 
     For `kl`, head k at t matches softmax(target_logits[t+k+1]): the target's prediction of the
@@ -36,7 +36,7 @@ def heads_loss(heads, hidden: torch.Tensor, input_ids: torch.Tensor, loss_mask: 
     Heads with a draft vocabulary train over it: positions whose label lies outside are skipped
     (the head could never draft that token), and the KL teacher is renormalised over it.
     Accuracies count every assistant position, so they include the vocabulary's coverage.
-    Returns the loss and per-head statistics (loss, top-1 and top-k hits, count).
+    Returns the loss and per-head statistics (loss, top-1 and top-5 hits, count).
     """
     total = hidden.new_zeros((), dtype=torch.float32)
     stats = {}
@@ -63,9 +63,9 @@ def heads_loss(heads, hidden: torch.Tensor, input_ids: torch.Tensor, loss_mask: 
             head_loss = F.cross_entropy(logits, labels)
         total = total + decay ** k * head_loss
         with torch.no_grad():
-            top = logits.topk(topk, dim=-1).indices
+            top = logits.topk(min(5, logits.shape[-1]), dim=-1).indices
             stats[k] = {"loss": head_loss.detach().item(), "top1": int((top[:, 0] == labels).sum()),
-                        f"top{topk}": int((top == labels[:, None]).any(-1).sum()), "count": count}
+                        "top5": int((top == labels[:, None]).any(-1).sum()), "count": count}
     return total, stats
 
 
