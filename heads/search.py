@@ -22,7 +22,7 @@ import torch
 
 from .errors import GorgonError
 from .masks import additive_mask
-from .tree import MAX_TREE_NODES
+from .tree import MAX_TREE_NODES, best_first
 
 # expand(level, parent, tokens, sees) -> (k, V) log-probabilities: see grow_tree
 Expand = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -87,24 +87,15 @@ def grow_tree(first: torch.Tensor, expand: Expand, committed: int, depth: int, t
 
 def best_paths(parents: torch.Tensor, tokens: torch.Tensor, scores: torch.Tensor,
                size: int) -> list[tuple[list[int], float]]:
-    """The `size` best nodes, parents before children (ties go to the shallower node), best first, each as its
-    token path with the chance exp(score); nodes are listed parents first."""
+    """The `size` best nodes, parents before children (`best_first`), best first, each as its token path with
+    the chance exp(score); nodes are listed parents first."""
     scores = scores.tolist()
     parents, tokens = torch.stack([parents, tokens]).tolist()
-    depth_of = [0] * len(parents)
-    for i, p in enumerate(parents):
-        depth_of[i] = 1 if p < 0 else depth_of[p] + 1
-    chosen: dict[int, None] = {}  # ordered, best first
-    for i in sorted(range(len(parents)), key=lambda i: (-scores[i], depth_of[i])):
-        if len(chosen) >= size:
-            break
-        if parents[i] < 0 or parents[i] in chosen:
-            chosen[i] = None
-
-    def token_path(i: int) -> list[int]:
-        return token_path(parents[i]) + [tokens[i]] if i >= 0 else []
-
-    return [(token_path(i), math.exp(scores[i])) for i in chosen]
+    paths: list[tuple[int, ...]] = []
+    for p, token in zip(parents, tokens):
+        paths.append((paths[p] if p >= 0 else ()) + (token,))
+    chance = dict(zip(paths, scores))
+    return [(list(path), math.exp(chance[path])) for path in best_first(chance, size)]
 
 
 def can_grow(frontier_scores: torch.Tensor, scores: torch.Tensor, size: int, level_cost: float = 0.0) -> bool:

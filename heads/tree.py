@@ -182,6 +182,12 @@ def expected_accepted(accuracies, paths) -> float:
     return 1.0 + sum(path_chance(accuracies, p) for p in paths)
 
 
+def chain_tau(top1: float, depth: int) -> float:
+    """Tokens per target forward of a greedy chain of `depth` drafts, each right independently with chance
+    `top1`: 1 + top1 + ... + top1 ** depth (the bonus token included). A floor for a ranked tree."""
+    return sum(top1 ** d for d in range(depth + 1))
+
+
 # Used when the heads were saved without trees: the tree built from a head-accuracy profile
 # shaped like Medusa-1's published Vicuna-7B heads (top-1 0.56, 0.32, 0.20, 0.15 for heads
 # 1-4), with later ranks taking a falling share. Training replaces it with measured accuracies.
@@ -227,6 +233,18 @@ def best_tree_size(accuracies, costs: dict[int, float]) -> int:
     chances = [path_chance(accuracies, p) for p in tree_from_accuracies(accuracies, max_size)]
     chances += [0.0] * (max_size - 1 - len(chances))  # past the last path a larger size adds nothing
     return 1 + worth_verifying(chances, costs, at_least=1)
+
+
+def best_first(chances: dict[tuple[int, ...], float], size: int) -> list[tuple[int, ...]]:
+    """The `size` likeliest token paths whose parent path is kept too (ties go to the shorter), best first: the
+    candidates of a tree of `size` + 1 nodes."""
+    chosen: dict[tuple[int, ...], None] = {}  # ordered, best first
+    for path in sorted(chances, key=lambda p: (-chances[p], len(p))):
+        if len(chosen) == size:
+            break
+        if len(path) == 1 or path[:-1] in chosen:
+            chosen[path] = None
+    return list(chosen)
 
 
 def worth_verifying(chances: list[float], costs: dict[int, float], at_least: int = 0) -> int:

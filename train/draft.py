@@ -193,8 +193,9 @@ def distil(cfg: DraftTrainConfig) -> Path:
 
     from gorgon.heads.card import write_draft_card
     from gorgon.heads.draft_model.model import load_student, save_draft
-    from gorgon.heads.draft_model.objective import agreement, expected_tau
+    from gorgon.heads.draft_model.objective import agreement
     from gorgon.heads.target import load_target, target_text_config
+    from gorgon.heads.tree import chain_tau
     from gorgon.train.data import describe
     from gorgon.train.examples import (
         answer_tokens,
@@ -302,8 +303,8 @@ def distil(cfg: DraftTrainConfig) -> Path:
         "eval_tokens": after["tokens"], "before": before, "after": after, "draft_tokens": cfg.draft_tokens,
         "draft_vocab_size": cfg.draft_vocab_size, "draft_vocab_coverage": coverage,
         "data": describe(cfg.data), "data_sha256": settings["data_sha256"],
-        "expected_tau": {"before": expected_tau(before["top1"], cfg.draft_tokens),
-                         "after": expected_tau(after["top1"], cfg.draft_tokens)},
+        "expected_tau": {"before": chain_tau(before["top1"], cfg.draft_tokens),
+                         "after": chain_tau(after["top1"], cfg.draft_tokens)},
     }
     atomic_write_text(out / "metrics.json", json.dumps(metrics, indent=1) + "\n")
     recipe = asdict(cfg)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from ..errors import GorgonError
-from ..tree import tree_from_token_paths, worth_verifying
+from ..tree import MAX_TREE_NODES, best_first, tree_from_token_paths, worth_verifying
 
 
 def lookup(tokens: list[int], max_ngram: int = 3, length: int = 5, branches: int = 2,
@@ -138,9 +138,9 @@ class MergedDrafter:
         if hasattr(drafter, "check_target"):  # the context drafter has no weights to check
             self.check_target = drafter.check_target
         self.budget = budget if budget is not None else max(DEFAULT_BUDGET, drafter.max_nodes)
-        if not (isinstance(self.budget, int) and 2 <= self.budget <= 256):
-            raise GorgonError(f"a merged tree needs a budget of 2 (the root and one candidate) to 256 nodes, "
-                              f"not {self.budget!r}")
+        if not (isinstance(self.budget, int) and 2 <= self.budget <= MAX_TREE_NODES):
+            raise GorgonError(f"a merged tree needs a budget of 2 (the root and one candidate) to {MAX_TREE_NODES} "
+                              f"nodes, not {self.budget!r}")
         if not hasattr(drafter, "scored_paths"):
             raise GorgonError(f"{type(drafter).__name__} does not rank its candidates by chance (scored_paths), "
                               "so its tree cannot be merged with context drafts: use it without --context-draft")
@@ -155,14 +155,7 @@ class MergedDrafter:
         for path, p in (self.context.scored_paths(root, features, context)
                         + self.drafter.scored_paths(root, features, context)):
             chance[tuple(path)] = max(p, chance.get(tuple(path), 0.0))
-        chosen: list[tuple[int, ...]] = []
-        kept: set[tuple[int, ...]] = set()
-        for path in sorted(chance, key=lambda p: (-chance[p], len(p))):
-            if len(chosen) == self.budget - 1:
-                break
-            if len(path) == 1 or path[:-1] in kept:
-                chosen.append(path)
-                kept.add(path)
+        chosen = best_first(chance, self.budget - 1)
         if self.costs is not None:
             chosen = chosen[:worth_verifying([chance[p] for p in chosen], self.costs)]
         return tree_from_token_paths(root, [list(p) for p in chosen])

@@ -52,9 +52,3 @@ def agreement(draft, target, batches) -> dict:
     kl_sum, same, count = reduce(torch.tensor([kl_sum, same, count], dtype=torch.float64, device=state.device),
                                  reduction="sum").tolist()
     return {"kl": kl_sum / max(1, count), "top1": same / max(1, count), "tokens": int(count)}
-
-
-def expected_tau(top1: float, k: int) -> float:
-    """Tokens per target forward for a k-token greedy chain if each draft matched independently
-    with probability top1: 1 + a + ... + a^k (the bonus token included)."""
-    return sum(top1 ** i for i in range(k + 1))

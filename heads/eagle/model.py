@@ -35,6 +35,7 @@ from ..errors import GorgonError, config_from_dict
 from ..files import atomic_write, atomic_write_text, read_config, reading_weights
 from ..hub import CONFIG_NAME, PushToHubMixin, resolve_heads_folder
 from ..target import Target, attach_to_target, check_fits
+from ..tree import chain_tau
 from ..vocab import is_draft_vocab
 from .formats import check_layer_fields, foreign_format, import_head
 
@@ -296,8 +297,7 @@ class EagleHead(PushToHubMixin, nn.Module):
         tree allows, each draft right independently. The ranked tree does better; the bench measures it."""
         if not self.config.accuracies:
             return 1.0
-        top1, depth = self.config.accuracies[0][0], min(self.config.depth, self.saved_tree(device_type) - 1)
-        return sum(top1 ** d for d in range(depth + 1))
+        return chain_tau(self.config.accuracies[0][0], min(self.config.depth, self.saved_tree(device_type) - 1))
 
     # -- save / load ----------------------------------------------------------------------------
     def save_pretrained(self, path: str | os.PathLike, state_dict: dict | None = None) -> None:
