@@ -256,7 +256,7 @@ def test_the_heads_norms_run_fused_where_the_formula_is_llamas():
     from transformers.models.gemma.modeling_gemma import GemmaRMSNorm
     from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
-    from gorgon.heads.eagle.model import computes_rms_norm
+    from gorgon.heads.eagle.formats import computes_rms_norm
 
     class OnePlusWeight(LlamaRMSNorm):  # Gemma's formula, Llama's attributes: only the probe tells them apart
         def forward(self, x):

@@ -41,11 +41,13 @@ dtype, not the target's.
 
 from __future__ import annotations
 
+import copy
 import json
 import sys
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 from ..errors import GorgonError, check_keys
 from ..files import atomic_write, atomic_write_text, read_safetensors_folder
@@ -139,12 +141,18 @@ def with_top_level_rope(config: dict) -> dict:
     return {**config, **extra}
 
 
-def scales_by_weight(norm: torch.nn.Module) -> bool:
-    """Whether an RMS norm computes x / rms(x) * weight, as the engines' layers do (Gemma's: * (1 + weight))."""
-    x = torch.randn(3, norm.weight.numel(), dtype=norm.weight.dtype, device=norm.weight.device)
+def computes_rms_norm(norm: torch.nn.Module) -> bool:
+    """Whether a norm module computes weight * rms_norm(x in float32), cast back before the weight, as the
+    engines' layers do (Llama's RMS norm and its copies in Qwen2/3 and Mistral; not Gemma's 1 + weight):
+    checked on a probe with a weight that is not all ones, to within float32 rounding."""
+    if not isinstance(getattr(norm, "variance_epsilon", None), float) or getattr(norm, "weight", None) is None:
+        return False
+    probe = copy.deepcopy(norm).float()
+    x = torch.randn(4, probe.weight.numel(), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
-        plain = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + 1e-6) * norm.weight.float()
-        return torch.allclose(norm(x).float(), plain, atol=1e-2, rtol=1e-2)
+        probe.weight.normal_(generator=torch.Generator().manual_seed(1))
+        fused = probe.weight * F.rms_norm(x, probe.weight.shape, eps=probe.variance_epsilon)
+        return torch.allclose(probe(x), fused, rtol=1e-5, atol=1e-6)
 
 
 def check_exportable_layers(config) -> None:
@@ -167,7 +175,7 @@ def engine_layer(head, state: dict) -> dict:
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer
     from transformers.models.qwen3.modeling_qwen3 import Qwen3DecoderLayer
 
-    if not all(scales_by_weight(norm) for norm in (head.midlayer.input_layernorm, head.norm)):
+    if not all(computes_rms_norm(norm) for norm in (head.midlayer.input_layernorm, head.norm)):
         raise GorgonError("this head's norms scale by 1 + weight (a Gemma-style layer) and the engines' Llama and "
                           "Qwen3 layers by the weight alone: use it in gorgon's decoder, or train it on a Llama- or "
                           "Qwen3-shaped target to export")

@@ -37,7 +37,7 @@ from ..hub import CONFIG_NAME, PushToHubMixin, resolve_heads_folder
 from ..target import Target, attach_to_target, check_fits
 from ..tree import chain_tau
 from ..vocab import is_draft_vocab
-from .formats import check_layer_fields, foreign_format, import_head
+from .formats import check_layer_fields, computes_rms_norm, foreign_format, import_head
 
 WEIGHTS_NAME = "model.safetensors"
 ARCH = "eagle"  # config.json's "arch": how a heads folder says it holds feature-level heads
@@ -84,20 +84,6 @@ def default_feature_layers(num_layers: int) -> list[int]:
     if num_layers >= 4:
         return [1, num_layers // 2, num_layers - 1]
     return [1, min(2, num_layers), num_layers]
-
-
-def computes_rms_norm(norm: nn.Module) -> bool:
-    """Whether a norm module computes weight * rms_norm(x in float32), cast back before the weight (Llama's
-    RMS norm and its copies in Qwen2/3 and Mistral; not Gemma's 1 + weight): checked on a probe with a
-    weight that is not all ones, to within float32 rounding."""
-    if not isinstance(getattr(norm, "variance_epsilon", None), float) or getattr(norm, "weight", None) is None:
-        return False
-    probe = copy.deepcopy(norm).float()
-    x = torch.randn(4, probe.weight.numel(), generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        probe.weight.normal_(generator=torch.Generator().manual_seed(1))
-        fused = probe.weight * F.rms_norm(x, probe.weight.shape, eps=probe.variance_epsilon)
-        return torch.allclose(probe(x), fused, rtol=1e-5, atol=1e-6)
 
 
 def check_feature_layers(layers: list[int], num_layers: int) -> None:
