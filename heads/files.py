@@ -140,6 +140,17 @@ def atomic_write_text(path: Path, text: str) -> None:
     atomic_write(Path(path), lambda tmp: Path(tmp).write_text(text))
 
 
+def write_weights(folder: Path, state: dict, config: dict, weights_name: str = "model.safetensors") -> None:
+    """Save tensors (a safetensors file) and config.json into `folder`, each atomically. The tensors are
+    copied whole to the CPU: safetensors refuses tensors that share memory (a shared LM head repeated)."""
+    from safetensors.torch import save_file
+
+    folder.mkdir(parents=True, exist_ok=True)
+    state = {k: v.detach().to("cpu").clone().contiguous() for k, v in state.items()}
+    atomic_write(folder / weights_name, lambda tmp: save_file(state, tmp, metadata={"format": "pt"}))
+    atomic_write_text(folder / "config.json", json.dumps(config, indent=2) + "\n")
+
+
 def read_text(path: Path) -> str:
     """A text file's contents; a binary or non-UTF-8 file is an error saying so."""
     try:

@@ -42,7 +42,6 @@ dtype, not the target's.
 from __future__ import annotations
 
 import copy
-import json
 import sys
 from pathlib import Path
 
@@ -50,7 +49,7 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import GorgonError, check_keys
-from ..files import atomic_write, atomic_write_text, read_safetensors_folder
+from ..files import read_safetensors_folder, write_weights
 
 FORMATS = ("eagle3", "speculators")
 # The layers the engines build a draft's midlayer as (model_type), and the eagle3 architecture naming each.
@@ -77,7 +76,6 @@ def engine_layer_config(head, model_type: str) -> dict:
 
 def export_head(head, fmt: str, out: str | Path, base_model: str | None = None) -> Path:
     """Write `head` in a serving engine's layout to the folder `out`."""
-    from safetensors.torch import save_file
 
     if fmt not in FORMATS:
         raise GorgonError(f"unknown format {fmt!r} for a feature-level head: use one of {', '.join(FORMATS)}")
@@ -121,11 +119,8 @@ def export_head(head, fmt: str, out: str | Path, base_model: str | None = None) 
                                             "verifier_accept_k": 1, "accept_tolerance": 0.0}],
                       "default_proposal_method": "greedy",
                       "verifier": {"name_or_path": base, "architectures": list(verifier_arch)}}}
-    state = {k: v.detach().to("cpu").clone().contiguous() for k, v in state.items()}
     out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    atomic_write(out / "model.safetensors", lambda tmp: save_file(state, tmp, metadata={"format": "pt"}))
-    atomic_write_text(out / "config.json", json.dumps(config, indent=2) + "\n")
+    write_weights(out, state, config)
     return out
 
 

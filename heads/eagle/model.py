@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,7 +31,7 @@ from torch import nn
 
 from ..cache import with_cache
 from ..errors import GorgonError, config_from_dict
-from ..files import atomic_write, atomic_write_text, read_config, reading_weights
+from ..files import read_config, reading_weights, write_weights
 from ..hub import CONFIG_NAME, PushToHubMixin, resolve_heads_folder
 from ..target import Target, attach_to_target, check_fits
 from ..tree import chain_tau
@@ -289,13 +288,7 @@ class EagleHead(PushToHubMixin, nn.Module):
     def save_pretrained(self, path: str | os.PathLike, state_dict: dict | None = None) -> None:
         """Write config.json and model.safetensors (each atomically). `state_dict`: the weights to write
         instead of the module's own (training gathers them whole from shards)."""
-        from safetensors.torch import save_file
-
-        path = Path(path)
-        path.mkdir(parents=True, exist_ok=True)
-        state = {k: v.detach().contiguous().cpu() for k, v in (state_dict or self.state_dict()).items()}
-        atomic_write(path / WEIGHTS_NAME, lambda tmp: save_file(state, tmp, metadata={"format": "pt"}))
-        atomic_write_text(path / CONFIG_NAME, json.dumps(self.config.to_dict(), indent=2) + "\n")
+        write_weights(Path(path), state_dict or self.state_dict(), self.config.to_dict(), WEIGHTS_NAME)
 
     @classmethod
     def from_pretrained(cls, name_or_path: str | os.PathLike, target=None, device=None,

@@ -17,13 +17,12 @@ round trip gives identical logits.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
 
 from ..errors import GorgonError
-from ..files import atomic_write, atomic_write_text, read_safetensors_folder
+from ..files import read_safetensors_folder, write_weights
 
 FORMATS = ("vllm", "medusa")
 MEDUSA_WEIGHTS = "medusa_lm_head.safetensors"
@@ -32,7 +31,6 @@ MEDUSA_LEGACY = "medusa_lm_head.pt"
 
 def export_heads(heads, fmt: str, out: str | Path, base_model: str | None = None) -> Path:
     """Write `heads` in a serving engine's format to the folder `out`."""
-    from safetensors.torch import save_file
 
     if fmt not in FORMATS:
         raise GorgonError(f"unknown format {fmt!r}: use one of {', '.join(FORMATS)}")
@@ -67,10 +65,7 @@ def export_heads(heads, fmt: str, out: str | Path, base_model: str | None = None
                   "base_model_name_or_path": base_model or cfg.target_name, "hidden_size": cfg.hidden_size,
                   "vocab_size": cfg.vocab_size}
         weights_name = MEDUSA_WEIGHTS
-    # safetensors refuses tensors that share memory (the shared lm_head repeated per head): copy each.
-    state = {k: v.detach().to("cpu").clone().contiguous() for k, v in state.items()}
-    atomic_write(out / weights_name, lambda tmp: save_file(state, tmp, metadata={"format": "pt"}))
-    atomic_write_text(out / "config.json", json.dumps(config, indent=2) + "\n")
+    write_weights(out, state, config, weights_name)
     return out
 
 

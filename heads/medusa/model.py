@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from ..errors import GorgonError, config_from_dict
-from ..files import atomic_write, atomic_write_text, read_config, reading_weights
+from ..files import atomic_write_text, read_config, reading_weights, write_weights
 from ..hub import CONFIG_NAME, PushToHubMixin, resolve_heads_folder
 from ..target import Target, attach_to_target, check_fits, lm_logits
 from ..tree import expected_accepted, tree_from_accuracies
@@ -211,13 +211,8 @@ class MedusaHeads(PushToHubMixin, nn.Module):
     def save_pretrained(self, path: str | os.PathLike, state_dict: dict | None = None) -> None:
         """Write config.json, model.safetensors and trees.json (each atomically). `state_dict`: the
         weights to write instead of the module's own (training gathers them whole from shards)."""
-        from safetensors.torch import save_file
-
         path = Path(path)
-        path.mkdir(parents=True, exist_ok=True)
-        state = {k: v.detach().contiguous().cpu() for k, v in (state_dict or self.state_dict()).items()}
-        atomic_write(path / WEIGHTS_NAME, lambda tmp: save_file(state, tmp, metadata={"format": "pt"}))
-        atomic_write_text(path / CONFIG_NAME, json.dumps(self.config.to_dict(), indent=2) + "\n")
+        write_weights(path, state_dict or self.state_dict(), self.config.to_dict(), WEIGHTS_NAME)
         if self.trees:
             atomic_write_text(path / TREES_NAME, json.dumps(self.trees, indent=1) + "\n")
         else:  # the trees of heads saved here before would be read as these heads'
