@@ -10,7 +10,7 @@ import torch
 from gorgon.heads.errors import ArgumentParser, GorgonError
 
 from .acceptance import Sampling
-from .generate import speculative_generate
+from .generate import ACCEPTANCE_RULES, speculative_generate
 from .options import add_model_arguments, load_drafter, read_tree
 
 
@@ -27,7 +27,7 @@ def parser() -> argparse.ArgumentParser:
     src.add_argument("--chat", action="store_true", help="an interactive chat on stdin (empty line or Ctrl-D ends)")
     p.add_argument("--system", default=None, help="system message for the chat template")
     p.add_argument("--raw", action="store_true", help="feed --prompt as is, without the chat template")
-    p.add_argument("--acceptance", choices=["exact", "typical"], default="exact",
+    p.add_argument("--acceptance", choices=ACCEPTANCE_RULES, default="exact",
                    help="exact (lossless; default) or typical (Medusa's typical acceptance: LOSSY, sampling only)")
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--stats", action="store_true", help="print tau, target forwards and tokens/s to stderr")

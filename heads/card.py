@@ -66,6 +66,12 @@ def data_line(recipe: dict, metrics: dict) -> str:
     return metrics.get("data") or f"`{recipe['data']}`"
 
 
+def tree_nodes(recipe: dict, metrics: dict) -> dict:
+    """The tree nodes per step that training saved for each device type (its metrics; a run from before they
+    were recorded there always had them in its recipe)."""
+    return metrics.get("tree_nodes") or {"cpu": recipe["cpu_tree_size"], "cuda": recipe["gpu_tree_size"]}
+
+
 def speed_section(bench: dict | None, flag: str) -> str:
     """The card's benchmark table, or how to measure one."""
     if not bench:
@@ -102,7 +108,7 @@ def write_model_card(out: Path, recipe: dict, metrics: dict, bench: dict | None 
     rows = "\n".join(f"| {k + 1} | t+{k + 2} | {a:.3f} | {b:.3f} |"
                      for k, (a, b) in enumerate(zip(metrics["top1"], metrics["top5"])))
     lm_head = "the target's shared" if recipe["shared_lm_head"] else "their own"
-    tau = metrics["expected_tau"]
+    tau, nodes = metrics["expected_tau"], tree_nodes(recipe, metrics)
     base = hub_id(target_name)
     text = f"""---
 base_model: {base}
@@ -125,7 +131,7 @@ Greedy decoding with these heads gives exactly the target's own output, only fas
 {rows}
 
 Expected tokens per target forward from these accuracies: {tau['cpu']:.2f} with the CPU tree
-({recipe['cpu_tree_size']} nodes), {tau['cuda']:.2f} with the GPU tree ({recipe['gpu_tree_size']} nodes).
+({nodes['cpu']} nodes), {tau['cuda']:.2f} with the GPU tree ({nodes['cuda']} nodes).
 
 ## Speed
 
@@ -281,7 +287,7 @@ on {data_line(recipe, metrics)}. Greedy decoding with it gives exactly the targe
 {rows}
 
 A greedy chain with this top-1 would give {metrics['expected_tau']['cpu']:.2f} tokens per target forward with
-the CPU tree ({recipe['cpu_tree_size']} nodes); the ranked tree does better, as the bench below measures.
+the CPU tree ({tree_nodes(recipe, metrics)['cpu']} nodes); the ranked tree does better, as the bench below measures.
 
 ## Speed
 

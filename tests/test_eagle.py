@@ -745,7 +745,11 @@ def test_loss_tokens_all_trains_on_every_position_and_evaluates_on_answers(tmp_p
     assert seen["eval"] and all(0 < masked < tokens and not training for masked, tokens, training, _ in seen["eval"])
     assert {dropout for *_, dropout in seen["train"] + seen["eval"]} == {0.1}
     # The card names the layers the head reads (the defaults here; it wrote "layers EAGLE-3's low, ...").
-    assert "the target's hidden states at layers 1, 2, 2 and" in (tmp_path / "h" / "README.md").read_text()
+    card = (tmp_path / "h" / "README.md").read_text()
+    assert "the target's hidden states at layers 1, 2, 2 and" in card
+    # Without cpu_tree_size/gpu_tree_size the head keeps its own default tree sizes (it got Medusa's 16 and 64)
+    assert EagleHead.from_pretrained(tmp_path / "h").config.nodes == {"cpu": 8, "cuda": 48}
+    assert "the CPU tree (8 nodes)" in card
 
 
 def test_a_run_resumed_mid_epoch_with_dropout_equals_the_uninterrupted_run(tmp_path):

@@ -77,6 +77,8 @@ def test_loss_falls_on_a_learnable_toy_set(tmp_path):
     metrics = json.loads((out / "metrics.json").read_text())
     assert 0.99 <= metrics["draft_vocab_coverage"] <= 1.0  # the toy answers use fewer than 30 characters
     assert trained.config.draft_vocab_size == 30 and trained.token_map.numel() == 30
+    assert metrics["tree_nodes"] == {"cpu": 16, "cuda": 64}  # Medusa's default sizes
+    assert [len(trained.saved_tree(device)) + 1 for device in ("cpu", "cuda")] == [16, 64]
     assert len(metrics["top1"]) == 4 and all(0 <= a <= b <= 1 for a, b in zip(metrics["top1"], metrics["top5"]))
 
 

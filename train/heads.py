@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from gorgon.heads.eagle.model import NODES, EagleConfig
 from gorgon.heads.errors import GorgonError
 from gorgon.heads.files import atomic_write_text, follow_umask
 from gorgon.heads.medusa.model import ADAPTER_DIR
@@ -78,15 +79,23 @@ class HeadsTrainConfig(TrainingSettings):
     cache_features: bool = setting(False, "keep the frozen target's outputs in CPU memory after the first epoch, "
                                           "so later epochs skip its forward (medusa1: hidden_size floats per "
                                           "token; eagle: (len(feature_layers) + 1) x hidden_size)")
-    draft_depth: int = setting(5, "eagle: tree levels drafted per step")
-    draft_topk: int = setting(8, "eagle: tokens kept and expanded per level")
+    draft_depth: int = setting(EagleConfig.depth, "eagle: tree levels drafted per step")
+    draft_topk: int = setting(EagleConfig.topk, "eagle: tokens kept and expanded per level")
     draft_vocab_size: int | None = setting(None, "draft from, and train over, the N most frequent answer tokens "
                                                  "(EAGLE-3's d2t/t2d; then the lowest ids if the answers use fewer); "
                                                  "None: the whole vocabulary")
-    cpu_tree_size: int = setting(DEVICE_TREE_SIZE["cpu"], "tree nodes per step saved for a CPU (decoding with "
-                                                          "--tree auto sizes the tree for the machine at hand from "
-                                                          "the held-out accuracies and its measured verify costs)")
-    gpu_tree_size: int = setting(DEVICE_TREE_SIZE["cuda"], "tree nodes per step saved for a GPU (likewise)")
+    cpu_tree_size: int | None = setting(None, f"tree nodes per step saved for a CPU; None: "
+                                              f"{DEVICE_TREE_SIZE['cpu']} for Medusa heads, {NODES['cpu']} for a "
+                                              "feature-level head (decoding with --tree auto sizes the tree for the "
+                                              "machine at hand from the held-out accuracies and its verify costs)")
+    gpu_tree_size: int | None = setting(None, f"tree nodes per step saved for a GPU; None: "
+                                              f"{DEVICE_TREE_SIZE['cuda']} for Medusa heads, {NODES['cuda']} for a "
+                                              "feature-level head (likewise)")
+
+    def tree_sizes(self) -> dict[str, int]:
+        """Tree nodes per step saved for each device type: the recipe's, else the method's default."""
+        default = NODES if self.arch == "eagle" else DEVICE_TREE_SIZE
+        return {"cpu": self.cpu_tree_size or default["cpu"], "cuda": self.gpu_tree_size or default["cuda"]}
 
     @property
     def rows(self) -> int:
@@ -124,7 +133,7 @@ class HeadsTrainConfig(TrainingSettings):
             raise GorgonError(f"tree_topk ranks tokens of the draft vocabulary: use at most draft_vocab_size "
                               f"({self.draft_vocab_size}), not {self.tree_topk}")
         for key in ("cpu_tree_size", "gpu_tree_size"):  # the trees are chosen after training: fail before it
-            if not 2 <= getattr(self, key) <= MAX_TREE_NODES:
+            if getattr(self, key) is not None and not 2 <= getattr(self, key) <= MAX_TREE_NODES:
                 raise GorgonError(f"{key} must be 2 (the root and one candidate) to {MAX_TREE_NODES} tree nodes, "
                                   f"not {getattr(self, key)}")
         if self.train_conversations is not None and self.train_conversations < 1:
@@ -143,7 +152,7 @@ class HeadsTrainConfig(TrainingSettings):
                                   "mode: medusa1 with arch: eagle (the target stays frozen)")
             if self.ttt_steps < 1:
                 raise GorgonError(f"ttt_steps must be at least 1 (1 is plain teacher forcing), not {self.ttt_steps}")
-            for nodes in (self.cpu_tree_size, self.gpu_tree_size):
+            for nodes in self.tree_sizes().values():
                 check_search(self.draft_depth, self.draft_topk, nodes)
         if self.feature_noise < 0 or (self.feature_noise and self.arch != "eagle"):
             raise GorgonError(f"feature_noise is the width of the noise on a feature-level head's inputs: use 0 or "
@@ -479,12 +488,13 @@ def save(run: Run) -> dict:
     accuracies = accuracy_table(counts)
     unwrapped = accelerator.unwrap_model(run.objective)
     heads = unwrapped.heads
-    heads.set_trees(accuracies, {"cpu": cfg.cpu_tree_size, "cuda": cfg.gpu_tree_size})
+    heads.set_trees(accuracies, cfg.tree_sizes())
     metrics = {
         "eval_loss": eval_loss, "eval_tokens_per_head": counts[:, -1].tolist(),
         "top1": [row[0] for row in accuracies], "top5": [sum(row[:5]) for row in accuracies],
         "rank_accuracy": accuracies,
-        "expected_tau": {device: heads.expected_tau(device) for device in ("cpu", "cuda")}, "arch": cfg.arch,
+        "expected_tau": {device: heads.expected_tau(device) for device in ("cpu", "cuda")},
+        "tree_nodes": cfg.tree_sizes(), "arch": cfg.arch,
         "steps": run.total, "train_conversations": run.train_conversations,
         "eval_conversations": run.eval_conversations, "processes": accelerator.num_processes,
         "conversations_trained": trained, "conversations_evaluated": evaluated,

@@ -40,6 +40,7 @@ from .formats import check_layer_fields, computes_rms_norm, foreign_format, impo
 
 WEIGHTS_NAME = "model.safetensors"
 ARCH = "eagle"  # config.json's "arch": how a heads folder says it holds feature-level heads
+NODES = {"cpu": 8, "cuda": 48}  # tree nodes per step by device type, unless training or the user chose others
 
 
 @dataclass
@@ -53,7 +54,7 @@ class EagleConfig:
     draft_vocab_size: int | None = None  # drafts come from this many frequent tokens (None: all)
     depth: int = 5                       # tree levels drafted per step (EAGLE-2)
     topk: int = 8                        # tokens kept per level, each expanded once
-    nodes: dict = field(default_factory=lambda: {"cpu": 8, "cuda": 48})  # tree nodes per step, by device type
+    nodes: dict = field(default_factory=lambda: dict(NODES))  # tree nodes per step, by device type
     accuracies: list[list[float]] | None = None  # held-out rank accuracies per unrolled step
     target_name: str | None = None
     target_fingerprint: str | None = None
