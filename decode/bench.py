@@ -25,11 +25,10 @@ from gorgon.heads.files import atomic_write, atomic_write_text, check_report_out
 from gorgon.heads.target import context_length, load_causal_lm
 
 from .acceptance import Sampling
-from .argmax import argmax_in_use
 from .attention import decoding_attention
-from .calibrate import cpu_flags, cpu_name, sync
+from .calibrate import machine_setup, sync
 from .generate import GenerationResult, generation_config_as_applied, speculative_generate
-from .kernels import kernels_in_use, stock_kernels, stock_rows
+from .kernels import kernels_in_use, stock_kernels
 from .options import add_model_arguments, compared_drafter, drafter_name, load_drafter, read_tree
 from .questions import ask, load_questions, per_category_sample
 
@@ -239,13 +238,7 @@ def environment(model, drafter, sampling: Sampling, max_new_tokens: int) -> dict
 
     import transformers
 
-    device = model.device
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_name()
-    return {"device": f"{device.type} ({name})", "dtype": str(model.dtype).replace("torch.", ""),
-            "kernels": kernels_in_use(model) if device.type == "cpu" else "cuda",
-            "stock_rows": stock_rows(model), "attention": model.config._attn_implementation,
-            "greedy_argmax": argmax_in_use(model), "cpu_flags": cpu_flags(),
-            "threads": torch.get_num_threads(), "tree": tree_description(drafter), "tree_size": drafter.max_nodes,
+    return {**machine_setup(model), "tree": tree_description(drafter), "tree_size": drafter.max_nodes,
             "draft_dtype": drafter_dtype(drafter), "context_draft": context_settings(drafter),
             "max_new_tokens": max_new_tokens, "temperature": sampling.temperature, "top_k": sampling.top_k,
             "top_p": sampling.top_p, "versions": {"torch": torch.__version__, "transformers": transformers.__version__,

@@ -138,16 +138,21 @@ def level_cost(level, reset, target_model, device: torch.device, repeat: int = 2
     return ms / verify_costs(target_model)[1]
 
 
+def machine_setup(model) -> dict:
+    """The machine and the kernels a model decodes on: what its speed depends on besides the model (a bench
+    report records it; verify costs are cached under it)."""
+    device = model.device
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_name()
+    return {"device": f"{device.type} ({name})", "dtype": str(model.dtype).replace("torch.", ""),
+            "kernels": kernels_in_use(model) if device.type == "cpu" else "cuda", "stock_rows": stock_rows(model),
+            "attention": getattr(model.config, "_attn_implementation", None), "greedy_argmax": argmax_in_use(model),
+            "cpu_flags": cpu_flags(), "threads": torch.get_num_threads()}
+
+
 def calibration_key(model) -> dict:
     """Everything a verify cost depends on."""
     cfg = model.config.get_text_config()
-    device = model.device
-    return {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_name(),
-            "cpu_flags": cpu_flags(), "threads": torch.get_num_threads(), "torch": torch.__version__,
-            "dtype": str(model.dtype), "kernels": kernels_in_use(model) if device.type == "cpu" else "cuda",
-            "stock_rows": stock_rows(model),
-            "attention": getattr(model.config, "_attn_implementation", None),
-            "argmax": argmax_in_use(model), "sizes": list(measured_sizes(device)),
+    return {**machine_setup(model), "torch": torch.__version__, "sizes": list(measured_sizes(model.device)),
             "model": {k: getattr(cfg, k, None) for k in ("model_type", "hidden_size", "intermediate_size",
                                                          "num_hidden_layers", "vocab_size")}}
 
