@@ -42,6 +42,10 @@ def main():
     target = load_target(args.target)
     model = target.model.requires_grad_(False)
     examples = load_examples(args.data, target.tokenizer, args.max_length)
+    if len(examples) < (args.steps + 1) * args.batch_size:
+        p.error(f"--data has {len(examples)} conversations and a warm-up plus --steps {args.steps} batches of "
+                f"--batch-size {args.batch_size} need {(args.steps + 1) * args.batch_size}: lower --steps or "
+                "--batch-size")
     heads = MedusaHeads.for_target(model).float()
     if args.draft_vocab_size:
         set_draft_vocab(heads, examples, args.draft_vocab_size)

@@ -6,7 +6,7 @@
 # random weights (costs need no real weights).
 #
 #   bash scripts/gpu_check.sh                      # heads: $HEADS, else random heads (tau ~1: checks it runs)
-#   HEADS=runs/heads/smollm2-135m-eagle COMPARE=runs/heads/smollm2-135m bash scripts/gpu_check.sh
+#   HEADS=runs/heads/smollm2-135m-eagle-12ep COMPARE=runs/heads/smollm2-135m bash scripts/gpu_check.sh
 #
 # The bench takes 2 questions of each MT-Bench category, both turns, 64 new tokens, timing four methods
 # a question with COMPARE (on an H200, four took 8.5 s a question; on an H100, three 10 to 13 s); its report is written after

@@ -58,8 +58,8 @@ class TrainingSettings:
     save_every: int = setting(100, "checkpoint every N steps (0: never)")
     keep_checkpoints: int = setting(2, "newest checkpoints kept")
     resume: bool = setting(False, "continue from the newest checkpoint in --out")
-    overwrite: bool = setting(False, "replace an earlier run's output folder, checkpoints included (finished heads "
-                                     "stay until this run writes its own)")
+    overwrite: bool = setting(False, "replace an earlier run's output folder, checkpoints included (its finished "
+                                     "heads or draft stay until this run writes its own)")
     seed: int = setting(0, "seed of the held-out split, the shuffling and any initialisation")
     dtype: str = setting("auto", "the target's dtype: auto (bfloat16 on CUDA, float32 on a CPU), float32, "
                                  "bfloat16, float16")
