@@ -21,7 +21,6 @@ import argparse
 import json
 
 import torch
-from transformers import DynamicCache
 
 from gorgon.decode.acceptance import accept_greedy
 from gorgon.decode.argmax import target_argmax
@@ -30,9 +29,9 @@ from gorgon.decode.calibrate import cpu_flags, cpu_name, measure_verify_costs, m
 from gorgon.decode.kernels import kernels_in_use, stock_rows, use_cpu_kernels
 from gorgon.decode.options import add_model_arguments, load_drafter, read_tree
 from gorgon.decode.questions import load_questions
-from gorgon.decode.verify import features, keep_path, verify
+from gorgon.decode.verify import accepted_rows, features, keep_path, verify
 from gorgon.heads import HeadsDrafter, MedusaHeads
-from gorgon.heads.cache import crop_cache, with_cache
+from gorgon.heads.cache import crop_cache, growing_cache, with_cache
 from gorgon.heads.errors import ArgumentParser, run_script
 from gorgon.heads.target import base_model, lm_logits, resolve_device, resolve_dtype
 
@@ -44,7 +43,7 @@ def profile(model, drafter, context: int, repeat: int, prompt: torch.Tensor | No
     if prompt is None:
         prompt = torch.randint(0, model.config.get_text_config().vocab_size, (1, context), device=device)
     parts = {}
-    cache = DynamicCache()
+    cache = growing_cache()
     decoder = base_model(model)
     out = decoder(input_ids=prompt, **with_cache(decoder, cache), use_cache=True,
                   output_hidden_states=layers is not None)
@@ -75,7 +74,7 @@ def profile(model, drafter, context: int, repeat: int, prompt: torch.Tensor | No
     best = target_argmax(model, node_hidden)
     parts["greedy acceptance"] = timed(lambda: accept_greedy(tree, tokens, best), lambda: None)
     path, _ = accept_greedy(tree, tokens, best)
-    nodes = torch.tensor(path, device=device)
+    nodes = accepted_rows(path, device)
 
     def reverify():  # each compaction needs a freshly verified tree in the cache
         reset()
