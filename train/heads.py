@@ -553,10 +553,11 @@ def strip_prefix(state: dict, prefix: str) -> dict:
     return {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
 
 
-def new_window(num_heads: int) -> dict:
-    """Sums over the batches since the last log. Per head (rows; the last row: Medusa-2's base KL):
-    loss, top-1 hits, top-5 hits, positions, batches; one tensor, so all processes sum it at once."""
-    return {"sums": torch.zeros(num_heads + 1, 5, dtype=torch.float64), "tokens": 0, "start": time.perf_counter()}
+def new_window(rows: int) -> dict:
+    """Sums over the batches since the last log. Per row (a Medusa head or an unrolled step of the feature-level
+    head; one more row: Medusa-2's base KL): loss, top-1 hits, top-5 hits, positions, batches; one tensor, so
+    all processes sum it at once."""
+    return {"sums": torch.zeros(rows + 1, 5, dtype=torch.float64), "tokens": 0, "start": time.perf_counter()}
 
 
 def add_to_window(window: dict, stats: dict, tokens: int) -> None:
