@@ -83,22 +83,36 @@ def process_alive(pid: int) -> bool:
     return True
 
 
+def process_start(pid: int) -> str:
+    """When a process started, in the kernel's clock ticks since boot (Linux's /proc; "" elsewhere): with its id,
+    it tells the process that took a lock from a later one that was given the same id."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return ""
+
+
 def check_unlocked(lock: Path, writer: str) -> None:
     """Refuse when a live process of this machine holds `lock` (`take_lock`): a second writer would write beside
-    it. A lock left by a killed process (gone) or taken on another machine is not in the way. `writer` names
-    the holder in the message ("training run")."""
+    it. A lock left by a killed process (gone, or its id since given to a process that started later) or taken
+    on another machine is not in the way. `writer` names the holder in the message ("training run")."""
     try:
-        host, pid = lock.read_text().split()
+        host, pid, *started = lock.read_text().split()
+        pid = int(pid)
     except (OSError, ValueError):
         return
-    if host == host_name() and int(pid) != os.getpid() and process_alive(int(pid)):
-        raise GorgonError(f"{lock.parent} is being written by another {writer} (process {pid}, still running): wait "
-                          f"for it to end, or stop it (kill {pid}), then retry")
+    if host != host_name() or pid == os.getpid() or not process_alive(pid):
+        return
+    if started and process_start(pid) not in ("", started[0]):  # "": unreadable, so taken as the same process
+        return
+    raise GorgonError(f"{lock.parent} is being written by another {writer} (process {pid}, still running): wait "
+                      f"for it to end, or stop it (kill {pid}), then retry")
 
 
 def take_lock(lock: Path) -> None:
-    """Mark `lock`'s folder as this process's (this machine's name and this process's id) until `drop_lock`."""
-    atomic_write_text(lock, f"{host_name()} {os.getpid()}\n")
+    """Mark `lock`'s folder as this process's (this machine's name, this process's id and start) until
+    `drop_lock`."""
+    atomic_write_text(lock, f"{host_name()} {os.getpid()} {process_start(os.getpid())}\n")
 
 
 def drop_lock(lock: Path) -> None:

@@ -725,6 +725,46 @@ def test_a_folder_another_live_run_is_writing_is_refused(tmp_path):
     assert (out / "recipe.json").is_file() and not (out / LOCK).exists()
 
 
+def test_a_lock_whose_process_id_was_given_to_another_process_is_stale(tmp_path):
+    """Process ids are reused (here within minutes): a killed run's lock then named a live stranger, and the rerun
+    was refused and told to kill it. The lock records when its process started."""
+    from gorgon.heads.files import check_unlocked, host_name, process_start, take_lock
+
+    lock = tmp_path / "lock"
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        lock.write_text(f"{host_name()} {other.pid} {process_start(other.pid)}\n")
+        with pytest.raises(GorgonError, match=rf"being written by another gorgon run \(process {other.pid}"):
+            check_unlocked(lock, "gorgon run")
+        if process_start(other.pid):  # Linux: a start that is not this process's is another's lock
+            lock.write_text(f"{host_name()} {other.pid} 1\n")
+            check_unlocked(lock, "gorgon run")
+    finally:
+        other.kill()
+        other.wait()
+    take_lock(lock)
+    assert lock.read_text() == f"{host_name()} {os.getpid()} {process_start(os.getpid())}\n"
+
+
+def test_a_refused_run_leaves_the_folder_another_run_made_meanwhile(tmp_path):
+    """Two runs started together into a new --out: the refused one removed the folder as its own empty output,
+    the running one's marker and lock with it (it then ran unlocked)."""
+    from gorgon.heads.files import take_lock
+    from gorgon.train.recipe import LOCK, RUN_MARKER, no_empty_output_left
+
+    out, mine = tmp_path / "run", tmp_path / "mine"
+    with pytest.raises(GorgonError), no_empty_output_left(out):
+        take_lock(out / LOCK)  # as the other run, which made the folder after this one looked
+        (out / RUN_MARKER).write_text("")
+        raise GorgonError("is being written by another training run")
+    assert (out / LOCK).is_file() and (out / RUN_MARKER).is_file()
+    with pytest.raises(GorgonError), no_empty_output_left(mine):  # a run's own failure leaves nothing
+        mine.mkdir()
+        (mine / RUN_MARKER).write_text("")
+        raise GorgonError("bad data")
+    assert not mine.exists()
+
+
 def test_an_export_format_for_the_other_method_is_refused_before_the_target_loads(tmp_path, capsys):
     heads = tmp_path / "heads"
     MedusaHeads.for_target(tiny_model()).save_pretrained(heads)

@@ -400,13 +400,13 @@ def prepare_own_output(out: Path, latest_checkpoint, cfg) -> Path | None:
             # which marks the folder finished.
             shutil.rmtree(out / "checkpoints", ignore_errors=True)
             (out / "recipe.json").unlink(missing_ok=True)
-            atomic_write_text(out / RUN_MARKER, REPLACING)
             take_lock(out / LOCK)
+            atomic_write_text(out / RUN_MARKER, REPLACING)
             return None
         shutil.rmtree(out)
         out.mkdir()
+    take_lock(out / LOCK)  # first: a folder with our marker is locked (`no_empty_output_left`)
     atomic_write_text(out / RUN_MARKER, "")
-    take_lock(out / LOCK)
     return None
 
 
@@ -582,14 +582,15 @@ def lock_released_on_failure(out: Path):
 @contextlib.contextmanager
 def no_empty_output_left(out: Path):
     """A run that fails before writing anything (bad data, too many processes) removes the --out folder it
-    made, so a failed command leaves nothing behind. A folder that existed before, or holds more than the
-    run marker and lock, is left as it is."""
+    made, so a failed command leaves nothing behind. A folder that existed before, holds more than the run
+    marker, or is locked (a failed run gives its own lock back first: the lock is another run's, which made
+    the folder meanwhile and writes it now) is left as it is."""
     existed = os.path.lexists(out)
     try:
         yield
     except BaseException:
         with contextlib.suppress(OSError):
-            if not existed and out.is_dir() and {p.name for p in out.iterdir()} <= {RUN_MARKER, LOCK}:
+            if not existed and out.is_dir() and {p.name for p in out.iterdir()} <= {RUN_MARKER}:
                 shutil.rmtree(out)
         raise
 
