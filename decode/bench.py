@@ -397,7 +397,7 @@ def main(argv=None) -> int:
     if args.compare_heads and not args.heads:
         raise GorgonError("--compare-heads times other heads beside the --heads under test: pass --heads too")
     if args.out:
-        check_report_output(Path(args.out), is_report, args.overwrite)
+        check_report_output(args.out, is_report, args.overwrite)
     questions = per_category_sample(load_questions(args.questions, args.limit), args.per_category)
     Sampling(args.temperature)  # its range check, before the target loads
     tree = read_tree(args.tree)

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from .eagle import formats as eagle_formats
 from .errors import ArgumentParser, GorgonError
-from .files import atomic_write_text, check_output, new_temp, remove_stale_temps
+from .files import atomic_write_text, check_output, move_into_place, new_temp, remove_stale_temps
 from .hub import resolve_heads_folder
 from .loading import is_eagle, load_heads
 from .medusa import formats as medusa_formats
@@ -73,7 +73,7 @@ def main(argv=None) -> int:
     if replace:
         replace_export(staging, out, written)
     else:
-        os.replace(staging, out)  # onto a missing or empty folder
+        move_into_place(staging, out, EXPORT_MARKER)
     print(f"gorgon export: wrote {args.format} heads to {out}")
     return 0
 

@@ -150,6 +150,19 @@ def atomic_write(path: Path, write) -> None:
             os.unlink(tmp)
 
 
+def move_into_place(tmp: Path, out: Path, marker: str) -> None:
+    """Put a finished folder `tmp` at `out`: renamed whole onto a missing `out` (readers see all of it or
+    nothing); into an empty folder that exists (the user's, perhaps with permissions of its own, or a mount
+    point) entry by entry, `marker` first, so a move cut short leaves output gorgon knows as its own."""
+    if not out.is_dir():
+        os.replace(tmp, out)
+        return
+    os.replace(tmp / marker, out / marker)
+    for entry in tmp.iterdir():
+        os.replace(entry, out / entry.name)
+    tmp.rmdir()
+
+
 def atomic_write_text(path: Path, text: str) -> None:
     atomic_write(Path(path), lambda tmp: Path(tmp).write_text(text))
 
@@ -204,6 +217,9 @@ def check_output(out: Path, ours, overwrite: bool, kind: str = "folder", own_ent
     not removed with it. Returns whether earlier output will be replaced. The place is then checked
     for writing, so a read-only disk fails now.
     """
+    if out.is_symlink():  # replacing or removing it would act on the link, not on what it points to
+        raise GorgonError(f"--out {out} is a symbolic link (to {os.readlink(out)}): pass the path it points to, or "
+                          "another --out")
     exists = out.exists() or os.path.lexists(out)
     if exists and (out.is_dir() != (kind == "folder")):
         raise GorgonError(f"--out {out} is {'a file' if kind == 'folder' else 'a folder'}: pass a {kind} path")
@@ -224,9 +240,12 @@ def check_output(out: Path, ours, overwrite: bool, kind: str = "folder", own_ent
     return replace
 
 
-def check_report_output(out: Path, is_report, overwrite: bool) -> None:
+def check_report_output(out: str | Path, is_report, overwrite: bool) -> None:
     """Before any work: may a JSON report go to `out`, and its plot beside it (the same name, .png)?
-    A .png `out` is refused: the plot would be written over the report."""
+    A .png `out` is refused: the plot would be written over the report; so is a folder path ("runs/x/")."""
+    if str(out).endswith(("/", os.sep)):
+        raise GorgonError(f"--out {out} is a folder path: pass the report's .json path, such as {out}report.json")
+    out = Path(out)
     if out.suffix == ".png":
         raise GorgonError("--out is the JSON report, and its plot is written beside it with the suffix .png: "
                           "pass a .json path")

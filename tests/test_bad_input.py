@@ -121,6 +121,37 @@ def test_export_overwrite_replaces_the_earlier_exports_files_only(tmp_path, caps
     assert snapshot(out) == before and not list(tmp_path.glob(".export*"))
 
 
+def test_an_empty_out_folder_is_filled_and_a_linked_or_input_out_refused(tmp_path, capsys):
+    """A folder the user made (with permissions of their own) was replaced by a new one; a symbolic link as --out
+    failed with a traceback after the work (and on every rerun); `gorgon data --out` could be its --prompts."""
+    target = tiny_chat_target(tmp_path)
+    heads = tmp_path / "heads"
+    MedusaHeads.for_target(AutoModelForCausalLM.from_pretrained(target)).save_pretrained(heads)
+    data = toy_data(tmp_path / "toy.jsonl", n=4)
+    exports = {"export": ["export", "--heads", str(heads), "--target", str(target), "--format", "vllm"],
+               "data": ["data", "--prompts", data, "--target", str(target), "--max-new-tokens", "2"]}
+    for name, command in exports.items():
+        out = tmp_path / f"made-{name}"
+        out.mkdir(mode=0o750)
+        os.chmod(out, 0o750)
+        inode = out.stat().st_ino
+        assert gorgon(command + ["--out", str(out)]) == 0
+        assert out.stat().st_ino == inode and out.stat().st_mode & 0o777 == 0o750 and any(out.iterdir())
+        assert not list(tmp_path.glob(f".made-{name}.*"))
+        link = tmp_path / f"link-{name}"
+        link.symlink_to(tmp_path / f"elsewhere-{name}")
+        assert gorgon(command + ["--out", str(link)]) == 2
+        assert capsys.readouterr().err.strip().endswith(f"--out {link} is a symbolic link (to {tmp_path}/elsewhere-"
+                                                        f"{name}): pass the path it points to, or another --out")
+    dataset = tmp_path / "made-data"
+    assert gorgon(["data", "--prompts", str(dataset), "--target", str(target), "--out", f"{dataset}/"]) == 2
+    assert capsys.readouterr().err.strip().endswith(f"--out {dataset} is the --prompts path: choose another --out")
+    assert gorgon(["bench", "--heads", str(heads), "--target", str(target), "--questions",
+                   str(questions_file(tmp_path / "q.jsonl")), "--out", f"{tmp_path}/reports/"]) == 2
+    assert capsys.readouterr().err.strip().endswith(f"--out {tmp_path}/reports/ is a folder path: pass the report's "
+                                                    f".json path, such as {tmp_path}/reports/report.json")
+
+
 def test_the_folders_written_beside_out_are_gorgons_own(tmp_path):
     """A dataset and an export are written in a folder beside --out and renamed into place. That folder had a
     fixed name (.OUT.writing, .OUT.exporting) and was removed first, whatever it held; it is now a new one with

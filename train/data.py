@@ -33,6 +33,7 @@ from gorgon.heads.files import (
     check_output,
     check_unlocked,
     drop_lock,
+    move_into_place,
     new_temp,
     read_jsonl,
     remove_stale_temps,
@@ -321,6 +322,8 @@ def make_dataset(settings: DataSettings, out: str | os.PathLike, target: Target 
     Sampling(settings.temperature, 0, settings.top_p)  # the range check of temperature and top-p
     if settings.prompts == "self" and not settings.limit:
         raise GorgonError("--prompts self needs --limit N: how many prompts the target should write")
+    if os.path.exists(settings.prompts) and os.path.realpath(out) == os.path.realpath(settings.prompts):
+        raise GorgonError(f"--out {out} is the --prompts path: choose another --out")
     convs = None if settings.prompts == "self" else load_conversations(settings.prompts, settings.limit)
     # The CPU kernels round differently, which can resolve a near-tie the other way: a resume keeps them too.
     kernels = cpu_kernels if settings.engine == "transformers" else None
@@ -423,7 +426,7 @@ def make_dataset(settings: DataSettings, out: str | os.PathLike, target: Target 
         atomic_write_text(tmp / METADATA_NAME, json.dumps(metadata, indent=1) + "\n")
         if replace:
             shutil.rmtree(out)
-        os.replace(tmp, out)  # onto a missing or empty folder
+        move_into_place(tmp, out, METADATA_NAME)
         shutil.rmtree(partial)
         secs = time.perf_counter() - start
         turns = sum(sum(m["role"] == "assistant" for m in r["messages"]) for r in rows)
