@@ -20,7 +20,7 @@ import torch
 
 from gorgon.heads import ContextDrafter, MergedDrafter
 from gorgon.heads.card import check_card_folder, refresh_model_card
-from gorgon.heads.errors import ArgumentParser, GorgonError, int_at_least
+from gorgon.heads.errors import ArgumentParser, GorgonError, int_at_least, user_path
 from gorgon.heads.files import atomic_write, atomic_write_text, check_report_output
 from gorgon.heads.target import context_length, load_causal_lm
 
@@ -359,7 +359,8 @@ def parser() -> argparse.ArgumentParser:
                     "process: tau (tokens per target forward), tokens/s, speedup, and (greedy) how many outputs are "
                     "identical to the baseline's.")
     add_model_arguments(p)
-    p.add_argument("--questions", required=True, help="MT-Bench/Spec-Bench .jsonl, e.g. scripts/data/mt_bench.jsonl")
+    p.add_argument("--questions", type=user_path, required=True,
+                   help="MT-Bench/Spec-Bench .jsonl, e.g. scripts/data/mt_bench.jsonl")
     p.add_argument("--limit", type=int_at_least(1), default=None, help="first N questions only")
     p.add_argument("--per-category", type=int_at_least(1), default=None,
                    help="the first N questions of each category only (as scripts/tau.py takes them)")
@@ -369,13 +370,13 @@ def parser() -> argparse.ArgumentParser:
                         "the fast ones; on CUDA, SDPA free to pick cuDNN's attention, which gorgon avoids), "
                         "prompt-lookup (transformers' prompt lookup), no-context (with --context-draft: the "
                         "--heads or --draft drafter alone). Default: generate,stock")
-    p.add_argument("--assistant", default=None,
+    p.add_argument("--assistant", type=user_path, default=None,
                    help="also time transformers' assisted generation with this draft model")
-    p.add_argument("--compare-heads", default=None,
+    p.add_argument("--compare-heads", type=user_path, default=None,
                    help="other heads for the same target (Medusa-1 or feature-level), timed in the same rotation "
                         "and drafted as --heads are (the same --tree and --context-draft options): reported as "
                         "compare (and compare-no-context with --baselines no-context)")
-    p.add_argument("--out", default=None,
+    p.add_argument("--out", type=user_path, default=None,
                    help="write the JSON report here (and a PNG beside it). After each question it holds the questions "
                         "run so far, marked \"complete\": false, so a run stopped early keeps what it measured")
     p.add_argument("--overwrite", action="store_true", help="replace an earlier report at --out")

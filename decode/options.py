@@ -19,7 +19,7 @@ from gorgon.heads import (
     load_draft,
     load_target,
 )
-from gorgon.heads.errors import int_at_least
+from gorgon.heads.errors import int_at_least, user_path
 from gorgon.heads.files import read_text
 from gorgon.heads.loading import drafter_for, load_heads, load_heads_for
 from gorgon.heads.tree import MAX_TREE_NODES, best_tree_size
@@ -37,11 +37,14 @@ def add_model_arguments(p: argparse.ArgumentParser, sampling: bool = True) -> No
     The drafter: --heads (Medusa or feature-level heads) or --draft (a small model with the target's
     tokenizer), and/or --context-draft (prompt lookup, merged into the other's tree when both are given).
     """
-    p.add_argument("--target", default=None, help="hub id or local path of the target (default: with --heads, the "
+    p.add_argument("--target", type=user_path, default=None,
+                   help="hub id or local path of the target (default: with --heads, the "
                    "target their config.json records; else the embedded SmolLM2-135M-Instruct)")
     group = p.add_mutually_exclusive_group()
-    group.add_argument("--heads", help="heads folder or hub id (from train/heads.py or save_pretrained)")
-    group.add_argument("--draft", help="a small draft model (hub id or path) sharing the target's tokenizer")
+    group.add_argument("--heads", type=user_path,
+                       help="heads folder or hub id (from train/heads.py or save_pretrained)")
+    group.add_argument("--draft", type=user_path,
+                       help="a small draft model (hub id or path) sharing the target's tokenizer")
     p.add_argument("--draft-tokens", type=int_at_least(1, MAX_DRAFT_TOKENS), default=None,
                    help=f"levels a --draft model drafts per step (its chain's length), 1 to {MAX_DRAFT_TOKENS} "
                         f"(default {DRAFT_TOKENS})")

@@ -58,6 +58,12 @@ class ArgumentParser(argparse.ArgumentParser):
         return None
 
 
+def user_path(text: str) -> str:
+    """An argparse type for a path or hub id: `~` is the home folder, as the training scripts read it (the shell
+    expands it in `--out ~/x` but not in `--out=~/x`, which made a folder named ~ here)."""
+    return os.path.expanduser(text)
+
+
 def int_at_least(low: int, high: int | None = None):
     """An argparse type: a whole number >= `low` (and <= `high`), so --limit 0 or --max-new-tokens -1 fail
     as they are parsed, before any model loads."""

@@ -9,7 +9,7 @@ import shutil
 from pathlib import Path
 
 from .eagle import formats as eagle_formats
-from .errors import ArgumentParser, GorgonError
+from .errors import ArgumentParser, GorgonError, user_path
 from .files import atomic_write_text, check_output, move_into_place, new_temp, remove_stale_temps
 from .hub import resolve_heads_folder
 from .loading import is_eagle, load_heads
@@ -29,12 +29,13 @@ def parser() -> argparse.ArgumentParser:
                                 "'vllm' (vLLM's Medusa model) or 'medusa' (FasterDecoding Medusa, which TGI and "
                                 "TensorRT-LLM read). A feature-level head: 'eagle3' (vLLM's and SGLang's EAGLE-3) or "
                                 "'speculators' (the speculators library's format, which vLLM reads).")
-    p.add_argument("--heads", required=True, help="heads folder or hub id")
+    p.add_argument("--heads", type=user_path, required=True, help="heads folder or hub id")
     p.add_argument("--format", required=True, choices=medusa_formats.FORMATS + eagle_formats.FORMATS,
                    help="the serving engine's layout: vllm or medusa for Medusa heads, eagle3 or speculators for a "
                         "feature-level head")
-    p.add_argument("--out", required=True, help="output folder")
-    p.add_argument("--target", default=None, help="the target (default: the one the heads' config.json records, "
+    p.add_argument("--out", type=user_path, required=True, help="output folder")
+    p.add_argument("--target", type=user_path, default=None,
+                   help="the target (default: the one the heads' config.json records, "
                    "else the embedded SmolLM2); its lm_head is written out when the heads share it")
     p.add_argument("--base-model", default=None, help="base_model_name_or_path to record (default: the target name)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],

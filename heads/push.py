@@ -5,14 +5,14 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from .errors import ArgumentParser, GorgonError
+from .errors import ArgumentParser, GorgonError, user_path
 from .hub import CONFIG_NAME, upload_folder
 
 
 def parser() -> argparse.ArgumentParser:
     p = ArgumentParser(prog="gorgon push", description="Create the Hub repo if needed and upload a heads "
                                 "folder (heads, config, trees, metrics, plot, model card) in one commit.")
-    p.add_argument("--heads", required=True, help="the heads folder to upload")
+    p.add_argument("--heads", type=user_path, required=True, help="the heads folder to upload")
     p.add_argument("--repo-id", required=True, help="user/name on the Hub")
     p.add_argument("--private", action="store_true", help="create the repo as private")
     p.add_argument("--revision", default=None, help="branch to commit to (default: main)")

@@ -152,6 +152,16 @@ def test_an_empty_out_folder_is_filled_and_a_linked_or_input_out_refused(tmp_pat
                                                     f".json path, such as {tmp_path}/reports/report.json")
 
 
+def test_a_home_folder_path_in_an_option_is_expanded(tmp_path, monkeypatch):
+    """`--out=~/x` (which the shell leaves as it is) made a folder named ~ here; the training scripts expand it."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.chdir(tmp_path)
+    heads = tmp_path / "heads"
+    MedusaHeads.for_target(AutoModelForCausalLM.from_pretrained(tiny_chat_target(tmp_path))).save_pretrained(heads)
+    assert gorgon(["export", "--heads=~/heads", "--target=~/tiny-llama-0", "--format", "vllm", "--out=~/x"]) == 0
+    assert (tmp_path / "x" / "config.json").is_file() and not (tmp_path / "~").exists()
+
+
 def test_the_folders_written_beside_out_are_gorgons_own(tmp_path):
     """A dataset and an export are written in a folder beside --out and renamed into place. That folder had a
     fixed name (.OUT.writing, .OUT.exporting) and was removed first, whatever it held; it is now a new one with

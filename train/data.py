@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 from gorgon.decode.kernels import KERNELS, use_cpu_kernels
-from gorgon.heads.errors import ArgumentParser, GorgonError, int_at_least
+from gorgon.heads.errors import ArgumentParser, GorgonError, int_at_least, user_path
 from gorgon.heads.files import (
     atomic_write_text,
     check_output,
@@ -442,11 +442,13 @@ def parser() -> argparse.ArgumentParser:
         prog="gorgon data",
         description="Self-distillation: the frozen target answers prompts; the answers become the heads' training "
                     "data (a `datasets` folder with a `messages` column). Rerun the same command to resume.")
-    p.add_argument("--prompts", required=True, help="a .jsonl/.json file (MT-Bench turns, ShareGPT conversations, "
+    p.add_argument("--prompts", type=user_path, required=True,
+                   help="a .jsonl/.json file (MT-Bench turns, ShareGPT conversations, "
                    "OpenAI messages, {prompt}, Alpaca), a dataset folder, a hub dataset name, or 'self' (the target "
                    "writes the prompts itself; needs --limit)")
-    p.add_argument("--out", required=True, help="output dataset folder")
-    p.add_argument("--target", default=None, help="hub id or path (default: the embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--out", type=user_path, required=True, help="output dataset folder")
+    p.add_argument("--target", type=user_path, default=None,
+                   help="hub id or path (default: the embedded SmolLM2-135M-Instruct)")
     p.add_argument("--limit", type=int_at_least(1), default=None, help="use at most N prompts (default: all)")
     p.add_argument("--max-new-tokens", type=int_at_least(1), default=d.max_new_tokens,
                    help=f"longest answer per turn (default {d.max_new_tokens})")
