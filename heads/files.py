@@ -153,10 +153,16 @@ def atomic_write(path: Path, write) -> None:
 def move_into_place(tmp: Path, out: Path, marker: str) -> None:
     """Put a finished folder `tmp` at `out`: renamed whole onto a missing `out` (readers see all of it or
     nothing); into an empty folder that exists (the user's, perhaps with permissions of its own, or a mount
-    point) entry by entry, `marker` first, so a move cut short leaves output gorgon knows as its own."""
-    if not out.is_dir():
-        os.replace(tmp, out)
-        return
+    point) entry by entry, `marker` first, so a move cut short leaves output gorgon knows as its own. An `out`
+    that another process filled meanwhile (it was checked before the work) is refused in one line."""
+    try:
+        if not (out.is_dir() and not any(out.iterdir())):
+            os.replace(tmp, out)  # fails on a folder that is not empty
+            return
+    except OSError as err:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise GorgonError(f"--out {out} was written by another process while this one worked ({err.strerror}): "
+                          "nothing of this run's was put there; rerun with another --out") from err
     os.replace(tmp / marker, out / marker)
     for entry in tmp.iterdir():
         os.replace(entry, out / entry.name)

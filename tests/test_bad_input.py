@@ -152,6 +152,21 @@ def test_an_empty_out_folder_is_filled_and_a_linked_or_input_out_refused(tmp_pat
                                                     f".json path, such as {tmp_path}/reports/report.json")
 
 
+def test_an_out_filled_by_another_process_during_the_work_is_left_alone(tmp_path):
+    """Two exports into one new --out: the second's swap failed with an OSError traceback, and had the folder
+    counted as empty (the user's) it would have mixed its files into the first's."""
+    from gorgon.heads.files import move_into_place
+
+    out, tmp = tmp_path / "out", tmp_path / ".out.tmp"
+    for made in (tmp, out):
+        made.mkdir()
+        (made / "config.json").write_text(made.name)
+    with pytest.raises(GorgonError, match=rf"^--out {re.escape(str(out))} was written by another process while this "
+                                          r"one worked \(.*\): nothing of this run's was put there; rerun with"):
+        move_into_place(tmp, out, "config.json")
+    assert (out / "config.json").read_text() == "out" and not tmp.exists()
+
+
 def test_a_home_folder_path_in_an_option_is_expanded(tmp_path, monkeypatch):
     """`--out=~/x` (which the shell leaves as it is) made a folder named ~ here; the training scripts expand it."""
     monkeypatch.setenv("HOME", str(tmp_path))
