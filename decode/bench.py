@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from gorgon.heads import ContextDrafter, MergedDrafter
+from gorgon.heads import MergedDrafter
 from gorgon.heads.card import check_card_folder, refresh_model_card
 from gorgon.heads.errors import ArgumentParser, GorgonError, int_at_least, user_path
 from gorgon.heads.files import atomic_write, atomic_write_text, check_report_output
@@ -238,40 +238,16 @@ def environment(model, drafter, sampling: Sampling, max_new_tokens: int) -> dict
 
     import transformers
 
-    return {**machine_setup(model), "tree": tree_description(drafter), "tree_size": drafter.max_nodes,
-            "draft_dtype": drafter_dtype(drafter), "context_draft": context_settings(drafter),
+    return {**machine_setup(model), **drafter_settings(drafter), "tree_size": drafter.max_nodes,
             "max_new_tokens": max_new_tokens, "temperature": sampling.temperature, "top_k": sampling.top_k,
             "top_p": sampling.top_p, "versions": {"torch": torch.__version__, "transformers": transformers.__version__,
                                                   "python": platform.python_version()}}
 
 
-def drafter_dtype(drafter) -> str | None:
-    """The dtype of the drafter's own weights (--draft-dtype); None for prompt lookup, which has none."""
-    drafter = getattr(drafter, "drafter", drafter)  # a merged drafter: the one with weights
-    module = next((getattr(drafter, name) for name in ("head", "heads", "model") if hasattr(drafter, name)), None)
-    return None if module is None else str(next(module.parameters()).dtype).replace("torch.", "")
-
-
-def context_settings(drafter) -> dict | None:
-    """The --context-* settings of a drafter that drafts from the context, alone or merged; else None."""
-    context = drafter.context if isinstance(drafter, MergedDrafter) else drafter
-    if not isinstance(context, ContextDrafter):
-        return None
-    return {"ngram": context.max_ngram, "tokens": context.length, "max_tokens": context.max_length,
-            "branches": context.branches}
-
-
-def tree_description(drafter):
-    """A static drafter's tree as rank paths; a drafter that builds a tree per step has none to show,
-    but a feature-level head's search has a depth and top-k (--draft-depth, --draft-topk)."""
-    tree = getattr(drafter, "tree", None)
-    if tree is not None:
-        return [list(p) for p in tree.paths]
-    search = getattr(drafter, "drafter", drafter)  # a merged drafter: the one it merges the context into
-    if hasattr(search, "depth"):
-        stop = f", no deeper once chances sum below {search.level_cost:.2f}" if search.level_cost else ""
-        return f"built per step (depth {search.depth}, top-k {search.topk}{stop})"
-    return "built per step"
+def drafter_settings(drafter) -> dict:
+    """What the report records of the drafter (`settings()`, the drafter interface's): its tree, the dtype of its
+    weights, its context-draft settings; a drafter of the user's without `settings` records none."""
+    return {"tree": None, "draft_dtype": None, "context_draft": None, **getattr(drafter, "settings", dict)()}
 
 
 def extra_names(report: dict) -> list[str]:
@@ -412,7 +388,7 @@ def main(argv=None) -> int:
     seed = 0 if args.seed is None else args.seed  # reproducible unless asked otherwise
     about = environment(target.model, drafter, sampling, args.max_new_tokens)
     if compare is not None:
-        about["compare"] = {"heads": args.compare_heads, "tree": tree_description(compare),
+        about["compare"] = {"heads": args.compare_heads, "tree": drafter_settings(compare)["tree"],
                             "tree_size": compare.max_nodes}
     about.update({"target": target.name, "drafter": drafter_name(args), "questions_file": args.questions,
                   "command": "gorgon bench " + " ".join(sys.argv[2:] if argv is None else argv)})

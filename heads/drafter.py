@@ -18,7 +18,9 @@ drafter's `feature_layers`: None for the last (normed) one, else indices into th
 `hidden_states` (0 the embeddings, i the output of layer i), concatenated.
 
 A drafter with weights also gives `check_target(model)`, which refuses, in one line, a target of other
-shapes than the one it was built for: the decoder calls it before the prefill.
+shapes than the one it was built for: the decoder calls it before the prefill. `settings()` says what a
+benchmark report records of a drafter: its tree (`tree`: rank paths, or how it builds one each step), the
+dtype of its weights (`draft_dtype`) and its context-draft settings (`context_draft`).
 """
 
 from __future__ import annotations
@@ -28,6 +30,11 @@ from typing import Protocol
 import torch
 
 from .tree import Tree
+
+
+def dtype_name(module: torch.nn.Module) -> str:
+    """The dtype of a drafter's weights, as a report names it ("float32")."""
+    return str(next(module.parameters()).dtype).replace("torch.", "")
 
 
 class Drafter(Protocol):

@@ -28,6 +28,12 @@ from .tree import MAX_TREE_NODES, best_first
 Expand = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
+def search_settings(depth: int, topk: int, level_cost: float) -> str:
+    """How a drafter that searches builds its tree each step, as a report describes it."""
+    stop = f", no deeper once chances sum below {level_cost:.2f}" if level_cost else ""
+    return f"built per step (depth {depth}, top-k {topk}{stop})"
+
+
 def check_search(depth: int, topk: int, nodes: int) -> None:
     """A search's settings, checked where they are set (config, command line, Python)."""
     if not (isinstance(depth, int) and depth >= 1):

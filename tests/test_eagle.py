@@ -660,9 +660,10 @@ def test_accelerate_launch_trains_an_eagle_head_that_decodes_exactly(tmp_path):
     ids = target.tokenizer.apply_chat_template([{"role": "user", "content": "count from 3"}],
                                                add_generation_prompt=True, return_tensors="pt",
                                                return_dict=True)["input_ids"]
-    result = speculative_generate(target.model, EagleDrafter(head), ids, max_new_tokens=40)
+    assert head.config.nodes == {"cpu": 8, "cuda": 48}  # the feature-level head's default tree sizes
+    result = speculative_generate(target.model, EagleDrafter(head, nodes=16), ids, max_new_tokens=40)
     assert result.tokens == reference(target.model, ids, 40)
-    assert result.tau > 1.5  # the head learned the target's own answers: it drafts them
+    assert result.tau > 1.5  # the head learned the target's own answers: it drafts them (a 16-node tree)
     gorgon = [sys.executable, "-m", "gorgon.heads.cli"]
     gen = subprocess.run(gorgon + ["generate", "--heads", str(out), "--target", str(target_path), "--raw",
                                    "--prompt", "count from 3", "--max-new-tokens", "12", "--stats"],

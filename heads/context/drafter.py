@@ -74,6 +74,10 @@ class ContextDrafter:
     def max_nodes(self) -> int:
         return 1 + self.max_length * self.branches
 
+    def settings(self) -> dict:
+        return {"tree": "built per step", "context_draft": {"ngram": self.max_ngram, "tokens": self.length,
+                                                            "max_tokens": self.max_length, "branches": self.branches}}
+
     def chains(self, root: torch.Tensor, context: torch.Tensor) -> tuple[int, list[list[int]]]:
         return lookup(context.tolist() + [int(root)], self.max_ngram, self.length, self.branches, self.max_length)
 
@@ -149,6 +153,12 @@ class MergedDrafter:
     @property
     def max_nodes(self) -> int:
         return self.budget
+
+    def settings(self) -> dict:
+        """The merged drafter's tree (its search's: the fixed tree is merged per step) and both drafters'."""
+        mine = self.drafter.settings()
+        tree = mine["tree"] if isinstance(mine["tree"], str) else "built per step"
+        return {**mine, "tree": tree, "context_draft": self.context.settings()["context_draft"]}
 
     def propose(self, root: torch.Tensor, features: torch.Tensor, context: torch.Tensor):
         chance: dict[tuple[int, ...], float] = {}

@@ -5,9 +5,10 @@ from __future__ import annotations
 import torch
 
 from ..cache import crop_cache, growing_cache, with_cache
+from ..drafter import dtype_name
 from ..errors import GorgonError
 from ..masks import layer_masks
-from ..search import check_level_cost, check_search, grow_tree
+from ..search import check_level_cost, check_search, grow_tree, search_settings
 from ..tree import MAX_TREE_NODES, tree_from_token_paths
 from .model import check_draft_vocab
 
@@ -62,6 +63,9 @@ class DraftModelDrafter:
     @property
     def max_nodes(self) -> int:
         return self.nodes
+
+    def settings(self) -> dict:
+        return {"tree": search_settings(self.depth, self.topk, self.level_cost), "draft_dtype": dtype_name(self.model)}
 
     def propose(self, root: torch.Tensor, features: torch.Tensor, context: torch.Tensor):
         return tree_from_token_paths(root, [path for path, _ in self.scored_paths(root, features, context)])

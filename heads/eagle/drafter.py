@@ -18,9 +18,10 @@ import math
 import torch
 
 from ..cache import crop_cache, growing_cache
+from ..drafter import dtype_name
 from ..errors import GorgonError
 from ..masks import additive_mask
-from ..search import check_level_cost, check_search, grow_tree
+from ..search import check_level_cost, check_search, grow_tree, search_settings
 from ..target import check_fits
 from ..tree import tree_from_token_paths
 from .model import EagleHead
@@ -51,6 +52,9 @@ class EagleDrafter:
 
     def check_target(self, model) -> None:
         check_fits(self.head.config, model.config.get_text_config())
+
+    def settings(self) -> dict:
+        return {"tree": search_settings(self.depth, self.topk, self.level_cost), "draft_dtype": dtype_name(self.head)}
 
     def propose(self, root: torch.Tensor, features: torch.Tensor, context: torch.Tensor):
         return tree_from_token_paths(root, [path for path, _ in self.scored_paths(root, features, context)])

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from ..drafter import dtype_name
 from ..errors import GorgonError
 from ..target import check_fits
 from ..tree import REFERENCE_ACCURACIES, build_tree, default_tree, path_chance, token_paths, tree_from_accuracies
@@ -42,6 +43,9 @@ class HeadsDrafter:
 
     def check_target(self, model) -> None:
         check_fits(self.heads.config, model.config.get_text_config())
+
+    def settings(self) -> dict:
+        return {"tree": [list(p) for p in self.tree.paths], "draft_dtype": dtype_name(self.heads)}
 
     def propose(self, root: torch.Tensor, features: torch.Tensor, context: torch.Tensor):
         """The heads read the hidden state at the last accepted token only."""
