@@ -26,7 +26,7 @@ from gorgon.heads.tree import cut_tree, host_to_device
 from .acceptance import Sampling, accept_greedy, accept_sampled, accept_typical, target_probs
 from .argmax import target_argmax
 from .attention import decoding_attention
-from .verify import accepted_rows, features, keep_path, verify
+from .verify import accepted_rows, check_verifies_trees, features, keep_path, verify
 
 ACCEPTANCE_RULES = ("exact", "typical")
 
@@ -261,6 +261,7 @@ def speculative_generate(model, drafter: Drafter, input_ids: torch.Tensor, max_n
         return torch.multinomial(target_probs(lm_logits(model, hidden), sampling), 1, generator=generator)[0]
 
     with decoding_attention(input_ids.device):  # on CUDA, attention without per-shape setup
+        check_verifies_trees(model)  # once per model: a family whose forward cannot verify trees is refused
         cache = growing_cache()
         decoder = base_model(model)
         out = decoder(input_ids=input_ids, **with_cache(decoder, cache), use_cache=True,

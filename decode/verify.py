@@ -10,14 +10,17 @@ position p sees position q only when p - q < window). Models with both kinds of 
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Sequence
 
 import torch
 
-from gorgon.heads.cache import crop_cache, with_cache
-from gorgon.heads.masks import additive_mask, layer_masks
+from gorgon.heads.cache import crop_cache, growing_cache, with_cache
+from gorgon.heads.errors import GorgonError
+from gorgon.heads.files import first_problem
+from gorgon.heads.masks import additive_mask, layer_kinds, layer_masks
 from gorgon.heads.target import base_model
-from gorgon.heads.tree import Tree, host_to_device
+from gorgon.heads.tree import Tree, host_to_device, tree_from_token_paths
 
 
 def tree_mask(tree: Tree, past_len: int, dtype: torch.dtype) -> torch.Tensor:
@@ -81,3 +84,61 @@ def keep_path(cache, past_len: int, nodes: torch.Tensor | slice) -> None:
         for buf in (layer.keys, layer.values):
             buf[:, :, past_len: past_len + nodes.numel()] = buf[:, :, src]
     crop_cache(cache, past_len + nodes.numel())
+
+
+def check_verifies_trees(model) -> None:
+    """Refuse, in one line, a target whose forward cannot verify a tree exactly, before the prefill: layers that
+    are not attention (`layer_kinds`), positions taken from a token's place in the input rather than
+    `position_ids` (ALiBi: Bloom, MPT; RWKV), or attention that masks by that place itself (GPT-Neo's local
+    layers). Any other family is probed once per model (`tree_probe_problem`): its output for the prompt
+    would otherwise differ from `generate`'s without a word."""
+    if getattr(model, "_gorgon_verifies_trees", False):
+        return
+    cfg = model.config.get_text_config()
+    kind = getattr(cfg, "model_type", type(model).__name__)
+    layer_kinds(model.config)
+    decoder = base_model(model)
+    if "position_ids" not in inspect.signature(decoder.forward).parameters:
+        raise GorgonError(f"{kind} places each token by its order in the input (its forward takes no position_ids), "
+                          "so the nodes of a tree would sit at wrong positions: use a model with rotary or learned "
+                          "positions (Llama, Qwen, Mistral, Gemma, ...)")
+    if "local" in str(getattr(cfg, "attention_layers", "")):
+        raise GorgonError(f"{kind}'s local attention layers mask keys by their order in the input, not by the tree: "
+                          "use a model with full or sliding-window attention")
+    problem = tree_probe_problem(model, decoder)
+    if problem:
+        raise GorgonError(f"{kind} cannot verify a tree of candidates in one forward ({problem}): gorgon needs a "
+                          "forward that takes a 4D attention mask, position_ids and a KV cache")
+    model._gorgon_verifies_trees = True
+
+
+@torch.inference_mode()
+def tree_probe_problem(model, decoder) -> str | None:
+    """What goes wrong when the model verifies a small tree after a short prompt, or None: the prefill must fill
+    the KV cache, and the nodes of a branch that follows a sibling (so a node's place in the input differs from
+    its depth) must get the hidden states a plain forward gives the same tokens (to float32 rounding; 10% of
+    the largest in a 16-bit model, whose tree and plain forwards round apart)."""
+    vocab = model.config.get_text_config().vocab_size
+    device = model.get_input_embeddings().weight.device
+    ids = torch.randint(0, vocab, (9,), generator=torch.Generator().manual_seed(0)).to(device)
+    prompt, chain = ids[:6], ids[6:]  # the branch root -> b -> d, verified beside a sibling a of b
+    sibling = int(chain[1] + 1) % vocab
+    tokens, tree = tree_from_token_paths(chain[0], [[sibling], chain[1:].tolist()])
+    ranks = [tuple(p) for p in tree.paths]
+    rows = [0, 1 + ranks.index((1,)), 1 + ranks.index((1, 0))]
+    try:
+        cache = growing_cache()
+        decoder(input_ids=prompt[None], **with_cache(decoder, cache), use_cache=True)
+        if cache.get_seq_length() != prompt.numel():
+            return "its forward left the KV cache empty: it keeps no cache, or a state of its own"
+        nodes = verify(model, cache, tokens, tree).last_hidden_state[0, rows].float()
+        plain = decoder(input_ids=ids[None]).last_hidden_state[0, -3:].float()
+    except GorgonError:
+        raise
+    except Exception as err:  # a forward that takes no 4D mask or no cache fails in many ways
+        return f"{type(err).__name__}: {first_problem(err, 120)}"
+    tolerance = 1e-3 if model.dtype == torch.float32 else 0.1
+    if (nodes - plain).abs().max() > tolerance * plain.abs().max().clamp_min(1e-6):
+        return "its outputs for the tree's nodes differ from a plain forward's over the same tokens"
+    return None
+

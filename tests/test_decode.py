@@ -2,6 +2,7 @@
 equals the cache of a plain forward over the accepted tokens, on every architecture family."""
 
 import copy
+import re
 
 import pytest
 import torch
@@ -12,7 +13,7 @@ from transformers import DynamicCache
 from gorgon.decode import speculative_generate
 from gorgon.decode.acceptance import Sampling
 from gorgon.decode.kernels import use_cpu_kernels
-from gorgon.decode.verify import accepted_rows, keep_path, verify
+from gorgon.decode.verify import accepted_rows, check_verifies_trees, keep_path, verify
 from gorgon.heads import GorgonError, HeadsDrafter, MedusaHeads
 from gorgon.heads.cache import crop_cache, growing_cache, with_cache
 from gorgon.heads.target import logit_scale
@@ -172,11 +173,37 @@ def test_verify_steps_read_no_single_values_from_the_device(sampling, acceptance
     drafter = HeadsDrafter(MedusaHeads.for_target(model, num_heads=3), tree=tree)
     ids = torch.randint(0, VOCAB, (1, 7), generator=torch.Generator().manual_seed(0))
     logit_scale(model)  # measured once per model, before its first decoding
+    check_verifies_trees(model)  # probed once per model, likewise
     with CountScalarReads() as counter:
         result = speculative_generate(model, drafter, ids, max_new_tokens=30, sampling=sampling,
                                       acceptance=acceptance, generator=torch.Generator().manual_seed(0))
     assert result.target_forwards > 5
     assert counter.reads == 1  # the prefill's token
+
+
+@pytest.mark.parametrize("family,refusal", [
+    ("mpt", "mpt places each token by its order in the input (its forward takes no position_ids)"),
+    ("bloom", "bloom places each token by its order in the input"),
+    ("rwkv", "rwkv places each token by its order in the input"),
+    ("gpt_neo", "gpt_neo's local attention layers mask keys by their order in the input, not by the tree"),
+    ("openai-gpt", "openai-gpt cannot verify a tree of candidates in one forward (its forward left the KV cache "
+                   "empty"),
+    ("mamba", "layer types ['linear_attention'] are not supported by tree attention")])
+def test_a_family_whose_forward_cannot_verify_trees_is_refused_in_one_line(family, refusal):
+    """MPT's ALiBi and GPT-Neo's local layers place keys by their order in the input, not by the tree, and RWKV's
+    forward drops the cache it is given: each decoded without a word, wrongly (their output differed from
+    `generate`'s); Bloom, OpenAI-GPT and Mamba failed inside torch or transformers."""
+    from transformers import CONFIG_MAPPING, AutoModelForCausalLM
+
+    sizes = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                 max_position_embeddings=64)
+    extra = {"gpt_neo": dict(attention_types=[[["global", "local"], 1]], window_size=6),
+             "rwkv": dict(attention_hidden_size=32)}.get(family, {})
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(CONFIG_MAPPING[family](**sizes, **extra)).eval()
+    ids = torch.randint(0, VOCAB, (1, 8))
+    with pytest.raises(GorgonError, match=f"^{re.escape(refusal)}"):
+        speculative_generate(model, HeadsDrafter(MedusaHeads.for_target(model)), ids, 8, eos_token_id=None)
 
 
 def test_stops_at_eos_and_never_overshoots():

@@ -94,30 +94,37 @@ def check_feature_layers(layers: list[int], num_layers: int) -> None:
 
 def _decoder_layer(layer_config: dict, attn_implementation: str):
     """One decoder layer of the target's architecture, built from its config, with attention that reads
-    twice the width (the token's embedding beside the features), and the rotary embedding for it."""
+    twice the width (the token's embedding beside the features), and the rotary embedding for it. A family
+    whose layers are not Llama-shaped is refused in one line, whichever step of building the layer finds it."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    config = AutoConfig.for_model(**copy.deepcopy(layer_config))
-    config.num_hidden_layers = 1
-    for key in ("layer_types", "sliding_window"):  # the draft attends to its whole context
-        if getattr(config, key, None) is not None:
-            setattr(config, key, ["full_attention"] if key == "layer_types" else None)
-    config._attn_implementation = attn_implementation
-    with torch.device("meta"):
-        shell = AutoModelForCausalLM.from_config(config)  # only to find the family's classes
-    layer_cls, rotary_cls = type(shell.get_decoder().layers[0]), type(shell.get_decoder().rotary_emb)
-    layer = layer_cls(config, layer_idx=0)
+    refusal = GorgonError(f"feature-level heads need a target whose decoder layers are Llama-shaped (input and "
+                          f"post-attention RMS norms, rotary q/k/v projections, one gated MLP), which "
+                          f"{layer_config.get('model_type')} is not: use Medusa heads (arch: medusa) for this target")
+    try:
+        config = AutoConfig.for_model(**copy.deepcopy(layer_config))
+        config.num_hidden_layers = 1
+        for key in ("layer_types", "sliding_window"):  # the draft attends to its whole context
+            if getattr(config, key, None) is not None:
+                setattr(config, key, ["full_attention"] if key == "layer_types" else None)
+        config._attn_implementation = attn_implementation
+        with torch.device("meta"):
+            shell = AutoModelForCausalLM.from_config(config)  # only to find the family's classes
+        layer_cls, rotary_cls = type(shell.get_decoder().layers[0]), type(shell.get_decoder().rotary_emb)
+        layer = layer_cls(config, layer_idx=0)
+        eps = config.rms_norm_eps
+    except Exception as err:  # a family built otherwise fails here in many ways (a missing attribute, a config
+        raise refusal from err  # that refuses one full-attention layer, a layer that takes other arguments)
     needed = ("input_layernorm", "self_attn", "post_attention_layernorm", "mlp")
-    attn = getattr(layer, "self_attn", None)
+    attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
     if not all(hasattr(layer, n) for n in needed) or hasattr(layer, "pre_feedforward_layernorm") \
-            or not all(isinstance(getattr(attn, p, None), nn.Linear) for p in ("q_proj", "k_proj", "v_proj")):
-        raise GorgonError(f"feature-level heads need a target whose decoder layers are Llama-shaped (input and "
-                          f"post-attention norms, q/k/v projections, one MLP), which {config.model_type} is not: "
-                          "use Medusa heads (arch: medusa) for this target")
+            or not all(isinstance(getattr(attn, p, None), nn.Linear) for p in ("q_proj", "k_proj", "v_proj")) \
+            or not all(isinstance(getattr(mlp, p, None), nn.Linear) for p in ("gate_proj", "up_proj", "down_proj")):
+        raise refusal
     for name in ("q_proj", "k_proj", "v_proj"):
         old = getattr(attn, name)
         setattr(attn, name, nn.Linear(2 * old.in_features, old.out_features, bias=old.bias is not None))
-    layer.hidden_norm = type(layer.input_layernorm)(config.hidden_size, eps=config.rms_norm_eps)
+    layer.hidden_norm = type(layer.input_layernorm)(config.hidden_size, eps=eps)
     return layer, rotary_cls(config=config)
 
 
@@ -184,7 +191,11 @@ class EagleHead(PushToHubMixin, nn.Module):
             for name, ours in head.midlayer.named_parameters():
                 if name.startswith("hidden_norm."):
                     continue  # the features' norm is the head's own
-                theirs = source.get_parameter(name)  # a layer under an unmerged PEFT adapter gives its base weight
+                try:
+                    theirs = source.get_parameter(name)  # a layer under an unmerged PEFT adapter gives its base weight
+                except AttributeError as err:  # its last layer differs from the others (a mixture of experts)
+                    raise GorgonError(f"the target's last decoder layer has no {name} as a dense Llama-shaped layer "
+                                      "has: use Medusa heads (arch: medusa) for this target") from err
                 if ours.shape == theirs.shape:
                     ours.copy_(theirs)
                 else:  # a doubled q/k/v input: the features half starts as the target's projection
