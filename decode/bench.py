@@ -10,6 +10,7 @@ counts the questions where they are.
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
 import statistics
 import sys
@@ -21,7 +22,14 @@ import torch
 from gorgon.heads import MergedDrafter
 from gorgon.heads.card import check_card_folder, refresh_model_card
 from gorgon.heads.errors import ArgumentParser, GorgonError, int_at_least, user_path
-from gorgon.heads.files import atomic_write, atomic_write_text, check_report_output
+from gorgon.heads.files import (
+    atomic_write,
+    atomic_write_text,
+    check_report_output,
+    check_unlocked,
+    drop_lock,
+    take_lock,
+)
 from gorgon.heads.target import context_length, load_causal_lm
 
 from .acceptance import Sampling
@@ -375,6 +383,7 @@ def main(argv=None) -> int:
         raise GorgonError("--compare-heads times other heads beside the --heads under test: pass --heads too")
     if args.out:
         check_report_output(args.out, is_report, args.overwrite)
+        hold_report_lock(Path(args.out))
     questions = per_category_sample(load_questions(args.questions, args.limit), args.per_category)
     Sampling(args.temperature)  # its range check, before the target loads
     tree = read_tree(args.tree)
@@ -420,4 +429,20 @@ def main(argv=None) -> int:
         folder = Path(args.heads or args.draft)  # a local training folder: its card is rewritten in place
         refresh_model_card(folder, report)
         print(f"model card updated: {folder / 'README.md'}")
+    if args.out:
+        drop_lock(report_lock(Path(args.out)))
     return 0
+
+
+def report_lock(out: Path) -> Path:
+    """The lock beside a report that a bench is writing (`hold_report_lock`)."""
+    return out.parent / f".{out.name}.lock"
+
+
+def hold_report_lock(out: Path) -> None:
+    """Refuse a report another live bench is writing (both wrote it after each question, and one's figures were
+    lost); else hold its lock until the bench ends (given back at exit when it fails)."""
+    lock = report_lock(out)
+    check_unlocked(lock, "gorgon bench", out)
+    take_lock(lock)
+    atexit.register(drop_lock, lock)

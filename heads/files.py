@@ -92,10 +92,11 @@ def process_start(pid: int) -> str:
         return ""
 
 
-def check_unlocked(lock: Path, writer: str) -> None:
+def check_unlocked(lock: Path, writer: str, written: Path | None = None) -> None:
     """Refuse when a live process of this machine holds `lock` (`take_lock`): a second writer would write beside
     it. A lock left by a killed process (gone, or its id since given to a process that started later) or taken
-    on another machine is not in the way. `writer` names the holder in the message ("training run")."""
+    on another machine is not in the way. `writer` names the holder in the message ("training run"), `written`
+    what it writes (default: the lock's folder)."""
     try:
         host, pid, *started = lock.read_text().split()
         pid = int(pid)
@@ -105,8 +106,8 @@ def check_unlocked(lock: Path, writer: str) -> None:
         return
     if started and process_start(pid) not in ("", started[0]):  # "": unreadable, so taken as the same process
         return
-    raise GorgonError(f"{lock.parent} is being written by another {writer} (process {pid}, still running): wait "
-                      f"for it to end, or stop it (kill {pid}), then retry")
+    raise GorgonError(f"{written or lock.parent} is being written by another {writer} (process {pid}, still "
+                      f"running): wait for it to end, or stop it (kill {pid}), then retry")
 
 
 def take_lock(lock: Path) -> None:

@@ -341,6 +341,30 @@ def test_training_step_counts(tmp_path):
     assert json.loads((out / "metrics.json").read_text())["steps"] == 0
 
 
+def test_a_report_another_live_bench_writes_is_refused(tmp_path, capsys):
+    """Two benches into one --out both wrote the report after each question, and one's figures were lost."""
+    from gorgon.heads.files import host_name, process_start
+
+    target = tiny_chat_target(tmp_path)
+    heads = tmp_path / "heads"
+    MedusaHeads.for_target(AutoModelForCausalLM.from_pretrained(target)).save_pretrained(heads)
+    out = tmp_path / "r.json"
+    bench = ["bench", "--heads", str(heads), "--target", str(target), "--questions",
+             str(questions_file(tmp_path / "q.jsonl", QUESTIONS[:1])), "--max-new-tokens", "4", "--out", str(out)]
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        (tmp_path / ".r.json.lock").write_text(f"{host_name()} {other.pid} {process_start(other.pid)}\n")
+        assert gorgon(bench) == 2
+        assert capsys.readouterr().err.strip().endswith(f"{out} is being written by another gorgon bench "
+                                                        f"(process {other.pid}, still running): wait for it to "
+                                                        f"end, or stop it (kill {other.pid}), then retry")
+    finally:
+        other.kill()
+        other.wait()
+    assert gorgon(bench) == 0 and out.is_file()  # its process gone, the lock is stale
+    assert not (tmp_path / ".r.json.lock").exists()  # given back at the end
+
+
 def test_bench_counts_only_the_questions_it_ran(tmp_path):
     target = load_target(str(tiny_chat_target(tmp_path)), device="cpu")  # context 512, one token per character
     drafter = HeadsDrafter(MedusaHeads.for_target(target.model), tree=[[0], [1], [0, 0]])

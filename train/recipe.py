@@ -324,12 +324,13 @@ REPLACING = "replacing an earlier run\n"  # the marker's text while a run (--ove
 EARLIER = ".earlier-run"  # where the replaced run's files wait while the new run writes its own
 LOCK = ".gorgon-run.lock"  # this machine and the main process's id while a run writes the folder
 # What a run writes in its --out (heads, a draft model and its tokenizer, checkpoints, the temporary files of
-# atomic writes): --overwrite replaces a folder holding these only, and gorgon bench reports with their plots.
+# atomic writes): --overwrite replaces a folder holding these only, and gorgon bench reports with their plots
+# (and the lock a killed bench left beside its report).
 RUN_FILES = (RUN_MARKER, EARLIER, LOCK, "checkpoints", ADAPTER_DIR, ".*.tmp", "config.json", "generation_config.json",
              "model.safetensors", "model-*-of-*.safetensors", "model.safetensors.index.json", TREES_NAME,
              DRAFT_VOCAB_NAME, "metrics.json", "recipe.json", "head_accuracy.png", "README.md", "tokenizer.json",
              "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json", "chat_template.jinja",
-             "vocab.json", "merges.txt", "tokenizer.model")
+             "vocab.json", "merges.txt", "tokenizer.model", ".*.json.lock")
 
 
 def in_run_folder(path: Path) -> bool:
