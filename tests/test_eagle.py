@@ -570,7 +570,8 @@ def test_bad_input_is_one_line(tmp_path):
     with pytest.raises(GorgonError, match="Llama-shaped"):
         EagleHead.for_target(tiny_model("gemma2", layers=4))
     # Families built otherwise failed inside transformers or torch (no `layers`, a LayerNorm without rms_norm_eps,
-    # a mixture-of-experts MLP, a config that refuses a full-attention layer, a last layer unlike the shell's)
+    # a layer called otherwise: attention that wants position_ids, an MLP that returns a tuple; a last layer unlike
+    # the shell's), when the head was made or when it first drafted
     from transformers import CONFIG_MAPPING, AutoModelForCausalLM
 
     sizes = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
@@ -578,7 +579,8 @@ def test_bad_input_is_one_line(tmp_path):
     for family, extra, refusal in [
             ("gpt2", {}, "which gpt2 is not: use Medusa heads"), ("olmo", {}, "which olmo is not"),
             ("mamba", {}, "which mamba is not"),
-            ("mixtral", dict(num_local_experts=4, num_experts_per_tok=2), "which mixtral is not"),
+            ("ministral3", {}, "which ministral3 is not"),
+            ("gpt_oss", dict(num_local_experts=4, num_experts_per_tok=2, head_dim=8), "which gpt_oss is not"),
             ("ernie4_5_moe", dict(moe_num_experts=4, moe_k=2, moe_intermediate_size=32, moe_layer_start_index=1),
              "the target's last decoder layer has no mlp.gate_proj.weight as a dense Llama-shaped layer has")]:
         torch.manual_seed(0)

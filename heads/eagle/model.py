@@ -33,6 +33,7 @@ from ..cache import with_cache
 from ..errors import GorgonError, config_from_dict
 from ..files import read_config, reading_weights, write_weights
 from ..hub import CONFIG_NAME, PushToHubMixin, resolve_heads_folder
+from ..masks import additive_mask
 from ..target import Target, attach_to_target, check_fits
 from ..tree import chain_tau
 from ..vocab import is_draft_vocab
@@ -92,15 +93,19 @@ def check_feature_layers(layers: list[int], num_layers: int) -> None:
         raise GorgonError(f"feature_layers must lie between 1 and {num_layers} (the target's layers), not {layers}")
 
 
+def not_llama_shaped(model_type: str) -> GorgonError:
+    return GorgonError(f"feature-level heads need a target whose decoder layers are Llama-shaped (input and "
+                       f"post-attention RMS norms, rotary q/k/v projections, one MLP), which {model_type} is not: "
+                       "use Medusa heads (arch: medusa) for this target")
+
+
 def _decoder_layer(layer_config: dict, attn_implementation: str):
     """One decoder layer of the target's architecture, built from its config, with attention that reads
     twice the width (the token's embedding beside the features), and the rotary embedding for it. A family
     whose layers are not Llama-shaped is refused in one line, whichever step of building the layer finds it."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    refusal = GorgonError(f"feature-level heads need a target whose decoder layers are Llama-shaped (input and "
-                          f"post-attention RMS norms, rotary q/k/v projections, one gated MLP), which "
-                          f"{layer_config.get('model_type')} is not: use Medusa heads (arch: medusa) for this target")
+    refusal = not_llama_shaped(layer_config.get("model_type"))
     try:
         config = AutoConfig.for_model(**copy.deepcopy(layer_config))
         config.num_hidden_layers = 1
@@ -116,10 +121,9 @@ def _decoder_layer(layer_config: dict, attn_implementation: str):
     except Exception as err:  # a family built otherwise fails here in many ways (a missing attribute, a config
         raise refusal from err  # that refuses one full-attention layer, a layer that takes other arguments)
     needed = ("input_layernorm", "self_attn", "post_attention_layernorm", "mlp")
-    attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
+    attn = getattr(layer, "self_attn", None)
     if not all(hasattr(layer, n) for n in needed) or hasattr(layer, "pre_feedforward_layernorm") \
-            or not all(isinstance(getattr(attn, p, None), nn.Linear) for p in ("q_proj", "k_proj", "v_proj")) \
-            or not all(isinstance(getattr(mlp, p, None), nn.Linear) for p in ("gate_proj", "up_proj", "down_proj")):
+            or not all(isinstance(getattr(attn, p, None), nn.Linear) for p in ("q_proj", "k_proj", "v_proj")):
         raise refusal
     for name in ("q_proj", "k_proj", "v_proj"):
         old = getattr(attn, name)
@@ -201,8 +205,9 @@ class EagleHead(PushToHubMixin, nn.Module):
                 else:  # a doubled q/k/v input: the features half starts as the target's projection
                     ours.zero_()
                     ours[:, theirs.shape[1]:].copy_(theirs)
-        head.to(device=lm_weight.device, dtype=lm_weight.dtype)
-        return head.attach(target_model)
+        head.to(device=lm_weight.device, dtype=lm_weight.dtype).attach(target_model)
+        head.check_layer_runs()
+        return head
 
     def attach(self, target_model: nn.Module, fingerprints: tuple[str, ...] = ()) -> "EagleHead":
         """Check this head fits `target_model` and bind its embedding. Refuses another target, and one too
@@ -216,6 +221,23 @@ class EagleHead(PushToHubMixin, nn.Module):
                               "target it was trained for, or train one for this target")
         object.__setattr__(self, "_target", target_model)
         return self
+
+    def check_layer_runs(self) -> None:
+        """Run the layer once over two positions: a family whose layer passed for Llama-shaped but is called
+        otherwise (attention that wants position_ids, an MLP that returns a tuple) is refused now, in one line,
+        not when it first drafts."""
+        device, dtype = self.fc.weight.device, self.fc.weight.dtype
+        features = torch.zeros(1, 2, self.config.hidden_size, device=device, dtype=dtype)
+        causal = torch.ones(2, 2, dtype=torch.bool, device=device).tril()
+        try:
+            with torch.no_grad():
+                out = self.layer(features, torch.zeros(1, 2, dtype=torch.long, device=device),
+                                 self.rope(torch.arange(2, device=device)[None], dtype),
+                                 additive_mask(causal, dtype)[None, None])
+        except Exception as err:  # the family's layer takes or returns other things than Llama's
+            raise not_llama_shaped(self.config.layer_config.get("model_type")) from err
+        if not isinstance(out, torch.Tensor) or out.shape != features.shape:
+            raise not_llama_shaped(self.config.layer_config.get("model_type"))
 
     @property
     def target(self) -> nn.Module | None:
