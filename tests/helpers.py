@@ -99,6 +99,28 @@ def tiny_tokenizer(chat_template: str | None = CHATML):
     return tok
 
 
+def tiny_family(model_type: str, **extra):
+    """A tiny random model of any family transformers builds from its config (`extra`: what the family needs
+    besides the common sizes), for the tests of families gorgon refuses."""
+    from transformers import CONFIG_MAPPING, AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    sizes = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, max_position_embeddings=64)
+    return AutoModelForCausalLM.from_config(CONFIG_MAPPING[model_type](**sizes, **extra)).eval()
+
+
+@contextlib.contextmanager
+def another_live_process():
+    """The id of a live process of this machine other than this one, as a lock's holder; ended after."""
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        yield other.pid
+    finally:
+        other.kill()
+        other.wait()
+
+
 def tiny_chat_target(tmp_path, arch: str = "llama", seed: int = 0):
     """A tiny model plus tokenizer saved to a folder, loadable by path like any real target.
 

@@ -11,7 +11,17 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import QUESTIONS, ROOT, env, questions_file, tiny_chat_target, tiny_model, tiny_tokenizer, toy_data
+from helpers import (
+    QUESTIONS,
+    ROOT,
+    another_live_process,
+    env,
+    questions_file,
+    tiny_chat_target,
+    tiny_model,
+    tiny_tokenizer,
+    toy_data,
+)
 from transformers import AutoModelForCausalLM
 
 import gorgon.train.recipe as recipe
@@ -351,16 +361,12 @@ def test_a_report_another_live_bench_writes_is_refused(tmp_path, capsys):
     out = tmp_path / "r.json"
     bench = ["bench", "--heads", str(heads), "--target", str(target), "--questions",
              str(questions_file(tmp_path / "q.jsonl", QUESTIONS[:1])), "--max-new-tokens", "4", "--out", str(out)]
-    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
-    try:
-        (tmp_path / ".r.json.lock").write_text(f"{host_name()} {other.pid} {process_start(other.pid)}\n")
+    with another_live_process() as pid:
+        (tmp_path / ".r.json.lock").write_text(f"{host_name()} {pid} {process_start(pid)}\n")
         assert gorgon(bench) == 2
         assert capsys.readouterr().err.strip().endswith(f"{out} is being written by another gorgon bench "
-                                                        f"(process {other.pid}, still running): wait for it to "
-                                                        f"end, or stop it (kill {other.pid}), then retry")
-    finally:
-        other.kill()
-        other.wait()
+                                                        f"(process {pid}, still running): wait for it to "
+                                                        f"end, or stop it (kill {pid}), then retry")
     assert gorgon(bench) == 0 and out.is_file()  # its process gone, the lock is stale
     assert not (tmp_path / ".r.json.lock").exists()  # given back at the end
 
@@ -792,15 +798,11 @@ def test_a_folder_another_live_run_is_writing_is_refused(tmp_path):
     out = Path(cfg["out"])
     out.mkdir()
     (out / RUN_MARKER).write_text("")
-    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
-    try:
-        (out / LOCK).write_text(f"{host_name()} {other.pid}\n")
-        with pytest.raises(GorgonError, match=rf"run is being written by another training run \(process {other.pid}, "
-                                              rf"still running\): wait for it to end, or stop it \(kill {other.pid}\)"):
+    with another_live_process() as pid:
+        (out / LOCK).write_text(f"{host_name()} {pid}\n")
+        with pytest.raises(GorgonError, match=rf"run is being written by another training run \(process {pid}, "
+                                              rf"still running\): wait for it to end, or stop it \(kill {pid}\)"):
             train(HeadsTrainConfig(**cfg))
-    finally:
-        other.kill()
-        other.wait()
     train(HeadsTrainConfig(**cfg))  # its process gone, the lock is stale
     assert (out / "recipe.json").is_file() and not (out / LOCK).exists()
 
@@ -811,17 +813,13 @@ def test_a_lock_whose_process_id_was_given_to_another_process_is_stale(tmp_path)
     from gorgon.heads.files import check_unlocked, host_name, process_start, take_lock
 
     lock = tmp_path / "lock"
-    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
-    try:
-        lock.write_text(f"{host_name()} {other.pid} {process_start(other.pid)}\n")
-        with pytest.raises(GorgonError, match=rf"being written by another gorgon run \(process {other.pid}"):
+    with another_live_process() as pid:
+        lock.write_text(f"{host_name()} {pid} {process_start(pid)}\n")
+        with pytest.raises(GorgonError, match=rf"being written by another gorgon run \(process {pid}"):
             check_unlocked(lock, "gorgon run")
-        if process_start(other.pid):  # Linux: a start that is not this process's is another's lock
-            lock.write_text(f"{host_name()} {other.pid} 1\n")
+        if process_start(pid):  # Linux: a start that is not this process's is another's lock
+            lock.write_text(f"{host_name()} {pid} 1\n")
             check_unlocked(lock, "gorgon run")
-    finally:
-        other.kill()
-        other.wait()
     take_lock(lock)
     assert lock.read_text() == f"{host_name()} {os.getpid()} {process_start(os.getpid())}\n"
 

@@ -11,7 +11,7 @@ import time
 import datasets
 import pytest
 import torch
-from helpers import ARCHS, VOCAB, needs_embedded, tiny_chat_target, tiny_model
+from helpers import ARCHS, VOCAB, another_live_process, needs_embedded, tiny_chat_target, tiny_model
 
 from gorgon.decode.kernels import fast_kernels_unavailable, use_cpu_kernels
 from gorgon.heads import GorgonError
@@ -273,17 +273,13 @@ def test_an_unfinished_run_another_live_process_writes_is_refused(tmp_path):
     partial = tmp_path / "o.partial"
     partial.mkdir()
     (partial / "settings.json").write_text(json.dumps({"settings": settings.__dict__}))
-    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
-    try:
-        (partial / LOCK).write_text(f"{host_name()} {other.pid}\n")
+    with another_live_process() as pid:
+        (partial / LOCK).write_text(f"{host_name()} {pid}\n")
         for overwrite in (False, True):
             with pytest.raises(GorgonError, match=rf"o.partial is being written by another gorgon data run \(process "
-                                                  rf"{other.pid}, still running\): wait for it to end, or stop it"):
+                                                  rf"{pid}, still running\): wait for it to end, or stop it"):
                 make_dataset(settings, tmp_path / "o", progress=False, overwrite=overwrite)
             assert (partial / "settings.json").is_file()
-    finally:
-        other.kill()
-        other.wait()
     out = make_dataset(settings, tmp_path / "o", progress=False)  # its process gone, the lock is stale
     assert read_metadata(out)["conversations"] == 1 and not partial.exists()
 

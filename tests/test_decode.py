@@ -6,7 +6,7 @@ import re
 
 import pytest
 import torch
-from helpers import ARCHS, VOCAB, OracleDrafter, tiny_model
+from helpers import ARCHS, VOCAB, OracleDrafter, tiny_family, tiny_model
 from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import DynamicCache
 
@@ -193,14 +193,9 @@ def test_a_family_whose_forward_cannot_verify_trees_is_refused_in_one_line(famil
     """MPT's ALiBi and GPT-Neo's local layers place keys by their order in the input, not by the tree, and RWKV's
     forward drops the cache it is given: each decoded without a word, wrongly (their output differed from
     `generate`'s); Bloom, OpenAI-GPT and Mamba failed inside torch or transformers."""
-    from transformers import CONFIG_MAPPING, AutoModelForCausalLM
-
-    sizes = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                 max_position_embeddings=64)
     extra = {"gpt_neo": dict(attention_types=[[["global", "local"], 1]], window_size=6),
              "rwkv": dict(attention_hidden_size=32)}.get(family, {})
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(CONFIG_MAPPING[family](**sizes, **extra)).eval()
+    model = tiny_family(family, **extra)
     ids = torch.randint(0, VOCAB, (1, 8))
     with pytest.raises(GorgonError, match=f"^{re.escape(refusal)}"):
         speculative_generate(model, HeadsDrafter(MedusaHeads.for_target(model)), ids, 8, eos_token_id=None)

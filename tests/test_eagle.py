@@ -16,6 +16,7 @@ from helpers import (
     env,
     key_value_copies,
     tiny_chat_target,
+    tiny_family,
     tiny_model,
     toy_data,
 )
@@ -572,10 +573,6 @@ def test_bad_input_is_one_line(tmp_path):
     # Families built otherwise failed inside transformers or torch (no `layers`, a LayerNorm without rms_norm_eps,
     # a layer called otherwise: attention that wants position_ids, an MLP that returns a tuple; a last layer unlike
     # the shell's), when the head was made or when it first drafted
-    from transformers import CONFIG_MAPPING, AutoModelForCausalLM
-
-    sizes = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                 num_key_value_heads=2, max_position_embeddings=64)
     for family, extra, refusal in [
             ("gpt2", {}, "which gpt2 is not: use Medusa heads"), ("olmo", {}, "which olmo is not"),
             ("mamba", {}, "which mamba is not"),
@@ -583,10 +580,8 @@ def test_bad_input_is_one_line(tmp_path):
             ("gpt_oss", dict(num_local_experts=4, num_experts_per_tok=2, head_dim=8), "which gpt_oss is not"),
             ("ernie4_5_moe", dict(moe_num_experts=4, moe_k=2, moe_intermediate_size=32, moe_layer_start_index=1),
              "the target's last decoder layer has no mlp.gate_proj.weight as a dense Llama-shaped layer has")]:
-        torch.manual_seed(0)
-        other = AutoModelForCausalLM.from_config(CONFIG_MAPPING[family](**sizes, **extra)).eval()
         with pytest.raises(GorgonError, match=re.escape(refusal)):
-            EagleHead.for_target(other)
+            EagleHead.for_target(tiny_family(family, **extra))
     from transformers import GemmaConfig, GemmaForCausalLM
 
     gemma = GemmaForCausalLM(GemmaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=4, head_dim=8,
