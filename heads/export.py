@@ -10,7 +10,15 @@ from pathlib import Path
 
 from .eagle import formats as eagle_formats
 from .errors import ArgumentParser, GorgonError, user_path
-from .files import atomic_write_text, check_output, move_into_place, new_temp, remove_stale_temps
+from .files import (
+    atomic_write_text,
+    check_output,
+    missing_folders,
+    move_into_place,
+    new_temp,
+    remove_empty_folders,
+    remove_stale_temps,
+)
 from .hub import resolve_heads_folder
 from .loading import is_eagle, load_heads
 from .medusa import formats as medusa_formats
@@ -60,6 +68,7 @@ def main(argv=None) -> int:
         raise GorgonError(f"{args.heads} holds {kind}, which export as {' or '.join(formats)}, not {args.format}")
     target, heads = load_heads(folder, args.target, device="cpu", dtype=args.dtype)
     # Written whole beside --out first, so a killed export leaves no half-written folder behind.
+    made = missing_folders(out.parent)
     out.parent.mkdir(parents=True, exist_ok=True)
     remove_stale_temps(out.parent, f".{out.name}.exporting-")  # a killed export's own
     staging = new_temp(out.parent, f".{out.name}.exporting-", is_dir=True)
@@ -68,8 +77,10 @@ def main(argv=None) -> int:
         write(heads, args.format, staging, args.base_model or target.name)
         written = sorted(str(f.relative_to(staging)) for f in staging.rglob("*") if f.is_file())
         atomic_write_text(staging / EXPORT_MARKER, json.dumps(written))
-    except BaseException:  # an error or Ctrl-C: nothing half-written is left (a kill's, the next export removes)
+    except BaseException:  # an error or Ctrl-C: nothing half-written is left, nor the folders made for it (a
+        # kill's, the next export removes)
         shutil.rmtree(staging, ignore_errors=True)
+        remove_empty_folders(made)
         raise
     if replace:
         replace_export(staging, out, written)

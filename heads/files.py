@@ -275,7 +275,7 @@ def check_writable(folder: Path, fix: str = "choose a writable --out") -> None:
     """Create `folder` (and its parents) and write a scratch file there; fail in one line, ending in `fix`,
     if that fails. The folders it made are removed again, so a command that then stops on bad input leaves
     no empty --out behind (writers create their folders: `atomic_write` makes its file's parents)."""
-    made = [p for p in (folder, *folder.parents) if not os.path.lexists(p)]  # deepest first
+    made = missing_folders(folder)
     try:
         folder.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryFile(dir=folder):
@@ -283,9 +283,26 @@ def check_writable(folder: Path, fix: str = "choose a writable --out") -> None:
     except OSError as err:
         raise GorgonError(f"cannot write to {folder} ({err.strerror or err.__class__.__name__}): {fix}") from err
     finally:
-        for path in made:
-            with contextlib.suppress(OSError):
-                path.rmdir()
+        remove_empty_folders(made)
+
+
+def missing_folders(folder: Path) -> list[Path]:
+    """`folder` and those of its parents that do not exist yet, deepest first: what `mkdir(parents=True)`
+    would make, so that a command that fails can take them away again (`remove_empty_folders`)."""
+    folder = Path(folder)
+    return [p for p in (folder, *folder.parents) if not os.path.lexists(p)]
+
+
+def remove_empty_folders(folders: list[Path]) -> None:
+    """Remove each folder (deepest first) that is empty; one that holds anything (another process wrote
+    there meanwhile) stays, and so do its parents."""
+    for path in folders:
+        try:
+            path.rmdir()
+        except FileNotFoundError:
+            continue
+        except OSError:
+            return
 
 
 @contextlib.contextmanager

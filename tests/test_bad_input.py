@@ -851,3 +851,35 @@ def test_an_export_format_for_the_other_method_is_refused_before_the_target_load
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.strip().endswith("holds Medusa heads, which export as vllm or medusa, not "
                                                          "eagle3")
+
+
+def test_a_failed_command_removes_the_parent_folders_it_made_for_its_output(tmp_path, monkeypatch, capsys):
+    """A failure left the empty folders made above --out (d/e of d/e/out): `gorgon data`, training and export."""
+    from gorgon.heads.medusa import formats
+    from gorgon.train.heads import main as train_heads
+
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "hi"}\n')
+    with pytest.raises(GorgonError, match="^no target"):
+        make_dataset(DataSettings(prompts=str(prompts), target=str(tmp_path / "nowhere")), tmp_path / "d" / "e" / "o",
+                     progress=False)
+    with pytest.raises(GorgonError, match="has no conversations with assistant answers"):
+        train_heads(["--data", str(prompts), "--out", str(tmp_path / "t" / "u" / "o"), "--report-to", "none"])
+    target, heads = tiny_chat_target(tmp_path), tmp_path / "heads"
+    MedusaHeads.for_target(AutoModelForCausalLM.from_pretrained(target)).save_pretrained(heads)
+
+    def fails(*args):
+        raise GorgonError("no space left")
+
+    monkeypatch.setattr(formats, "export_heads", fails)
+    assert gorgon(["export", "--heads", str(heads), "--target", str(target), "--format", "medusa",
+                   "--out", str(tmp_path / "x" / "y" / "o")]) != 0
+    assert "no space left" in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["heads", "p.jsonl", Path(target).name])
+    # A parent that holds anything else stays.
+    (tmp_path / "d" / "e").mkdir(parents=True)
+    (tmp_path / "d" / "mine.txt").write_text("mine")
+    with pytest.raises(GorgonError, match="^no target"):
+        make_dataset(DataSettings(prompts=str(prompts), target=str(tmp_path / "nowhere")),
+                     tmp_path / "d" / "e" / "f" / "o", progress=False)
+    assert sorted(p.name for p in (tmp_path / "d").iterdir()) == ["e", "mine.txt"]

@@ -33,9 +33,11 @@ from gorgon.heads.files import (
     check_output,
     check_unlocked,
     drop_lock,
+    missing_folders,
     move_into_place,
     new_temp,
     read_jsonl,
+    remove_empty_folders,
     remove_stale_temps,
     take_lock,
 )
@@ -287,18 +289,16 @@ def describe(folder: str | os.PathLike) -> str:
 def holding(partial: Path):
     """Make `partial` this process's (its LOCK) while the run writes it, so a second `gorgon data` into the same
     --out is refused instead of racing it (at the final swap, or --overwrite starting the shards over). A run that
-    fails gives the lock back, and removes the folder if it made it and wrote nothing there. A finished run
-    removes the folder, lock and all."""
-    made = not partial.exists()
+    fails gives the lock back, and removes the folder, and the parent folders made for it, if it made them and
+    wrote nothing there (settings or shards stay, to resume). A finished run removes the folder, lock and all."""
+    made = missing_folders(partial)
     partial.mkdir(parents=True, exist_ok=True)
     take_lock(partial / LOCK)
     try:
         yield
     except BaseException:
         drop_lock(partial / LOCK)
-        if made:
-            with contextlib.suppress(OSError):
-                partial.rmdir()  # only if empty: settings or shards stay, to resume
+        remove_empty_folders(made)
         raise
 
 

@@ -585,14 +585,18 @@ def no_empty_output_left(out: Path):
     """A run that fails before writing anything (bad data, too many processes) removes the --out folder it
     made, so a failed command leaves nothing behind. A folder that existed before, holds more than the run
     marker, or is locked (a failed run gives its own lock back first: the lock is another run's, which made
-    the folder meanwhile and writes it now) is left as it is."""
-    existed = os.path.lexists(out)
+    the folder meanwhile and writes it now) is left as it is. The empty parent folders it made for --out go
+    too."""
+    from gorgon.heads.files import missing_folders, remove_empty_folders
+
+    made = missing_folders(out)
     try:
         yield
     except BaseException:
         with contextlib.suppress(OSError):
-            if not existed and out.is_dir() and {p.name for p in out.iterdir()} <= {RUN_MARKER}:
+            if made and out.is_dir() and {p.name for p in out.iterdir()} <= {RUN_MARKER}:
                 shutil.rmtree(out)
+        remove_empty_folders(made[1:])
         raise
 
 
