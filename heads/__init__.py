@@ -16,11 +16,11 @@ from .drafter import Drafter
 from .eagle import EagleConfig, EagleDrafter, EagleHead
 from .errors import GorgonError
 from .loading import drafter_for, load_heads
-from .medusa import HeadsConfig, HeadsDrafter, MedusaHeads, load_with_heads
+from .medusa import HeadsDrafter, MedusaConfig, MedusaHeads, load_with_heads
 from .target import Target, fingerprint, load_target
-from .tree import Tree, build_tree, default_tree, tree_from_accuracies
+from .tree import Tree, build_tree, tree_from_accuracies
 
 __all__ = ["MAX_DRAFT_TOKENS", "ContextDrafter", "DraftModelDrafter", "Drafter", "EagleConfig", "EagleDrafter",
-           "EagleHead", "GorgonError", "HeadsConfig", "HeadsDrafter", "MedusaHeads", "MergedDrafter", "Target", "Tree",
-           "build_tree", "default_tree", "drafter_for", "fingerprint", "load_draft", "load_heads", "load_target",
+           "EagleHead", "GorgonError", "HeadsDrafter", "MedusaConfig", "MedusaHeads", "MergedDrafter", "Target", "Tree",
+           "build_tree", "drafter_for", "fingerprint", "load_draft", "load_heads", "load_target",
            "load_with_heads", "tree_from_accuracies"]

@@ -188,25 +188,6 @@ def chain_tau(top1: float, depth: int) -> float:
     return sum(top1 ** d for d in range(depth + 1))
 
 
-# Used when the heads were saved without trees: the tree built from a head-accuracy profile
-# shaped like Medusa-1's published Vicuna-7B heads (top-1 0.56, 0.32, 0.20, 0.15 for heads
-# 1-4), with later ranks taking a falling share. Training replaces it with measured accuracies.
-REFERENCE_ACCURACIES = [
-    [0.56, 0.10, 0.05, 0.03, 0.02, 0.015, 0.01, 0.01],
-    [0.32, 0.10, 0.05, 0.03, 0.02, 0.015, 0.01, 0.01],
-    [0.20, 0.08, 0.04, 0.03, 0.02, 0.015, 0.01, 0.01],
-    [0.15, 0.06, 0.04, 0.03, 0.02, 0.015, 0.01, 0.01],
-    [0.12, 0.05, 0.03, 0.02, 0.02, 0.015, 0.01, 0.01],
-]
-DEVICE_TREE_SIZE = {"cpu": 16, "cuda": 64}
-
-
-def default_tree(num_heads: int, device_type: str) -> list[list[int]]:
-    """A tree sized for the device (a verify forward is far cheaper per token on a GPU)."""
-    size = DEVICE_TREE_SIZE.get(device_type, 16)
-    return tree_from_accuracies(REFERENCE_ACCURACIES[:num_heads], size)
-
-
 def interpolate_cost(costs: dict[int, float], size: int) -> float:
     """A forward's cost for `size` tokens, linear between the measured sizes: the smallest's below them, in
     proportion to the size above them."""

@@ -22,8 +22,9 @@ from gorgon.decode.verify import verify
 from gorgon.heads import load_target
 from gorgon.heads.cache import crop_cache, with_cache
 from gorgon.heads.errors import ArgumentParser, run_script
+from gorgon.heads.medusa.drafter import REFERENCE_ACCURACIES
 from gorgon.heads.target import base_model, lm_logits
-from gorgon.heads.tree import REFERENCE_ACCURACIES, build_tree, tree_from_accuracies
+from gorgon.heads.tree import build_tree, tree_from_accuracies
 
 
 @torch.inference_mode()

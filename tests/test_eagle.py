@@ -311,7 +311,7 @@ def test_save_load_round_trip_drafts_the_same(tmp_path, arch):
     head.set_trees([[0.5, 0.1]], {"cpu": 6, "cuda": 12})
     head.save_pretrained(tmp_path)
     loaded = EagleHead.from_pretrained(tmp_path, target=model)
-    assert loaded.saved_tree("cpu") == 6 and loaded.accuracies == [[0.5, 0.1]]
+    assert loaded.saved_nodes("cpu") == 6 and loaded.accuracies == [[0.5, 0.1]]
     ids = torch.randint(0, VOCAB, (1, 10))
     result = [speculative_generate(model, EagleDrafter(h), ids, max_new_tokens=12) for h in (head, loaded)]
     assert result[0].tokens == result[1].tokens and result[0].accepted == result[1].accepted

@@ -5,8 +5,8 @@ import pytest
 import torch
 from helpers import VOCAB, assert_feature_cache_is_exact, tiny_model
 
-from gorgon.heads import GorgonError, HeadsConfig, MedusaHeads, Target, fingerprint
-from gorgon.heads.medusa.objective import HeadsObjective
+from gorgon.heads import GorgonError, MedusaConfig, MedusaHeads, Target, fingerprint
+from gorgon.heads.medusa.objective import MedusaObjective
 from gorgon.heads.target import legacy_fingerprint
 
 
@@ -49,7 +49,7 @@ def test_the_objective_runs_the_target_once():
     model = tiny_model("llama")
     heads = MedusaHeads.for_target(model, num_heads=4)
     ids = torch.randint(0, VOCAB, (2, 7))
-    objective = HeadsObjective(model, heads, loss="kl")  # measures the target's logit scale once (logit_scale)
+    objective = MedusaObjective(model, heads, loss="kl")  # measures the target's logit scale once (logit_scale)
     calls = []
     handle = model.get_decoder().register_forward_hook(lambda *a: calls.append(1))
     loss, stats, hidden = objective(ids, torch.ones_like(ids), torch.ones_like(ids, dtype=torch.bool))
@@ -64,7 +64,7 @@ def test_the_feature_cache_skips_the_frozen_target_and_keeps_the_loss():
     """Medusa-1 reads the frozen target's hidden states back for conversations it has seen."""
     model = tiny_model("llama")
     heads = MedusaHeads.for_target(model, num_heads=3)
-    assert_feature_cache_is_exact(model, lambda cache: HeadsObjective(model, heads, loss="kl", cache=cache),
+    assert_feature_cache_is_exact(model, lambda cache: MedusaObjective(model, heads, loss="kl", cache=cache),
                                   [p for p in heads.parameters() if p.requires_grad])
 
 
@@ -163,7 +163,7 @@ def test_bad_checkpoints(tmp_path):
     with pytest.raises(GorgonError, match="no model.safetensors"):
         MedusaHeads.from_pretrained(tmp_path)
     with pytest.raises(GorgonError, match="lacks hidden_size"):
-        HeadsConfig.from_dict({"vocab_size": 3})
+        MedusaConfig.from_dict({"vocab_size": 3})
 
 
 def test_hub_id_goes_through_the_hub_client(tmp_path, monkeypatch):

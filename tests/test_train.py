@@ -51,7 +51,7 @@ def test_accelerate_launch_trains_a_few_steps(tmp_path):
 
 def eval_loss(heads, target, data):
     """Mean CE of each head on the toy data (teacher-forced)."""
-    from gorgon.heads.medusa.objective import heads_loss
+    from gorgon.heads.medusa.objective import medusa_loss
     from gorgon.train.examples import collate, load_examples
 
     ex = load_examples(data, target.tokenizer, 256)
@@ -59,7 +59,7 @@ def eval_loss(heads, target, data):
     with torch.no_grad():
         hidden = target.model.get_decoder()(input_ids=batch["input_ids"],
                                             attention_mask=batch["attention_mask"]).last_hidden_state
-        _, stats = heads_loss(heads, hidden, batch["input_ids"], batch["loss_mask"])
+        _, stats = medusa_loss(heads, hidden, batch["input_ids"], batch["loss_mask"])
     return [s["loss"] for s in stats.values()]
 
 

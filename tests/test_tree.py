@@ -2,10 +2,10 @@ import pytest
 import torch
 
 from gorgon.heads import GorgonError
+from gorgon.heads.medusa.drafter import default_tree
 from gorgon.heads.tree import (
     build_tree,
     cut_tree,
-    default_tree,
     expected_accepted,
     interpolate_cost,
     tree_from_accuracies,

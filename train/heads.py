@@ -22,11 +22,13 @@ from pathlib import Path
 
 import torch
 
-from gorgon.heads.eagle.model import NODES, EagleConfig
+from gorgon.heads.eagle.model import NODES as EAGLE_NODES
+from gorgon.heads.eagle.model import EagleConfig
 from gorgon.heads.errors import GorgonError
 from gorgon.heads.files import atomic_write_text, follow_umask
 from gorgon.heads.medusa.model import ADAPTER_DIR
-from gorgon.heads.tree import DEVICE_TREE_SIZE, MAX_TREE_NODES
+from gorgon.heads.medusa.model import NODES as MEDUSA_NODES
+from gorgon.heads.tree import MAX_TREE_NODES
 from gorgon.train.recipe import (
     STATE_NAME,
     TrainingSettings,
@@ -85,16 +87,16 @@ class HeadsTrainConfig(TrainingSettings):
                                                  "(EAGLE-3's d2t/t2d; then the lowest ids if the answers use fewer); "
                                                  "None: the whole vocabulary")
     cpu_tree_size: int | None = setting(None, f"tree nodes per step saved for a CPU; None: "
-                                              f"{DEVICE_TREE_SIZE['cpu']} for Medusa heads, {NODES['cpu']} for a "
+                                              f"{MEDUSA_NODES['cpu']} for Medusa heads, {EAGLE_NODES['cpu']} for a "
                                               "feature-level head (decoding with --tree auto sizes the tree for the "
                                               "machine at hand from the held-out accuracies and its verify costs)")
     gpu_tree_size: int | None = setting(None, f"tree nodes per step saved for a GPU; None: "
-                                              f"{DEVICE_TREE_SIZE['cuda']} for Medusa heads, {NODES['cuda']} for a "
+                                              f"{MEDUSA_NODES['cuda']} for Medusa heads, {EAGLE_NODES['cuda']} for a "
                                               "feature-level head (likewise)")
 
     def tree_sizes(self) -> dict[str, int]:
         """Tree nodes per step saved for each device type: the recipe's, else the method's default."""
-        default = NODES if self.arch == "eagle" else DEVICE_TREE_SIZE
+        default = EAGLE_NODES if self.arch == "eagle" else MEDUSA_NODES
         return {"cpu": self.cpu_tree_size or default["cpu"], "cuda": self.gpu_tree_size or default["cuda"]}
 
     @property
@@ -270,7 +272,7 @@ def medusa_objective(cfg: HeadsTrainConfig, target, train_ex: list[dict]):
     returns the objective and the answer-token share of the draft vocabulary (None without one)."""
     from gorgon.heads import MedusaHeads
     from gorgon.heads.feature_cache import FeatureCache
-    from gorgon.heads.medusa.objective import HeadsObjective
+    from gorgon.heads.medusa.objective import MedusaObjective
 
     heads = MedusaHeads.for_target(target.model, cfg.num_heads, cfg.num_layers, cfg.shared_lm_head,
                                    target.name, target.fingerprint).float()
@@ -283,7 +285,7 @@ def medusa_objective(cfg: HeadsTrainConfig, target, train_ex: list[dict]):
                                                  target_modules=cfg.lora_target_modules, task_type="CAUSAL_LM"))
         heads.attach(model)
     cache = FeatureCache() if cfg.cache_features else None
-    return HeadsObjective(model, heads, cfg.mode, cfg.loss, cfg.head_decay, cfg.base_kl_weight, cache), coverage
+    return MedusaObjective(model, heads, cfg.mode, cfg.loss, cfg.head_decay, cfg.base_kl_weight, cache), coverage
 
 
 def eagle_objective(cfg: HeadsTrainConfig, target, train_ex: list[dict]):

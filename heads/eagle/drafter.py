@@ -37,7 +37,7 @@ class EagleDrafter:
                  level_cost: float = 0.0):
         device_type = next(head.parameters()).device.type
         self.head = head
-        self.nodes = nodes if nodes is not None else head.saved_tree(device_type)
+        self.nodes = nodes if nodes is not None else head.saved_nodes(device_type)
         self.depth = depth if depth is not None else head.config.depth
         check_search(self.depth, head.config.topk if topk is None else topk, self.nodes)  # before any widening
         check_level_cost(level_cost)

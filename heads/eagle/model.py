@@ -307,7 +307,7 @@ class EagleHead(PushToHubMixin, nn.Module):
         steps = self.config.accuracies
         return [steps[min(level, len(steps) - 1)] for level in range(depth or self.config.depth)]
 
-    def saved_tree(self, device_type: str) -> int:
+    def saved_nodes(self, device_type: str) -> int:
         """The number of tree nodes per step saved for this device type (else the CPU one)."""
         return self.config.nodes.get(device_type) or self.config.nodes["cpu"]
 
@@ -316,7 +316,7 @@ class EagleHead(PushToHubMixin, nn.Module):
         tree allows, each draft right independently. The ranked tree does better; the bench measures it."""
         if not self.config.accuracies:
             return 1.0
-        return chain_tau(self.config.accuracies[0][0], min(self.config.depth, self.saved_tree(device_type) - 1))
+        return chain_tau(self.config.accuracies[0][0], min(self.config.depth, self.saved_nodes(device_type) - 1))
 
     # -- save / load ----------------------------------------------------------------------------
     def save_pretrained(self, path: str | os.PathLike, state_dict: dict | None = None) -> None:

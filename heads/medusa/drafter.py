@@ -8,8 +8,19 @@ import torch
 from ..drafter import dtype_name
 from ..errors import GorgonError
 from ..target import check_fits
-from ..tree import REFERENCE_ACCURACIES, build_tree, default_tree, path_chance, token_paths, tree_from_accuracies
-from .model import MedusaHeads
+from ..tree import build_tree, path_chance, token_paths, tree_from_accuracies
+from .model import NODES, MedusaHeads
+
+# Used when the heads were saved without trees: the tree built from a head-accuracy profile
+# shaped like Medusa-1's published Vicuna-7B heads (top-1 0.56, 0.32, 0.20, 0.15 for heads
+# 1-4), with later ranks taking a falling share. Training replaces it with measured accuracies.
+REFERENCE_ACCURACIES = [
+    [0.56, 0.10, 0.05, 0.03, 0.02, 0.015, 0.01, 0.01],
+    [0.32, 0.10, 0.05, 0.03, 0.02, 0.015, 0.01, 0.01],
+    [0.20, 0.08, 0.04, 0.03, 0.02, 0.015, 0.01, 0.01],
+    [0.15, 0.06, 0.04, 0.03, 0.02, 0.015, 0.01, 0.01],
+    [0.12, 0.05, 0.03, 0.02, 0.02, 0.015, 0.01, 0.01],
+]
 
 
 class HeadsDrafter:
@@ -70,3 +81,8 @@ def pick_tree(heads: MedusaHeads, tree, device_type: str) -> list[list[int]]:
     if tree not in (None, "auto"):
         raise GorgonError(f"unknown tree {tree!r}: pass a list of rank paths, a node count, a JSON file, or 'auto'")
     return heads.saved_tree(device_type) or default_tree(heads.config.num_heads, device_type)
+
+
+def default_tree(num_heads: int, device_type: str) -> list[list[int]]:
+    """A tree sized for the device (a verify forward is far cheaper per token on a GPU)."""
+    return tree_from_accuracies(REFERENCE_ACCURACIES[:num_heads], NODES.get(device_type, NODES["cpu"]))

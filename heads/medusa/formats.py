@@ -98,7 +98,7 @@ def _load_medusa_state(folder: Path) -> dict[str, torch.Tensor]:
 
 
 def import_heads(folder: Path, config: dict, fmt: str):
-    """Our (HeadsConfig fields, state dict) from a vLLM or FasterDecoding Medusa folder."""
+    """Our (MedusaConfig fields, state dict) from a vLLM or FasterDecoding Medusa folder."""
     if fmt == "vllm":
         raw = read_safetensors_folder(folder, "vLLM Medusa")
         raw = {k.replace("medusa_heads.", ""): v for k, v in raw.items()}

@@ -29,11 +29,12 @@ TREES_NAME = "trees.json"
 ADAPTER_DIR = "adapter"  # Medusa-2: the target's LoRA adapter, saved beside the heads
 # trees.json: the tree for each device type, and the measured accuracies that build trees of any size
 TREE_DEVICES = ("cpu", "cuda")
+NODES = {"cpu": 16, "cuda": 64}  # tree nodes per step by device type, unless training or the user chose others
 ACCURACIES = "accuracies"
 
 
 @dataclass
-class HeadsConfig:
+class MedusaConfig:
     """Everything needed to rebuild the heads and to check they fit a target."""
 
     hidden_size: int
@@ -46,7 +47,7 @@ class HeadsConfig:
     draft_vocab_size: int | None = None  # heads draft from this many frequent tokens (None: all)
 
     @classmethod
-    def from_dict(cls, data: dict, source: str = "config") -> "HeadsConfig":
+    def from_dict(cls, data: dict, source: str = "config") -> "MedusaConfig":
         return config_from_dict(cls, data, source, "a gorgon heads config")
 
     def to_dict(self) -> dict:
@@ -71,7 +72,7 @@ class MedusaHeads(PushToHubMixin, nn.Module):
     # They read the target's hidden states and may share its lm_head: they keep the target's dtype.
     drafts_in_own_dtype = False
 
-    def __init__(self, config: HeadsConfig):
+    def __init__(self, config: MedusaConfig):
         super().__init__()
         self.config = config
         self.blocks = nn.ModuleList(
@@ -107,7 +108,7 @@ class MedusaHeads(PushToHubMixin, nn.Module):
                    target_fingerprint: str | None = None) -> "MedusaHeads":
         """Fresh heads shaped for a target; per-head LM heads start as copies of the target's."""
         cfg = target_model.config.get_text_config()
-        heads = cls(HeadsConfig(hidden_size=cfg.hidden_size, vocab_size=cfg.vocab_size, num_heads=num_heads,
+        heads = cls(MedusaConfig(hidden_size=cfg.hidden_size, vocab_size=cfg.vocab_size, num_heads=num_heads,
                                 num_layers=num_layers, shared_lm_head=shared_lm_head,
                                 target_name=target_name, target_fingerprint=target_fingerprint))
         lm_head = target_model.get_output_embeddings()
@@ -233,10 +234,10 @@ class MedusaHeads(PushToHubMixin, nn.Module):
         with reading_weights(folder, WEIGHTS_NAME):
             if fmt:
                 fields, state = import_heads(folder, data, fmt)
-                heads = cls(HeadsConfig(**fields))
+                heads = cls(MedusaConfig(**fields))
             else:
                 check_not_a_model(folder, data)
-                heads = cls(HeadsConfig.from_dict(data, source=str(config_path)))
+                heads = cls(MedusaConfig.from_dict(data, source=str(config_path)))
                 state = load_file(folder / WEIGHTS_NAME)
             heads.load_state_dict(state)
         if (folder / TREES_NAME).is_file():

@@ -26,7 +26,7 @@ def head_targets(loss_mask: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.T
     return valid.nonzero(as_tuple=True)
 
 
-def heads_loss(heads, hidden: torch.Tensor, input_ids: torch.Tensor, loss_mask: torch.Tensor, *,
+def medusa_loss(heads, hidden: torch.Tensor, input_ids: torch.Tensor, loss_mask: torch.Tensor, *,
                loss: str = "ce", decay: float = 0.8, target_logits: torch.Tensor | None = None
                ) -> tuple[torch.Tensor, dict]:
     """Weighted sum over heads of CE to the data's tokens or KL to the target's own distribution.
@@ -85,7 +85,7 @@ def rank_counts(heads, hidden: torch.Tensor, input_ids: torch.Tensor, loss_mask:
     return counts
 
 
-class HeadsObjective(torch.nn.Module):
+class MedusaObjective(torch.nn.Module):
     """The whole training loss as one module, so `accelerate` can wrap it (DDP, FSDP) as a unit.
 
     medusa1: the target is frozen; its forward runs without gradients and only the heads learn.
@@ -138,7 +138,7 @@ class HeadsObjective(torch.nn.Module):
         # The heads train in their own dtype (float32 beside a bfloat16 target): they read the hidden states
         # in it, while the target's lm_head (the KL terms' teacher and base_kl) reads them as they are.
         features = hidden.to(self.heads.blocks[0][0].linear.weight.dtype)
-        total, stats = heads_loss(self.heads, features if self.mode == "medusa2" else features.detach(), input_ids,
+        total, stats = medusa_loss(self.heads, features if self.mode == "medusa2" else features.detach(), input_ids,
                                   loss_mask, loss=self.loss, decay=self.decay, target_logits=teacher_logits)
         if self.mode == "medusa2" and train_backbone:
             # The target's own prediction of token t+1, on assistant labels, against the original model.
