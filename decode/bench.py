@@ -23,11 +23,11 @@ from gorgon.heads import MergedDrafter
 from gorgon.heads.card import check_card_folder, refresh_model_card
 from gorgon.heads.errors import ArgumentParser, GorgonError, int_at_least, user_path
 from gorgon.heads.files import (
-    atomic_write,
     atomic_write_text,
     check_report_output,
     check_unlocked,
     drop_lock,
+    save_figure,
     take_lock,
 )
 from gorgon.heads.target import context_length, load_causal_lm
@@ -320,11 +320,7 @@ def plot_report(report: dict, path: Path) -> None:
     if legend:
         right.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.22), ncol=min(3, len(bars)),
                      frameon=False)
-    fig.tight_layout()
-    try:
-        atomic_write(Path(path), lambda tmp: fig.savefig(tmp, format="png"))
-    finally:
-        plt.close(fig)
+    save_figure(fig, path)
 
 
 def is_report(path: Path) -> bool:

@@ -37,9 +37,9 @@ def parser() -> argparse.ArgumentParser:
 class TextStream:
     """Prints the decoded text as tokens arrive, re-decoding so multi-token characters come out whole."""
 
-    def __init__(self, tokenizer, out=None):
+    def __init__(self, tokenizer):
         # sys.stdout is read now, not when the module was imported: it may have been replaced since
-        self.tokenizer, self.out, self.tokens, self.shown = tokenizer, out or sys.stdout, [], ""
+        self.tokenizer, self.out, self.tokens, self.shown = tokenizer, sys.stdout, [], ""
 
     def __call__(self, tokens: list[int]) -> None:
         self.tokens.extend(tokens)

@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 
 from .errors import GorgonError
-from .files import atomic_write, atomic_write_text, check_writable
+from .files import atomic_write_text, check_writable, save_figure
 from .target import EMBEDDED_HUB_ID, EMBEDDED_NAME
 
 
@@ -32,11 +32,7 @@ def plot_head_accuracy(metrics: dict, path: Path) -> None:
     ax.set_ylabel("held-out accuracy")
     ax.set_title("feature-level head accuracy" if metrics.get("arch") == "eagle" else "Medusa head accuracy")
     ax.legend(loc="upper right", fontsize=8)
-    fig.tight_layout()
-    try:
-        atomic_write(Path(path), lambda tmp: fig.savefig(tmp, format="png"))
-    finally:
-        plt.close(fig)
+    save_figure(fig, path)
 
 
 def check_card_folder(folder: Path) -> None:

@@ -9,7 +9,7 @@ import difflib
 import importlib
 import sys
 
-from .errors import reader_gone, user_error_line, write_error_line
+from .errors import exit_status
 from .hub import offline_if_hub_unreachable
 
 COMMANDS = {
@@ -44,18 +44,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"gorgon: unknown command {name!r}{hint}\n\n{usage()}", file=sys.stderr)
         return 2
     offline_if_hub_unreachable()  # before the command's imports: huggingface_hub reads HF_HUB_OFFLINE once
-    try:  # the import too: Ctrl-C in the first seconds lands in it
-        return importlib.import_module(COMMANDS[name][0]).main(rest) or 0
-    except KeyboardInterrupt:
-        return 130
-    except BrokenPipeError:
-        return reader_gone()
-    except Exception as err:
-        line = user_error_line(err)
-        if line is None:
-            raise
-        write_error_line(f"gorgon {name}: error: {line}")
-        return 2
+    # The import too: Ctrl-C in the first seconds lands in it.
+    return exit_status(lambda: importlib.import_module(COMMANDS[name][0]).main(rest), f"gorgon {name}")
 
 
 if __name__ == "__main__":

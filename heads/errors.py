@@ -123,22 +123,28 @@ def _fits(value, hint) -> bool:
     return isinstance(value, typing.get_origin(hint) or hint)
 
 
-def run_script(main, name: str) -> None:
-    """A script's entry point (`python train/NAME.py`, `accelerate launch -q train/NAME.py`, `python
-    scripts/NAME.py`): bad input, or a full or read-only disk, exits 2 with one line (accelerate adds
-    its own traceback unless launched with -q); Ctrl-C exits 130, as `gorgon` does."""
+def exit_status(main, name: str) -> int:
+    """Call `main()` and say how it ended as an exit status: its own (None is 0); 2, after one line `name:
+    error: ...`, for bad input or a full or read-only disk; 130 on Ctrl-C. Anything else is a bug: raised."""
     try:
-        sys.exit(main())
+        return main() or 0
     except KeyboardInterrupt:
-        sys.exit(130)
+        return 130
     except BrokenPipeError:
-        sys.exit(reader_gone())
+        return reader_gone()
     except Exception as err:
         line = user_error_line(err)
         if line is None:
             raise
         write_error_line(f"{name}: error: {line}")
-        sys.exit(2)
+        return 2
+
+
+def run_script(main, name: str) -> None:
+    """A script's entry point (`python train/NAME.py`, `accelerate launch -q train/NAME.py`, `python
+    scripts/NAME.py`), with `gorgon`'s exit statuses (`exit_status`; accelerate adds its own traceback
+    to a failure unless launched with -q)."""
+    sys.exit(exit_status(main, name))
 
 
 def reader_gone() -> int:

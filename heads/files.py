@@ -170,6 +170,18 @@ def move_into_place(tmp: Path, out: Path, marker: str) -> None:
     tmp.rmdir()
 
 
+def save_figure(fig, path: Path) -> None:
+    """Lay out a matplotlib figure, write it as a PNG atomically and close it (pyplot keeps every figure
+    open until closed)."""
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    try:
+        atomic_write(Path(path), lambda tmp: fig.savefig(tmp, format="png"))
+    finally:
+        plt.close(fig)
+
+
 def atomic_write_text(path: Path, text: str) -> None:
     atomic_write(Path(path), lambda tmp: Path(tmp).write_text(text))
 

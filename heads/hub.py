@@ -36,8 +36,8 @@ def offline_if_hub_unreachable() -> None:
         os.environ[UNREACHABLE] = host
 
 
-def resolves(host: str, wait: float = 3.0) -> bool:
-    """Whether `host` resolves; a lookup still running after `wait` seconds counts as yes (a slow network)."""
+def resolves(host: str) -> bool:
+    """Whether `host` resolves; a lookup still running after 3 seconds counts as yes (a slow network)."""
     result = {}
 
     def look_up():
@@ -49,7 +49,7 @@ def resolves(host: str, wait: float = 3.0) -> bool:
 
     thread = threading.Thread(target=look_up, daemon=True)
     thread.start()
-    thread.join(wait)
+    thread.join(3.0)
     return result.get("ok", True)
 
 

@@ -19,7 +19,7 @@ from pathlib import Path
 from gorgon.decode.questions import load_questions, per_category_sample
 from gorgon.decode.tau import measure_tau
 from gorgon.heads.errors import ArgumentParser, int_at_least, run_script
-from gorgon.heads.files import atomic_write, atomic_write_text, check_report_output
+from gorgon.heads.files import atomic_write_text, check_report_output, save_figure
 from gorgon.heads.loading import drafter_for, load_heads
 
 
@@ -53,11 +53,7 @@ def plot(points: list[dict], path: Path) -> None:
         ax.minorticks_off()
         ax.set_xlabel("training conversations")
         ax.legend()
-    fig.tight_layout()
-    try:
-        atomic_write(Path(path), lambda tmp: fig.savefig(tmp, format="png"))
-    finally:
-        plt.close(fig)
+    save_figure(fig, path)
 
 
 def main() -> None:
