@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 
 from gorgon.heads import (
+    DRAFT_TOKENS,
     MAX_DRAFT_TOKENS,
     ContextDrafter,
     DraftModelDrafter,
@@ -26,8 +27,6 @@ from gorgon.heads.tree import MAX_TREE_NODES, best_tree_size
 
 from .calibrate import drafted_level_cost, verify_costs
 from .kernels import DRAFT_DTYPES, KERNELS, draft_dtype, stock_rows, use_cpu_kernels
-
-DRAFT_TOKENS = 4  # a --draft model's levels per step unless --draft-tokens says otherwise
 
 
 def add_model_arguments(p: argparse.ArgumentParser, sampling: bool = True) -> None:

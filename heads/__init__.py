@@ -11,7 +11,7 @@ causal LM), context/ (prompt lookup, which needs no model, and merging it into a
 """
 
 from .context import ContextDrafter, MergedDrafter
-from .draft_model import MAX_DRAFT_TOKENS, DraftModelDrafter, load_draft
+from .draft_model import DRAFT_TOKENS, MAX_DRAFT_TOKENS, DraftModelDrafter, load_draft
 from .drafter import Drafter
 from .eagle import EagleConfig, EagleDrafter, EagleHead
 from .errors import GorgonError
@@ -20,7 +20,7 @@ from .medusa import HeadsDrafter, MedusaConfig, MedusaHeads, load_with_heads
 from .target import Target, fingerprint, load_target
 from .tree import Tree, build_tree, tree_from_accuracies
 
-__all__ = ["MAX_DRAFT_TOKENS", "ContextDrafter", "DraftModelDrafter", "Drafter", "EagleConfig", "EagleDrafter",
-           "EagleHead", "GorgonError", "HeadsDrafter", "MedusaConfig", "MedusaHeads", "MergedDrafter", "Target", "Tree",
-           "build_tree", "drafter_for", "fingerprint", "load_draft", "load_heads", "load_target",
-           "load_with_heads", "tree_from_accuracies"]
+__all__ = ["DRAFT_TOKENS", "MAX_DRAFT_TOKENS", "ContextDrafter", "DraftModelDrafter", "Drafter", "EagleConfig",
+           "EagleDrafter", "EagleHead", "GorgonError", "HeadsDrafter", "MedusaConfig", "MedusaHeads",
+           "MergedDrafter", "Target", "Tree", "build_tree", "drafter_for", "fingerprint", "load_draft", "load_heads",
+           "load_target", "load_with_heads", "tree_from_accuracies"]

@@ -27,6 +27,7 @@ from pathlib import Path
 
 import torch
 
+from gorgon.heads.draft_model import DRAFT_TOKENS
 from gorgon.heads.errors import GorgonError
 from gorgon.heads.files import atomic_write_text, follow_umask
 from gorgon.train.recipe import (
@@ -64,7 +65,7 @@ class DraftTrainConfig(TrainingSettings):
                                                   "slower steps")
     dtype: str = setting("auto", "the target's dtype: auto (bfloat16 on CUDA, float32 on a CPU), float32, "
                                  "bfloat16, float16; the draft trains in float32")
-    draft_tokens: int = setting(4, "the chain length the expected tau in metrics.json assumes")
+    draft_tokens: int = setting(DRAFT_TOKENS, "the chain length the expected tau in metrics.json assumes")
     draft_vocab_size: int | None = setting(None, "save the N most frequent answer tokens beside the draft: it then "
                                                  "drafts through its output layer cut to them (a smaller, cheaper "
                                                  "product); None: drafts from the whole vocabulary")

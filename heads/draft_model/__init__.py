@@ -6,7 +6,8 @@ the draft as a drafter (a greedy chain or a tree, with its own KV cache); object
 batches and the held-out agreement with the target.
 """
 
-from .drafter import MAX_DRAFT_TOKENS, DraftModelDrafter
+from .drafter import DRAFT_TOKENS, MAX_DRAFT_TOKENS, DraftModelDrafter
 from .model import cut_to_draft_vocab, load_draft, load_draft_vocab
 
-__all__ = ["MAX_DRAFT_TOKENS", "DraftModelDrafter", "cut_to_draft_vocab", "load_draft", "load_draft_vocab"]
+__all__ = ["DRAFT_TOKENS", "MAX_DRAFT_TOKENS", "DraftModelDrafter", "cut_to_draft_vocab", "load_draft",
+           "load_draft_vocab"]

@@ -14,6 +14,7 @@ from .model import check_draft_vocab
 
 # A longer chain is all but never accepted whole, and each drafted level costs a draft forward.
 MAX_DRAFT_TOKENS = 64
+DRAFT_TOKENS = 4  # levels drafted per step unless chosen
 
 
 class DraftModelDrafter:
@@ -36,7 +37,7 @@ class DraftModelDrafter:
 
     feature_layers = None  # unused: the draft reads tokens only
 
-    def __init__(self, draft_model, k: int = 4, topk: int = 1, nodes: int | None = None,
+    def __init__(self, draft_model, k: int = DRAFT_TOKENS, topk: int = 1, nodes: int | None = None,
                  token_map: torch.Tensor | None = None, level_cost: float = 0.0):
         if not 1 <= k <= MAX_DRAFT_TOKENS:
             raise GorgonError(f"a draft model proposes 1 to {MAX_DRAFT_TOKENS} tokens per step, not {k}")
