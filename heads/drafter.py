@@ -21,6 +21,13 @@ A drafter with weights also gives `check_target(model)`, which refuses, in one l
 shapes than the one it was built for: the decoder calls it before the prefill. `settings()` says what a
 benchmark report records of a drafter: its tree (`tree`: rank paths, or how it builds one each step), the
 dtype of its weights (`draft_dtype`) and its context-draft settings (`context_draft`).
+
+A drafter that grows its tree level by level (`gorgon.heads.search`: a feature-level head, a draft model)
+also has `depth` (its most levels a step), `level_cost` (a level's time in target steps, below which a
+level's chances stop the search; 0 drafts every level) and `level_trial(context_length)`, which returns
+two calls: `level()`, one level on a cache of that length, for `gorgon.decode.calibrate` to time, and
+`reset()`, which cuts it off again. A `MergedDrafter` keeps the drafter it merges context drafts into as
+`drafter`, for a bench row without them.
 """
 
 from __future__ import annotations
