@@ -287,7 +287,7 @@ def test_an_overwrite_that_fails_or_is_cut_short_keeps_the_earlier_heads(tmp_pat
     none. Now they stay until the new run writes its own; a save cut short keeps them aside until one ends."""
     import gorgon.heads.card
     import gorgon.train.heads
-    from gorgon.train.recipe import EARLIER
+    from gorgon.train.run_folder import EARLIER
 
     target = str(tiny_chat_target(tmp_path))
     data = toy_data(tmp_path / "toy.jsonl", n=8)
@@ -641,7 +641,7 @@ def test_a_full_disk_is_one_line(tmp_path, capsys, monkeypatch):
     def checkpoint_on_a_full_disk(cfg):
         raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 576 vs 534")  # torch.save's way
 
-    monkeypatch.setattr(recipe.shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(10**9, 10**9, 4096))
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(10**9, 10**9, 4096))
     with pytest.raises(GorgonError, match="the disk holding .*run is full .*RuntimeError while writing"):
         recipe.recipe_main(HeadsTrainConfig, checkpoint_on_a_full_disk, "", ["--data", "x", "--out",
                                                                                str(tmp_path / "run")])
@@ -773,15 +773,15 @@ def test_resume_on_a_finished_run_with_nothing_more_to_train_is_refused(tmp_path
 def test_a_run_replacing_finished_output_keeps_its_lock_while_it_saves(tmp_path, monkeypatch):
     """Setting the finished run's files aside moved the live run's lock with them: from then until the end a
     second run was let into the folder (found by a helper pausing a 2-process run in its save)."""
-    import gorgon.train.recipe as recipe_module
-    from gorgon.train.recipe import LOCK
+    import gorgon.train.run_folder as run_folder
+    from gorgon.train.run_folder import LOCK
 
     cfg = dict(data=toy_data(tmp_path / "toy.jsonl", n=8), out=str(tmp_path / "run"), target=str(tiny_chat_target(
         tmp_path)), max_steps=1, report_to="none", save_every=0)
     train(HeadsTrainConfig(**cfg))
-    set_aside = recipe_module.set_aside_earlier_run
+    set_aside = run_folder.set_aside_earlier_run
     locked = []
-    monkeypatch.setattr(recipe_module, "set_aside_earlier_run",
+    monkeypatch.setattr(run_folder, "set_aside_earlier_run",
                         lambda out: (set_aside(out), locked.append((out / LOCK).is_file())))
     train(HeadsTrainConfig(**cfg, overwrite=True))
     assert locked == [True]
@@ -791,7 +791,7 @@ def test_a_folder_another_live_run_is_writing_is_refused(tmp_path):
     """Killing `accelerate launch` alone leaves its training processes running: a second run into the same folder
     would write beside them. A lock naming a live process of this machine refuses it; a dead one's does not."""
     from gorgon.heads.files import host_name
-    from gorgon.train.recipe import LOCK, RUN_MARKER
+    from gorgon.train.run_folder import LOCK, RUN_MARKER
 
     cfg = dict(data=toy_data(tmp_path / "toy.jsonl", n=8), out=str(tmp_path / "run"), target=str(tiny_chat_target(
         tmp_path)), max_steps=1, report_to="none", save_every=0)
@@ -828,7 +828,7 @@ def test_a_refused_run_leaves_the_folder_another_run_made_meanwhile(tmp_path):
     """Two runs started together into a new --out: the refused one removed the folder as its own empty output,
     the running one's marker and lock with it (it then ran unlocked)."""
     from gorgon.heads.files import take_lock
-    from gorgon.train.recipe import LOCK, RUN_MARKER, no_empty_output_left
+    from gorgon.train.run_folder import LOCK, RUN_MARKER, no_empty_output_left
 
     out, mine = tmp_path / "run", tmp_path / "mine"
     with pytest.raises(GorgonError), no_empty_output_left(out):

@@ -773,7 +773,7 @@ def test_a_run_resumed_mid_epoch_with_dropout_equals_the_uninterrupted_run(tmp_p
     import shutil
 
     from gorgon.train.heads import HeadsTrainConfig, train
-    from gorgon.train.recipe import RUN_MARKER
+    from gorgon.train.run_folder import RUN_MARKER
 
     target_path = tiny_chat_target(tmp_path)
     data = toy_data(tmp_path / "toy.jsonl")  # 46 train conversations: 12 batches of 4 an epoch

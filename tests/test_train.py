@@ -18,14 +18,8 @@ from gorgon.heads import GorgonError, MedusaHeads, drafter_for, load_heads, load
 from gorgon.train.draft import DraftTrainConfig
 from gorgon.train.draft import train as train_draft
 from gorgon.train.heads import HeadsTrainConfig, train
-from gorgon.train.recipe import (
-    MAY_CHANGE,
-    latest_checkpoint,
-    load_recipe,
-    parse_overrides,
-    recipe_main,
-    resume_settings,
-)
+from gorgon.train.recipe import load_recipe, parse_overrides, recipe_main
+from gorgon.train.run_folder import MAY_CHANGE, latest_checkpoint, resume_settings
 
 
 @pytest.mark.slow
@@ -353,7 +347,7 @@ def test_empty_dataset_is_refused(tmp_path):
 
 
 def test_resume_without_a_checkpoint_is_refused(tmp_path):
-    """The rule both training scripts share (gorgon.train.recipe.resume_point)."""
+    """The rule both training scripts share (gorgon.train.run_folder.resume_point)."""
     from gorgon.train.draft import DraftTrainConfig
     from gorgon.train.draft import train as train_draft
 

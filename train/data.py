@@ -44,8 +44,8 @@ from gorgon.heads.files import (
 from gorgon.heads.target import Target, context_length, fits_context, load_target
 
 from .batching import continuous_generate
-from .recipe import changed_settings
 from .records import load_conversations
+from .run_folder import changed_settings
 
 METADATA_NAME = "gorgon_data.json"
 # Prompts per continuously batched call, in batches: the batch drains only at the end of a call,

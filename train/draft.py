@@ -30,15 +30,8 @@ import torch
 from gorgon.heads.draft_model import DRAFT_TOKENS
 from gorgon.heads.errors import GorgonError
 from gorgon.heads.files import atomic_write_text, follow_umask
-from gorgon.train.recipe import (
-    STATE_NAME,
-    TrainingSettings,
-    check_more_to_train,
-    check_resume,
-    data_sha256,
-    resume_settings,
-    setting,
-)
+from gorgon.train.recipe import TrainingSettings, setting
+from gorgon.train.run_folder import STATE_NAME, check_more_to_train, check_resume, data_sha256, resume_settings
 
 
 @dataclass
@@ -135,7 +128,7 @@ def gkd_trainer(cfg: DraftTrainConfig, student, target, train_ex: list[dict], ck
         def _save_rng_state(self, output_dir):
             """Each process writes its own RNG state, and the main process trainer_state.json right after its
             own, which marks the checkpoint whole for a resume: the others must have finished first. The
-            settings a resume must keep go in before it too, for its check (recipe.check_resume)."""
+            settings a resume must keep go in before it too, for its check (run_folder.check_resume)."""
             super()._save_rng_state(output_dir)
             if self.accelerator.is_main_process:
                 follow_umask(Path(output_dir))  # the model saved before it is private (safetensors)
@@ -181,7 +174,7 @@ def read_indexed_cpu_locations() -> None:
 
 def train(cfg: DraftTrainConfig) -> Path:
     """The whole run: distil the draft, evaluate it, save it with its card (pushed when asked)."""
-    from gorgon.train.recipe import lock_released_on_failure
+    from gorgon.train.run_folder import lock_released_on_failure
 
     with lock_released_on_failure(Path(cfg.out)):
         return distil(cfg)
@@ -209,13 +202,10 @@ def distil(cfg: DraftTrainConfig) -> Path:
     from gorgon.train.recipe import (
         check_lora_targets,
         connect_cpu_processes,
-        finish_run_folder,
         full_state_dict,
-        latest_checkpoint,
-        prepare_output,
-        set_aside_earlier_run,
         wandb_offline_without_key,
     )
+    from gorgon.train.run_folder import finish_run_folder, latest_checkpoint, prepare_output, set_aside_earlier_run
 
     cfg.check()
     connect_cpu_processes()  # before anything creates accelerate's process state

@@ -29,15 +29,14 @@ from gorgon.heads.files import atomic_write_text, follow_umask
 from gorgon.heads.medusa.model import ADAPTER_DIR
 from gorgon.heads.medusa.model import NODES as MEDUSA_NODES
 from gorgon.heads.tree import MAX_TREE_NODES
-from gorgon.train.recipe import (
+from gorgon.train.recipe import TrainingSettings, setting
+from gorgon.train.run_folder import (
     STATE_NAME,
-    TrainingSettings,
     check_more_to_train,
     check_resume,
     data_sha256,
     numbered_checkpoints,
     resume_settings,
-    setting,
 )
 
 
@@ -219,7 +218,7 @@ TMP_NAME = re.compile(r"\.step-\d+\.tmp")  # a checkpoint being written by save_
 def latest_heads_checkpoint(out: Path) -> Path | None:
     """The newest complete checkpoint in a run's own --out. The temporary folder that a kill during a save
     left behind is removed first (otherwise only a later save of the same step would replace it)."""
-    from gorgon.train.recipe import latest_checkpoint
+    from gorgon.train.run_folder import latest_checkpoint
 
     for tmp in (out / "checkpoints").glob(".step-*.tmp"):
         if TMP_NAME.fullmatch(tmp.name):
@@ -317,7 +316,8 @@ def setup(cfg: HeadsTrainConfig) -> Run:
 
     from gorgon.heads.target import load_target, target_text_config
     from gorgon.train.examples import EpochSampler, RankBatches, collate, load_examples, read_conversations, split
-    from gorgon.train.recipe import check_lora_targets, connect_cpu_processes, prepare_output, wandb_offline_without_key
+    from gorgon.train.recipe import check_lora_targets, connect_cpu_processes, wandb_offline_without_key
+    from gorgon.train.run_folder import prepare_output
 
     cfg.check()
     connect_cpu_processes()  # before anything creates accelerate's process state
@@ -482,7 +482,8 @@ def save(run: Run) -> dict:
     Medusa-2's adapter, metrics, recipe, plot, card) from the main process; returns the metrics."""
     from gorgon.heads.card import plot_head_accuracy, write_model_card
     from gorgon.train.data import describe
-    from gorgon.train.recipe import finish_run_folder, full_state_dict, set_aside_earlier_run
+    from gorgon.train.recipe import full_state_dict
+    from gorgon.train.run_folder import finish_run_folder, set_aside_earlier_run
 
     cfg, accelerator, out = run.cfg, run.accelerator, run.out
     trained = count_all(accelerator, run.trained)
@@ -525,7 +526,7 @@ def save(run: Run) -> dict:
 
 def train(cfg: HeadsTrainConfig) -> Path:
     """The whole run: setup, the steps, then evaluation and the saved heads folder (pushed when asked)."""
-    from gorgon.train.recipe import lock_released_on_failure
+    from gorgon.train.run_folder import lock_released_on_failure
 
     with lock_released_on_failure(Path(cfg.out)):
         run = setup(cfg)
