@@ -197,6 +197,22 @@ def stream_to(streamer, input_ids: torch.Tensor):
     return put, streamer.end
 
 
+def default_new_tokens(config, prompt_length: int) -> int:
+    """The new tokens `generate` would allow with no max_new_tokens given: the generation_config's
+    max_new_tokens, else what a max_length it sets leaves after the prompt (padding included, as `generate`
+    counts it). Where it sets neither, 256: transformers' own default max_length of 20 tokens would end most
+    answers within a sentence."""
+    if getattr(config, "max_new_tokens", None):
+        return config.max_new_tokens
+    max_length = getattr(config, "max_length", None)
+    if max_length is None or max_length == neutral_value("max_length"):  # unset, or transformers' default
+        return 256
+    if max_length <= prompt_length:
+        raise GorgonError(f"the target's generation_config sets max_length {max_length}, which the prompt's "
+                          f"{prompt_length} tokens already reach: pass max_new_tokens")
+    return max_length - prompt_length
+
+
 @torch.inference_mode()
 def speculative_generate(model, drafter: Drafter, input_ids: torch.Tensor, max_new_tokens: int | None = None,
                          sampling: Sampling | None = None, acceptance: str = "exact", eos_token_id="default",
@@ -204,7 +220,8 @@ def speculative_generate(model, drafter: Drafter, input_ids: torch.Tensor, max_n
                          streamer=None, attention_mask: torch.Tensor | None = None) -> GenerationResult:
     """Generate up to `max_new_tokens` after `input_ids` (1, n) with the drafter's tree.
 
-    max_new_tokens: None takes the model's generation_config's, else 256. sampling: None is greedy (a
+    max_new_tokens: None takes the model's generation_config's, else what its max_length leaves after the
+    prompt where it sets one (as `generate` stops there), else 256. sampling: None is greedy (a
     generation_config that samples is named in a warning: `Sampling.like_generate(model, T)` samples as
     `generate` would). acceptance: "exact" (greedy when sampling.temperature == 0, else lossless rejection
     sampling) or "typical" (Medusa's typical acceptance: LOSSY, faster on hard text).
@@ -215,8 +232,6 @@ def speculative_generate(model, drafter: Drafter, input_ids: torch.Tensor, max_n
     transformers streamer (TextStreamer, TextIteratorStreamer).
     """
     config = getattr(model, "generation_config", None)
-    if max_new_tokens is None:
-        max_new_tokens = getattr(config, "max_new_tokens", None) or 256
     if sampling is None:
         if getattr(config, "do_sample", False):
             warnings.warn("the target's generation_config samples (do_sample=True), as `generate` does by default; "
@@ -231,6 +246,8 @@ def speculative_generate(model, drafter: Drafter, input_ids: torch.Tensor, max_n
     if acceptance == "typical" and sampling.greedy:
         raise GorgonError("typical acceptance needs a temperature > 0 (with temperature 0 use exact greedy)")
     check_input_ids(model, input_ids)
+    if max_new_tokens is None:
+        max_new_tokens = default_new_tokens(config, input_ids.shape[-1])
     input_ids = without_padding(model, input_ids, attention_mask)
     check_prompt(input_ids, max_new_tokens, context_length(model))
     if hasattr(drafter, "check_target"):  # one built for a model of other shapes would fail inside torch

@@ -186,6 +186,24 @@ def atomic_write_text(path: Path, text: str) -> None:
     atomic_write(Path(path), lambda tmp: Path(tmp).write_text(text))
 
 
+def check_heads_destination(folder: Path, weights_name: str) -> None:
+    """Refuse to save heads where they would replace what gorgon did not write: onto a file, or into a folder
+    whose config.json is another model's (or that holds weights without one). Heads saved here before are
+    saved over, as transformers' save_pretrained does."""
+    if os.path.lexists(folder) and not folder.is_dir():
+        raise GorgonError(f"{folder} is a file, not a folder: save the heads into a new or empty folder")
+    config = folder / "config.json"
+    try:
+        ours = "target_fingerprint" in json.loads(config.read_text())  # every gorgon heads config has it
+    except FileNotFoundError:
+        ours = not (folder / weights_name).exists()
+    except (OSError, ValueError, TypeError):
+        ours = False
+    if not ours:
+        raise GorgonError(f"{folder} holds another model's {config.name if config.exists() else weights_name}, "
+                          "which saving heads there would replace: save them into a new or empty folder")
+
+
 def write_weights(folder: Path, state: dict, config: dict, weights_name: str = "model.safetensors") -> None:
     """Save tensors (a safetensors file) and config.json into `folder`, each atomically. The tensors are
     copied whole to the CPU: safetensors refuses tensors that share memory (a shared LM head repeated)."""

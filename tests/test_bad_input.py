@@ -29,7 +29,7 @@ from gorgon.decode import Sampling, speculative_generate
 from gorgon.decode.bench import run_bench
 from gorgon.decode.options import read_tree
 from gorgon.decode.questions import load_questions
-from gorgon.heads import DraftModelDrafter, GorgonError, HeadsDrafter, MedusaHeads, load_target
+from gorgon.heads import DraftModelDrafter, EagleHead, GorgonError, HeadsDrafter, MedusaHeads, load_target
 from gorgon.heads.cli import main as gorgon
 from gorgon.heads.errors import run_script
 from gorgon.heads.files import atomic_write_text, check_output, new_temp
@@ -883,3 +883,26 @@ def test_a_failed_command_removes_the_parent_folders_it_made_for_its_output(tmp_
         make_dataset(DataSettings(prompts=str(prompts), target=str(tmp_path / "nowhere")),
                      tmp_path / "d" / "e" / "f" / "o", progress=False)
     assert sorted(p.name for p in (tmp_path / "d").iterdir()) == ["e", "mine.txt"]
+
+
+def test_heads_are_not_saved_over_another_model(tmp_path):
+    """save_pretrained into a transformers model's folder replaced its config.json and model.safetensors (and
+    Medusa heads without trees removed a trees.json there): refused; heads saved before are saved over."""
+    model = tiny_model()
+    folder, file = tmp_path / "model", tmp_path / "notes.txt"
+    model.save_pretrained(folder)
+    (folder / "trees.json").write_text("mine")
+    file.write_text("mine")
+    before = {p.name: p.read_bytes() for p in folder.iterdir()}
+    for heads in (MedusaHeads.for_target(model), EagleHead.for_target(model)):
+        with pytest.raises(GorgonError, match=f"^{re.escape(str(folder))} holds another model's config.json, which "
+                                              "saving heads there would replace: save them into a new or empty"):
+            heads.save_pretrained(folder)
+        with pytest.raises(GorgonError, match="is a file, not a folder: save the heads into a new or empty folder"):
+            heads.save_pretrained(file)
+        heads.save_pretrained(tmp_path / "heads")
+        heads.save_pretrained(tmp_path / "heads")  # its own folder: saved over
+    assert {p.name: p.read_bytes() for p in folder.iterdir()} == before and file.read_text() == "mine"
+    (folder / "config.json").unlink()
+    with pytest.raises(GorgonError, match="holds another model's model.safetensors"):
+        MedusaHeads.for_target(model).save_pretrained(folder)

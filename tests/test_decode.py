@@ -554,7 +554,14 @@ def test_the_api_takes_what_generate_takes():
     assert speculative_generate(model, drafter, padded, 12, attention_mask=mask, eos_token_id=None).tokens == plain
     model.generation_config.pad_token_id = 0  # as generate infers the mask from a pad token that is not EOS
     assert speculative_generate(model, drafter, padded, 12, eos_token_id=None).tokens == plain
-    model.generation_config.max_new_tokens = 5
+    model.generation_config.max_length = 6 + 4  # as generate: what max_length leaves after the prompt
+    assert len(speculative_generate(model, drafter, ids, eos_token_id=None).tokens) == 4
+    assert len(model.generate(ids, eos_token_id=None, do_sample=False)[0]) == 6 + 4
+    model.generation_config.max_length = 6
+    with pytest.raises(GorgonError, match=r"^the target's generation_config sets max_length 6, which the prompt's 6 "
+                                          "tokens already reach: pass max_new_tokens$"):
+        speculative_generate(model, drafter, ids, eos_token_id=None)
+    model.generation_config.max_new_tokens = 5  # before max_length, as in generate
     assert len(speculative_generate(model, drafter, ids, eos_token_id=None).tokens) == 5
     model.generation_config.do_sample = True
     with pytest.warns(UserWarning, match=r"generation_config samples \(do_sample=True\).*Sampling.like_generate"):

@@ -31,7 +31,7 @@ from torch import nn
 
 from ..cache import with_cache
 from ..errors import GorgonError, config_from_dict
-from ..files import read_config, reading_weights, write_weights
+from ..files import check_heads_destination, read_config, reading_weights, write_weights
 from ..hub import CONFIG_NAME, PushToHubMixin, resolve_heads_folder
 from ..masks import additive_mask
 from ..target import Target, attach_to_target, check_fits
@@ -320,8 +320,10 @@ class EagleHead(PushToHubMixin, nn.Module):
 
     # -- save / load ----------------------------------------------------------------------------
     def save_pretrained(self, path: str | os.PathLike, state_dict: dict | None = None) -> None:
-        """Write config.json and model.safetensors (each atomically). `state_dict`: the weights to write
-        instead of the module's own (training gathers them whole from shards)."""
+        """Write config.json and model.safetensors (each atomically); a folder holding another model is
+        refused. `state_dict`: the weights to write instead of the module's own (training gathers them whole
+        from shards)."""
+        check_heads_destination(Path(path), WEIGHTS_NAME)
         write_weights(Path(path), state_dict or self.state_dict(), self.config.to_dict(), WEIGHTS_NAME)
 
     @classmethod

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from ..errors import GorgonError, config_from_dict
-from ..files import atomic_write_text, read_config, reading_weights, write_weights
+from ..files import atomic_write_text, check_heads_destination, read_config, reading_weights, write_weights
 from ..hub import CONFIG_NAME, PushToHubMixin, resolve_heads_folder
 from ..target import Target, attach_to_target, check_fits, lm_logits
 from ..tree import expected_accepted, tree_from_accuracies
@@ -210,9 +210,11 @@ class MedusaHeads(PushToHubMixin, nn.Module):
 
     # -- save / load / push -------------------------------------------------------------------
     def save_pretrained(self, path: str | os.PathLike, state_dict: dict | None = None) -> None:
-        """Write config.json, model.safetensors and trees.json (each atomically). `state_dict`: the
-        weights to write instead of the module's own (training gathers them whole from shards)."""
+        """Write config.json, model.safetensors and trees.json (each atomically); a folder holding another
+        model is refused. `state_dict`: the weights to write instead of the module's own (training gathers
+        them whole from shards)."""
         path = Path(path)
+        check_heads_destination(path, WEIGHTS_NAME)
         write_weights(path, state_dict or self.state_dict(), self.config.to_dict(), WEIGHTS_NAME)
         if self.trees:
             atomic_write_text(path / TREES_NAME, json.dumps(self.trees, indent=1) + "\n")
