@@ -20,7 +20,7 @@ import torch
 from gorgon.heads.cache import growing_cache, with_cache
 from gorgon.heads.drafter import Drafter
 from gorgon.heads.errors import GorgonError
-from gorgon.heads.target import base_model, context_length, fits_context, lm_logits
+from gorgon.heads.target import Target, base_model, context_length, fits_context, lm_logits
 from gorgon.heads.tree import cut_tree, host_to_device
 
 from .acceptance import Sampling, accept_greedy, accept_sampled, accept_typical, target_probs
@@ -218,7 +218,8 @@ def speculative_generate(model, drafter: Drafter, input_ids: torch.Tensor, max_n
                          sampling: Sampling | None = None, acceptance: str = "exact", eos_token_id="default",
                          stop_strings=(), tokenizer=None, generator: torch.Generator | None = None,
                          streamer=None, attention_mask: torch.Tensor | None = None) -> GenerationResult:
-    """Generate up to `max_new_tokens` after `input_ids` (1, n) with the drafter's tree.
+    """Generate up to `max_new_tokens` after `input_ids` (1, n) with the drafter's tree. `model`: a
+    transformers causal LM, or the `Target` that `load_target` and `load_heads` return.
 
     max_new_tokens: None takes the model's generation_config's, else what its max_length leaves after the
     prompt where it sets one (as `generate` stops there), else 256. sampling: None is greedy (a
@@ -231,6 +232,8 @@ def speculative_generate(model, drafter: Drafter, input_ids: torch.Tensor, max_n
     left padding off, as `generate` masks it. streamer: a callable given each step's new tokens, or a
     transformers streamer (TextStreamer, TextIteratorStreamer).
     """
+    if isinstance(model, Target):  # as load_target and load_heads return it
+        model = model.model
     config = getattr(model, "generation_config", None)
     if sampling is None:
         if getattr(config, "do_sample", False):
@@ -245,6 +248,9 @@ def speculative_generate(model, drafter: Drafter, input_ids: torch.Tensor, max_n
         raise GorgonError(f"unknown acceptance {acceptance!r}: use one of {', '.join(ACCEPTANCE_RULES)}")
     if acceptance == "typical" and sampling.greedy:
         raise GorgonError("typical acceptance needs a temperature > 0 (with temperature 0 use exact greedy)")
+    if not callable(getattr(drafter, "propose", None)):
+        raise GorgonError(f"drafter must be a drafter, not a {type(drafter).__name__}: wrap loaded heads as "
+                          "gorgon.heads.drafter_for(heads)")
     check_input_ids(model, input_ids)
     if max_new_tokens is None:
         max_new_tokens = default_new_tokens(config, input_ids.shape[-1])

@@ -15,7 +15,7 @@ from .draft_model import DRAFT_TOKENS, MAX_DRAFT_TOKENS, DraftModelDrafter, load
 from .drafter import Drafter
 from .eagle import EagleConfig, EagleDrafter, EagleHead
 from .errors import GorgonError
-from .loading import drafter_for, load_heads
+from .loading import drafter_for, load_heads, load_heads_for
 from .medusa import HeadsDrafter, MedusaConfig, MedusaHeads, load_with_heads
 from .target import Target, fingerprint, load_target
 from .tree import Tree, build_tree, tree_from_accuracies
@@ -23,4 +23,4 @@ from .tree import Tree, build_tree, tree_from_accuracies
 __all__ = ["DRAFT_TOKENS", "MAX_DRAFT_TOKENS", "ContextDrafter", "DraftModelDrafter", "Drafter", "EagleConfig",
            "EagleDrafter", "EagleHead", "GorgonError", "HeadsDrafter", "MedusaConfig", "MedusaHeads",
            "MergedDrafter", "Target", "Tree", "build_tree", "drafter_for", "fingerprint", "load_draft", "load_heads",
-           "load_target", "load_with_heads", "tree_from_accuracies"]
+           "load_heads_for", "load_target", "load_with_heads", "tree_from_accuracies"]

@@ -96,6 +96,10 @@ def config_from_dict(cls, data: dict, source: str, what: str):
     naming the field (unknown, missing, or of the wrong JSON type), not in a TypeError while the model is
     built or a size mismatch when its weights load."""
     fields = dataclasses.fields(cls)
+    unknown = [key for key in data if key not in {f.name for f in fields}]
+    if len(unknown) > 1:  # not a misspelt key: another method's folder, or a model's
+        raise GorgonError(f"{source} is not {what} (it has {', '.join(map(repr, unknown[:3]))}"
+                          f"{', ...' if len(unknown) > 3 else ''}): gorgon.heads.load_heads loads any method's heads")
     check_keys(data, {f.name for f in fields}, f"in {source}")
     missing = [f.name for f in fields if f.name not in data
                and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]

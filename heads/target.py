@@ -138,7 +138,7 @@ def resolve_device(device: str = "auto") -> torch.device:
     available = dev.type == "cpu" or (hasattr(backend, "is_available") and backend.is_available()
                                       and (dev.index or 0) < backend.device_count())
     if not available:
-        raise GorgonError(f"device {device!r} is not available on this machine: use --device cpu or auto")
+        raise GorgonError(f"device {device!r} is not available on this machine: use cpu, or auto for the best it has")
     return dev
 
 
@@ -160,6 +160,9 @@ def target_source(name_or_path: str | os.PathLike | None) -> str:
     id, with a local path that does not exist refused in one line (not as a failed hub download)."""
     if name_or_path in (None, "", "embedded", EMBEDDED_NAME):
         return str(embedded_target_dir())
+    if not isinstance(name_or_path, (str, os.PathLike)):
+        raise GorgonError(f"the target to load must be a folder, a hub id or None, not a {type(name_or_path).__name__}"
+                          ": for heads onto a target loaded already, use gorgon.heads.load_heads_for(heads, target)")
     name_or_path = os.fspath(name_or_path)  # a Path too
     problem = local_path_problem(name_or_path)
     if problem:
@@ -422,7 +425,11 @@ def base_model(model: torch.nn.Module) -> torch.nn.Module:
 
 def attach_to_target(module: torch.nn.Module, target, device=None, dtype=None) -> torch.nn.Module:
     """Check a loaded drafter fits `target` and bind it (a `Target` is checked by fingerprint, a bare model by
-    shape only), then place it on the target's device and dtype unless others are given; in eval mode."""
+    shape only), then place it on the target's device and dtype unless others are given (as `load_target`
+    takes them: "cuda", "bfloat16", "auto"); in eval mode."""
+    device = None if device is None else resolve_device(str(device))
+    if isinstance(dtype, str):
+        dtype = None if dtype == "auto" and target is not None else resolve_dtype(dtype, device)
     if target is not None:
         model, known = (target.model, target.fingerprints) if isinstance(target, Target) else (target, ())
         device = device or model.get_output_embeddings().weight.device

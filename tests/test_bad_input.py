@@ -29,7 +29,7 @@ from gorgon.decode import Sampling, speculative_generate
 from gorgon.decode.bench import run_bench
 from gorgon.decode.options import read_tree
 from gorgon.decode.questions import load_questions
-from gorgon.heads import DraftModelDrafter, EagleHead, GorgonError, HeadsDrafter, MedusaHeads, load_target
+from gorgon.heads import DraftModelDrafter, EagleHead, GorgonError, HeadsDrafter, MedusaHeads, load_heads, load_target
 from gorgon.heads.cli import main as gorgon
 from gorgon.heads.errors import run_script
 from gorgon.heads.files import atomic_write_text, check_output, new_temp
@@ -906,3 +906,33 @@ def test_heads_are_not_saved_over_another_model(tmp_path):
     (folder / "config.json").unlink()
     with pytest.raises(GorgonError, match="holds another model's model.safetensors"):
         MedusaHeads.for_target(model).save_pretrained(folder)
+
+
+def test_the_python_api_takes_what_its_loaders_return_and_names_its_mistakes(tmp_path):
+    """A `Target` where a model goes, loaded heads where a drafter goes, "bfloat16" or an absent device in
+    from_pretrained, and Medusa heads in another dtype than the target failed inside torch or Python."""
+    target = load_target(str(tiny_chat_target(tmp_path)), device="cpu")
+    MedusaHeads.for_target(target.model).save_pretrained(tmp_path / "heads")
+    ids = torch.randint(1, 50, (1, 5), generator=torch.Generator().manual_seed(0))
+    heads = MedusaHeads.from_pretrained(tmp_path / "heads", target=target)
+    assert speculative_generate(target, HeadsDrafter(heads), ids, 6).tokens == \
+        speculative_generate(target.model, HeadsDrafter(heads), ids, 6).tokens
+    with pytest.raises(GorgonError, match="^drafter must be a drafter, not a MedusaHeads: wrap loaded heads as "
+                                          r"gorgon.heads.drafter_for\(heads\)$"):
+        speculative_generate(target, heads, ids, 6)
+    with pytest.raises(GorgonError, match="^the target to load must be a folder, a hub id or None, not a Target: "
+                                          "for heads onto a target loaded already, use gorgon.heads.load_heads_for"):
+        load_heads(tmp_path / "heads", target=target)
+    assert next(MedusaHeads.from_pretrained(tmp_path / "heads", dtype="bfloat16").parameters()).dtype == torch.bfloat16
+    assert next(MedusaHeads.from_pretrained(tmp_path / "heads", target=target, dtype="auto").parameters()).dtype == \
+        torch.float32
+    if not torch.cuda.is_available():
+        with pytest.raises(GorgonError, match="^device 'cuda' is not available on this machine: use cpu, or auto"):
+            MedusaHeads.from_pretrained(tmp_path / "heads", device="cuda")
+    with pytest.raises(GorgonError, match=r"^unknown tree 'trees.json': pass a list of rank paths \(a JSON file of "
+                                          r"them: json.load it\), a node count or 'auto'$"):
+        HeadsDrafter(heads, "trees.json")  # the command line reads such a file; Python is given the paths
+    drafter = HeadsDrafter(MedusaHeads.from_pretrained(tmp_path / "heads"))
+    with pytest.raises(GorgonError, match=r"^the heads are in torch.float32 on cpu but the target in torch.bfloat16 on "
+                                          r"cpu: move them to the target's \(heads.to\('cpu', torch.bfloat16\)\)$"):
+        speculative_generate(target.model.to(torch.bfloat16), drafter, ids, 6)

@@ -5,7 +5,7 @@ import pytest
 import torch
 from helpers import VOCAB, assert_feature_cache_is_exact, tiny_model
 
-from gorgon.heads import GorgonError, MedusaConfig, MedusaHeads, Target, fingerprint
+from gorgon.heads import EagleHead, GorgonError, MedusaConfig, MedusaHeads, Target, fingerprint
 from gorgon.heads.medusa.objective import MedusaObjective
 from gorgon.heads.target import legacy_fingerprint
 
@@ -109,7 +109,7 @@ def test_heads_refuse_another_target(tmp_path):
 def test_heads_for_another_targets_shapes_fail_before_its_weights_load(tmp_path):
     """From the two config.json files: shown by a target folder that holds a config and no weights (which would
     fail to load). Medusa heads and a feature-level head, by hidden size and by vocabulary."""
-    from gorgon.heads import EagleHead, load_heads
+    from gorgon.heads import load_heads
 
     model = tiny_model("llama")
     MedusaHeads.for_target(model, target_name="tiny").save_pretrained(tmp_path / "medusa")
@@ -139,6 +139,16 @@ def test_bad_checkpoints(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({**cfg, "num_head": 3}))
     with pytest.raises(GorgonError, match="unknown key 'num_head'.*num_heads"):
         MedusaHeads.from_pretrained(tmp_path)
+    # Another method's folder was "unknown key 'layer_config'" (or 'num_heads'): it says what loads it.
+    EagleHead.for_target(model).save_pretrained(tmp_path / "eagle")
+    with pytest.raises(GorgonError, match=r"eagle/config.json is not a gorgon Medusa heads config \(it has "
+                                          r"'layer_config', 'feature_layers', 'depth', ...\): gorgon.heads.load_heads "
+                                          "loads any method's heads$"):
+        MedusaHeads.from_pretrained(tmp_path / "eagle")
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(GorgonError, match=r"config.json is not a gorgon feature-level head's config \(it has "
+                                          r"'num_heads', 'num_layers', 'shared_lm_head'\)"):
+        EagleHead.from_pretrained(tmp_path)
     for key, value, kind in [("num_heads", "3", "int"), ("shared_lm_head", 1, "bool"), ("hidden_size", True, "int"),
                              ("draft_vocab_size", 8.0, "int | None")]:
         (tmp_path / "config.json").write_text(json.dumps({**cfg, key: value}))

@@ -327,8 +327,8 @@ class EagleHead(PushToHubMixin, nn.Module):
         write_weights(Path(path), state_dict or self.state_dict(), self.config.to_dict(), WEIGHTS_NAME)
 
     @classmethod
-    def from_pretrained(cls, name_or_path: str | os.PathLike, target=None, device=None,
-                        dtype: torch.dtype | None = None) -> "EagleHead":
+    def from_pretrained(cls, name_or_path: str | os.PathLike, target=None, device: str | torch.device | None = None,
+                        dtype: str | torch.dtype | None = None) -> "EagleHead":
         """Load a head from a folder or hub id; with `target` check and attach it (a `Target` is also checked
         by fingerprint; a bare model by shape only). EAGLE-3 and speculators folders are read too."""
         from safetensors.torch import load_file

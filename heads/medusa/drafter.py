@@ -53,7 +53,14 @@ class HeadsDrafter:
         return self.tree.size
 
     def check_target(self, model) -> None:
+        """The heads read the target's hidden states as they are: other shapes, another dtype or another
+        device would fail inside torch at the first step."""
         check_fits(self.heads.config, model.config.get_text_config())
+        weight, theirs = next(self.heads.parameters()), model.get_output_embeddings().weight
+        if (weight.dtype, weight.device) != (theirs.dtype, theirs.device):
+            raise GorgonError(f"the heads are in {weight.dtype} on {weight.device} but the target in {theirs.dtype} "
+                              f"on {theirs.device}: move them to the target's (heads.to({theirs.device.type!r}, "
+                              f"{theirs.dtype}))")
 
     def settings(self) -> dict:
         return {"tree": [list(p) for p in self.tree.paths], "draft_dtype": dtype_name(self.heads)}
@@ -79,7 +86,8 @@ def pick_tree(heads: MedusaHeads, tree, device_type: str) -> list[list[int]]:
         accuracies = heads.accuracies or REFERENCE_ACCURACIES
         return tree_from_accuracies(accuracies[: heads.config.num_heads], tree)
     if tree not in (None, "auto"):
-        raise GorgonError(f"unknown tree {tree!r}: pass a list of rank paths, a node count, a JSON file, or 'auto'")
+        raise GorgonError(f"unknown tree {tree!r}: pass a list of rank paths (a JSON file of them: json.load it), a "
+                          "node count or 'auto'")
     return heads.saved_tree(device_type) or default_tree(heads.config.num_heads, device_type)
 
 

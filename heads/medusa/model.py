@@ -48,7 +48,7 @@ class MedusaConfig:
 
     @classmethod
     def from_dict(cls, data: dict, source: str = "config") -> "MedusaConfig":
-        return config_from_dict(cls, data, source, "a gorgon heads config")
+        return config_from_dict(cls, data, source, "a gorgon Medusa heads config")
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -222,8 +222,8 @@ class MedusaHeads(PushToHubMixin, nn.Module):
             (path / TREES_NAME).unlink(missing_ok=True)
 
     @classmethod
-    def from_pretrained(cls, name_or_path: str | os.PathLike, target=None, device=None,
-                        dtype: torch.dtype | None = None) -> "MedusaHeads":
+    def from_pretrained(cls, name_or_path: str | os.PathLike, target=None, device: str | torch.device | None = None,
+                        dtype: str | torch.dtype | None = None) -> "MedusaHeads":
         """Load heads from a folder or hub id; with `target` check and attach it (a `Target` is also
         checked by fingerprint; a bare model by shape only). Folders in vLLM's or FasterDecoding
         Medusa's format are read too (see `gorgon.heads.medusa.formats`)."""
