@@ -108,9 +108,10 @@ def check_repo_id(repo_id: str, setting: str) -> None:
 
 
 def upload_folder(folder: str | os.PathLike, repo_id: str, private: bool = False, revision: str | None = None,
-                  commit_message: str = "Upload gorgon heads") -> str:
+                  commit_message: str = "Upload gorgon heads", local: bool = True) -> str:
     """Create the repo if needed and upload a folder in one commit (training checkpoints left out),
-    removing the repo's `LOADED_FILES` that the folder does not have."""
+    removing the repo's `LOADED_FILES` that the folder does not have. `local`: the folder is the user's (a
+    failure says it is unchanged), not a temporary one."""
     from huggingface_hub import HfApi
 
     api = HfApi()
@@ -123,8 +124,8 @@ def upload_folder(folder: str | os.PathLike, repo_id: str, private: bool = False
                                  delete_patterns=LOADED_FILES)
     except Exception as err:
         reason = str(err).strip().split("\n")[0] or err.__class__.__name__
-        raise GorgonError(f"upload to {repo_id} failed ({reason}); the local folder {folder} is unchanged: "
-                          f"{upload_fix(err)}") from err
+        kept = f"; the local folder {folder} is unchanged" if local else ""
+        raise GorgonError(f"upload to {repo_id} failed ({reason}){kept}: {upload_fix(err)}") from err
     return str(getattr(info, "commit_url", info))
 
 
@@ -160,7 +161,9 @@ class PushToHubMixin:
 
     def push_to_hub(self, repo_id: str, private: bool = False, revision: str | None = None,
                     commit_message: str = "Upload gorgon heads") -> str:
-        """Upload to the Hub in one commit; returns the commit URL."""
+        """Upload to the Hub in one commit; returns the commit URL. What `save_pretrained` writes only: `gorgon
+        push FOLDER` uploads a training run's folder with its model card, metrics and plot."""
         with tempfile.TemporaryDirectory() as tmp:
             self.save_pretrained(tmp)
-            return upload_folder(tmp, repo_id, private=private, revision=revision, commit_message=commit_message)
+            return upload_folder(tmp, repo_id, private=private, revision=revision, commit_message=commit_message,
+                                 local=False)
