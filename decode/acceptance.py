@@ -36,11 +36,11 @@ class Sampling:
         """The one range check of the sampling settings, for the command line and Python alike."""
         if not (isinstance(self.temperature, numbers.Real) and math.isfinite(self.temperature)
                 and self.temperature >= 0):
-            raise GorgonError(f"temperature must be a finite number >= 0 (0 is greedy), not {self.temperature}")
+            raise GorgonError(f"temperature must be a finite number >= 0 (0 is greedy), not {self.temperature!r}")
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, numbers.Integral) or self.top_k < 0:
-            raise GorgonError(f"top-k must be a whole number >= 0 (0 is off), not {self.top_k}")
+            raise GorgonError(f"top-k must be a whole number >= 0 (0 is off), not {self.top_k!r}")
         if not (isinstance(self.top_p, numbers.Real) and 0 < self.top_p <= 1):
-            raise GorgonError(f"top-p must lie in (0, 1] (1 is off), not {self.top_p}")
+            raise GorgonError(f"top-p must be a number in (0, 1] (1 is off), not {self.top_p!r}")
 
     @property
     def greedy(self) -> bool:

@@ -56,7 +56,10 @@ class StopRule:
     text only: `generate` also ends on one that begins in the prompt.)"""
 
     def __init__(self, max_new_tokens: int, eos_token_id=None, stop_strings=(), tokenizer=None):
-        self.stop_strings = [stop_strings] if isinstance(stop_strings, str) else list(stop_strings or ())
+        strings = [stop_strings] if isinstance(stop_strings, str) else stop_strings or ()
+        if not isinstance(strings, (list, tuple, set)) or not all(isinstance(s, str) for s in strings):
+            raise GorgonError(f"stop_strings must be text (a string or a list of them), not {stop_strings!r}")
+        self.stop_strings = list(strings)
         if self.stop_strings and tokenizer is None:
             raise GorgonError("stop strings (given, or in the model's generation_config) need the tokenizer: pass "
                               "tokenizer=...")
@@ -67,6 +70,9 @@ class StopRule:
         if isinstance(eos_token_id, torch.Tensor):
             eos_token_id = eos_token_id.flatten().tolist()
         eos = eos_token_id if isinstance(eos_token_id, (list, tuple, set)) else [eos_token_id]
+        if not all(e is None or (isinstance(e, numbers.Integral) and not isinstance(e, bool)) for e in eos):
+            raise GorgonError(f"eos_token_id must be token ids, not {eos_token_id!r}: a token's id is "
+                              "tokenizer.convert_tokens_to_ids(token)")
         self.eos = {int(e) for e in eos if e is not None}
         self.tokenizer = tokenizer
 
@@ -139,6 +145,9 @@ def check_input_ids(model, input_ids: torch.Tensor) -> None:
     if not isinstance(input_ids, torch.Tensor):
         raise GorgonError(f"input_ids must be a tensor of shape (1, n) (tokenizer(text, return_tensors='pt')"
                           f"['input_ids']), not a {type(input_ids).__name__}")
+    if input_ids.is_floating_point() or input_ids.is_complex() or input_ids.dtype == torch.bool:
+        raise GorgonError(f"input_ids must be token ids (an integer tensor), not {input_ids.dtype}: "
+                          "tokenizer(text, return_tensors='pt')['input_ids'] gives them")
     if input_ids.ndim != 2 or input_ids.shape[0] != 1:
         raise GorgonError(f"input_ids must have shape (1, n), got {tuple(input_ids.shape)}: "
                           "the decoder runs one sequence at a time")

@@ -936,3 +936,28 @@ def test_the_python_api_takes_what_its_loaders_return_and_names_its_mistakes(tmp
     with pytest.raises(GorgonError, match=r"^the heads are in torch.float32 on cpu but the target in torch.bfloat16 on "
                                           r"cpu: move them to the target's \(heads.to\('cpu', torch.bfloat16\)\)$"):
         speculative_generate(target.model.to(torch.bfloat16), drafter, ids, 6)
+
+
+def test_python_arguments_of_the_wrong_kind_are_named(tmp_path):
+    """Float ids, an EOS given as text, a number as stop strings and a string temperature failed inside torch or
+    Python (or named only the value); a token map given as a list failed at .to()."""
+    from gorgon.heads.draft_model import cut_to_draft_vocab
+
+    model = tiny_model()
+    drafter = HeadsDrafter(MedusaHeads.for_target(model, num_heads=2), tree=[[0], [0, 0]])
+    ids = torch.randint(1, 50, (1, 5), generator=torch.Generator().manual_seed(0))
+    for kwargs, says in [(dict(input_ids=ids.float()), r"^input_ids must be token ids \(an integer tensor\), not "
+                                                       r"torch.float32: tokenizer\(text, return_tensors='pt'\)"),
+                         (dict(eos_token_id="<|im_end|>"), r"^eos_token_id must be token ids, not '<\|im_end\|>': a "
+                                                           r"token's id is tokenizer.convert_tokens_to_ids\(token\)$"),
+                         (dict(stop_strings=123), r"^stop_strings must be text \(a string or a list of them\), not "
+                                                  "123$")]:
+        with pytest.raises(GorgonError, match=says):
+            speculative_generate(model, drafter, **{"input_ids": ids, "max_new_tokens": 4, **kwargs})
+    with pytest.raises(GorgonError, match=r"^temperature must be a finite number >= 0 \(0 is greedy\), not '0.7'$"):
+        Sampling("0.7")
+    draft, token_map = tiny_model(), list(range(0, 64, 2))
+    cut_to_draft_vocab(draft, torch.tensor(token_map))
+    chain = DraftModelDrafter(draft, 3, token_map=token_map)
+    assert speculative_generate(model, chain, ids, 6, eos_token_id=None).tokens == \
+        model.generate(ids, max_new_tokens=6, do_sample=False, eos_token_id=None)[0, 5:].tolist()

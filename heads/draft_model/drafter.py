@@ -50,7 +50,7 @@ class DraftModelDrafter:
         if token_map is not None and rows != len(token_map):
             raise GorgonError(f"the draft's output layer has {rows} rows but token_map names {len(token_map)} "
                               "tokens: cut it with cut_to_draft_vocab(draft, token_map)")
-        self.token_map = None if token_map is None else token_map.to(draft_model.device)
+        self.token_map = None if token_map is None else torch.as_tensor(token_map, device=draft_model.device)
         check_level_cost(level_cost)
         self.model, self.depth, self.topk, self.level_cost = draft_model, k, topk, level_cost
         self.cache = None
