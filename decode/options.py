@@ -4,6 +4,7 @@ the options name, the tree, sampling, device and CPU kernels."""
 from __future__ import annotations
 
 import argparse
+import difflib
 import json
 import sys
 from pathlib import Path
@@ -20,7 +21,7 @@ from gorgon.heads import (
     load_draft,
     load_target,
 )
-from gorgon.heads.errors import int_at_least, user_path
+from gorgon.heads.errors import ArgumentParser, int_at_least, user_path
 from gorgon.heads.files import read_text
 from gorgon.heads.loading import drafter_for, load_heads, load_heads_for
 from gorgon.heads.tree import MAX_TREE_NODES, best_tree_size
@@ -136,6 +137,39 @@ def load_drafter(args, tree):
         return target, drafter
     costs = verify_costs(target.model) if args.tree_budget is None else None
     return target, MergedDrafter(drafter, context, args.tree_budget, costs)
+
+
+class _PythonOptions(ArgumentParser):
+    """The command line's options given as Python keywords: a bad value is a GorgonError, not an exit."""
+
+    def error(self, message: str):
+        raise GorgonError(message)
+
+
+def from_options(**options):
+    """The target and the drafter as `gorgon generate` builds them, for Python: `from_options(heads=FOLDER,
+    context_draft=True)` is `--heads FOLDER --context-draft`, with the same defaults (the target on the CPU fast
+    kernels, the drafter in its draft dtype, the tree and a search's level cost sized for this machine). Keys
+    are the options' names with underscores (`gorgon generate --help` lists them), values as Python gives
+    them (True for a switch, a number, a path; `tree` also a list of rank paths); a key the options lack is
+    refused in one line."""
+    paths = options.pop("tree") if isinstance(options.get("tree"), list) else None
+    parser = _PythonOptions(prog="from_options", add_help=False)
+    add_model_arguments(parser, sampling=False)
+    known = set(vars(parser.parse_args([]))) - {"max_new_tokens"}  # that one is speculative_generate's
+    argv = []
+    for key, value in options.items():
+        if key not in known:
+            close = difflib.get_close_matches(key, known, n=1)
+            hint = f"did you mean {close[0]}?" if close else f"known: {', '.join(sorted(known))}"
+            raise GorgonError(f"from_options takes no {key!r}: {hint}")
+        flag = "--" + key.replace("_", "-")
+        if value is True:
+            argv.append(flag)
+        elif value is not None and value is not False:  # 0 is a value: `not in (None, False)` would drop it
+            argv += [flag, str(value)]
+    args = parser.parse_args(argv)
+    return load_drafter(args, paths or read_tree(args.tree))
 
 
 def context_drafter(args) -> ContextDrafter:

@@ -601,3 +601,30 @@ def test_a_drafter_for_a_model_of_other_shapes_is_refused_in_one_line():
             speculative_generate(wider, drafter, ids, 4)
     with pytest.raises(GorgonError, match=rf"the draft model: a vocabulary of {VOCAB}, but the target has"):
         speculative_generate(wider, DraftModelDrafter(tiny_model("llama", seed=1)), ids, 4)
+
+
+def test_from_options_builds_what_the_command_line_builds(tmp_path):
+    """Python got the fast setting only through internals (an argparse namespace); from_options takes the
+    options as keywords, with the command line's defaults and checks."""
+    from helpers import tiny_chat_target
+    from transformers import AutoModelForCausalLM
+
+    from gorgon.decode import from_options
+    from gorgon.heads import MergedDrafter
+
+    target_dir = tiny_chat_target(tmp_path)
+    MedusaHeads.for_target(AutoModelForCausalLM.from_pretrained(target_dir)).save_pretrained(tmp_path / "heads")
+    options = dict(heads=tmp_path / "heads", target=target_dir, device="cpu", context_draft=True, tree_budget=6,
+                   tree=[[0], [0, 0]])
+    target, drafter = from_options(**options)
+    assert isinstance(drafter, MergedDrafter) and drafter.drafter.tree.paths == ((0,), (0, 0))
+    ids = torch.randint(1, 50, (1, 6), generator=torch.Generator().manual_seed(0))
+    assert speculative_generate(target, drafter, ids, 12, eos_token_id=None).tokens == \
+        target.model.generate(ids, max_new_tokens=12, do_sample=False, eos_token_id=None)[0, 6:].tolist()
+    for bad, says in [(dict(contxt_draft=True), "^from_options takes no 'contxt_draft': did you mean context_draft"),
+                      (dict(max_new_tokens=5), "^from_options takes no 'max_new_tokens'"),
+                      (dict(context_ngram=0), "^argument --context-ngram: must be at least 1, not 0$"),
+                      (dict(tree_budget=6, context_draft=False), "^--tree-budget sizes a merged tree: it needs "
+                                                                 "--context-draft with --heads or --draft$")]:
+        with pytest.raises(GorgonError, match=says):
+            from_options(**{**options, **bad})
