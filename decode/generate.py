@@ -206,6 +206,25 @@ def stream_to(streamer, input_ids: torch.Tensor):
     return put, streamer.end
 
 
+# `generate` arguments a transformers user passes, and what says the same here.
+LIKE_GENERATE = {
+    **dict.fromkeys(("do_sample", "temperature", "top_k", "top_p"),
+                    "sampling=Sampling.like_generate(model, temperature, top_k, top_p)"),
+    "max_length": "max_new_tokens", "generation_config": "the settings as arguments (it reads model.generation_config)",
+    "pad_token_id": "attention_mask (or set model.generation_config.pad_token_id)",
+    "num_return_sequences": "one call per sequence (it decodes one row)",
+}
+
+
+def check_generate_kwargs(kwargs: dict) -> None:
+    """Keywords beyond speculative_generate's own: a `generate` argument names its counterpart here, any
+    other is Python's TypeError."""
+    for key in kwargs:
+        if key in LIKE_GENERATE:
+            raise GorgonError(f"speculative_generate takes no {key} (a generate argument): pass {LIKE_GENERATE[key]}")
+        raise TypeError(f"speculative_generate() got an unexpected keyword argument {key!r}")
+
+
 def default_new_tokens(config, prompt_length: int) -> int:
     """The new tokens `generate` would allow with no max_new_tokens given: the generation_config's
     max_new_tokens, else what a max_length it sets leaves after the prompt (padding included, as `generate`
@@ -226,7 +245,8 @@ def default_new_tokens(config, prompt_length: int) -> int:
 def speculative_generate(model, drafter: Drafter, input_ids: torch.Tensor, max_new_tokens: int | None = None,
                          sampling: Sampling | None = None, acceptance: str = "exact", eos_token_id="default",
                          stop_strings=(), tokenizer=None, generator: torch.Generator | None = None,
-                         streamer=None, attention_mask: torch.Tensor | None = None) -> GenerationResult:
+                         streamer=None, attention_mask: torch.Tensor | None = None,
+                         **generate_kwargs) -> GenerationResult:
     """Generate up to `max_new_tokens` after `input_ids` (1, n) with the drafter's tree. `model`: a
     transformers causal LM, or the `Target` that `load_target` and `load_heads` return.
 
@@ -239,8 +259,10 @@ def speculative_generate(model, drafter: Drafter, input_ids: torch.Tensor, max_n
     none are given. Other generation_config settings that would change `generate`'s output are named in a
     warning (`generation_settings_not_applied`). attention_mask (or, without it, leading pad tokens) takes
     left padding off, as `generate` masks it. streamer: a callable given each step's new tokens, or a
-    transformers streamer (TextStreamer, TextIteratorStreamer).
+    transformers streamer (TextStreamer, TextIteratorStreamer). `generate`'s own arguments (temperature,
+    max_length, ...) are refused, each naming what says the same here.
     """
+    check_generate_kwargs(generate_kwargs)
     if isinstance(model, Target):  # as load_target and load_heads return it
         model = model.model
     config = getattr(model, "generation_config", None)

@@ -956,6 +956,11 @@ def test_python_arguments_of_the_wrong_kind_are_named(tmp_path):
             speculative_generate(model, drafter, **{"input_ids": ids, "max_new_tokens": 4, **kwargs})
     with pytest.raises(GorgonError, match=r"^temperature must be a finite number >= 0 \(0 is greedy\), not '0.7'$"):
         Sampling("0.7")
+    with pytest.raises(GorgonError, match=r"^speculative_generate takes no temperature \(a generate argument\): pass "
+                                          r"sampling=Sampling.like_generate\(model, temperature, top_k, top_p\)$"):
+        speculative_generate(model, drafter, ids, 4, temperature=0.7)
+    with pytest.raises(TypeError, match="unexpected keyword argument 'max_new_token'"):
+        speculative_generate(model, drafter, ids, max_new_token=4)
     draft, token_map = tiny_model(), list(range(0, 64, 2))
     cut_to_draft_vocab(draft, torch.tensor(token_map))
     chain = DraftModelDrafter(draft, 3, token_map=token_map)
