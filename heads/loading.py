@@ -31,7 +31,7 @@ def is_eagle(folder) -> bool:
     return isinstance(config, dict) and (config.get("arch") == ARCH or foreign_format(config) is not None)
 
 
-def load_heads(heads: str | os.PathLike, target: str | None = None, device: str = "auto",
+def load_heads(heads: str | os.PathLike, target: str | os.PathLike | None = None, device: str = "auto",
                dtype: str | torch.dtype = "auto") -> tuple[Target, object]:
     """The target and the heads in a folder or hub repo (a Medusa-2 folder's LoRA adapter merged in). `target`
     None: the one the heads were trained for (`target_for_heads`)."""

@@ -185,7 +185,7 @@ def target_text_config(name_or_path: str | os.PathLike | None):
         raise cannot_load("target", source, err) from err
 
 
-def load_target(name_or_path: str | None = None, device: str = "auto", dtype: str | torch.dtype = "auto",
+def load_target(name_or_path: str | os.PathLike | None = None, device: str = "auto", dtype: str | torch.dtype = "auto",
                 attn_implementation: str | None = None, adapter: str | os.PathLike | None = None) -> Target:
     """Load a causal LM and its tokenizer: None means the embedded SmolLM2-135M-Instruct.
 
@@ -196,7 +196,7 @@ def load_target(name_or_path: str | None = None, device: str = "auto", dtype: st
     kwargs = {"attn_implementation": attn_implementation} if attn_implementation else {}
     model, tokenizer = load_causal_lm(target_source(name_or_path), "target", dtype=resolve_dtype(dtype, dev), **kwargs)
     model.to(dev).eval()
-    target = Target(model=model, tokenizer=tokenizer, name=name_or_path or EMBEDDED_NAME)
+    target = Target(model=model, tokenizer=tokenizer, name=os.fspath(name_or_path) if name_or_path else EMBEDDED_NAME)
     if adapter is not None:
         from peft import PeftModel
 
