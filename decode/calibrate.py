@@ -132,10 +132,12 @@ def drafted_level_cost(drafter, target_model, repeat: int = 20) -> float:
 def level_cost(level, reset, target_model, device: torch.device, repeat: int = 20) -> float:
     """A drafted level's time (`level()`, after which `reset()` restores the drafter's cache) in plain target
     steps (`verify_costs`' one-token cost): what a level must bring in expected tokens to pay. Timed anew
-    each time (a fraction of a second), not cached: the drafter is whatever the user passes."""
+    each time (a fraction of a second), not cached: the drafter is whatever the user passes. The plain step is
+    the cached verify costs' where they were measured, else timed alone (all sizes take tens of seconds)."""
     with decoding_attention(device):
         ms = median_ms(level, repeat, reset, device)
-    return ms / verify_costs(target_model)[1]
+    step = (cached_verify_costs(target_model) or measure_verify_costs(target_model, sizes=(1,), repeat=repeat))[1]
+    return ms / step
 
 
 def machine_setup(model) -> dict:
@@ -161,19 +163,37 @@ def calibration_key(model) -> dict:
 _NOT_CACHED: dict[str, dict[int, float]] = {}
 
 
-def verify_costs(model) -> dict[int, float]:
-    """Measured verify costs for this model on this machine, from the cache when they were measured before."""
+def calibration_entry(model) -> tuple[str, Path]:
+    """The digest of the model's calibration key, and the cache file its verify costs are kept in."""
     key = calibration_key(model)
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
-    path = cache_dir() / "calibration" / f"{digest}.json"
+    return digest, cache_dir() / "calibration" / f"{digest}.json"
+
+
+def cached_verify_costs(model) -> dict[int, float] | None:
+    """The verify costs measured before for this model on this machine (by this process on a busy machine,
+    else from the cache), or None."""
+    digest, path = calibration_entry(model)
     if digest in _NOT_CACHED:
         return _NOT_CACHED[digest]
-    if path.is_file():
-        try:
-            return {int(n): float(ms) for n, ms in json.loads(path.read_text())["costs_ms"].items()}
-        except (ValueError, KeyError, TypeError):
-            pass  # a damaged cache entry is measured again
+    try:
+        return {int(n): float(ms) for n, ms in json.loads(path.read_text())["costs_ms"].items()}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):  # none yet, or a damaged entry
+        return None
+
+
+def verify_costs(model) -> dict[int, float]:
+    """Measured verify costs for this model on this machine, from the cache when they were measured before."""
+    cached = cached_verify_costs(model)
+    if cached is not None:
+        return cached
+    digest, path = calibration_entry(model)
+    sizes = measured_sizes(model.device)
+    print(f"gorgon: timing target forwards of {sizes[0]} to {sizes[-1]} tokens on this machine, to size the tree "
+          "(once, then kept; a fixed --tree N, and --tree-budget N with --context-draft, need none)", file=sys.stderr)
+    start = time.perf_counter()
     costs = measure_verify_costs(model)
+    print(f"gorgon: timed in {time.perf_counter() - start:.0f} s", file=sys.stderr)
     others = busy_cores()
     if others > 0.5:  # a busy machine's costs would size every later run's tree wrongly
         print(f"gorgon: other work kept about {others:.1f} of {os.cpu_count()} cores busy while verify costs were "
@@ -182,7 +202,7 @@ def verify_costs(model) -> dict[int, float]:
         _NOT_CACHED[digest] = costs
         return costs
     path.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write_text(path, json.dumps({"key": key, "costs_ms": costs}, indent=1) + "\n")
+    atomic_write_text(path, json.dumps({"key": calibration_key(model), "costs_ms": costs}, indent=1) + "\n")
     return costs
 
 

@@ -340,7 +340,7 @@ def test_a_feature_level_heads_tree_size_follows_the_verify_costs(monkeypatch, t
     assert best_tree_size([accuracies[0], accuracies[1], accuracies[1]], steep) < 6
 
 
-def test_verify_costs_are_measured_once_per_machine(monkeypatch, tmp_path):
+def test_verify_costs_are_measured_once_per_machine(monkeypatch, tmp_path, capsys):
     monkeypatch.setenv("GORGON_CACHE", str(tmp_path))
     calls = []
 
@@ -354,11 +354,27 @@ def test_verify_costs_are_measured_once_per_machine(monkeypatch, tmp_path):
     assert calibrate.verify_costs(model) == {1: 10.0, 2: 11.0, 4: 12.0}
     assert calibrate.verify_costs(model) == {1: 10.0, 2: 11.0, 4: 12.0}
     assert len(calls) == 1
+    said = capsys.readouterr().err  # before the silent seconds: what is timed, once, and how to skip it
+    assert said.startswith("gorgon: timing target forwards of 1 to 16 tokens on this machine, to size the tree (once, "
+                           "then kept; a fixed --tree N") and said.count("gorgon: timing") == 1
     (saved,) = (tmp_path / "calibration").glob("*.json")
     assert json.loads(saved.read_text())["key"]["kernels"] == "stock"
     saved.write_text("{broken")  # a damaged entry is measured again
     calibrate.verify_costs(model)
     assert len(calls) == 2
+
+
+def test_a_drafted_levels_cost_times_only_a_plain_step_where_none_is_cached(monkeypatch, tmp_path, capsys):
+    """The level cost's denominator timed every verify size (tens of seconds, in silence) even with --tree N."""
+    monkeypatch.setenv("GORGON_CACHE", str(tmp_path))
+    monkeypatch.setattr(calibrate, "_NOT_CACHED", {})
+    timed = []
+    measure = calibrate.measure_verify_costs
+    monkeypatch.setattr(calibrate, "measure_verify_costs",
+                        lambda model, sizes=None, **kw: timed.append(sizes) or measure(model, sizes=sizes, **kw))
+    model = tiny_model("llama")
+    assert calibrate.level_cost(lambda: None, lambda: None, model, model.device, repeat=2) > 0
+    assert timed == [(1,)] and capsys.readouterr().err == ""
 
 
 def test_verify_costs_timed_beside_other_work_are_used_but_not_cached(monkeypatch, tmp_path, capsys):
