@@ -966,3 +966,26 @@ def test_python_arguments_of_the_wrong_kind_are_named(tmp_path):
     chain = DraftModelDrafter(draft, 3, token_map=token_map)
     assert speculative_generate(model, chain, ids, 6, eos_token_id=None).tokens == \
         model.generate(ids, max_new_tokens=6, do_sample=False, eos_token_id=None)[0, 5:].tolist()
+
+
+def test_ctrl_c_says_what_was_kept_and_how_to_go_on(tmp_path, capsys):
+    """Ctrl-C ended training and data generation silently (after a half-drawn progress bar): a user learnt of
+    --resume only from the refusal of a plain rerun. (The first newline ends the bar's line.)"""
+    from gorgon.train.data import holding
+    from gorgon.train.run_folder import RUN_MARKER, lock_released_on_failure
+
+    out = tmp_path / "run"
+    (out / "checkpoints" / "step-20").mkdir(parents=True)
+    (out / RUN_MARKER).write_text("")
+    for kept, says in [(out / "checkpoints" / "step-20", f"{out / 'checkpoints' / 'step-20'} is kept: rerun the "
+                                                         "command with --resume true to continue from it"),
+                       (None, "no checkpoint was saved yet (save_every sets how often): a rerun starts over")]:
+        with pytest.raises(KeyboardInterrupt), lock_released_on_failure(out, lambda kept=kept: kept):
+            raise KeyboardInterrupt
+        assert capsys.readouterr().err == f"\ngorgon: {says}\n"
+    partial = tmp_path / "data.partial"
+    with pytest.raises(KeyboardInterrupt), holding(partial):
+        (partial / "shard-00000.jsonl").write_text("{}\n")
+        raise KeyboardInterrupt
+    assert capsys.readouterr().err == (f"\ngorgon data: the 1 shard(s) finished so far are kept in {partial}: rerun "
+                                       "the same command to go on from them\n")

@@ -20,6 +20,7 @@ import json
 import math
 import os
 import shutil
+import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -296,9 +297,13 @@ def holding(partial: Path):
     take_lock(partial / LOCK)
     try:
         yield
-    except BaseException:
+    except BaseException as err:
         drop_lock(partial / LOCK)
         remove_empty_folders(made)
+        shards = len(list(partial.glob("shard-*.jsonl")))
+        if isinstance(err, KeyboardInterrupt) and shards:
+            print(f"\ngorgon data: the {shards} shard(s) finished so far are kept in {partial}: rerun the same "
+                  "command to go on from them", file=sys.stderr)
         raise
 
 

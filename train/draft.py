@@ -174,9 +174,11 @@ def read_indexed_cpu_locations() -> None:
 
 def train(cfg: DraftTrainConfig) -> Path:
     """The whole run: distil the draft, evaluate it, save it with its card (pushed when asked)."""
-    from gorgon.train.run_folder import lock_released_on_failure
+    from gorgon.train.run_folder import latest_checkpoint, lock_released_on_failure
 
-    with lock_released_on_failure(Path(cfg.out)):
+    checkpoints = Path(cfg.out) / "checkpoints"
+    with lock_released_on_failure(Path(cfg.out), lambda: latest_checkpoint(checkpoints, "checkpoint",
+                                                                             "trainer_state.json")):
         return distil(cfg)
 
 

@@ -528,7 +528,7 @@ def train(cfg: HeadsTrainConfig) -> Path:
     """The whole run: setup, the steps, then evaluation and the saved heads folder (pushed when asked)."""
     from gorgon.train.run_folder import lock_released_on_failure
 
-    with lock_released_on_failure(Path(cfg.out)):
+    with lock_released_on_failure(Path(cfg.out), lambda: latest_heads_checkpoint(Path(cfg.out))):
         run = setup(cfg)
         train_steps(run)
         metrics = save(run)

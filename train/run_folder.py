@@ -14,6 +14,7 @@ import hashlib
 import json
 import os
 import shutil
+import sys
 from pathlib import Path
 
 from gorgon.heads.draft_model.model import DRAFT_VOCAB_NAME
@@ -272,15 +273,21 @@ def finish_run_folder(out: Path, recipe: dict) -> None:
 
 
 @contextlib.contextmanager
-def lock_released_on_failure(out: Path):
+def lock_released_on_failure(out: Path, latest_checkpoint):
     """A run that fails or is refused after taking the folder's LOCK gives it back, so the folder is as it was
-    (a killed run cannot: its lock names a process that is gone, which no later run waits for)."""
+    (a killed run cannot: its lock names a process that is gone, which no later run waits for). A run stopped
+    with Ctrl-C says how to go on: from its newest checkpoint (`latest_checkpoint()`), or from the start."""
     from gorgon.heads.files import drop_lock
 
     try:
         yield
-    except BaseException:
+    except BaseException as err:
         drop_lock(out / LOCK)
+        if isinstance(err, KeyboardInterrupt) and os.environ.get("RANK", "0") == "0":  # once, in a launch
+            kept = latest_checkpoint() if (out / RUN_MARKER).is_file() else None
+            print(f"\ngorgon: {kept} is kept: rerun the command with --resume true to continue from it" if kept else
+                  "\ngorgon: no checkpoint was saved yet (save_every sets how often): a rerun starts over",
+                  file=sys.stderr)
         raise
 
 
