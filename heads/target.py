@@ -101,6 +101,7 @@ def embedded_target_dir() -> Path:
     gguf = embedded_gguf_path()
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    print(f"gorgon: converting the embedded {EMBEDDED_NAME} from its GGUF, once (about 20 s)", file=sys.stderr)
     start = time.perf_counter()
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
@@ -122,7 +123,7 @@ def embedded_target_dir() -> Path:
                 raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    print(f"gorgon: converted the embedded {EMBEDDED_NAME} to {out} in {time.perf_counter() - start:.1f} s")
+    print(f"gorgon: converted it to {out} in {time.perf_counter() - start:.1f} s", file=sys.stderr)
     return out
 
 
