@@ -310,6 +310,14 @@ def test_a_prompt_cap_is_at_least_one_token_and_named_when_it_skips_everything(t
     with pytest.raises(GorgonError, match="no prompt fit --max-prompt-tokens 2 and the context of 512 tokens"):
         make_dataset(DataSettings(prompts=src, target=str(target), max_new_tokens=4, max_prompt_tokens=2),
                      tmp_path / "o", progress=False)
+    # Its shards held skipped turns only, and the corrected command was refused for other settings: none are kept.
+    assert not (tmp_path / "o.partial").exists()
+    make_dataset(DataSettings(prompts=src, target=str(target), max_new_tokens=4), tmp_path / "o", progress=False)
+    with pytest.raises(GorgonError, match="^--max-new-tokens 512 leaves no room for a prompt in the context of 512 "
+                                          "tokens: lower it$"):
+        make_dataset(DataSettings(prompts=src, target=str(target), max_new_tokens=512), tmp_path / "o2",
+                     progress=False)
+    assert not (tmp_path / "o2.partial").exists()
 
 
 def test_a_partial_folder_gorgon_did_not_write_is_left_alone(tmp_path):

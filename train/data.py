@@ -366,6 +366,10 @@ def make_dataset(settings: DataSettings, out: str | os.PathLike, target: Target 
         if template is None and not getattr(tok, "chat_template", None):
             raise GorgonError(f"the tokenizer of {target.name} has no chat template: pass --chat-template FILE (Jinja)")
         chat_ids(tok, [{"role": "user", "content": "Hello"}], template)  # a broken template fails before any work
+        context = context_length(target.model)
+        if context is not None and settings.max_new_tokens >= context:  # before the run's settings are written
+            raise GorgonError(f"--max-new-tokens {settings.max_new_tokens} leaves no room for a prompt in the "
+                              f"context of {context} tokens: lower it")
         engine_settings = DataSettings(**{**asdict(settings), "chat_template": template})
         engine = (VllmEngine(target, engine_settings) if settings.engine == "vllm"
                   else Engine(target, engine_settings, cpu_kernels))
@@ -377,7 +381,6 @@ def make_dataset(settings: DataSettings, out: str | os.PathLike, target: Target 
                 written = self_prompts(engine, engine_settings, settings.limit)
                 atomic_write_text(prompts_file, "".join(json.dumps(c) + "\n" for c in written))
             convs = read_jsonl(prompts_file)
-        context = context_length(target.model)
         n_shards = math.ceil(len(convs) / settings.shard_size)
 
         def shard_positions(i: int) -> range:
@@ -385,17 +388,18 @@ def make_dataset(settings: DataSettings, out: str | os.PathLike, target: Target 
 
         done = {p.name for p in partial.glob("shard-*.jsonl")}
         todo = [i for i in range(n_shards) if f"shard-{i:05d}.jsonl" not in done]
-        start, tokens = time.perf_counter(), 0
+        start, tokens, answers = time.perf_counter(), 0, 0
         left = sum(len(shard_positions(i)) for i in todo)  # prompts not yet in a shard
         bar = tqdm(total=len(convs), unit="prompt", desc="gorgon data", disable=not progress, dynamic_ncols=True,
                    initial=len(convs) - left)
 
         def on_batch(n_prompts: int, n_tokens: int) -> None:
-            nonlocal tokens
-            tokens += n_tokens
+            nonlocal tokens, answers
+            tokens, answers = tokens + n_tokens, answers + n_prompts
             if settings.turns == "first":  # a finished answer is a finished conversation
                 bar.update(n_prompts)
-            bar.set_postfix(tok_per_s=f"{tokens / (time.perf_counter() - start):.1f}")
+            bar.set_postfix(answers=answers, saved=len(convs) - left,  # saved: in shards a rerun keeps
+                            tok_per_s=f"{tokens / (time.perf_counter() - start):.1f}")
 
         per_call = max(1, BATCHES_PER_CALL * settings.batch_size // settings.shard_size)
         for shards in (todo[k: k + per_call] for k in range(0, len(todo), per_call)):
@@ -416,7 +420,8 @@ def make_dataset(settings: DataSettings, out: str | os.PathLike, target: Target 
             header, *records = read_jsonl(partial / f"shard-{i:05d}.jsonl")
             skipped += header["skipped"]
             rows += records
-        if not rows:
+        if not rows:  # shards of skipped turns only: nothing for a corrected rerun to go on from
+            shutil.rmtree(partial)
             if settings.max_prompt_tokens:
                 raise GorgonError(f"no prompt fit --max-prompt-tokens {settings.max_prompt_tokens} and the context of "
                                   f"{context} tokens with --max-new-tokens {settings.max_new_tokens}: raise "
@@ -476,7 +481,8 @@ def parser() -> argparse.ArgumentParser:
                    help="answer the first user turn only (default), or every turn with the target's own earlier "
                         "answers")
     p.add_argument("--shard-size", type=int_at_least(1), default=d.shard_size,
-                   help=f"conversations per resumable shard (default {d.shard_size})")
+                   help=f"conversations per resumable shard (default {d.shard_size}); shards are answered "
+                        f"{BATCHES_PER_CALL} batches' worth of prompts at a time, so a kill loses up to that much work")
     p.add_argument("--chat-template", default=None, help="a Jinja chat template file, for tokenizers without one")
     p.add_argument("--engine", choices=["transformers", "vllm"], default=d.engine,
                    help="transformers (default; continuous batching) or vllm (a GPU path that has never run: vLLM "
