@@ -2,6 +2,7 @@
 
 import dataclasses
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -493,3 +494,20 @@ def test_a_malformed_hub_repo_id_is_refused_before_training(tmp_path):
 def test_a_count_below_one_is_named_with_its_value(key):
     with pytest.raises(GorgonError, match=f"^{key} must be at least 1, not 0$"):
         HeadsTrainConfig(data="x", out="y", **{key: 0}).check()
+
+
+def test_wandb_logs_online_for_a_user_who_ran_wandb_login(monkeypatch, tmp_path):
+    """Only WANDB_API_KEY counted as a key: a user logged in with `wandb login` (its key in the netrc file) was
+    logged offline."""
+    from gorgon.train.recipe import wandb_offline_without_key
+
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.delenv("WANDB_BASE_URL", raising=False)
+    netrc_file = tmp_path / "netrc"
+    monkeypatch.setenv("NETRC", str(netrc_file))
+    for saved, mode in [("", "offline"), ("machine api.wandb.ai\n  login user\n  password abc123\n", None)]:
+        netrc_file.write_text(saved)
+        netrc_file.chmod(0o600)
+        monkeypatch.delenv("WANDB_MODE", raising=False)
+        wandb_offline_without_key("wandb")
+        assert os.environ.get("WANDB_MODE") == mode

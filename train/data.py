@@ -388,17 +388,18 @@ def make_dataset(settings: DataSettings, out: str | os.PathLike, target: Target 
 
         done = {p.name for p in partial.glob("shard-*.jsonl")}
         todo = [i for i in range(n_shards) if f"shard-{i:05d}.jsonl" not in done]
-        start, tokens, answers = time.perf_counter(), 0, 0
+        start, tokens, answered = time.perf_counter(), 0, 0
         left = sum(len(shard_positions(i)) for i in todo)  # prompts not yet in a shard
         bar = tqdm(total=len(convs), unit="prompt", desc="gorgon data", disable=not progress, dynamic_ncols=True,
                    initial=len(convs) - left)
 
         def on_batch(n_prompts: int, n_tokens: int) -> None:
-            nonlocal tokens, answers
-            tokens, answers = tokens + n_tokens, answers + n_prompts
+            nonlocal tokens, answered
+            tokens, answered = tokens + n_tokens, answered + n_prompts
             if settings.turns == "first":  # a finished answer is a finished conversation
                 bar.update(n_prompts)
-            bar.set_postfix(answers=answers, saved=len(convs) - left,  # saved: in shards a rerun keeps
+            counts = {} if settings.turns == "first" else {"answers": answered}  # turns: the bar moves per call
+            bar.set_postfix(**counts, saved=len(convs) - left,  # saved: in shards, which a rerun keeps
                             tok_per_s=f"{tokens / (time.perf_counter() - start):.1f}")
 
         per_call = max(1, BATCHES_PER_CALL * settings.batch_size // settings.shard_size)
@@ -499,4 +500,6 @@ def main(argv=None) -> int:
     args = vars(parser().parse_args(argv))
     out, overwrite, kernels = args.pop("out"), args.pop("overwrite"), args.pop("cpu_kernels")
     make_dataset(DataSettings(**args), out, overwrite=overwrite, cpu_kernels=kernels)
+    print(f"gorgon data: next, heads on it: accelerate launch train/heads.py --data {out} --out HEADS (or with a "
+          "recipe: --config configs/heads/RECIPE.yaml)")
     return 0

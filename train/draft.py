@@ -303,12 +303,18 @@ def distil(cfg: DraftTrainConfig) -> Path:
     recipe = asdict(cfg)
     write_draft_card(out, recipe, metrics)
     finish_run_folder(out, recipe)
+    if cfg.report_to == "wandb":  # wandb's closing lines first, so that the run's result ends the output
+        import wandb
+
+        wandb.finish()
     print(f"gorgon draft: saved to {out} after {steps} steps: held-out KL {before['kl']:.3f} -> {after['kl']:.3f}, "
           f"top-1 agreement {before['top1']:.3f} -> {after['top1']:.3f}")
     if cfg.push_to_hub:
         from gorgon.heads.hub import upload_folder
 
         print(f"gorgon draft: pushed to {upload_folder(out, cfg.push_to_hub)}")
+    print(f"gorgon draft: next, its speed: gorgon bench --draft {out} --questions scripts/data/mt_bench.jsonl "
+          "--update-card")
     return out
 
 

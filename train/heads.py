@@ -532,6 +532,7 @@ def train(cfg: HeadsTrainConfig) -> Path:
         run = setup(cfg)
         train_steps(run)
         metrics = save(run)
+    run.accelerator.end_training()  # wandb's closing lines first, so that the run's result ends the output
     if run.accelerator.is_main_process:
         rows = [f"draft step {k + 1}" if cfg.arch == "eagle" else f"head {k + 1} (t+{k + 2})"
                 for k in range(len(metrics["top1"]))]  # as the card numbers them
@@ -544,7 +545,8 @@ def train(cfg: HeadsTrainConfig) -> Path:
             from gorgon.heads.hub import upload_folder
 
             print(f"gorgon train: pushed to {upload_folder(run.out, cfg.push_to_hub)}")
-    run.accelerator.end_training()
+        print(f"gorgon train: next, its speed: gorgon bench --heads {run.out} --questions scripts/data/mt_bench.jsonl "
+              "--update-card (--context-draft merges prompt lookup in)")
     return run.out
 
 

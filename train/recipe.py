@@ -221,9 +221,24 @@ def load_recipe(cls, config_path: str | None, overrides: dict[str, str]):
 
 
 def wandb_offline_without_key(report_to: str) -> None:
-    """wandb logs locally unless the user has a key or chose a mode: a run never stops to ask for a login."""
-    if report_to == "wandb" and not os.environ.get("WANDB_API_KEY") and not os.environ.get("WANDB_MODE"):
+    """wandb logs locally unless the user has a key (in the environment, or saved by `wandb login`) or chose a
+    mode: a run never stops to ask for a login."""
+    if report_to == "wandb" and not wandb_key_known() and not os.environ.get("WANDB_MODE"):
         os.environ["WANDB_MODE"] = "offline"
+
+
+def wandb_key_known() -> bool:
+    """Whether wandb has an API key: WANDB_API_KEY, or the one `wandb login` keeps in the netrc file."""
+    import netrc
+    from urllib.parse import urlparse
+
+    if os.environ.get("WANDB_API_KEY"):
+        return True
+    host = urlparse(os.environ.get("WANDB_BASE_URL") or "https://api.wandb.ai").hostname
+    try:
+        return netrc.netrc(os.environ.get("NETRC")).authenticators(host) is not None
+    except (OSError, netrc.NetrcParseError):  # no netrc file, or one that cannot be read
+        return False
 
 
 def several_processes() -> bool:
