@@ -89,8 +89,13 @@ def main(argv=None) -> int:
     if args.prompt is not None:
         reply(args.prompt)
         return 0
-    for line in sys.stdin:
+    typed = sys.stdin.isatty()
+    if typed:
+        print("gorgon generate: type a message and press Enter; an empty line or Ctrl-D ends", file=sys.stderr)
+    while True:
+        if typed:
+            print("> ", end="", file=sys.stderr, flush=True)
+        line = sys.stdin.readline()
         if not line.strip():
-            break
+            return 0
         reply(line.strip())
-    return 0

@@ -628,3 +628,29 @@ def test_from_options_builds_what_the_command_line_builds(tmp_path):
                                                                  "--context-draft with --heads or --draft$")]:
         with pytest.raises(GorgonError, match=says):
             from_options(**{**options, **bad})
+
+
+def test_generate_reads_messages_until_an_empty_line(tmp_path, monkeypatch, capsys):
+    """--chat: each line is a message; at a terminal a banner says how it ends and a prompt marks the input."""
+    import io
+
+    from helpers import tiny_chat_target
+
+    from gorgon.heads.cli import main as gorgon
+
+    target = tiny_chat_target(tmp_path)
+    args = ["generate", "--target", str(target), "--context-draft", "--max-new-tokens", "3", "--device", "cpu", "--chat"]
+    monkeypatch.setattr("sys.stdin", io.StringIO("hello\n\nnot read\n"))
+    assert gorgon(args) == 0
+    out, err = capsys.readouterr()
+    assert out.count("\n") == 1 and "type a message" not in err  # one reply; a pipe gets no banner
+
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    monkeypatch.setattr("sys.stdin", Terminal("hello\n"))
+    assert gorgon(args) == 0
+    err = capsys.readouterr().err
+    assert "gorgon generate: type a message and press Enter; an empty line or Ctrl-D ends\n> " in err
+    assert err.endswith("> ")  # asked again, then the end of the input ended it
