@@ -175,7 +175,8 @@ def run_bench(target, drafter, questions: list[dict], max_new_tokens: int = 256,
     context = context_length(model)
     rows, skipped, histogram = [], [], {}
     names = list(methods)
-    for qi, q in enumerate(tqdm(questions, desc="gorgon bench", disable=not progress, dynamic_ncols=True)):
+    for qi, q in enumerate(tqdm(questions, desc="gorgon bench", unit="question", disable=not progress,
+                                dynamic_ncols=True)):
         row = {"question_id": q["question_id"], "category": q["category"], "tokens": 0, "seconds": 0.0,
                "target_forwards": 0, "baseline_tokens": 0, "baseline_seconds": 0.0, "identical": True}
         if stock:

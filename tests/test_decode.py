@@ -639,7 +639,8 @@ def test_generate_reads_messages_until_an_empty_line(tmp_path, monkeypatch, caps
     from gorgon.heads.cli import main as gorgon
 
     target = tiny_chat_target(tmp_path)
-    args = ["generate", "--target", str(target), "--context-draft", "--max-new-tokens", "3", "--device", "cpu", "--chat"]
+    args = ["generate", "--target", str(target), "--context-draft", "--max-new-tokens", "3", "--device", "cpu",
+            "--chat"]
     monkeypatch.setattr("sys.stdin", io.StringIO("hello\n\nnot read\n"))
     assert gorgon(args) == 0
     out, err = capsys.readouterr()

@@ -82,7 +82,7 @@ def test_two_processes_train_heads_as_one_with_the_same_global_batch(tmp_path, m
     launch("train/heads.py", common + ["--batch-size", "8"], 1, tmp_path, "one")
     two = launch("train/heads.py", common + ["--batch-size", "4"], 2, tmp_path, "two")
     written_once(two, tmp_path, "two", "gorgon train: saved heads")
-    assert "6 steps on 2 x cpu" in two.stdout + two.stderr
+    assert "6 steps on 2 processes on cpu" in two.stdout + two.stderr
     m1, m2 = (json.loads((tmp_path / name / "metrics.json").read_text()) for name in ("one", "two"))
     assert m2["processes"] == 2 and m1["conversations_trained"] == m2["conversations_trained"] == 44
     assert m1["conversations_evaluated"] == m2["conversations_evaluated"] == 2

@@ -280,10 +280,10 @@ def test_conversations_whose_answers_start_past_max_length_are_counted_or_named(
     common = dict(data=str(data), target=target, report_to="none", max_steps=1, save_every=0)
     train(HeadsTrainConfig(out=str(tmp_path / "o"), max_length=48, **common))
     said = capsys.readouterr().out
-    assert ("gorgon train: 2 conversations left out: their answers start past max_length 48 tokens (raise max_length "
-            "to train on them)") in said
+    assert ("gorgon train: conversations left out: 2 (their answers start past max_length 48 tokens; raise "
+            "max_length to train on them)") in said
     # And a run shorter than its warmup (20 steps) says why its learning rate stays low.
-    assert ("gorgon train: warmup_steps 20 is not shorter than the run's 1 steps: the learning rate never reaches "
+    assert ("gorgon train: warmup_steps 20 is not shorter than the run (steps: 1): the learning rate never reaches "
             "learning_rate 0.001 (lower warmup_steps)") in said
     with pytest.raises(GorgonError, match=r"mixed.jsonl: no conversation has an answer within max_length 8 tokens "
                                           r"\(the prompts fill it\): raise max_length"):

@@ -74,8 +74,8 @@ def load_examples(source: str, tokenizer, max_length: int, target_fingerprints: 
     if not examples:
         raise no_answers(source)
     if cut_off and say:
-        say(f"{cut_off} conversations left out: their answers start past max_length {max_length} tokens "
-            "(raise max_length to train on them)")
+        say(f"conversations left out: {cut_off} (their answers start past max_length {max_length} tokens; raise "
+            "max_length to train on them)")
     return examples
 
 

@@ -392,11 +392,13 @@ def setup(cfg: HeadsTrainConfig) -> Run:
         accelerator.print(f"gorgon train: resumed from {resume_from} at step {run.step}")
     accelerator.init_trackers(cfg.project, config=asdict(cfg))
     method = cfg.mode if cfg.arch == "medusa" else "eagle"
-    accelerator.print(f"gorgon train: {method} on {target.name}, {len(train_ex)} train / {len(eval_ex)} eval "
-                      f"conversations, {total} steps on {world} x {accelerator.device}")
+    devices = f"{world} processes on {accelerator.device.type}" if world > 1 else str(accelerator.device)
+    accelerator.print(f"gorgon train: {method} on {target.name}, conversations: {len(train_ex)} to train on, "
+                      f"{len(eval_ex)} held out; {total} steps on {devices}")
     if cfg.warmup_steps >= total:
-        accelerator.print(f"gorgon train: warmup_steps {cfg.warmup_steps} is not shorter than the run's {total} steps: "
-                          f"the learning rate never reaches learning_rate {cfg.learning_rate} (lower warmup_steps)")
+        accelerator.print(f"gorgon train: warmup_steps {cfg.warmup_steps} is not shorter than the run (steps: "
+                          f"{total}): the learning rate never reaches learning_rate {cfg.learning_rate} (lower "
+                          "warmup_steps)")
     return run
 
 
@@ -408,8 +410,8 @@ def train_steps(run: Run) -> None:
 
     cfg, accelerator, objective = run.cfg, run.accelerator, run.objective
     started = time.perf_counter() - run.train_seconds
-    bar = tqdm(total=run.total, initial=run.step, desc="gorgon train", disable=not accelerator.is_main_process,
-               dynamic_ncols=True)
+    bar = tqdm(total=run.total, initial=run.step, desc="gorgon train", unit="step",
+               disable=not accelerator.is_main_process, dynamic_ncols=True)
     window = new_window(cfg.rows)
     # accelerate ends an accumulation at the end of the data: an epoch is ceil(batches / grad_accum) steps
     steps_per_epoch = math.ceil(len(run.loader) / cfg.grad_accum)  # len: this process's share
