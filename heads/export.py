@@ -6,6 +6,7 @@ import argparse
 import json
 import os
 import shutil
+import sys
 from pathlib import Path
 
 from .eagle import formats as eagle_formats
@@ -22,6 +23,7 @@ from .files import (
 from .hub import resolve_heads_folder
 from .loading import is_eagle, load_heads
 from .medusa import formats as medusa_formats
+from .medusa.model import ADAPTER_DIR
 
 EXPORT_MARKER = ".gorgon-export"  # written into a complete export: the files it wrote, which --overwrite replaces
 
@@ -87,6 +89,11 @@ def main(argv=None) -> int:
     else:
         move_into_place(staging, out, EXPORT_MARKER)
     print(f"gorgon export: wrote {args.format} heads to {out}")
+    if (folder / ADAPTER_DIR).is_dir():  # Medusa-2: the export holds the heads, not the target's adapter
+        print(f"gorgon export: these Medusa-2 heads were trained on the target with the LoRA adapter in "
+              f"{folder / ADAPTER_DIR}: serve them on the target with it merged (peft's merge_and_unload), or they "
+              "draft from hidden states they were not trained on (the output stays the target's; fewer drafts are "
+              "accepted)", file=sys.stderr)
     return 0
 
 

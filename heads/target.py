@@ -8,6 +8,7 @@ record at training time and check at load time.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.util
 import json
@@ -15,6 +16,7 @@ import os
 import shutil
 import sys
 import time
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -202,9 +204,19 @@ def load_target(name_or_path: str | os.PathLike | None = None, device: str = "au
         from peft import PeftModel
 
         base_fingerprints = target.fingerprints
-        target.model = PeftModel.from_pretrained(model, str(adapter)).merge_and_unload().eval()
+        with quiet_peft():
+            target.model = PeftModel.from_pretrained(model, str(adapter)).merge_and_unload().eval()
         target._fingerprints = base_fingerprints
     return target
+
+
+@contextlib.contextmanager
+def quiet_peft():
+    """peft reads transformers' deprecated `is_gradient_checkpointing`: a FutureWarning at each Medusa-2 load
+    and training run that no user can act on, kept out of their output."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
+        yield
 
 
 def cannot_load(what: str, name: str, err: Exception) -> GorgonError:

@@ -344,3 +344,20 @@ def test_push_names_a_missing_folder_or_a_file_for_what_it_is(tmp_path, capsys):
         assert gorgon(["push", "--heads", str(heads), "--repo-id", "you/x"]) == 2
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and says in err and "pass the folder training wrote" in err
+
+
+def test_a_medusa2_export_says_its_heads_need_their_adapter(tmp_path, capsys):
+    """The export holds the heads only: served on the plain target they read hidden states they were not
+    trained on, which nothing said."""
+    from helpers import toy_data
+
+    from gorgon.heads.cli import main as gorgon
+    from gorgon.train.heads import HeadsTrainConfig, train
+
+    out = train(HeadsTrainConfig(data=toy_data(tmp_path / "toy.jsonl", n=8), out=str(tmp_path / "run"),
+                                 target=str(tiny_chat_target(tmp_path)), mode="medusa2", lora_r=2, max_steps=1,
+                                 save_every=0, report_to="none"))
+    capsys.readouterr()
+    assert gorgon(["export", "--heads", str(out), "--format", "vllm", "--out", str(tmp_path / "e")]) == 0
+    err = capsys.readouterr().err
+    assert f"these Medusa-2 heads were trained on the target with the LoRA adapter in {out / 'adapter'}" in err

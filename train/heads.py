@@ -280,8 +280,12 @@ def medusa_objective(cfg: HeadsTrainConfig, target, train_ex: list[dict]):
     if cfg.mode == "medusa2":
         from peft import LoraConfig, get_peft_model
 
-        model = get_peft_model(model, LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
-                                                 target_modules=cfg.lora_target_modules, task_type="CAUSAL_LM"))
+        from gorgon.heads.target import quiet_peft
+
+        with quiet_peft():
+            model = get_peft_model(model, LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha,
+                                                     lora_dropout=cfg.lora_dropout,
+                                                     target_modules=cfg.lora_target_modules, task_type="CAUSAL_LM"))
         heads.attach(model)
     cache = FeatureCache() if cfg.cache_features else None
     return MedusaObjective(model, heads, cfg.mode, cfg.loss, cfg.head_decay, cfg.base_kl_weight, cache), coverage
