@@ -377,7 +377,7 @@ def first_checkpoint(tmp_path, **settings) -> HeadsTrainConfig:
     return cfg
 
 
-def test_a_resume_with_another_data_order_or_shape_is_refused(tmp_path):
+def test_a_resume_with_another_data_order_or_shape_is_refused(tmp_path, capsys):
     """A checkpoint's step stands for the batches its settings drew: other ones would silently train on
     some conversations twice and others never; another shape would not load. Other settings may change."""
     cfg = first_checkpoint(tmp_path)
@@ -405,6 +405,8 @@ def test_a_resume_with_another_data_order_or_shape_is_refused(tmp_path):
     out = train(dataclasses.replace(cfg, resume=True, max_steps=3, log_every=1, save_every=0, keep_checkpoints=1,
                                     eval_every=1, tree_topk=5))
     assert json.loads((out / "metrics.json").read_text())["steps"] == 3
+    said = "".join(capsys.readouterr())  # eval_every's figures went to wandb alone
+    assert re.search(r"step 3: held-out loss \d+\.\d{3}, top-1 of draft \d\.\d{3} / ", said), said[-1000:]
 
 
 def test_a_resume_with_another_objective_or_optimiser_is_refused(tmp_path):

@@ -450,8 +450,13 @@ def train_steps(run: Run) -> None:
                 run.loss_curve.append([run.step, log_window(accelerator, window, run.step, run.scheduler, bar)])
                 window = new_window(cfg.rows)
             if cfg.eval_every and run.step % cfg.eval_every == 0:
-                eval_loss, _, _ = evaluate(run)
-                accelerator.log({"eval/loss": eval_loss}, step=run.step)
+                eval_loss, counts, _ = evaluate(run)
+                top1 = [row[0] for row in accuracy_table(counts)]
+                accelerator.log({"eval/loss": eval_loss, **{f"eval/top1_head{k}": a for k, a in enumerate(top1)}},
+                                step=run.step)
+                if accelerator.is_main_process:
+                    bar.write(f"step {run.step}: held-out loss {eval_loss:.3f}, top-1 of draft "
+                              f"{' / '.join(f'{a:.3f}' for a in top1)}")
             if cfg.save_every and run.step % cfg.save_every == 0 and run.step < run.total:
                 run.train_seconds = time.perf_counter() - started
                 progress = {"step": run.step, "examples": count_all(accelerator, run.trained),
