@@ -6,7 +6,9 @@ main process, and a 2-process run killed mid-training resumes to the uninterrupt
 """
 
 import json
+import os
 import subprocess
+import sys
 
 import pytest
 import torch
@@ -49,8 +51,8 @@ def test_every_example_goes_to_one_process_once_per_epoch(n, batch, world):
 
 
 def test_more_processes_than_examples_is_refused():
-    with pytest.raises(GorgonError, match=r"^1 training conversations cannot be split over 2 processes: add data, "
-                                          r"or launch fewer processes \(--num_processes\)$"):
+    with pytest.raises(GorgonError, match=r"^too few training conversations for 2 processes \(there are 1\): add "
+                                          r"data, or launch fewer processes \(--num_processes\)$"):
         RankBatches(EpochSampler(1, 0), 4, 2, "training conversations")
 
 
@@ -193,8 +195,8 @@ def test_more_processes_than_conversations_is_a_one_line_error_under_accelerate(
                                    "--target", str(target), "--out", str(tmp_path / "o"), "--report-to", "none"],
                          env=env(), capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert run.returncode != 0
-    assert ("train/heads.py: error: 1 training conversations cannot be split over 2 processes: add data, or launch "
-            "fewer processes (--num_processes)") in run.stderr.splitlines()
+    assert ("train/heads.py: error: too few training conversations for 2 processes (there are 1): add data, or "
+            "launch fewer processes (--num_processes)") in run.stderr.splitlines()
     assert not (tmp_path / "o").exists()
 
 
@@ -224,3 +226,38 @@ def test_an_out_refused_on_the_main_process_is_one_line_on_every_process(tmp_pat
     assert run.returncode != 0 and (out / "notes.txt").read_text() == "mine"
     line = f"train/heads.py: error: --out {out} already holds files gorgon did not write: choose a new or empty folder"
     assert run.stderr.splitlines().count(line) == 2 and "[rank1]" not in run.stderr, run.stderr[-3000:]
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="prctl's parent-death signal is Linux's")
+def test_a_launched_training_process_ends_with_its_launcher(tmp_path):
+    """`kill` of `accelerate launch` left the training process running on its own (it held --out and wrote it
+    without a word); a process started without a launcher is left alone (nohup outlives its shell)."""
+    import signal
+    import time
+
+    child = ("import time; from gorgon.train.recipe import end_with_the_launcher; end_with_the_launcher(); "
+             "print('ready', flush=True); time.sleep(60)")
+    launcher = ("import subprocess, sys, time; p = subprocess.Popen([sys.executable, '-c', sys.argv[1]]); "
+                "print(p.pid, flush=True); time.sleep(60)")
+    for launched, survives in [({"ACCELERATE_USE_CPU": "True"}, False), ({}, True)]:
+        environment = {k: v for k, v in os.environ.items() if not k.startswith("ACCELERATE_") and k != "LOCAL_RANK"}
+        parent = subprocess.Popen([sys.executable, "-c", launcher, child], env={**environment, **launched},
+                                  stdout=subprocess.PIPE, text=True)
+        pid = int(parent.stdout.readline())
+        assert parent.stdout.readline().strip() == "ready"  # the child's line, through the shared stdout
+        parent.send_signal(signal.SIGKILL)
+        parent.wait()
+        deadline = time.time() + (1 if survives else 10)  # a survivor is given a second to die anyway
+        while time.time() < deadline and os.path.exists(f"/proc/{pid}") and "Z" not in state_of(pid):
+            time.sleep(0.05)
+        alive = os.path.exists(f"/proc/{pid}") and "Z" not in state_of(pid)
+        assert alive == survives
+        if alive:
+            os.kill(pid, signal.SIGKILL)
+
+
+def state_of(pid: int) -> str:
+    try:
+        return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return "gone"

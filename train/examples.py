@@ -138,10 +138,11 @@ class RankBatches(torch.utils.data.Sampler):
     so no process is ever left without a batch. It has no `batch_size` attribute: accelerate
     then takes the parts as they come."""
 
-    def __init__(self, sampler: EpochSampler, batch_size: int, world: int = 1, what: str = "examples"):
+    def __init__(self, sampler: EpochSampler, batch_size: int, world: int = 1, what: str = "examples",
+                 fix: str = "add data"):
         if 0 < len(sampler) < world:
-            raise GorgonError(f"{len(sampler)} {what} cannot be split over {world} processes: add data, "
-                              "or launch fewer processes (--num_processes)")
+            raise GorgonError(f"too few {what} for {world} processes (there are {len(sampler)}): {fix}, or launch "
+                              "fewer processes (--num_processes)")
         self.sampler, self.size, self.world = sampler, batch_size, world
 
     def set_epoch(self, epoch: int) -> None:

@@ -357,8 +357,8 @@ def setup(cfg: HeadsTrainConfig) -> Run:
                           "or lower eval_fraction")
     sampler = EpochSampler(len(train_ex), cfg.seed)
     train_batches = RankBatches(sampler, cfg.batch_size, world, "training conversations")
-    eval_batches = RankBatches(EpochSampler(len(eval_ex), None), cfg.batch_size, world,
-                               "held-out conversations (raise eval_fraction)")
+    eval_batches = RankBatches(EpochSampler(len(eval_ex), None), cfg.batch_size, world, "held-out conversations",
+                               "raise eval_fraction")
     objective, coverage = OBJECTIVES[cfg.arch](cfg, target, train_ex)
     groups = [{"params": [p for p in objective.heads.parameters() if p.requires_grad], "lr": cfg.learning_rate}]
     backbone = [p for p in objective.target.parameters() if p.requires_grad]

@@ -287,6 +287,26 @@ def print_settings(cls) -> None:
             print(" " * 28 + line)
 
 
+def end_with_the_launcher() -> None:
+    """A process `accelerate launch` (or torchrun) started ends when its launcher does: killing the launcher
+    (`kill PID`, what users do) left training running on its own, holding --out and writing it without a
+    word. Linux only (prctl's PR_SET_PDEATHSIG); a script run without a launcher is left as it is, so that
+    `nohup python train/heads.py ... &` outlives its shell."""
+    import ctypes
+    import signal
+
+    if not (any(key.startswith("ACCELERATE_") for key in os.environ) or "LOCAL_RANK" in os.environ):
+        return
+    launcher = os.getppid()
+    try:
+        if ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM) != 0:  # 1: PR_SET_PDEATHSIG
+            return
+    except (OSError, AttributeError):  # not Linux
+        return
+    if os.getppid() != launcher:  # it ended before the call, so nothing would send the signal
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
 def recipe_main(cls, train, doc: str, argv: list[str] | None = None) -> int:
     """A training script's command line: --help lists the recipe's keys, else YAML plus overrides go to train()."""
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -295,6 +315,7 @@ def recipe_main(cls, train, doc: str, argv: list[str] | None = None) -> int:
         print_settings(cls)
         return 0
     offline_if_hub_unreachable()
+    end_with_the_launcher()
     overrides = parse_overrides(argv)
     cfg = load_recipe(cls, overrides.pop("config", None), overrides)
     out = Path(cfg.out)

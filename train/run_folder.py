@@ -185,7 +185,7 @@ def prepare_own_output(out: Path, latest_checkpoint, cfg) -> Path | None:
     resume, overwrite = cfg.resume, cfg.overwrite
     finished = (out / "recipe.json").is_file()
     ours = finished or (out / RUN_MARKER).is_file()
-    check_unlocked(out / LOCK, "training run")  # killing `accelerate launch` alone leaves its workers running
+    check_unlocked(out / LOCK, "training run")  # a run started by hand, or off Linux, may outlive its launcher
     if resume or not overwrite:  # checkpoints are looked for (and cut-short ones removed) in our folders only
         latest = resume_point(latest_checkpoint() if ours else None, resume, out)
         if latest is not None:
