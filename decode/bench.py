@@ -155,11 +155,13 @@ def timed_methods(model, drafter, baselines: tuple[str, ...], assistant, samplin
 
 def run_bench(target, drafter, questions: list[dict], max_new_tokens: int = 256, sampling: Sampling = Sampling(),
               baselines: tuple[str, ...] = ("generate", "stock"), assistant=None, seed: int = 0,
-              progress: bool = True, compare=None, checkpoint=None) -> dict:
+              progress: bool = True, compare=None, checkpoint=None, earlier: dict | None = None) -> dict:
     """Run every question through plain `generate`, gorgon and the baselines asked for, interleaved (which
     goes first rotates from question to question, so drift hits all alike); returns the report.
     `checkpoint`, if given, gets the report of the questions done so far after each one, so that a run
-    stopped early (a time limit, Ctrl-C) still leaves what it measured."""
+    stopped early (a time limit, Ctrl-C) still leaves what it measured; `earlier`, such a report of the same
+    settings, is gone on from: its questions are kept, not run again (each was timed against its baselines
+    on its own, so they add up; context drafts start their record of what came true afresh)."""
     from tqdm.auto import tqdm
 
     model = target.model
@@ -174,9 +176,16 @@ def run_bench(target, drafter, questions: list[dict], max_new_tokens: int = 256,
 
     context = context_length(model)
     rows, skipped, histogram = [], [], {}
+    if earlier is not None:
+        rows, skipped = list(earlier["questions"]), list(earlier["skipped"])
+        histogram = {int(n): count for n, count in earlier["accepted_histogram"].items()}
+    done = {r["question_id"] for r in rows + skipped}
     names = list(methods)
-    for qi, q in enumerate(tqdm(questions, desc="gorgon bench", unit="question", disable=not progress,
-                                dynamic_ncols=True)):
+    bar = tqdm(total=len(questions), initial=len(done), desc="gorgon bench", unit="question", disable=not progress,
+               dynamic_ncols=True)
+    for qi, q in enumerate(questions):
+        if q["question_id"] in done:
+            continue
         row = {"question_id": q["question_id"], "category": q["category"], "tokens": 0, "seconds": 0.0,
                "target_forwards": 0, "baseline_tokens": 0, "baseline_seconds": 0.0, "identical": True}
         if stock:
@@ -211,17 +220,19 @@ def run_bench(target, drafter, questions: list[dict], max_new_tokens: int = 256,
                     row[f"{name}_identical"] &= runs[name].tokens == base.tokens
             return base.tokens
 
-        if not ask(target, q, max_new_tokens, run_turn):  # not even the first turn fit: nothing is counted
+        if ask(target, q, max_new_tokens, run_turn):
+            base_rate = row["baseline_tokens"] / max(row["baseline_seconds"], 1e-9)
+            row["speedup"] = (row["tokens"] / max(row["seconds"], 1e-9)) / max(base_rate, 1e-9)
+            rows.append(row)
+        else:  # not even the first turn fit: nothing is counted
             first = target.chat_ids([{"role": "user", "content": q["turns"][0]}]).shape[1]
             skipped.append({"question_id": q["question_id"], "category": q["category"],
                             "reason": f"the first turn ({first} tokens) plus --max-new-tokens {max_new_tokens} "
                                       f"exceeds the context of {context}"})
-            continue
-        base_rate = row["baseline_tokens"] / max(row["baseline_seconds"], 1e-9)
-        row["speedup"] = (row["tokens"] / max(row["seconds"], 1e-9)) / max(base_rate, 1e-9)
-        rows.append(row)
-        if checkpoint is not None and qi + 1 < len(questions):
+        bar.update(1)
+        if checkpoint is not None and len(rows) + len(skipped) < len(questions) and rows:
             checkpoint(bench_report(rows, skipped, histogram, sampling.greedy, extra, stock))
+    bar.close()
 
     if not rows:
         raise GorgonError(f"no question fits the context of {context} tokens with --max-new-tokens {max_new_tokens}: "
@@ -359,7 +370,8 @@ def parser() -> argparse.ArgumentParser:
                         "compare (and compare-no-context with --baselines no-context)")
     p.add_argument("--out", type=user_path, default=None,
                    help="write the JSON report here (and a PNG beside it). After each question it holds the questions "
-                        "run so far, marked \"complete\": false, so a run stopped early keeps what it measured")
+                        "run so far, marked \"complete\": false, so a run stopped early keeps what it measured; the "
+                        "same command then goes on from them")
     p.add_argument("--overwrite", action="store_true", help="replace an earlier report at --out")
     p.add_argument("--update-card", action="store_true",
                    help="write the figures into the model card (README.md) of the --heads or --draft folder")
@@ -378,9 +390,14 @@ def main(argv=None) -> int:
         check_card_folder(Path(args.heads or args.draft))
     if args.compare_heads and not args.heads:
         raise GorgonError("--compare-heads times other heads beside the --heads under test: pass --heads too")
+    earlier = None if args.overwrite or not args.out else unfinished_report(Path(args.out))
     if args.out:
-        check_report_output(args.out, is_report, args.overwrite)
+        if earlier is None:
+            check_report_output(args.out, is_report, args.overwrite)
         hold_report_lock(Path(args.out))
+    else:
+        print("gorgon bench: no --out, so the report is printed at the end only (--out FILE keeps it, question by "
+              "question)", file=sys.stderr)
     questions = per_category_sample(load_questions(args.questions, args.limit), args.per_category)
     Sampling(args.temperature)  # its range check, before the target loads
     tree = read_tree(args.tree)
@@ -397,17 +414,23 @@ def main(argv=None) -> int:
         about["compare"] = {"heads": args.compare_heads, "tree": drafter_settings(compare)["tree"],
                             "tree_size": compare.max_nodes}
     about.update({"target": target.name, "drafter": drafter_name(args), "questions_file": args.questions,
+                  "baselines": list(baselines), "questions_planned": len(questions),
                   "command": "gorgon bench " + " ".join(sys.argv[2:] if argv is None else argv)})
+    if earlier is not None:
+        check_same_bench(earlier, about, args.out)
+        print(f"gorgon bench: going on from the {len(earlier['questions']) + len(earlier['skipped'])} questions "
+              f"in {args.out} (--overwrite starts over)", file=sys.stderr)
 
     def record(report: dict, complete: bool) -> None:
         """Add what describes the run; with --out, write the report (after every question: until the last
         it is marked incomplete)."""
-        report.update(about, complete=complete, questions_planned=len(questions))
+        report.update(about, complete=complete)
         if args.out:
             atomic_write_text(Path(args.out), json.dumps(report, indent=1) + "\n")
 
     report = run_bench(target, drafter, questions, args.max_new_tokens, sampling, baselines, assistant, seed,
-                       compare=compare, checkpoint=(lambda partial: record(partial, False)) if args.out else None)
+                       compare=compare, checkpoint=(lambda partial: record(partial, False)) if args.out else None,
+                       earlier=earlier)
     record(report, True)
     print(markdown_table(report))
     print("\ntau: tokens per target forward; speedup: gorgon's tokens/s over plain `generate`'s (the baseline, on "
@@ -429,6 +452,29 @@ def main(argv=None) -> int:
     if args.out:
         drop_lock(report_lock(Path(args.out)))
     return 0
+
+
+def unfinished_report(out: Path) -> dict | None:
+    """The report at `out` of a bench stopped before its last question ("complete": false), if it is one."""
+    if not is_report(out):
+        return None
+    report = json.loads(out.read_text(encoding="utf-8"))
+    return report if report.get("complete") is False and "questions" in report else None
+
+
+# What may differ between a stopped bench and the run that goes on from it: how each was started.
+MAY_DIFFER = ("command", "complete")
+
+
+def check_same_bench(earlier: dict, about: dict, out) -> None:
+    """Refuse to go on from a report measured otherwise (another drafter, tree, machine or version): its
+    questions' figures would not add up with these."""
+    about = json.loads(json.dumps(about))  # as the report holds it: lists, not tuples
+    changed = sorted(key for key, value in about.items() if key not in MAY_DIFFER and earlier.get(key) != value)
+    if changed:
+        raise GorgonError(f"{out} holds an unfinished bench with other settings ({', '.join(changed)}): rerun with "
+                          "the same ones to go on from it (--tree N fixes a tree that --tree auto sized otherwise), "
+                          "or pass --overwrite to start over")
 
 
 def report_lock(out: Path) -> Path:

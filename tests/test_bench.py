@@ -133,6 +133,18 @@ def test_a_bench_stopped_early_leaves_the_questions_it_ran(tmp_path, monkeypatch
     assert [r["question_id"] for r in report["questions"]] == [0, 1] and report["prompts"] == 2
     assert report["identical"] == 2 and report["tau"] >= 1 and report["target"]
     assert bench.is_report(out) and not out.with_suffix(".png").exists()
+    # The same command goes on from them (it was refused: only --overwrite, which lost them); other settings not.
+    command = ["--target", str(target_path), "--heads", str(tmp_path / "heads"), "--questions", str(q),
+               "--max-new-tokens", "6", "--baselines", "generate", "--out", str(out)]
+    with pytest.raises(GorgonError, match=r"report.json holds an unfinished bench with other settings "
+                                          r"\(max_new_tokens\): rerun with the same ones to go on from it"):
+        bench.main([*command, "--max-new-tokens", "5"])
+    calls.clear()
+    monkeypatch.setattr(bench, "timed_speculative", timed)
+    assert bench.main(command) == 0
+    whole = json.loads(out.read_text())
+    assert whole["complete"] is True and [r["question_id"] for r in whole["questions"]] == [0, 1, 2, 3]
+    assert whole["questions"][:2] == report["questions"] and whole["prompts"] == 4
 
 
 @pytest.mark.slow
