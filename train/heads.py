@@ -1,4 +1,4 @@
-"""Train draft heads: `accelerate launch train/heads.py --config configs/heads/RECIPE.yaml [--key value ...]`.
+"""Train draft heads: `accelerate launch -q train/heads.py --config configs/heads/RECIPE.yaml [--key value ...]`.
 
 Runs the same under plain `python train/heads.py`, on a CPU, one GPU or many (the accelerate
 configs in configs/accelerate). `arch: medusa` trains Medusa heads on the target's last hidden
@@ -6,7 +6,8 @@ state: Medusa-1 freezes the target, Medusa-2 also trains LoRA adapters on it, he
 outputs by a KL term. `arch: eagle` trains a feature-level head (EAGLE-3's layout) on the frozen
 target's features. At the end the measured top-k accuracies on held-out data choose the decoding trees.
 The output folder holds the heads, config, trees, metrics, a per-head accuracy plot and a
-model card draft; checkpoints let `--resume true` continue after a kill.
+model card draft; checkpoints let `--resume true` continue after a kill. (`-q` keeps accelerate's own
+traceback from following a one-line error.)
 """
 
 from __future__ import annotations
