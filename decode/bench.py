@@ -395,9 +395,6 @@ def main(argv=None) -> int:
         if earlier is None:
             check_report_output(args.out, is_report, args.overwrite)
         hold_report_lock(Path(args.out))
-    else:
-        print("gorgon bench: no --out, so the report is printed at the end only (--out FILE keeps it, question by "
-              "question)", file=sys.stderr)
     questions = per_category_sample(load_questions(args.questions, args.limit), args.per_category)
     Sampling(args.temperature)  # its range check, before the target loads
     tree = read_tree(args.tree)
@@ -428,6 +425,9 @@ def main(argv=None) -> int:
         if args.out:
             atomic_write_text(Path(args.out), json.dumps(report, indent=1) + "\n")
 
+    if not args.out:
+        print("gorgon bench: no --out, so the report is printed at the end only (--out FILE keeps it, question by "
+              "question)", file=sys.stderr)
     report = run_bench(target, drafter, questions, args.max_new_tokens, sampling, baselines, assistant, seed,
                        compare=compare, checkpoint=(lambda partial: record(partial, False)) if args.out else None,
                        earlier=earlier)

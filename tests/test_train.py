@@ -201,8 +201,10 @@ def test_bad_config_keys_and_values(tmp_path):
     with pytest.raises(GorgonError, match="out needs a value"):  # nor is a blank YAML value the folder "None"
         load_recipe(HeadsTrainConfig, str(tmp_path / "blank.yaml"), {})
     (tmp_path / "true.yaml").write_text("data: x\nout: y\nbatch_size: true\n")
-    with pytest.raises(GorgonError, match="^batch_size must be int, got True$"):  # a YAML true is a value, not 1
+    with pytest.raises(GorgonError, match=r"^batch_size in .*true.yaml must be int, got True$"):  # a YAML true: not 1
         load_recipe(HeadsTrainConfig, str(tmp_path / "true.yaml"), {})
+    with pytest.raises(GorgonError, match="^batch_size on the command line must be int, got 'two'$"):
+        load_recipe(HeadsTrainConfig, str(tmp_path / "true.yaml"), {"batch_size": "two"})
     (tmp_path / "home.yaml").write_text("data: ~/x\nout: y\n")
     cfg = load_recipe(HeadsTrainConfig, str(tmp_path / "home.yaml"), parse_overrides(["--resume"]))
     assert cfg.data == str(Path.home() / "x") and cfg.resume is True

@@ -68,8 +68,9 @@ def _needs_value(key: str) -> GorgonError:
                        "YAML), or leave the key out for its default")
 
 
-def _convert(value, annotation, key: str):
-    """Parse a command-line string (or check a YAML value) against a field's type."""
+def _convert(value, annotation, key: str, where: str = ""):
+    """Parse a command-line string (or check a YAML value) against a field's type; `where` names the source
+    in an error (" in r.yaml")."""
     origin = typing.get_origin(annotation)
     args = typing.get_args(annotation)
     if origin in (typing.Union, types.UnionType):  # Optional[X]
@@ -81,10 +82,10 @@ def _convert(value, annotation, key: str):
     if value is None:
         raise _needs_value(key)
     if isinstance(value, bool) and annotation is not bool:  # YAML's true or yes: int(True) would be 1
-        raise GorgonError(f"{key} must be {name}, got {value!r}")
+        raise GorgonError(f"{key}{where} must be {name}, got {value!r}")
     if origin is list:
         items = value if isinstance(value, list) else [v for v in str(value).split(",") if v]
-        return [_convert(v, args[0], key) for v in items]
+        return [_convert(v, args[0], key, where) for v in items]
     try:
         if annotation is bool:
             if isinstance(value, bool):
@@ -100,7 +101,7 @@ def _convert(value, annotation, key: str):
             return os.path.expanduser(str(value))  # a YAML path: the shell expands ~ on the command line only
         return annotation(value)
     except (TypeError, ValueError) as err:
-        raise GorgonError(f"{key} must be {name}, got {value!r}") from err
+        raise GorgonError(f"{key}{where} must be {name}, got {value!r}") from err
 
 
 def check_optimisation(cfg) -> None:
@@ -207,12 +208,12 @@ def load_recipe(cls, config_path: str | None, overrides: dict[str, str]):
         if not isinstance(data, dict):
             raise GorgonError(f"config {config_path} must be a mapping of key: value")
         check_keys(data, set(fields), f"in {config_path}")
-        values.update({key: _convert(value, types_[key], key) for key, value in data.items()})
+        values.update({key: _convert(value, types_[key], key, f" in {config_path}") for key, value in data.items()})
     check_keys(overrides, set(fields), "on the command line")
     for key, value in overrides.items():  # a bare --key, which parse_overrides reads as True (a YAML true is a value)
         if value is True and types_[key] is not bool:
             raise _needs_value(key)
-    values.update({key: _convert(value, types_[key], key) for key, value in overrides.items()})
+    values.update({key: _convert(value, types_[key], key, " on the command line") for key, value in overrides.items()})
     missing = [n for n, f in fields.items() if f.default is dataclasses.MISSING
                and f.default_factory is dataclasses.MISSING and n not in values]
     if missing:
@@ -274,6 +275,7 @@ def full_state_dict(accelerator, model) -> dict:
 def print_settings(cls) -> None:
     """The --help list of a recipe's keys: each with what it does and its default."""
     print("Settings (YAML keys, or --key value on the command line):")
+    print(f"  --{'config':<24}a YAML recipe of these keys (configs/heads, configs/draft); a --key value overrides")
     for f in dataclasses.fields(cls):
         if f.default is not dataclasses.MISSING:
             default = f"(default: {f.default})"
