@@ -409,6 +409,8 @@ def test_a_resume_with_another_data_order_or_shape_is_refused(tmp_path, capsys):
     assert json.loads((out / "metrics.json").read_text())["steps"] == 3
     said = "".join(capsys.readouterr())  # eval_every's figures went to wandb alone
     assert re.search(r"step 3: held-out loss \d+\.\d{3}, top-1 of draft \d\.\d{3} / ", said), said[-1000:]
+    assert re.search(r"; .*/h/checkpoints \(\d+ MiB\) lets --resume true train longer: remove it if that is not "
+                     "needed", said)  # the checkpoints a finished run keeps (a draft model's: hundreds of MB)
 
 
 def test_a_resume_with_another_objective_or_optimiser_is_refused(tmp_path):

@@ -207,7 +207,13 @@ def distil(cfg: DraftTrainConfig) -> Path:
         full_state_dict,
         wandb_offline_without_key,
     )
-    from gorgon.train.run_folder import finish_run_folder, latest_checkpoint, prepare_output, set_aside_earlier_run
+    from gorgon.train.run_folder import (
+        finish_run_folder,
+        kept_checkpoints,
+        latest_checkpoint,
+        prepare_output,
+        set_aside_earlier_run,
+    )
 
     cfg.check()
     connect_cpu_processes()  # before anything creates accelerate's process state
@@ -308,7 +314,7 @@ def distil(cfg: DraftTrainConfig) -> Path:
 
         wandb.finish()
     print(f"gorgon draft: saved to {out} after {steps} steps: held-out KL {before['kl']:.3f} -> {after['kl']:.3f}, "
-          f"top-1 agreement {before['top1']:.3f} -> {after['top1']:.3f}")
+          f"top-1 agreement {before['top1']:.3f} -> {after['top1']:.3f}{kept_checkpoints(out)}")
     if cfg.push_to_hub:
         from gorgon.heads.hub import upload_folder
 

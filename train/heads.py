@@ -538,7 +538,7 @@ def save(run: Run) -> dict:
 
 def train(cfg: HeadsTrainConfig) -> Path:
     """The whole run: setup, the steps, then evaluation and the saved heads folder (pushed when asked)."""
-    from gorgon.train.run_folder import lock_released_on_failure
+    from gorgon.train.run_folder import kept_checkpoints, lock_released_on_failure
 
     with lock_released_on_failure(Path(cfg.out), lambda: latest_heads_checkpoint(Path(cfg.out))):
         run = setup(cfg)
@@ -552,7 +552,7 @@ def train(cfg: HeadsTrainConfig) -> Path:
                             for row, a, b in zip(rows, metrics["top1"], metrics["top5"]))
         print(f"gorgon train: saved heads to {run.out} (held-out {summary}; expected tau, tokens per target "
               f"forward: {metrics['expected_tau']['cpu']:.2f} on a CPU's tree, {metrics['expected_tau']['cuda']:.2f} "
-              "on a GPU's)")
+              f"on a GPU's){kept_checkpoints(run.out)}")
         if cfg.push_to_hub:
             from gorgon.heads.hub import upload_folder
 

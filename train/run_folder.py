@@ -272,6 +272,16 @@ def finish_run_folder(out: Path, recipe: dict) -> None:
     (out / LOCK).unlink(missing_ok=True)
 
 
+def kept_checkpoints(out: Path) -> str:
+    """The end of a run's last line: the checkpoints it keeps and what they are for (a draft model's are
+    hundreds of MB), or nothing when it kept none."""
+    files = [p for p in (out / "checkpoints").rglob("*") if p.is_file()]
+    if not files:
+        return ""
+    size = sum(p.stat().st_size for p in files) / 2**20
+    return f"; {out / 'checkpoints'} ({size:.0f} MiB) lets --resume true train longer: remove it if that is not needed"
+
+
 @contextlib.contextmanager
 def lock_released_on_failure(out: Path, latest_checkpoint):
     """A run that fails or is refused after taking the folder's LOCK gives it back, so the folder is as it was
