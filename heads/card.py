@@ -11,27 +11,39 @@ from .target import EMBEDDED_HUB_ID, EMBEDDED_NAME
 
 
 def plot_head_accuracy(metrics: dict, path: Path) -> None:
-    """Bars of held-out top-1 and top-5 accuracy per head."""
+    """Bars of held-out top-1 and top-5 accuracy per head and, beside them, the training loss per head over
+    the steps (from metrics.json's loss curve, when it has one)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    heads = list(range(1, len(metrics["top1"]) + 1))
-    fig, ax = plt.subplots(figsize=(5, 3.2), dpi=120)
+    eagle = metrics.get("arch") == "eagle"
+    rows = [f"step {h}" if eagle else f"head {h}" for h in range(1, len(metrics["top1"]) + 1)]
+    curve = metrics.get("loss_curve") or []
+    fig, axes = plt.subplots(1, 2 if curve else 1, figsize=(9.5 if curve else 5, 3.2), dpi=120, squeeze=False)
+    ax = axes[0][0]
+    heads = list(range(1, len(rows) + 1))
     width = 0.38
     ax.bar([h - width / 2 for h in heads], metrics["top5"], width, label="top-5", color="#9ecae1")
     ax.bar([h + width / 2 for h in heads], metrics["top1"], width, label="top-1", color="#3182bd")
     for h, a in zip(heads, metrics["top1"]):
         ax.text(h + width / 2, a + 0.01, f"{a:.2f}", ha="center", fontsize=8)
-    if metrics.get("arch") == "eagle":  # rows are the unrolled steps: step j drafts j tokens ahead of the root
-        ax.set_xticks(heads, [f"step {h}\n(t+{h + 1})" for h in heads])
-    else:
-        ax.set_xticks(heads, [f"head {h}\n(t+{h + 1})" for h in heads])
+    # Rows: Medusa's heads, or a feature-level head's unrolled steps (step j drafts j tokens ahead of the root).
+    ax.set_xticks(heads, [f"{row}\n(t+{h + 1})" for h, row in zip(heads, rows)])
     ax.set_ylim(0, 1)
     ax.set_ylabel("held-out accuracy")
-    ax.set_title("feature-level head accuracy" if metrics.get("arch") == "eagle" else "Medusa head accuracy")
+    ax.set_title("feature-level head accuracy" if eagle else "Medusa head accuracy")
     ax.legend(loc="upper right", fontsize=8)
+    if curve:
+        loss = axes[0][1]
+        steps = [step for step, _ in curve]
+        for k, row in enumerate(rows):
+            loss.plot(steps, [losses[k] for _, losses in curve], label=row, lw=1.2)
+        loss.set_xlabel("training step")
+        loss.set_ylabel("training loss")
+        loss.set_title("training loss (over each logging window)")
+        loss.legend(fontsize=8)
     save_figure(fig, path)
 
 

@@ -517,3 +517,15 @@ def test_wandb_logs_online_for_a_user_who_ran_wandb_login(monkeypatch, tmp_path)
         monkeypatch.delenv("WANDB_MODE", raising=False)
         wandb_offline_without_key("wandb")
         assert os.environ.get("WANDB_MODE") == mode
+
+
+def test_the_training_plot_shows_the_loss_curve_beside_the_accuracies(tmp_path):
+    """metrics.json held the loss curve, which no plot showed."""
+    import matplotlib.pyplot as plt
+
+    from gorgon.heads.card import plot_head_accuracy
+
+    metrics = {"top1": [0.4, 0.2], "top5": [0.6, 0.4], "arch": "medusa"}
+    plot_head_accuracy(metrics, tmp_path / "alone.png")
+    plot_head_accuracy({**metrics, "loss_curve": [[10, [3.0, 4.0]], [20, [2.5, 3.5]]]}, tmp_path / "both.png")
+    assert plt.imread(tmp_path / "both.png").shape[1] > 1.5 * plt.imread(tmp_path / "alone.png").shape[1]
