@@ -112,8 +112,12 @@ def upload_folder(folder: str | os.PathLike, repo_id: str, private: bool = False
     """Create the repo if needed and upload a folder in one commit (training checkpoints left out),
     removing the repo's `LOADED_FILES` that the folder does not have. `local`: the folder is the user's (a
     failure says it is unchanged), not a temporary one."""
-    from huggingface_hub import HfApi
+    from huggingface_hub import HfApi, is_offline_mode
 
+    kept = f"; the local folder {folder} is unchanged" if local else ""
+    if is_offline_mode():  # huggingface_hub's own line says to unset HF_HUB_OFFLINE, which gorgon may have set
+        fix = "connect, then retry" if os.environ.get(UNREACHABLE) else "unset it, then retry"
+        raise GorgonError(f"upload to {repo_id} needs the Hub, but {offline_reason()}{kept}: {fix}")
     api = HfApi()
     try:
         api.create_repo(repo_id, private=private, exist_ok=True)
@@ -124,7 +128,6 @@ def upload_folder(folder: str | os.PathLike, repo_id: str, private: bool = False
                                  delete_patterns=LOADED_FILES)
     except Exception as err:
         reason = str(err).strip().split("\n")[0] or err.__class__.__name__
-        kept = f"; the local folder {folder} is unchanged" if local else ""
         raise GorgonError(f"upload to {repo_id} failed ({reason}){kept}: {upload_fix(err)}") from err
     return str(getattr(info, "commit_url", info))
 

@@ -328,11 +328,16 @@ def test_heads_push_to_hub_uploads_what_save_pretrained_writes(tmp_path, hub):
     assert sum("/commit/" in p for m, p in FakeHub.calls if m == "POST") == 1
     assert set(FakeHub.files) == {"config.json", "model.safetensors"}
     assert json.loads(FakeHub.files["config.json"]) == json.loads((folder / "config.json").read_text())
-    # A failed upload named the temporary folder as "unchanged": the user has no such folder.
-    run = subprocess.run([sys.executable, "-c", code, str(folder)], env={**env, "HF_HUB_OFFLINE": "1"},
-                         capture_output=True, text=True, timeout=120)
-    last = run.stderr.strip().splitlines()[-1]
-    assert "upload to someone/tiny-heads failed" in last and "local folder" not in last, run.stderr[-2000:]
+    # A failed upload named the temporary folder as "unchanged": the user has no such folder. Offline, it said
+    # huggingface_hub's "unset HF_HUB_OFFLINE" even where gorgon had set it, finding no network.
+    for unreachable, says in [({}, "HF_HUB_OFFLINE is set: unset it, then retry"),
+                              ({"GORGON_HUB_UNREACHABLE": "huggingface.co"},
+                               "the Hub's huggingface.co does not resolve: connect, then retry")]:
+        run = subprocess.run([sys.executable, "-c", code, str(folder)],
+                             env={**env, "HF_HUB_OFFLINE": "1", **unreachable}, capture_output=True, text=True,
+                             timeout=120)
+        last = run.stderr.strip().splitlines()[-1]
+        assert last.endswith(f"upload to someone/tiny-heads needs the Hub, but {says}"), run.stderr[-2000:]
 
 
 def test_push_names_a_missing_folder_or_a_file_for_what_it_is(tmp_path, capsys):
