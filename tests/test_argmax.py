@@ -40,6 +40,29 @@ def test_the_screen_finds_the_float32_argmax_even_on_near_and_exact_ties(packed)
     assert lm_logits(model, h).argmax(-1).item() == 2 == target_argmax(model, h).item()  # a tie: the first
 
 
+@pytest.mark.parametrize("packed", PACKINGS)
+@torch.no_grad()
+def test_the_screen_keeps_a_winner_that_bfloat16_rounding_puts_far_behind(packed):
+    """The screen's bound must cover the whole of bfloat16's rounding (2^-7 of each product): here the float32
+    winner (row 3) trails row 5 by 10 bfloat16 steps after rounding, each of ten elements rounding row 3 down
+    and row 5 up; a bound a quarter as wide dropped row 3. And NaN logits answer as the full product does."""
+    model = tiny_model("llama")
+    use_bf16_screen(model, True, packed)
+    weight = model.get_output_embeddings().weight
+    u = 2 ** -7  # bfloat16's spacing at 1
+    weight.zero_()
+    weight[3, :10] = 1 + 0.49 * u  # rounds down to 1
+    weight[5, :10] = 1 + 0.51 * u  # rounds up to 1 + u
+    weight[3, 10], weight[5, 10] = 1 + 0.45 * u, 1.0  # both round to 1: row 3 leads by 0.45u - 10 x 0.02u
+    h = torch.zeros(1, 32)
+    h[0, :11] = 1.0
+    assert lm_logits(model, h).argmax(-1).item() == 3
+    assert (h @ weight.bfloat16().float().T).argmax(-1).item() == 5
+    assert target_argmax(model, h).item() == 3
+    h[0, 20] = float("nan")
+    assert target_argmax(model, h).tolist() == lm_logits(model, h).argmax(-1).tolist()
+
+
 @pytest.mark.parametrize("arch", ARCHS)
 def test_greedy_output_is_identical_with_the_screen(arch):
     model = tiny_model(arch)

@@ -201,6 +201,23 @@ def test_a_family_whose_forward_cannot_verify_trees_is_refused_in_one_line(famil
         speculative_generate(model, HeadsDrafter(MedusaHeads.for_target(model)), ids, 8, eos_token_id=None)
 
 
+def test_an_attention_that_ignores_the_tree_mask_is_refused_by_the_probe():
+    """The probe's own check (a tree's nodes must get a plain forward's hidden states) refuses what passes
+    the structural ones: here Llama on an attention function that drops the mask for plain causal order."""
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    def causal_only(module, query, key, value, attention_mask, **kwargs):
+        return sdpa_attention_forward(module, query, key, value, None, **{**kwargs, "is_causal": True})
+
+    AttentionInterface.register("gorgon_test_causal_only", causal_only)
+    model = tiny_model("llama")
+    model.set_attn_implementation("gorgon_test_causal_only")
+    with pytest.raises(GorgonError, match=r"^llama cannot verify a tree of candidates in one forward \(its outputs "
+                                          "for the tree's nodes differ from a plain forward's over the same tokens"):
+        check_verifies_trees(model)
+
+
 def test_stops_at_eos_and_never_overshoots():
     model = tiny_model("llama")
     ids = torch.randint(0, VOCAB, (1, 5))

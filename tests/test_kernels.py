@@ -171,13 +171,20 @@ def test_tree_attention_shares_key_value_heads_and_changes_nothing(arch, monkeyp
 
 
 @needs_onednn
-def test_changed_weights_autograd_and_copies_never_use_a_stale_pack():
+def test_changed_weights_autograd_and_copies_never_use_a_stale_pack(monkeypatch):
+    """stock_rows 0: every product takes the packed path (a measured cutoff of 3 rows or more, as on the Intel
+    Xeon with AMX, sent this test's products to torch's own kernel, where no pack can be stale)."""
+    import gorgon.decode.kernels as kernels
+
+    packed, real = [], kernels.packed_linear
+    monkeypatch.setattr(kernels, "packed_linear", lambda *args: packed.append(1) or real(*args))
     layer = torch.nn.Linear(16, 8)
-    use_cpu_kernels(layer, "fast")
+    use_cpu_kernels(layer, "fast", stock_rows=0)
     x = torch.randn(3, 16)
     with torch.no_grad():
         layer.weight.mul_(3)  # an in-place update after packing
         torch.testing.assert_close(layer(x), torch.nn.functional.linear(x, layer.weight, layer.bias))
+    assert packed  # the packed path ran
     y = layer(x)  # autograd goes through torch's own linear
     y.sum().backward()
     assert layer.weight.grad is not None
