@@ -867,3 +867,43 @@ def test_the_training_time_test_sees_what_drafting_sees():
                                  additive_mask(allowed, fed.dtype)[None, None], cache)[:, -1:]
                 torch.testing.assert_close(head.logits(fed[0, -1]), ranks[j][0][p])
                 allowed = torch.ones(1, p + j + 2, dtype=torch.bool)
+
+
+def test_the_objective_pairs_each_draft_with_the_teachers_distribution_for_its_token(monkeypatch):
+    """An oracle head whose outputs carry their position (b, p) and whose logits are the teacher's at that
+    position: every unrolled step's loss is then the teacher's own entropy over exactly the positions the
+    assistant mask allows, its top-1 the whole count, and EAGLE-1's regression zero. A step's teacher, labels,
+    mask or regression target read one position off (mutations of each survived the suite) breaks it."""
+    from types import SimpleNamespace
+
+    from gorgon.heads.eagle.objective import EagleObjective
+
+    batch, length, vocab = 2, 9, 11
+    teacher = torch.randn(batch, length, vocab, generator=torch.Generator().manual_seed(0)) * 3
+    code = torch.stack(torch.meshgrid(torch.arange(batch), torch.arange(length), indexing="ij"), -1).float()
+    fc = torch.nn.Linear(2, 2, bias=False)
+    with torch.no_grad():
+        fc.weight.copy_(torch.eye(2))
+    oracle = SimpleNamespace(
+        fc=fc, training=False, token_map=None, feature_layers=[0], config=SimpleNamespace(vocab_size=vocab),
+        rope=lambda positions, dtype: None,
+        layer=lambda fed, tokens, rope, mask, cache, dropout: fed + torch.tensor([0.0, 1.0]),  # the next position
+        logits=lambda x: teacher[x[:, 0].long(), x[:, 1].long()])  # position p + 1 + j: the teacher of token p+2+j
+    objective = EagleObjective(tiny_model("llama"), oracle, steps=2, hidden_weight=1.0)
+    monkeypatch.setattr(objective, "target_outputs", lambda ids, mask: (code, teacher, teacher.argmax(-1)))
+    ids = torch.zeros(batch, length, dtype=torch.long)
+
+    def entropy(rows):
+        return -(rows.softmax(-1) * rows.log_softmax(-1)).sum(-1).mean().item()
+
+    everywhere = torch.ones(batch, length, dtype=torch.bool)
+    _, stats, _ = objective(ids, torch.ones_like(ids), everywhere)
+    for j in (0, 1):  # step j drafts token p + 2 + j from position p: teachers at 1 + j .. length - 2
+        assert stats[j]["count"] == batch * (length - 2 - j) == stats[j]["top1"]
+        assert stats[j]["loss"] == pytest.approx(entropy(teacher[:, 1 + j:length - 1]), abs=1e-5)
+    one = torch.zeros(batch, length, dtype=torch.bool)
+    one[:, 6] = True  # one assistant token: drafted at p = 4 (step 0) and p = 3 (step 1), teacher at 5 both
+    _, stats, _ = objective(ids, torch.ones_like(ids), one)
+    for j in (0, 1):
+        assert stats[j]["count"] == batch == stats[j]["top1"]
+        assert stats[j]["loss"] == pytest.approx(entropy(teacher[:, 5]), abs=1e-5)

@@ -238,3 +238,36 @@ def test_heads_load_onto_the_target_they_record(tmp_path, capsys):
     assert capsys.readouterr().err.strip().endswith(f"these heads were trained for the target at {tmp_path / 'gone'}, "
                                                     "which is not on this machine: pass --target (that model, from the "
                                                     "Hub or a copy)")
+
+
+def test_medusa_losses_and_rank_counts_pair_each_head_with_its_token():
+    """Oracle heads whose output at position t is the teacher's at t + k + 1 (kl) or a one-hot of the token at
+    t + k + 2 (ce, rank counts): the KL is zero, every label is the top-1 and every rank count is rank 0. A
+    teacher or label read one position off (mutations of each survived the suite) breaks it."""
+    from types import SimpleNamespace
+
+    from gorgon.heads.medusa.objective import medusa_loss, rank_counts
+
+    batch, length, vocab, num_heads = 2, 10, 13, 3
+    ids = torch.randint(0, vocab, (batch, length), generator=torch.Generator().manual_seed(0))
+    teacher = torch.randn(batch, length, vocab, generator=torch.Generator().manual_seed(1))
+    hidden = torch.stack(torch.meshgrid(torch.arange(batch), torch.arange(length), indexing="ij"), -1).float()
+    mask = torch.zeros(batch, length, dtype=torch.bool)
+    mask[:, 4:] = True  # the assistant's tokens
+
+    def heads(output):
+        return SimpleNamespace(config=SimpleNamespace(num_heads=num_heads, vocab_size=vocab), token_map=None,
+                               head=output, draft_topk=lambda h, r: [output(k, h).topk(r).indices
+                                                                      for k in range(num_heads)])
+
+    def at(x, shift):  # (rank_counts runs every head on one head's rows: past the end, any row will do)
+        return x[:, 0].long(), (x[:, 1].long() + shift).clamp(max=length - 1)
+
+    kl, stats = medusa_loss(heads(lambda k, x: teacher[at(x, k + 1)]), hidden, ids, mask, loss="kl",
+                            target_logits=teacher)
+    assert kl.item() == pytest.approx(0.0, abs=1e-5)
+    one_hot = heads(lambda k, x: torch.nn.functional.one_hot(ids[at(x, k + 2)], vocab).float() * 20)
+    ce, stats = medusa_loss(one_hot, hidden, ids, mask)
+    assert all(stats[k]["top1"] == stats[k]["count"] == batch * (length - 4) for k in range(num_heads))
+    counts = rank_counts(one_hot, hidden, ids, mask, max_rank=3)
+    assert counts[:, 0].tolist() == counts[:, -1].tolist() == [batch * (length - 4)] * num_heads
