@@ -229,21 +229,56 @@ def test_stops_at_eos_and_never_overshoots():
     drafter = OracleDrafter(ref, ids.shape[1], VOCAB, PATHS)
     result = speculative_generate(model, drafter, ids, max_new_tokens=40)
     assert result.tokens == expected and result.tokens[-1] == eos and eos not in result.tokens[:-1]
+    assert sum(result.accepted) == len(result.tokens)  # the last step's tokens after the EOS are not counted
     for n in (1, 2, 3, 7):
         assert len(speculative_generate(model, drafter, ids, max_new_tokens=n, eos_token_id=None).tokens) == n
 
 
-def test_drafts_past_the_output_are_not_verified_so_a_full_context_is_fine():
-    """GPT-2's learned positions end at its context: nodes past the last token kept would index beyond it."""
+def test_drafts_past_the_output_are_not_verified_so_a_full_context_is_fine(monkeypatch):
+    """GPT-2's learned positions end at its context: nodes past the last token kept would index beyond it. No
+    step verifies a node whose next token the output has no room for (one level deeper still fit the context,
+    so only the depths verified show it)."""
+    import itertools
+
     from transformers import GPT2Config, GPT2LMHeadModel
+
+    import gorgon.decode.generate as generate
 
     torch.manual_seed(0)
     model = GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=2, n_positions=32)).eval()
     ids = torch.randint(0, VOCAB, (1, 20))
     ref = reference(model, ids, 12)
+    depths, verify = [], generate.verify
+    monkeypatch.setattr(generate, "verify", lambda model, cache, tokens, tree, **kw: depths.append(
+        int(tree.depth.max())) or verify(model, cache, tokens, tree, **kw))
     result = speculative_generate(model, OracleDrafter(ref, 20, VOCAB, PATHS), ids, max_new_tokens=12,
                                   eos_token_id=None)
     assert result.tokens == ref
+    emitted_before = list(itertools.accumulate(result.accepted))  # before step i: the prefill's and i steps'
+    assert depths and all(depth <= 12 - before - 1 for depth, before in zip(depths, emitted_before))
+    assert max(depths) == max(len(p) for p in PATHS)  # the trees were cut at the end only
+
+
+def test_sampled_verification_uses_the_targets_own_distribution(monkeypatch):
+    """Every step's root node is judged by the distribution a plain forward gives after the tokens emitted so
+    far, with the sampling settings as given (a verify temperature 1.5% off passed the chi-square tests)."""
+    import gorgon.decode.generate as generate
+    from gorgon.decode.acceptance import target_probs
+
+    model = tiny_model("llama")
+    s = Sampling(0.7, top_k=5, top_p=0.9)
+    seen, accept = [], generate.accept_sampled
+    monkeypatch.setattr(generate, "accept_sampled", lambda tree, tokens, probs, generator: seen.append(
+        probs[0].clone()) or accept(tree, tokens, probs, generator))
+    ids = torch.randint(0, VOCAB, (1, 6), generator=torch.Generator().manual_seed(0))
+    drafter = HeadsDrafter(MedusaHeads.for_target(model, num_heads=2), tree=[[0], [1], [0, 0]])
+    result = speculative_generate(model, drafter, ids, 12, sampling=s, eos_token_id=None,
+                                  generator=torch.Generator().manual_seed(0))
+    done = result.accepted[0]
+    for step, probs in enumerate(seen):
+        prefix = torch.cat([ids, torch.tensor([result.tokens[:done]])], 1)
+        torch.testing.assert_close(probs, target_probs(model(prefix).logits[0, -1], s), atol=1e-5, rtol=1e-4)
+        done += result.accepted[step + 1]
 
 
 def test_a_stop_string_ends_the_output_as_in_generate():

@@ -163,6 +163,8 @@ def test_target_probs_match_transformers_warpers(temperature, top_k, top_p):
     from transformers.generation.utils import GenerationMixin
 
     logits = torch.randn(4, 50) * 3
+    logits[3] = float("-inf")
+    logits[3, :4] = 10.0  # four equal tokens, 0.25 each: top-p 0.5 lands exactly on a cumulative sum
     cfg = GenerationConfig(do_sample=True, temperature=temperature, top_k=top_k or None, top_p=top_p)
     processors = GenerationMixin._get_logits_processor(
         tiny_model("llama"), generation_config=cfg, input_ids_seq_length=1, encoder_input_ids=None,
@@ -252,3 +254,22 @@ def test_sampling_like_generate_is_what_generate_would_sample_from():
     model.generation_config.top_k, model.generation_config.top_p = 20, 0.8  # as Qwen2.5-Instruct's config sets
     assert Sampling.like_generate(model, 0.7) == Sampling(0.7, 20, 0.8)
     assert Sampling.like_generate(model, 0.7, top_k=0, top_p=1.0) == Sampling(0.7, 0, 1.0)
+
+
+def test_the_bonus_never_brings_back_a_rejected_child_however_little_mass_is_left():
+    """Children holding all but 5e-4 of the mass, each rejected: the bonus comes from the rest alone. (Taking a
+    residual below 1e-3 for empty, as a mutation did, drew from the whole distribution: no chi-square test
+    sees an error that small.)"""
+    tree = build_tree([[0], [1], [2]])
+    tokens = torch.tensor([3, 0, 1, 2])  # the root (any token), then its children
+    probs = torch.zeros(tree.size, 4)
+    probs[0] = torch.tensor([0.5, 0.3, 0.1995, 0.0005])
+    probs[1:] = 0.25
+    original = acceptance.child_accept_chances
+    try:
+        acceptance.child_accept_chances = lambda child_p: torch.zeros_like(child_p)  # every child rejected
+        bonuses = {acceptance.accept_sampled(tree, tokens, probs, torch.Generator().manual_seed(i))[1][-1]
+                   for i in range(200)}
+    finally:
+        acceptance.child_accept_chances = original
+    assert bonuses == {3}

@@ -92,3 +92,11 @@ def test_verify_costs_interpolate_and_ties_go_to_the_smaller_tree():
     assert worth_verifying([0.0, 0.0], flat, at_least=1) == 1
     steep = {1: 1.0, 2: 1.5, 3: 1.8, 4: 4.0}
     assert worth_verifying([0.9, 0.8, 0.7], steep) == 2  # 2.7 tokens per 1.8 beat 1.9 per 1.5 and 3.4 per 4
+
+
+def test_best_first_takes_a_parent_before_its_child_on_a_tie():
+    """A child as likely as its parent (its own chance, given the parent: 1) sorted first was dropped, its
+    parent not yet chosen, and a worse path took its place."""
+    from gorgon.heads.tree import best_first
+
+    assert best_first({(1, 2): 0.5, (1,): 0.5, (3,): 0.4}, 2) == [(1,), (1, 2)]
