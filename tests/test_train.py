@@ -186,7 +186,7 @@ def test_bad_config_keys_and_values(tmp_path):
     (tmp_path / "r.yaml").write_text("data: x\nout: y\nnum_head: 3\n")
     with pytest.raises(GorgonError, match=r"unknown key 'num_head' in .*r.yaml: did you mean num_heads"):
         load_recipe(HeadsTrainConfig, str(tmp_path / "r.yaml"), {})
-    with pytest.raises(GorgonError, match="batch_size must be int"):
+    with pytest.raises(GorgonError, match="batch_size on the command line must be int"):
         load_recipe(HeadsTrainConfig, None, {"data": "x", "out": "y", "batch_size": "four"})
     with pytest.raises(GorgonError, match="missing setting data"):
         load_recipe(HeadsTrainConfig, None, {"out": "y"})
@@ -204,7 +204,7 @@ def test_bad_config_keys_and_values(tmp_path):
     with pytest.raises(GorgonError, match=r"^batch_size in .*true.yaml must be int, got True$"):  # a YAML true: not 1
         load_recipe(HeadsTrainConfig, str(tmp_path / "true.yaml"), {})
     with pytest.raises(GorgonError, match="^batch_size on the command line must be int, got 'two'$"):
-        load_recipe(HeadsTrainConfig, str(tmp_path / "true.yaml"), {"batch_size": "two"})
+        load_recipe(HeadsTrainConfig, None, {"data": "x", "out": "y", "batch_size": "two"})
     (tmp_path / "home.yaml").write_text("data: ~/x\nout: y\n")
     cfg = load_recipe(HeadsTrainConfig, str(tmp_path / "home.yaml"), parse_overrides(["--resume"]))
     assert cfg.data == str(Path.home() / "x") and cfg.resume is True
