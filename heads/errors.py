@@ -85,8 +85,9 @@ def check_keys(keys, known, where: str) -> None:
     """Refuse a key that is not a setting (in a recipe, on the command line, in a config.json),
     naming the close matches: a misspelt `learning_rate` must not silently train with the default."""
     for key in keys:
-        if key not in known:
-            close = difflib.get_close_matches(key, known, n=3, cutoff=0.5)
+        if key not in known:  # an abbreviation by initials (lr: learning_rate), else keys spelt alike
+            close = [k for k in sorted(known) if "".join(w[0] for w in k.split("_") if w) == key] or \
+                difflib.get_close_matches(key, known, n=3, cutoff=0.5)
             hint = f"did you mean {', '.join(close)}?" if close else f"known keys: {', '.join(sorted(known))}"
             raise GorgonError(f"unknown key {key!r} {where}: {hint}")
 

@@ -183,6 +183,8 @@ def test_kill_and_resume_continues_exactly(tmp_path):
 def test_bad_config_keys_and_values(tmp_path):
     with pytest.raises(GorgonError, match="unknown key 'learning_rat' on the command line: did you mean learning_rate"):
         load_recipe(HeadsTrainConfig, None, parse_overrides(["--data", "x", "--out", "y", "--learning-rat", "1"]))
+    with pytest.raises(GorgonError, match="^unknown key 'lr' on the command line: did you mean learning_rate, lora_r"):
+        load_recipe(HeadsTrainConfig, None, parse_overrides(["--data", "x", "--out", "y", "--lr", "0.1"]))
     (tmp_path / "r.yaml").write_text("data: x\nout: y\nnum_head: 3\n")
     with pytest.raises(GorgonError, match=r"unknown key 'num_head' in .*r.yaml: did you mean num_heads"):
         load_recipe(HeadsTrainConfig, str(tmp_path / "r.yaml"), {})
