@@ -241,6 +241,48 @@ def default_new_tokens(config, prompt_length: int) -> int:
     return max_length - prompt_length
 
 
+def chosen_sampling(config, sampling: Sampling | None, acceptance: str) -> Sampling:
+    """The sampling settings a call decodes with, checked with its acceptance rule: None is greedy, named
+    where the target's generation_config samples (as `generate` would)."""
+    if sampling is None:
+        if getattr(config, "do_sample", False):
+            warnings.warn("the target's generation_config samples (do_sample=True), as `generate` does by default; "
+                          "this decodes greedily: pass sampling=Sampling.like_generate(model, temperature) to sample",
+                          stacklevel=3)
+        sampling = Sampling()
+    if not isinstance(sampling, Sampling):
+        raise GorgonError(f"sampling must be a Sampling (Sampling(0.7), or Sampling.like_generate(model, 0.7)), not "
+                          f"a {type(sampling).__name__}")
+    if acceptance not in ACCEPTANCE_RULES:
+        raise GorgonError(f"unknown acceptance {acceptance!r}: use one of {', '.join(ACCEPTANCE_RULES)}")
+    if acceptance == "typical" and sampling.greedy:
+        raise GorgonError("typical acceptance needs a temperature > 0 (with temperature 0 use exact greedy)")
+    return sampling
+
+
+def check_decoding(model, drafter, input_ids: torch.Tensor, generator: torch.Generator | None) -> None:
+    """Before the prefill: a drafter that fits the model, an attention that takes a tree mask, a generator on
+    the model's device; the generation_config settings that `generate` would apply and this does not are
+    named in a warning."""
+    if not callable(getattr(drafter, "propose", None)):
+        raise GorgonError(f"drafter must be a drafter, not a {type(drafter).__name__}: wrap loaded heads as "
+                          "gorgon.heads.drafter_for(heads)")
+    if hasattr(drafter, "check_target"):  # one built for a model of other shapes would fail inside torch
+        drafter.check_target(model)
+    attention = getattr(model.config, "_attn_implementation", None) or ""
+    if "flash" in attention:
+        raise GorgonError(f"the target runs {attention}, which takes no tree mask: load it with "
+                          "attn_implementation='sdpa' (or 'eager') to verify trees")
+    if generator is not None and generator.device.type != input_ids.device.type:
+        raise GorgonError(f"the generator is on {generator.device} but the model on {input_ids.device}: create it "
+                          f"with torch.Generator(device='{input_ids.device}')")
+    ignored = generation_settings_not_applied(model)
+    if ignored:
+        warnings.warn(f"the target's generation_config sets {', '.join(ignored)}, which speculative decoding does "
+                      f"not apply: the output is generate's without {'it' if len(ignored) == 1 else 'them'}",
+                      stacklevel=3)
+
+
 @torch.inference_mode()
 def speculative_generate(model, drafter: Drafter, input_ids: torch.Tensor, max_new_tokens: int | None = None,
                          sampling: Sampling | None = None, acceptance: str = "exact", eos_token_id="default",
@@ -266,41 +308,13 @@ def speculative_generate(model, drafter: Drafter, input_ids: torch.Tensor, max_n
     if isinstance(model, Target):  # as load_target and load_heads return it
         model = model.model
     config = getattr(model, "generation_config", None)
-    if sampling is None:
-        if getattr(config, "do_sample", False):
-            warnings.warn("the target's generation_config samples (do_sample=True), as `generate` does by default; "
-                          "this decodes greedily: pass sampling=Sampling.like_generate(model, temperature) to sample",
-                          stacklevel=2)
-        sampling = Sampling()
-    if not isinstance(sampling, Sampling):
-        raise GorgonError(f"sampling must be a Sampling (Sampling(0.7), or Sampling.like_generate(model, 0.7)), not "
-                          f"a {type(sampling).__name__}")
-    if acceptance not in ACCEPTANCE_RULES:
-        raise GorgonError(f"unknown acceptance {acceptance!r}: use one of {', '.join(ACCEPTANCE_RULES)}")
-    if acceptance == "typical" and sampling.greedy:
-        raise GorgonError("typical acceptance needs a temperature > 0 (with temperature 0 use exact greedy)")
-    if not callable(getattr(drafter, "propose", None)):
-        raise GorgonError(f"drafter must be a drafter, not a {type(drafter).__name__}: wrap loaded heads as "
-                          "gorgon.heads.drafter_for(heads)")
+    sampling = chosen_sampling(config, sampling, acceptance)
     check_input_ids(model, input_ids)
     if max_new_tokens is None:
         max_new_tokens = default_new_tokens(config, input_ids.shape[-1])
     input_ids = without_padding(model, input_ids, attention_mask)
     check_prompt(input_ids, max_new_tokens, context_length(model))
-    if hasattr(drafter, "check_target"):  # one built for a model of other shapes would fail inside torch
-        drafter.check_target(model)
-    attention = getattr(model.config, "_attn_implementation", None) or ""
-    if "flash" in attention:
-        raise GorgonError(f"the target runs {attention}, which takes no tree mask: load it with "
-                          "attn_implementation='sdpa' (or 'eager') to verify trees")
-    if generator is not None and generator.device.type != input_ids.device.type:
-        raise GorgonError(f"the generator is on {generator.device} but the model on {input_ids.device}: create it "
-                          f"with torch.Generator(device='{input_ids.device}')")
-    ignored = generation_settings_not_applied(model)
-    if ignored:
-        warnings.warn(f"the target's generation_config sets {', '.join(ignored)}, which speculative decoding does "
-                      f"not apply: the output is generate's without {'it' if len(ignored) == 1 else 'them'}",
-                      stacklevel=2)
+    check_decoding(model, drafter, input_ids, generator)
     if eos_token_id == "default":
         eos_token_id = getattr(config, "eos_token_id", None)
     stop_strings = stop_strings or getattr(config, "stop_strings", None)  # as `generate` takes them
