@@ -307,18 +307,10 @@ def holding(partial: Path):
         raise
 
 
-def make_dataset(settings: DataSettings, out: str | os.PathLike, target: Target | None = None,
-                 progress: bool = True, overwrite: bool = False, cpu_kernels: str = "fast") -> Path:
-    """Generate the self-distillation dataset at `out`; resumes from `out`.partial when present.
-
-    `out` must be new, an empty folder, or a dataset gorgon data wrote, which is replaced only
-    with `overwrite`: the output is swapped in whole, so a folder of other files is refused."""
-    import datasets
-    from tqdm.auto import tqdm
-
+def check_data_settings(settings: DataSettings, out: Path) -> None:
+    """The settings' ranges and combinations, before anything is read or loaded."""
     from gorgon.decode.acceptance import Sampling
 
-    out = Path(out)
     if settings.turns not in ("first", "all"):
         raise GorgonError(f"--turns must be 'first' or 'all', not {settings.turns!r}")
     for name in ("batch_size", "shard_size", "batch_tokens", "max_new_tokens", "limit", "max_prompt_tokens"):
@@ -329,6 +321,19 @@ def make_dataset(settings: DataSettings, out: str | os.PathLike, target: Target 
         raise GorgonError("--prompts self needs --limit N: how many prompts the target should write")
     if os.path.exists(settings.prompts) and os.path.realpath(out) == os.path.realpath(settings.prompts):
         raise GorgonError(f"--out {out} is the --prompts path: choose another --out")
+
+
+def make_dataset(settings: DataSettings, out: str | os.PathLike, target: Target | None = None,
+                 progress: bool = True, overwrite: bool = False, cpu_kernels: str = "fast") -> Path:
+    """Generate the self-distillation dataset at `out`; resumes from `out`.partial when present.
+
+    `out` must be new, an empty folder, or a dataset gorgon data wrote, which is replaced only
+    with `overwrite`: the output is swapped in whole, so a folder of other files is refused."""
+    import datasets
+    from tqdm.auto import tqdm
+
+    out = Path(out)
+    check_data_settings(settings, out)
     convs = None if settings.prompts == "self" else load_conversations(settings.prompts, settings.limit)
     # The CPU kernels round differently, which can resolve a near-tie the other way: a resume keeps them too.
     kernels = cpu_kernels if settings.engine == "transformers" else None
