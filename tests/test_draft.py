@@ -211,7 +211,7 @@ def test_resume_reads_optimizer_state_saved_for_an_indexed_cpu(tmp_path):
     assert torch.equal(state["exp_avg"], torch.ones(2)) and state["exp_avg"].device.type == "cpu"
 
 
-def test_a_resume_with_another_data_order_is_refused(tmp_path):
+def test_a_resume_with_another_data_order_is_refused(tmp_path, capsys):
     """The rule the heads follow (test_train.py), on the trainer's checkpoints; more steps may be added."""
     cfg = DraftTrainConfig(data=toy_data(tmp_path / "toy.jsonl", n=16), out=str(tmp_path / "draft"),
                            target=str(tiny_chat_target(tmp_path)), student_layers=1, max_steps=2, batch_size=4,
@@ -224,8 +224,11 @@ def test_a_resume_with_another_data_order_is_refused(tmp_path):
         train(dataclasses.replace(cfg, resume=True, batch_size=2, seed=1))
     with pytest.raises(GorgonError, match=r"\(student_layers 1 -> 2\)"):  # another shape would not load
         train(dataclasses.replace(cfg, resume=True, student_layers=2))
+    capsys.readouterr()
     train(dataclasses.replace(cfg, resume=True, max_steps=3, log_every=1))
     assert json.loads((tmp_path / "draft" / "metrics.json").read_text())["steps"] == 3
+    said = "".join(capsys.readouterr())  # the trainer's logs as lines, as train/heads.py writes its own
+    assert re.search(r"step 3: train_runtime \d", said) and "{'" not in said and "gorgon draft: 100%" in said
 
 
 def test_a_resume_on_other_data_at_the_same_path_is_refused(tmp_path):

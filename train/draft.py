@@ -96,6 +96,7 @@ def gkd_trainer(cfg: DraftTrainConfig, student, target, train_ex: list[dict], ck
 
     os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")  # GKD lives in trl.experimental; chosen knowingly
     from transformers import TrainerCallback
+    from transformers.trainer_callback import ProgressCallback
     from trl.experimental.gkd import GKDConfig, GKDTrainer
 
     from gorgon.heads.draft_model.objective import gkd_batch
@@ -108,6 +109,23 @@ def gkd_trainer(cfg: DraftTrainConfig, student, target, train_ex: list[dict], ck
         def on_step_end(self, args, state, control, **kwargs):
             if state.global_step >= state.max_steps:
                 control.should_save = False
+
+    class Progress(ProgressCallback):
+        """transformers' progress bar, named, with each log written as a line as train/heads.py writes its
+        own ("step 10: loss 2.31 | grad_norm 1.2 | learning_rate 0.0005"), not as a printed dict."""
+
+        def on_train_begin(self, args, state, control, **kwargs):
+            from tqdm.auto import tqdm
+
+            if state.is_world_process_zero:
+                self.training_bar = tqdm(total=state.max_steps, desc="gorgon draft", unit="step", dynamic_ncols=True)
+            self.current_step = 0
+
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            if state.is_world_process_zero and self.training_bar is not None and logs:
+                shown = (f"{key} {value:.4g}" if isinstance(value, float) else f"{key} {value}"
+                         for key, value in logs.items() if key != "total_flos")
+                self.training_bar.write(f"step {state.global_step}: {' | '.join(shown)}")
 
     class Trainer(GKDTrainer):
         """GKD with gorgon's split of the data over processes: every conversation once per epoch.
@@ -158,10 +176,13 @@ def gkd_trainer(cfg: DraftTrainConfig, student, target, train_ex: list[dict], ck
         peft_config = LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
                                  target_modules=cfg.lora_target_modules, task_type="CAUSAL_LM")
     pad = target.tokenizer.pad_token_id
-    return Trainer(model=student.train(), teacher_model=target.model, args=args,
-                   train_dataset=Dataset.from_list(train_ex), processing_class=target.tokenizer,
-                   data_collator=lambda b: gkd_batch(collate(b, pad), pad), peft_config=peft_config,
-                   callbacks=[NoCheckpointAtTheEnd()])
+    trainer = Trainer(model=student.train(), teacher_model=target.model, args=args,
+                      train_dataset=Dataset.from_list(train_ex), processing_class=target.tokenizer,
+                      data_collator=lambda b: gkd_batch(collate(b, pad), pad), peft_config=peft_config,
+                      callbacks=[NoCheckpointAtTheEnd()])
+    trainer.remove_callback(ProgressCallback)  # the bar without a name, and its logs as printed dicts
+    trainer.add_callback(Progress())
+    return trainer
 
 
 @functools.cache  # register once per process
