@@ -136,7 +136,8 @@ def level_cost(level, reset, target_model, device: torch.device, repeat: int = 2
     the cached verify costs' where they were measured, else timed alone (all sizes take tens of seconds)."""
     with decoding_attention(device):
         ms = median_ms(level, repeat, reset, device)
-    step = (cached_verify_costs(target_model) or measure_verify_costs(target_model, sizes=(1,), repeat=repeat))[1]
+    step = (cached_verify_costs(calibration_entry(target_model))
+            or measure_verify_costs(target_model, sizes=(1,), repeat=repeat))[1]
     return ms / step
 
 
@@ -163,17 +164,17 @@ def calibration_key(model) -> dict:
 _NOT_CACHED: dict[str, dict[int, float]] = {}
 
 
-def calibration_entry(model) -> tuple[str, Path]:
-    """The digest of the model's calibration key, and the cache file its verify costs are kept in."""
+def calibration_entry(model) -> tuple[dict, str, Path]:
+    """The model's calibration key, its digest, and the cache file its verify costs are kept in."""
     key = calibration_key(model)
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
-    return digest, cache_dir() / "calibration" / f"{digest}.json"
+    return key, digest, cache_dir() / "calibration" / f"{digest}.json"
 
 
-def cached_verify_costs(model) -> dict[int, float] | None:
-    """The verify costs measured before for this model on this machine (by this process on a busy machine,
-    else from the cache), or None."""
-    digest, path = calibration_entry(model)
+def cached_verify_costs(entry: tuple[dict, str, Path]) -> dict[int, float] | None:
+    """The verify costs measured before under a model's `calibration_entry` (by this process on a busy
+    machine, else from the cache), or None."""
+    _, digest, path = entry
     if digest in _NOT_CACHED:
         return _NOT_CACHED[digest]
     try:
@@ -184,10 +185,10 @@ def cached_verify_costs(model) -> dict[int, float] | None:
 
 def verify_costs(model) -> dict[int, float]:
     """Measured verify costs for this model on this machine, from the cache when they were measured before."""
-    cached = cached_verify_costs(model)
+    key, digest, path = entry = calibration_entry(model)  # the key reads the machine: once a call
+    cached = cached_verify_costs(entry)
     if cached is not None:
         return cached
-    digest, path = calibration_entry(model)
     sizes = measured_sizes(model.device)
     print(f"gorgon: timing target forwards of {sizes[0]} to {sizes[-1]} tokens on this machine, to size the tree "
           "(once, then kept; a fixed --tree N, and --tree-budget N with --context-draft, need none)", file=sys.stderr)
@@ -202,7 +203,7 @@ def verify_costs(model) -> dict[int, float]:
         _NOT_CACHED[digest] = costs
         return costs
     path.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write_text(path, json.dumps({"key": calibration_key(model), "costs_ms": costs}, indent=1) + "\n")
+    atomic_write_text(path, json.dumps({"key": key, "costs_ms": costs}, indent=1) + "\n")
     return costs
 
 
