@@ -59,6 +59,12 @@ def offline_reason() -> str:
     return f"the Hub's {host} does not resolve" if host else "HF_HUB_OFFLINE is set"
 
 
+def offline_fix() -> str:
+    """What turns the Hub back on: a network for the host gorgon found unreachable, else unsetting the user's
+    HF_HUB_OFFLINE."""
+    return "connect" if os.environ.get(UNREACHABLE) else "unset it"
+
+
 def not_found_locally_or_on_hub(what: str, text: str, err: Exception) -> GorgonError:
     """The error for a name that is neither a local folder nor reachable on the hub."""
     problem = local_path_problem(text)
@@ -116,8 +122,8 @@ def upload_folder(folder: str | os.PathLike, repo_id: str, private: bool = False
 
     kept = f"; the local folder {folder} is unchanged" if local else ""
     if is_offline_mode():  # huggingface_hub's own line says to unset HF_HUB_OFFLINE, which gorgon may have set
-        fix = "connect, then retry" if os.environ.get(UNREACHABLE) else "unset it, then retry"
-        raise GorgonError(f"upload to {repo_id} needs the Hub, but {offline_reason()}{kept}: {fix}")
+        raise GorgonError(f"upload to {repo_id} needs the Hub, but {offline_reason()}{kept}: {offline_fix()}, then "
+                          "retry")
     api = HfApi()
     try:
         api.create_repo(repo_id, private=private, exist_ok=True)
@@ -139,8 +145,7 @@ def check_can_upload(setting: str) -> None:
 
     later = f"or drop {setting} and upload the result with `gorgon push` afterwards"
     if is_offline_mode():
-        fix = "connect" if os.environ.get(UNREACHABLE) else "unset it"
-        raise GorgonError(f"{setting} uploads the result at the end, but {offline_reason()}: {fix}, {later}")
+        raise GorgonError(f"{setting} uploads the result at the end, but {offline_reason()}: {offline_fix()}, {later}")
     if get_token() is None:
         raise GorgonError(f"{setting} uploads the result at the end, but no Hub login was found: log in with `hf auth "
                           f"login` (or set HF_TOKEN), {later}")
