@@ -391,9 +391,8 @@ def main(argv=None) -> int:
     if args.compare_heads and not args.heads:
         raise GorgonError("--compare-heads times other heads beside the --heads under test: pass --heads too")
     earlier = None if args.overwrite or not args.out else unfinished_report(Path(args.out))
-    if args.out:
-        if earlier is None:
-            check_report_output(args.out, is_report, args.overwrite)
+    if args.out:  # going on from a stopped report rewrites it, and writes its plot: checked as --overwrite's are
+        check_report_output(args.out, is_report, args.overwrite or earlier is not None)
         hold_report_lock(Path(args.out))
     questions = per_category_sample(load_questions(args.questions, args.limit), args.per_category)
     Sampling(args.temperature)  # its range check, before the target loads

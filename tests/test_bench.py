@@ -139,6 +139,10 @@ def test_a_bench_stopped_early_leaves_the_questions_it_ran(tmp_path, monkeypatch
     with pytest.raises(GorgonError, match=r"report.json holds an unfinished bench with other settings "
                                           r"\(max_new_tokens\): rerun with the same ones to go on from it"):
         bench.main([*command, "--max-new-tokens", "5"])
+    out.with_suffix(".png").write_bytes(b"an image of mine")  # the plot the resumed bench would write
+    with pytest.raises(GorgonError, match=r"report.png already holds files gorgon did not write"):
+        bench.main(command)
+    out.with_suffix(".png").unlink()
     calls.clear()
     monkeypatch.setattr(bench, "timed_speculative", timed)
     assert bench.main(command) == 0
