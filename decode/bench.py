@@ -335,13 +335,18 @@ def plot_report(report: dict, path: Path) -> None:
     save_figure(fig, path)
 
 
-def is_report(path: Path) -> bool:
-    """A report `gorgon bench` wrote (the only file --out may replace, with --overwrite)."""
+def read_report(path: Path) -> dict | None:
+    """The report `gorgon bench` wrote at `path`; None for anything else."""
     try:
         report = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError):
-        return False
-    return isinstance(report, dict) and str(report.get("command", "")).startswith("gorgon bench")
+        return None
+    return report if isinstance(report, dict) and str(report.get("command", "")).startswith("gorgon bench") else None
+
+
+def is_report(path: Path) -> bool:
+    """A report `gorgon bench` wrote (the only file --out may replace, with --overwrite)."""
+    return read_report(path) is not None
 
 
 def parser() -> argparse.ArgumentParser:
@@ -427,9 +432,17 @@ def main(argv=None) -> int:
     if not args.out:
         print("gorgon bench: no --out, so the report is printed at the end only (--out FILE keeps it, question by "
               "question)", file=sys.stderr)
-    report = run_bench(target, drafter, questions, args.max_new_tokens, sampling, baselines, assistant, seed,
-                       compare=compare, checkpoint=(lambda partial: record(partial, False)) if args.out else None,
-                       earlier=earlier)
+    try:
+        report = run_bench(target, drafter, questions, args.max_new_tokens, sampling, baselines, assistant, seed,
+                           compare=compare, checkpoint=(lambda partial: record(partial, False)) if args.out else None,
+                           earlier=earlier)
+    except KeyboardInterrupt:
+        kept = unfinished_report(Path(args.out)) if args.out else None
+        if kept is not None:
+            print(f"\ngorgon bench: {args.out} keeps the {len(kept['questions']) + len(kept['skipped'])} questions "
+                  f"finished so far: rerun the same command{' without --overwrite' if args.overwrite else ''} to go "
+                  "on from them", file=sys.stderr)
+        raise
     record(report, True)
     print(markdown_table(report))
     print("\ntau: tokens per target forward; speedup: gorgon's tokens/s over plain `generate`'s (the baseline, on "
@@ -455,10 +468,8 @@ def main(argv=None) -> int:
 
 def unfinished_report(out: Path) -> dict | None:
     """The report at `out` of a bench stopped before its last question ("complete": false), if it is one."""
-    if not is_report(out):
-        return None
-    report = json.loads(out.read_text(encoding="utf-8"))
-    return report if report.get("complete") is False and "questions" in report else None
+    report = read_report(out)
+    return report if report is not None and report.get("complete") is False and "questions" in report else None
 
 
 # What may differ between a stopped bench and the run that goes on from it: how each was started.

@@ -111,8 +111,9 @@ def test_cli_writes_an_atomic_report_and_plot(tmp_path):
     assert bad.returncode == 2 and "unknown baseline 'medusa'" in bad.stderr
 
 
-def test_a_bench_stopped_early_leaves_the_questions_it_ran(tmp_path, monkeypatch):
-    """A time limit or Ctrl-C in the third question: --out holds the first two, marked incomplete."""
+def test_a_bench_stopped_early_leaves_the_questions_it_ran(tmp_path, monkeypatch, capsys):
+    """A time limit or Ctrl-C in the third question: --out holds the first two, marked incomplete, and the
+    bench says so."""
     target_path, _, _ = chat_target_with_heads(tmp_path)
     q = questions_file(tmp_path / "q.jsonl")
     calls, timed = [], bench.timed_speculative
@@ -128,6 +129,8 @@ def test_a_bench_stopped_early_leaves_the_questions_it_ran(tmp_path, monkeypatch
     with pytest.raises(KeyboardInterrupt):
         bench.main(["--target", str(target_path), "--heads", str(tmp_path / "heads"), "--questions", str(q),
                     "--max-new-tokens", "6", "--baselines", "generate", "--out", str(out)])
+    assert (f"gorgon bench: {out} keeps the 2 questions finished so far: rerun the same command to go on from them"
+            in capsys.readouterr().err)
     report = json.loads(out.read_text())
     assert report["complete"] is False and report["questions_planned"] == 4
     assert [r["question_id"] for r in report["questions"]] == [0, 1] and report["prompts"] == 2
