@@ -231,17 +231,23 @@ def test_an_out_refused_on_the_main_process_is_one_line_on_every_process(tmp_pat
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="prctl's parent-death signal is Linux's")
 def test_a_launched_training_process_ends_with_its_launcher(tmp_path):
     """`kill` of `accelerate launch` left the training process running on its own (it held --out and wrote it
-    without a word); a process started without a launcher is left alone (nohup outlives its shell)."""
+    without a word); a process whose parent is not a launcher is left alone (nohup outlives its shell), even where
+    the shell exports accelerate's variables."""
     import signal
     import time
 
     child = ("import time; from gorgon.train.recipe import end_with_the_launcher; end_with_the_launcher(); "
              "print('ready', flush=True); time.sleep(60)")
-    launcher = ("import subprocess, sys, time; p = subprocess.Popen([sys.executable, '-c', sys.argv[1]]); "
-                "print(p.pid, flush=True); time.sleep(60)")
-    for launched, survives in [({"ACCELERATE_USE_CPU": "True"}, False), ({}, True)]:
+    launcher = tmp_path / "accelerate"  # what the parent runs names it: accelerate launch's process, or a shell
+    launcher.write_text("import subprocess, sys, time; p = subprocess.Popen([sys.executable, '-c', sys.argv[1]]); "
+                        "print(p.pid, flush=True); time.sleep(60)")
+    shell = tmp_path / "shell"
+    shell.write_text(launcher.read_text())
+    launched = {"ACCELERATE_USE_CPU": "True"}
+    cases = [(launcher, launched, False), (shell, launched, True), (shell, {}, True)]
+    for parent_command, variables, survives in cases:
         environment = {k: v for k, v in os.environ.items() if not k.startswith("ACCELERATE_") and k != "LOCAL_RANK"}
-        parent = subprocess.Popen([sys.executable, "-c", launcher, child], env={**environment, **launched},
+        parent = subprocess.Popen([sys.executable, str(parent_command), child], env={**environment, **variables},
                                   stdout=subprocess.PIPE, text=True)
         pid = int(parent.stdout.readline())
         assert parent.stdout.readline().strip() == "ready"  # the child's line, through the shared stdout

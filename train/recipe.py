@@ -289,17 +289,26 @@ def print_settings(cls) -> None:
             print(" " * 28 + line)
 
 
+# The programs and modules that launch training processes: a parent running one of them is their launcher.
+LAUNCHERS = ("accelerate", "torchrun", "deepspeed", "accelerate.commands.launch", "torch.distributed.run",
+             "torch.distributed.launch")
+
+
 def end_with_the_launcher() -> None:
     """A process `accelerate launch` (or torchrun) started ends when its launcher does: killing the launcher
     (`kill PID`, what users do) left training running on its own, holding --out and writing it without a
-    word. Linux only (prctl's PR_SET_PDEATHSIG); a script run without a launcher is left as it is, so that
-    `nohup python train/heads.py ... &` outlives its shell."""
+    word. Linux only (prctl's PR_SET_PDEATHSIG); a script whose parent is not a launcher (a shell, nohup) is
+    left as it is, so that `nohup python train/heads.py ... &` outlives its shell, whatever variables it exports."""
     import ctypes
     import signal
 
-    if not (any(key.startswith("ACCELERATE_") for key in os.environ) or "LOCAL_RANK" in os.environ):
-        return
     launcher = os.getppid()
+    try:
+        words = Path(f"/proc/{launcher}/cmdline").read_bytes().decode(errors="replace").split("\0")[:3]
+    except OSError:  # not Linux
+        return
+    if not any(Path(word).name in LAUNCHERS for word in words):  # `python -m M`, `python PATH/launcher`, `launcher`
+        return
     try:
         if ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM) != 0:  # 1: PR_SET_PDEATHSIG
             return
