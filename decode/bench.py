@@ -275,6 +275,13 @@ def extra_names(report: dict) -> list[str]:
     return [key[: -len("_speedup")] for key in report if key.endswith("_speedup")]
 
 
+def baseline_label(report: dict, name: str) -> str:
+    """A baseline's name, with the heads it drafted with where it is --compare-heads'."""
+    if name.startswith("compare") and "compare" in report:
+        return f"{name} ({Path(report['compare']['heads']).name})"
+    return name
+
+
 def markdown_table(report: dict) -> str:
     stock = "speedup_vs_stock" in report
     extra = extra_names(report)
@@ -294,6 +301,8 @@ def markdown_table(report: dict) -> str:
         for other in extra:
             line += f" {r[f'{other}_speedup']:.2f}x |" + (f" {r[f'{other}_tau']:.2f} |" if f"{other}_tau" in r else "")
         lines.append(line)
+    if "compare" in report:
+        lines.append(f"\ncompare: the heads in {report['compare']['heads']}")
     for q in report["skipped"]:
         lines.append(f"\nskipped question {q['question_id']} ({q['category']}): {q['reason']}")
     return "\n".join(lines)
@@ -310,7 +319,8 @@ def plot_report(report: dict, path: Path) -> None:
     if "speedup_vs_stock" in report:
         bars.append(("gorgon vs stock kernels", "speedup_vs_stock", "#6baed6"))
     colors = ("#fd8d3c", "#74c476", "#9e9ac8", "#e377c2", "#8c8c8c")
-    bars += [(name, f"{name}_speedup", color) for name, color in zip(extra_names(report), colors, strict=False)]
+    bars += [(baseline_label(report, name), f"{name}_speedup", color)
+             for name, color in zip(extra_names(report), colors, strict=False)]
     legend = len(bars) > 1  # below the axes, where it hides no bar: the figure grows to hold it
     fig, (left, right) = plt.subplots(1, 2, figsize=(9, 3.9 if legend else 3.4), dpi=120)
     hist = report["accepted_histogram"]

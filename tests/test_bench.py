@@ -297,6 +297,9 @@ def test_compare_heads_are_timed_in_the_same_rotation_and_drafted_as_the_heads(t
     assert timed == {("EagleDrafter", True), ("EagleDrafter", False), ("HeadsDrafter", True), ("HeadsDrafter", False)}
     out = capsys.readouterr().out
     assert "compare-no-context tau" in out and "tree built per step, up to 16 nodes" in out  # a merged tree's budget
+    assert f"compare: the heads in {tmp_path / 'medusa'}" in out  # the table and the plot name them
+    assert [bench.baseline_label(both, name) for name in ("no-context", "compare-no-context")] == [
+        "no-context", "compare-no-context (medusa)"]
 
     other = load_target(str(tiny_chat_target(tmp_path, seed=1)), device="cpu")
     MedusaHeads.for_target(other.model, target_fingerprint=other.fingerprint).save_pretrained(tmp_path / "foreign")
