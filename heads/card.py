@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
+
+import yaml
 
 from .errors import GorgonError
 from .files import atomic_write_text, check_writable, save_figure
-from .target import EMBEDDED_HUB_ID, EMBEDDED_NAME
+from .hub import is_hub_id
+from .target import EMBEDDED_HUB_ID, EMBEDDED_LICENSE, EMBEDDED_NAME, hub_name
 
 
 def plot_head_accuracy(metrics: dict, path: Path) -> None:
@@ -57,16 +61,82 @@ def check_card_folder(folder: Path) -> None:
                            "somewhere writable")
 
 
+# A bench report's parts that the card does not show, left out of metrics.json.
+PER_QUESTION = ("questions", "skipped", "per_category", "accepted_histogram")
+
+
 def refresh_model_card(folder: Path, bench: dict) -> None:
-    """Rewrite a trained heads or draft folder's card with benchmark figures (`gorgon bench --update-card`)."""
+    """Rewrite a trained heads or draft folder's card with benchmark figures (`gorgon bench --update-card`); they
+    are kept in its metrics.json too, so that a card made again (`gorgon push`'s) keeps them."""
     try:
         recipe = json.loads((folder / "recipe.json").read_text())
         metrics = json.loads((folder / "metrics.json").read_text())
     except FileNotFoundError as err:
         raise GorgonError(f"{folder} has no recipe.json/metrics.json, so its card cannot be rebuilt: "
                           "--update-card works on folders written by gorgon's training") from err
-    write = write_draft_card if metrics.get("kind") == "draft" else write_model_card
-    write(folder, recipe, metrics, bench)
+    metrics["bench"] = {k: v for k, v in bench.items() if k not in PER_QUESTION}
+    atomic_write_text(folder / "metrics.json", json.dumps(metrics, indent=1) + "\n")
+    write_model_card(folder, recipe, metrics)
+
+
+def card_for_run(folder: Path, ref: str | None = None) -> str | None:
+    """The card of a training run's folder, naming it `ref` in its commands (`card_text`); None where the folder
+    is not a run gorgon trained (no recipe.json and metrics.json to make it from)."""
+    try:
+        recipe = json.loads((folder / "recipe.json").read_text())
+        metrics = json.loads((folder / "metrics.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return card_text(folder, recipe, metrics, ref)
+
+
+def write_model_card(folder: Path, recipe: dict, metrics: dict) -> None:
+    """README.md of a training run's folder (heads or a draft model)."""
+    atomic_write_text(folder / "README.md", card_text(folder, recipe, metrics))
+
+
+def card_text(folder: Path, recipe: dict, metrics: dict, ref: str | None = None) -> str:
+    """The model card: Hub metadata, how it was trained, its measured accuracy and speed, and usage. Its commands
+    name it `ref`: by default the Hub repo training pushed it to, else the folder (`gorgon push` passes the
+    repo id)."""
+    ref = ref or recipe.get("push_to_hub") or os.fspath(folder)
+    if metrics.get("kind") == "draft":
+        return draft_card(ref, recipe, metrics)
+    if recipe.get("arch") == "eagle":
+        layers = json.loads((folder / "config.json").read_text())["feature_layers"]  # as saved
+        return eagle_card(ref, recipe, metrics, layers)
+    return medusa_card(ref, recipe, metrics)
+
+
+def card_metadata(target_name: str, library: str, tags: list[str], base_model: str | None = None) -> str:
+    """The card's Hub metadata, the YAML between its --- lines. `base_model` (default: the target) only where it
+    is a Hub id: the Hub refuses a card whose base_model is a local path, and with it the whole push. The target's
+    license where its own card says it: the heads learn from its outputs, so its terms are theirs."""
+    base = hub_name(base_model or target_name)
+    data = {"base_model": base} if is_hub_id(base) else {}
+    data.update(target_license(target_name))
+    data.update(library_name=library, pipeline_tag="text-generation", tags=tags)
+    return "---\n" + yaml.safe_dump(data, sort_keys=False) + "---"
+
+
+def target_license(target_name: str) -> dict:
+    """The target's license keys (license, license_name, license_link) as its own card states them, read without
+    the network: the embedded target's, a local target's README.md, or the README.md in the Hub cache. {} where
+    no card is at hand (the heads' card then names none: a license is not guessed)."""
+    from huggingface_hub import metadata_load, try_to_load_from_cache
+
+    if hub_name(target_name) == EMBEDDED_HUB_ID:
+        return {"license": EMBEDDED_LICENSE}
+    local = Path(target_name).expanduser() / "README.md"
+    card = local if local.is_file() else try_to_load_from_cache(target_name, "README.md") \
+        if is_hub_id(target_name) else None
+    if not isinstance(card, (str, Path)):
+        return {}
+    try:
+        metadata = metadata_load(card) or {}
+    except (OSError, ValueError, yaml.YAMLError):
+        return {}
+    return {key: metadata[key] for key in ("license", "license_name", "license_link") if key in metadata}
 
 
 def data_line(recipe: dict, metrics: dict) -> str:
@@ -80,11 +150,11 @@ def tree_nodes(recipe: dict, metrics: dict) -> dict:
     return metrics.get("tree_nodes") or {"cpu": recipe["cpu_tree_size"], "cuda": recipe["gpu_tree_size"]}
 
 
-def speed_section(bench: dict | None, flag: str) -> str:
+def speed_section(bench: dict | None, flag: str, ref: str) -> str:
     """The card's benchmark table, or how to measure one."""
     if not bench:
-        return (f"Not measured yet: `gorgon bench {flag} THIS_FOLDER --questions scripts/data/mt_bench.jsonl "
-                "--update-card` adds tau and speedup here.")
+        return (f"Not measured yet: `gorgon bench {flag} {ref} --questions scripts/data/mt_bench.jsonl` measures "
+                "tau and speedup (with `--update-card`, run on the training run's folder, they are written here).")
     identical = "-" if bench["identical"] is None else f"{bench['identical']}/{bench['prompts']}"
     table = (f"| questions | tau | tokens/s | plain generate tokens/s | speedup | identical outputs |\n"
              f"|---|---|---|---|---|---|\n"
@@ -103,28 +173,15 @@ def speed_section(bench: dict | None, flag: str) -> str:
                     f"`{bench['command']}`")
 
 
-def hub_id(target_name: str) -> str:
-    """The card's base_model: the name as given, or the Hub id of the embedded target."""
-    return EMBEDDED_HUB_ID if target_name == EMBEDDED_NAME else target_name
-
-
-def write_model_card(out: Path, recipe: dict, metrics: dict, bench: dict | None = None) -> None:
-    """README.md with Hub metadata, how the heads were trained, their measured accuracy, and usage."""
-    if recipe.get("arch") == "eagle":
-        return write_eagle_card(out, recipe, metrics, bench)
+def medusa_card(ref: str, recipe: dict, metrics: dict) -> str:
+    """Medusa heads' card."""
     target_name = metrics.get("target_name") or recipe.get("target") or EMBEDDED_NAME
     rows = "\n".join(f"| {k + 1} | t+{k + 2} | {a:.3f} | {b:.3f} |"
                      for k, (a, b) in enumerate(zip(metrics["top1"], metrics["top5"])))
     lm_head = "the target's shared" if recipe["shared_lm_head"] else "their own"
     tau, nodes = metrics["expected_tau"], tree_nodes(recipe, metrics)
-    base = hub_id(target_name)
-    text = f"""---
-base_model: {base}
-library_name: gorgon
-tags:
-- medusa
-- speculative-decoding
----
+    base = hub_name(target_name)
+    return f"""{card_metadata(target_name, "gorgon", ["medusa", "speculative-decoding"])}
 
 # Medusa heads for {target_name}
 
@@ -138,17 +195,19 @@ Greedy decoding with these heads gives exactly the target's own output, only fas
 |---|---|---|---|
 {rows}
 
+![held-out accuracy per head, and the training loss](head_accuracy.png)
+
 Expected tokens per target forward from these accuracies: {tau['cpu']:.2f} with the CPU tree
 ({nodes['cpu']} nodes), {tau['cuda']:.2f} with the GPU tree ({nodes['cuda']} nodes).
 
 ## Speed
 
-{speed_section(bench, '--heads')}
+{speed_section(metrics.get('bench'), '--heads', ref)}
 
 ## Use
 
 ```bash
-gorgon generate --heads THIS_FOLDER --prompt "Hello"
+gorgon generate --heads {ref} --prompt "Hello"
 ```
 
 ```python
@@ -156,7 +215,7 @@ from gorgon.heads import load_target, MedusaHeads, HeadsDrafter
 from gorgon.decode import speculative_generate
 
 target = load_target({('"' + recipe['target'] + '"') if recipe.get('target') else ''})
-heads = MedusaHeads.from_pretrained("THIS_FOLDER", target=target)
+heads = MedusaHeads.from_pretrained("{ref}", target=target)
 ids = target.tokenizer.apply_chat_template([{{"role": "user", "content": "Hello"}}], add_generation_prompt=True,
                                            return_tensors="pt", return_dict=True)["input_ids"]
 result = speculative_generate(target.model, HeadsDrafter(heads), ids, max_new_tokens=128)
@@ -166,7 +225,7 @@ print(target.tokenizer.decode(result.tokens), result.tau)
 ### In vLLM
 
 ```bash
-gorgon export --heads THIS_FOLDER --format vllm --out medusa-vllm
+gorgon export --heads {ref} --format vllm --out medusa-vllm
 ```
 ```python
 from vllm import LLM
@@ -177,12 +236,11 @@ llm = LLM(model="{base}", speculative_config={{"method": "medusa", "model": "med
 ### In TGI or TensorRT-LLM (FasterDecoding Medusa format)
 
 ```bash
-gorgon export --heads THIS_FOLDER --format medusa --out medusa-heads
+gorgon export --heads {ref} --format medusa --out medusa-heads
 ```
 TGI: point `--model-id` at `medusa-heads` (its config names the base model in `base_model_name_or_path`).
 TensorRT-LLM: pass `--medusa_model_dir medusa-heads` to its Medusa checkpoint converter.
 """
-    atomic_write_text(out / "README.md", text)
 
 
 def draft_vocab_line(metrics: dict) -> str:
@@ -196,10 +254,11 @@ def draft_vocab_line(metrics: dict) -> str:
             f"{share['held_out']:.1%} of the held-out ones.\n")
 
 
-def write_draft_card(out: Path, recipe: dict, metrics: dict, bench: dict | None = None) -> None:
-    """README.md for a distilled draft model: what it started from, how close it follows the target, usage."""
+def draft_card(ref: str, recipe: dict, metrics: dict) -> str:
+    """A distilled draft model's card: what it started from, how close it follows the target, usage. Its
+    base_model is the model it was distilled from (the target, when cut from the target's own layers)."""
     target_name = metrics["target_name"]
-    base = hub_id(target_name)
+    base = hub_name(target_name)
     before, after, tau = metrics["before"], metrics["after"], metrics["expected_tau"]
     beta, lmbda = recipe["beta"], recipe["lmbda"]
     divergence = {0.0: "forward KL", 1.0: "reverse KL"}.get(beta, f"generalised JSD (beta {beta})")
@@ -207,14 +266,9 @@ def write_draft_card(out: Path, recipe: dict, metrics: dict, bench: dict | None 
     how = (f"It was distilled with gorgon (trl GKD, {divergence}{policy}{', LoRA merged' if recipe['lora'] else ''},\n"
            f"{metrics['steps']} steps) on {data_line(recipe, metrics)}." if metrics["steps"] else
            "It is not distilled: saved with `--max_steps 0`, as the baseline that distillation is measured against.")
-    text = f"""---
-base_model: {base}
-library_name: transformers
-tags:
-- speculative-decoding
-- draft-model
-- distillation
----
+    student = recipe.get("student")  # None: cut from the target's own layers
+    tags = ["speculative-decoding", "draft-model", "distillation"]
+    return f"""{card_metadata(target_name, "transformers", tags, base_model=student)}
 
 # Draft model for {target_name}
 
@@ -237,20 +291,20 @@ Expected tokens per step assume each drafted token matches independently with th
 
 ## Speed
 
-{speed_section(bench, '--draft')}
+{speed_section(metrics.get('bench'), '--draft', ref)}
 
 ## Use
 
 ```bash
-gorgon generate --draft THIS_FOLDER --draft-tokens {metrics['draft_tokens']} --prompt "Hello"
+gorgon generate --draft {ref} --draft-tokens {metrics['draft_tokens']} --prompt "Hello"
 ```
 
 In transformers' own assisted generation:
 ```python
 from transformers import AutoModelForCausalLM, AutoTokenizer
 target = AutoModelForCausalLM.from_pretrained("{base}")
-draft = AutoModelForCausalLM.from_pretrained("THIS_FOLDER")
-tok = AutoTokenizer.from_pretrained("THIS_FOLDER")
+draft = AutoModelForCausalLM.from_pretrained("{ref}")
+tok = AutoTokenizer.from_pretrained("{ref}")
 ids = tok.apply_chat_template([{{"role": "user", "content": "Hello"}}], add_generation_prompt=True,
                               return_tensors="pt", return_dict=True)
 out = target.generate(**ids, assistant_model=draft, do_sample=False, max_new_tokens=128)
@@ -259,27 +313,20 @@ out = target.generate(**ids, assistant_model=draft, do_sample=False, max_new_tok
 In vLLM:
 ```python
 from vllm import LLM
-llm = LLM(model="{base}", speculative_config={{"model": "THIS_FOLDER",
+llm = LLM(model="{base}", speculative_config={{"model": "{ref}",
                                                 "num_speculative_tokens": {metrics['draft_tokens']}}})
 ```
 """
-    atomic_write_text(out / "README.md", text)
 
 
-def write_eagle_card(out: Path, recipe: dict, metrics: dict, bench: dict | None = None) -> None:
-    """README.md for a feature-level head: what it reads, how it was trained, its accuracy, and usage."""
+def eagle_card(ref: str, recipe: dict, metrics: dict, feature_layers: list[int]) -> str:
+    """A feature-level head's card: what it reads, how it was trained, its accuracy, and usage."""
     target_name = metrics.get("target_name") or recipe.get("target") or EMBEDDED_NAME
-    base = hub_id(target_name)
+    base = hub_name(target_name)
     pairs = zip(metrics["top1"], metrics["top5"])
     rows = "\n".join(f"| {k + 1} | {a:.3f} | {b:.3f} |" for k, (a, b) in enumerate(pairs))
-    layers = ", ".join(map(str, json.loads((out / "config.json").read_text())["feature_layers"]))  # as saved
-    text = f"""---
-base_model: {base}
-library_name: gorgon
-tags:
-- eagle
-- speculative-decoding
----
+    layers = ", ".join(map(str, feature_layers))
+    return f"""{card_metadata(target_name, "gorgon", ["eagle", "speculative-decoding"])}
 
 # A feature-level draft head for {target_name}
 
@@ -294,23 +341,25 @@ on {data_line(recipe, metrics)}. Greedy decoding with it gives exactly the targe
 |---|---|---|
 {rows}
 
+![held-out accuracy per unrolled step, and the training loss](head_accuracy.png)
+
 A greedy chain with this top-1 would give {metrics['expected_tau']['cpu']:.2f} tokens per target forward with
 the CPU tree ({tree_nodes(recipe, metrics)['cpu']} nodes); the ranked tree does better, as the bench below measures.
 
 ## Speed
 
-{speed_section(bench, '--heads')}
+{speed_section(metrics.get('bench'), '--heads', ref)}
 
 ## Use
 
 ```bash
-gorgon generate --heads THIS_FOLDER --prompt "Hello"
+gorgon generate --heads {ref} --prompt "Hello"
 ```
 
 ### In vLLM or SGLang (EAGLE-3)
 
 ```bash
-gorgon export --heads THIS_FOLDER --format eagle3 --out eagle3-head
+gorgon export --heads {ref} --format eagle3 --out eagle3-head
 ```
 ```python
 from vllm import LLM
@@ -319,4 +368,3 @@ llm = LLM(model="{base}", speculative_config={{"method": "eagle3", "model": "eag
 ```
 `gorgon export --format speculators` writes the speculators format, which vLLM also reads.
 """
-    atomic_write_text(out / "README.md", text)

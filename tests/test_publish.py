@@ -366,3 +366,115 @@ def test_a_medusa2_export_says_its_heads_need_their_adapter(tmp_path, capsys):
     assert gorgon(["export", "--heads", str(out), "--format", "vllm", "--out", str(tmp_path / "e")]) == 0
     err = capsys.readouterr().err
     assert f"these Medusa-2 heads were trained on the target with the LoRA adapter in {out / 'adapter'}" in err
+
+
+MEDUSA_RECIPE = {"num_heads": 2, "num_layers": 1, "shared_lm_head": True, "mode": "medusa1", "loss": "kl",
+                 "data": "d.jsonl", "cpu_tree_size": 8, "gpu_tree_size": 64, "target": None, "push_to_hub": None}
+MEDUSA_METRICS = {"top1": [0.3, 0.2], "top5": [0.5, 0.4], "expected_tau": {"cpu": 1.4, "cuda": 1.6}, "steps": 5}
+
+
+def front_matter(card: str) -> dict:
+    from huggingface_hub import ModelCard
+
+    return ModelCard(card).data.to_dict()  # as the Hub's client reads it before an upload
+
+
+def test_a_card_names_the_base_model_and_license_the_hub_can_take(tmp_path, monkeypatch):
+    """base_model was the embedded target's Hub id or a local path (the Hub refuses a path there, and with it the
+    whole push); no card named a license (the heads learn from the target's outputs: its terms are theirs) or a
+    pipeline tag."""
+    import huggingface_hub.constants
+
+    from gorgon.heads.card import card_text
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))  # read when it is used
+    embedded = card_text(tmp_path, MEDUSA_RECIPE, {**MEDUSA_METRICS, "target_name": "SmolLM2-135M-Instruct"})
+    assert front_matter(embedded) == {"base_model": "HuggingFaceTB/SmolLM2-135M-Instruct", "license": "apache-2.0",
+                                      "library_name": "gorgon", "pipeline_tag": "text-generation",
+                                      "tags": ["medusa", "speculative-decoding"]}
+    local = tmp_path / "my-target"
+    local.mkdir()
+    (local / "README.md").write_text("---\nlicense: other\nlicense_name: llama3\nlicense_link: LICENSE\n---\n# m\n")
+    mine = front_matter(card_text(tmp_path, MEDUSA_RECIPE, {**MEDUSA_METRICS, "target_name": str(local)}))
+    assert "base_model" not in mine and (mine["license"], mine["license_name"]) == ("other", "llama3")
+    # A Hub target: its base_model, and the license its card in the Hub cache states; none when not cached.
+    snapshot = tmp_path / "hub" / "models--meta-llama--Llama-3.1-8B-Instruct" / "snapshots" / ("a" * 40)
+    snapshot.mkdir(parents=True)
+    (snapshot / "README.md").write_text("---\nlicense: llama3.1\n---\n")
+    (snapshot.parents[1] / "refs").mkdir()
+    (snapshot.parents[1] / "refs" / "main").write_text("a" * 40)
+    hub = front_matter(card_text(tmp_path, MEDUSA_RECIPE, {**MEDUSA_METRICS,
+                                                           "target_name": "meta-llama/Llama-3.1-8B-Instruct"}))
+    assert (hub["base_model"], hub["license"]) == ("meta-llama/Llama-3.1-8B-Instruct", "llama3.1")
+    other = front_matter(card_text(tmp_path, MEDUSA_RECIPE, {**MEDUSA_METRICS, "target_name": "someone/model"}))
+    assert other["base_model"] == "someone/model" and "license" not in other
+
+
+def test_a_card_names_its_folder_and_the_pushed_card_the_repo(tmp_path, hub):
+    """The card's commands said THIS_FOLDER: they name the folder training wrote, and `gorgon push` uploads the
+    card made again naming the repo (the folder's own card unchanged); a card the user edited goes up as is."""
+    from gorgon.heads.card import write_model_card
+
+    folder = heads_folder(tmp_path)
+    (folder / "recipe.json").write_text(json.dumps(MEDUSA_RECIPE))
+    (folder / "metrics.json").write_text(json.dumps({**MEDUSA_METRICS, "target_name": "tiny"}))
+    write_model_card(folder, MEDUSA_RECIPE, {**MEDUSA_METRICS, "target_name": "tiny"})
+    card = (folder / "README.md").read_text()
+    assert f"gorgon generate --heads {folder} --prompt" in card and "THIS_FOLDER" not in card
+    assert push(hub, folder).returncode == 0
+    pushed = FakeHub.files["README.md"].decode()
+    assert pushed == card.replace(str(folder), "someone/tiny-heads") and (folder / "README.md").read_text() == card
+    assert FakeHub.files["model.safetensors"] == (folder / "model.safetensors").read_bytes()
+    assert not any(name.startswith("checkpoints") for name in FakeHub.files)
+    (folder / "README.md").write_text(card + "\nMy notes.\n")
+    assert push(hub, folder).returncode == 0
+    assert FakeHub.files["README.md"].decode() == card + "\nMy notes.\n"
+
+
+def test_a_draft_cards_base_model_is_the_model_it_was_distilled_from(tmp_path):
+    from gorgon.heads.card import card_text
+
+    metrics = {"target_name": "SmolLM2-135M-Instruct", "before": {"kl": 1.0, "top1": 0.5},
+               "after": {"kl": 0.5, "top1": 0.6}, "expected_tau": {"before": 1.5, "after": 1.7}, "steps": 3,
+               "student": "`HuggingFaceTB/SmolLM2-360M`", "student_parameters": 3e8, "target_parameters": 1.3e8,
+               "eval_conversations": 2, "eval_tokens": 10, "draft_tokens": 4, "kind": "draft"}
+    recipe = {"beta": 0.0, "lmbda": 0.0, "lora": False, "data": "d.jsonl", "push_to_hub": None}
+    for student, base in [(None, "HuggingFaceTB/SmolLM2-135M-Instruct"), ("someone/small", "someone/small")]:
+        card = card_text(tmp_path, {**recipe, "student": student}, metrics)
+        assert front_matter(card)["base_model"] == base and front_matter(card)["library_name"] == "transformers"
+
+
+def test_an_export_names_the_embedded_target_by_its_hub_id_and_imports_back_to_it(tmp_path, capsys,
+                                                                                   monkeypatch):
+    """Exports recorded "SmolLM2-135M-Instruct", which no engine can load (vLLM loads the speculators verifier's
+    name, TGI the base_model_name_or_path); imported back, the Hub id is the embedded target again."""
+    from gorgon.heads.target import EMBEDDED_HUB_ID, EMBEDDED_NAME, gorgon_name, hub_name
+
+    assert hub_name(EMBEDDED_NAME) == EMBEDDED_HUB_ID and gorgon_name(EMBEDDED_HUB_ID) == EMBEDDED_NAME
+    assert hub_name("someone/model") == gorgon_name("someone/model") == "someone/model"
+    model = tiny_model()
+    export_heads(trained_like(model), "medusa", tmp_path / "m", base_model=EMBEDDED_HUB_ID)
+    assert MedusaHeads.from_pretrained(tmp_path / "m").config.target_name == EMBEDDED_NAME
+    # Through `gorgon export`: the embedded target's Hub id; a local target's path, said to need --base-model.
+    import dataclasses
+
+    import gorgon.heads.export as export_command
+    from gorgon.heads.cli import main as gorgon
+
+    target = tiny_chat_target(tmp_path)
+    MedusaHeads.for_target(load_target(str(target), device="cpu").model, shared_lm_head=False).save_pretrained(
+        tmp_path / "heads")
+    command = ["export", "--heads", str(tmp_path / "heads"), "--target", str(target), "--format", "medusa"]
+    assert gorgon(command + ["--out", str(tmp_path / "local")]) == 0
+    assert json.loads((tmp_path / "local" / "config.json").read_text())["base_model_name_or_path"] == str(target)
+    assert "names its target by the local path" in capsys.readouterr().err
+    loaded = export_command.load_heads
+
+    def as_embedded(*args, **kwargs):
+        target, heads = loaded(*args, **kwargs)
+        return dataclasses.replace(target, name=EMBEDDED_NAME), heads
+
+    monkeypatch.setattr(export_command, "load_heads", as_embedded)
+    assert gorgon(command + ["--out", str(tmp_path / "embedded")]) == 0
+    assert json.loads((tmp_path / "embedded" / "config.json").read_text())["base_model_name_or_path"] == EMBEDDED_HUB_ID
+    assert "local path" not in capsys.readouterr().err

@@ -208,7 +208,7 @@ def distil(cfg: DraftTrainConfig) -> Path:
     from accelerate.utils import DistributedType
     from transformers import AutoModelForCausalLM
 
-    from gorgon.heads.card import write_draft_card
+    from gorgon.heads.card import write_model_card
     from gorgon.heads.draft_model.model import load_student, save_draft
     from gorgon.heads.draft_model.objective import agreement
     from gorgon.heads.target import load_target, target_text_config
@@ -328,7 +328,7 @@ def distil(cfg: DraftTrainConfig) -> Path:
     }
     atomic_write_text(out / "metrics.json", json.dumps(metrics, indent=1) + "\n")
     recipe = asdict(cfg)
-    write_draft_card(out, recipe, metrics)
+    write_model_card(out, recipe, metrics)
     finish_run_folder(out, recipe)
     if cfg.report_to == "wandb":  # wandb's closing lines first, so that the run's result ends the output
         import wandb
