@@ -36,12 +36,22 @@ from typing import Protocol
 
 import torch
 
+from .errors import GorgonError
 from .tree import Tree
 
 
 def dtype_name(module: torch.nn.Module) -> str:
     """The dtype of a drafter's weights, as a report names it ("float32")."""
     return str(next(module.parameters()).dtype).replace("torch.", "")
+
+
+def check_same_device(module: torch.nn.Module, model, what: str) -> None:
+    """A drafter takes the target's hidden states and tokens where they are: on another device it failed inside
+    torch at the first step ("Expected all tensors to be on the same device")."""
+    mine, theirs = next(module.parameters()).device, model.get_input_embeddings().weight.device
+    if mine != theirs:
+        raise GorgonError(f"{what} is on {mine} but the target on {theirs}: move it to the target's device "
+                          f"(.to({str(theirs)!r}))")
 
 
 class Drafter(Protocol):

@@ -95,8 +95,8 @@ def best_paths(parents: torch.Tensor, tokens: torch.Tensor, scores: torch.Tensor
                size: int) -> list[tuple[list[int], float]]:
     """The `size` best nodes, parents before children (`best_first`), best first, each as its token path with
     the chance exp(score); nodes are listed parents first."""
-    scores = scores.tolist()
-    parents, tokens = torch.stack([parents, tokens]).tolist()
+    rows = torch.stack([scores.double(), parents.double(), tokens.double()]).tolist()  # one wait for a GPU
+    scores, parents, tokens = rows[0], [int(p) for p in rows[1]], [int(t) for t in rows[2]]
     paths: list[tuple[int, ...]] = []
     for p, token in zip(parents, tokens):
         paths.append((paths[p] if p >= 0 else ()) + (token,))
@@ -113,8 +113,9 @@ def can_grow(frontier_scores: torch.Tensor, scores: torch.Tensor, size: int, lev
     no likelier than it, so a level adds at most the frontier's summed chance in expected tokens; below
     `level_cost` (the tokens the target decodes in a level's drafting time) it, and every deeper one,
     costs more than it can bring. Both stops save the later levels on the many steps where the drafter
-    is unsure."""
-    pays = frontier_scores.exp().sum() >= level_cost
+    is unsure. With no level cost every level pays, and is not asked (each answer waits for a GPU)."""
+    pays = frontier_scores.exp().sum() >= level_cost if level_cost else None
     if scores.numel() < size:
-        return bool(pays)
-    return bool(pays & (frontier_scores.max() > scores.topk(size).values[-1]))
+        return pays is None or bool(pays)
+    changes = frontier_scores.max() > scores.topk(size).values[-1]
+    return bool(changes if pays is None else pays & changes)

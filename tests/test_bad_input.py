@@ -989,3 +989,20 @@ def test_ctrl_c_says_what_was_kept_and_how_to_go_on(tmp_path, capsys):
         raise KeyboardInterrupt
     assert capsys.readouterr().err == (f"\ngorgon data: the 1 shard(s) finished so far are kept in {partial}: rerun "
                                        "the same command to go on from them\n")
+
+
+def test_a_drafter_on_another_device_than_the_target_is_named(tmp_path):
+    """A feature-level head or a draft model left on another device than the target passed the check and failed
+    inside torch at the first step ("Expected all tensors to be on the same device"); Medusa heads were named.
+    The meta device stands in for a GPU here."""
+    from gorgon.heads import EagleDrafter
+
+    model = tiny_model()
+    ids = torch.randint(1, 50, (1, 5), generator=torch.Generator().manual_seed(0))
+    head = EagleHead.for_target(model).to("meta")
+    with pytest.raises(GorgonError, match=r"^the head is on meta but the target on cpu: move it to the target's "
+                                          r"device \(.to\('cpu'\)\)$"):
+        speculative_generate(model, EagleDrafter(head, nodes=4), ids, 6)
+    draft = tiny_model(seed=1).to("meta")
+    with pytest.raises(GorgonError, match=r"^the draft model is on meta but the target on cpu: move it"):
+        speculative_generate(model, DraftModelDrafter(draft), ids, 6)

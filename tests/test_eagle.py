@@ -265,6 +265,9 @@ def test_the_heads_norms_run_fused_where_the_formula_is_llamas():
 
     assert computes_rms_norm(LlamaRMSNorm(16))
     assert not any(computes_rms_norm(norm) for norm in (OnePlusWeight(16), GemmaRMSNorm(16), torch.nn.LayerNorm(16)))
+    llama, gemma_like = LlamaRMSNorm(16), OnePlusWeight(16)
+    with torch.device("meta"):  # another default device (a head built under `with torch.device("cuda")`) failed
+        assert computes_rms_norm(llama) and not computes_rms_norm(gemma_like)
     for arch in LAYOUTS:
         head = head_for(tiny_model(arch, layers=4))
         assert head.fused_norms
@@ -666,7 +669,8 @@ def test_accelerate_launch_trains_an_eagle_head_that_decodes_exactly(tmp_path):
     assert run.returncode == 0, run.stderr[-3000:]
     metrics = json.loads((out / "metrics.json").read_text())
     assert metrics["arch"] == "eagle" and len(metrics["top1"]) == 2 and metrics["top1"][0] > 0.3
-    assert (out / "README.md").read_text().startswith("---\nbase_model:")
+    card = (out / "README.md").read_text()
+    assert card.startswith("---\nlibrary_name: gorgon\npipeline_tag: text-generation\ntags:\n- eagle")
     target = load_target(str(target_path), device="cpu")
     head = EagleHead.from_pretrained(out, target=target)
     assert head.config.draft_vocab_size == 100 and head.accuracies == metrics["rank_accuracy"]

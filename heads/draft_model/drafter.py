@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from ..cache import crop_cache, growing_cache, with_cache
-from ..drafter import dtype_name
+from ..drafter import check_same_device, dtype_name
 from ..errors import GorgonError
 from ..masks import layer_masks
 from ..search import check_level_cost, check_search, grow_tree, search_settings
@@ -57,8 +57,10 @@ class DraftModelDrafter:
         self.seen = torch.empty(0, dtype=torch.long, device=draft_model.device)  # tokens in self.cache
 
     def check_target(self, target_model) -> "DraftModelDrafter":
-        """Refuse a draft whose vocabulary differs from the target's (its token ids would mean other text)."""
+        """Refuse a draft whose vocabulary differs from the target's (its token ids would mean other text), or on
+        another device than the target (it takes the target's tokens where they are)."""
         check_draft_vocab(self.model, target_model)
+        check_same_device(self.model, target_model, "the draft model")
         return self
 
     @property

@@ -18,7 +18,7 @@ import math
 import torch
 
 from ..cache import crop_cache, growing_cache
-from ..drafter import dtype_name
+from ..drafter import check_same_device, dtype_name
 from ..errors import GorgonError
 from ..masks import additive_mask
 from ..search import check_level_cost, check_search, grow_tree, search_settings
@@ -51,7 +51,10 @@ class EagleDrafter:
         return self.nodes
 
     def check_target(self, model) -> None:
+        """The head reads the target's hidden states: other shapes or another device would fail inside torch
+        at the first step (another dtype is cast: bfloat16 drafts for a float32 target)."""
         check_fits(self.head.config, model.config.get_text_config())
+        check_same_device(self.head, model, "the head")
 
     def settings(self) -> dict:
         return {"tree": search_settings(self.depth, self.topk, self.level_cost), "draft_dtype": dtype_name(self.head)}

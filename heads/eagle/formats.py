@@ -140,12 +140,13 @@ def with_top_level_rope(config: dict) -> dict:
 def computes_rms_norm(norm: torch.nn.Module) -> bool:
     """Whether a norm module computes weight * rms_norm(x in float32), cast back before the weight, as the
     engines' layers do (Llama's RMS norm and its copies in Qwen2/3 and Mistral; not Gemma's 1 + weight):
-    checked on a probe with a weight that is not all ones, to within float32 rounding."""
+    checked on a probe with a weight that is not all ones, to within float32 rounding, on the CPU wherever the
+    norm is (or the default device is: a head built under `with torch.device("cuda")`)."""
     if not isinstance(getattr(norm, "variance_epsilon", None), float) or getattr(norm, "weight", None) is None:
         return False
-    probe = copy.deepcopy(norm).float()
-    x = torch.randn(4, probe.weight.numel(), generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
+    with torch.device("cpu"), torch.no_grad():
+        probe = copy.deepcopy(norm).to("cpu", torch.float32)
+        x = torch.randn(4, probe.weight.numel(), generator=torch.Generator().manual_seed(0))
         probe.weight.normal_(generator=torch.Generator().manual_seed(1))
         fused = probe.weight * F.rms_norm(x, probe.weight.shape, eps=probe.variance_epsilon)
         return torch.allclose(probe(x), fused, rtol=1e-5, atol=1e-6)
