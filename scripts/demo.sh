@@ -21,6 +21,7 @@ if [ "${1:-}" = "--full" ]; then
   recipe=configs/heads/smollm2-135m-eagle.yaml; data=runs/data/smollm2-sharegpt
   heads=runs/heads/smollm2-135m-eagle-12ep
   if [ -f "$SHAREGPT" ]; then prompts=$SHAREGPT; else prompts=self; fi
+  echo "demo: prompts from $prompts (the recipes' are $SHAREGPT: scripts/sharegpt_prompts.py makes it)" >&2
   "${work[@]}" gorgon data --prompts "$prompts" --limit 800 --max-new-tokens 128 --max-prompt-tokens 384 --batch-size 32 \
     --out "$data"
   bench=(--limit 80 --max-new-tokens 128)

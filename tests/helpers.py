@@ -331,3 +331,11 @@ def assert_feature_cache_is_exact(model, make_objective, trained: list[torch.nn.
     torch.testing.assert_close(results[0][0], results[1][0])
     for mine, theirs in zip(results[0][1], results[1][1]):
         torch.testing.assert_close(mine, theirs)
+
+
+def load_script(name: str):
+    """A script of scripts/ as a module, to test its functions (scripts are not part of the package)."""
+    spec = importlib.util.spec_from_file_location(name, Path(__file__).parents[1] / "scripts" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

@@ -616,7 +616,8 @@ def test_a_model_passed_as_heads_says_so(tmp_path, capsys):
     capsys.readouterr()
     assert gorgon(["generate", "--heads", str(target), "--target", str(tmp_path / "nowhere"), "--prompt", "hi"]) == 2
     assert capsys.readouterr().err.strip() == (f"gorgon generate: error: {target} holds a model (LlamaForCausalLM), "
-                                               "not heads: pass a draft model as --draft, a target as --target")
+                                               "not heads: pass a draft model as --draft (engines load its folder "
+                                               "as it is, with no export), a target as --target")
 
 
 def test_a_folder_that_is_not_a_model_says_what_it_holds(tmp_path, capsys):

@@ -11,7 +11,7 @@ import time
 import datasets
 import pytest
 import torch
-from helpers import ARCHS, VOCAB, another_live_process, needs_embedded, tiny_chat_target, tiny_model
+from helpers import ARCHS, VOCAB, another_live_process, load_script, needs_embedded, tiny_chat_target, tiny_model
 
 from gorgon.decode.kernels import fast_kernels_unavailable, use_cpu_kernels
 from gorgon.heads import GorgonError
@@ -353,3 +353,18 @@ def test_small_run_on_the_embedded_target(tmp_path, embedded_target):
     rows = list(datasets.load_from_disk(str(out)))
     assert len(rows) == 2 and all(r["messages"][-1]["role"] == "assistant" and r["messages"][-1]["content"]
                                   for r in rows)
+
+
+def test_sharegpt_prompts_are_read_from_a_file_cut_off_mid_record():
+    """scripts/sharegpt_prompts.py makes the recipes' prompt file from PyPI's ShareGPT, which is cut off inside a
+    record: the complete records are kept, as each conversation's non-empty human turns, where a human starts."""
+    sharegpt = load_script("sharegpt_prompts")
+    records = [{"id": "a", "conversations": [{"from": "human", "value": "Hi"}, {"from": "gpt", "value": "Hello"},
+                                             {"from": "human", "value": " "}, {"from": "human", "value": "More"}]},
+               {"id": "b", "conversations": [{"from": "gpt", "value": "I start"}, {"from": "human", "value": "No"}]},
+               {"id": "c", "conversations": [{"from": "human", "value": ""}]},
+               {"id": "d", "conversations": [{"from": "human", "value": "cut"}]}]
+    text = json.dumps(records, indent=2)
+    cut = text[: text.index('"cut"') + 3]
+    assert [r["id"] for r in sharegpt.read_records(text)] == ["a", "b", "c", "d"]
+    assert sharegpt.prompts(sharegpt.read_records(cut)) == [{"id": "a", "turns": ["Hi", "More"]}]

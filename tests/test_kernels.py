@@ -19,6 +19,7 @@ from helpers import (
     VOCAB,
     chat_target_with_heads,
     key_value_copies,
+    load_script,
     questions_file,
     tiny_chat_target,
     tiny_model,
@@ -434,14 +435,6 @@ def test_profile_step_prints_one_json_line(tmp_path, kernels):
     assert list(report["verify_ratio"]) == [str(n) for n in range(1, 17)] and report["verify_ratio"]["1"] == 1.0
     assert report["tree_size"] == 4
     assert report["kernels"] == (kernels if fast_kernels_unavailable(torch.float32) is None else "stock")
-
-
-def load_script(name: str):
-    """A script of scripts/ as a module, to test its functions (scripts are not part of the package)."""
-    spec = importlib.util.spec_from_file_location(name, Path(__file__).parents[1] / "scripts" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def test_profile_step_caches_a_real_conversation_with_questions(tmp_path):
