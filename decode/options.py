@@ -23,7 +23,8 @@ from gorgon.heads import (
 )
 from gorgon.heads.errors import ArgumentParser, int_at_least, user_path
 from gorgon.heads.files import read_text
-from gorgon.heads.loading import drafter_for, load_heads, load_heads_for
+from gorgon.heads.hub import resolve_heads_folder
+from gorgon.heads.loading import drafter_for, is_eagle, load_heads, load_heads_for
 from gorgon.heads.tree import MAX_TREE_NODES, best_tree_size
 
 from .calibrate import drafted_level_cost, verify_costs
@@ -108,7 +109,8 @@ def load_drafter(args, tree):
     """The target and the drafter the arguments name, on the chosen CPU kernels; --context-draft merges
     prompt lookup into the other drafter's tree, or drafts alone."""
     if not (args.heads or args.draft or args.context_draft):
-        raise GorgonError("no drafter: pass --heads FOLDER, --draft MODEL or --context-draft (or several)")
+        raise GorgonError("no drafter: pass --heads FOLDER or --draft MODEL, --context-draft, or one of the two "
+                          "with --context-draft")
     if args.tree_budget is not None and not (args.context_draft and (args.heads or args.draft)):
         raise GorgonError("--tree-budget sizes a merged tree: it needs --context-draft with --heads or --draft")
     if args.draft_depth and not args.heads:
@@ -192,6 +194,7 @@ def load_model_drafter(args, tree):
         raise GorgonError("a --draft model grows its tree each step: --tree takes a node count with --draft, "
                           "not rank paths")
     if args.heads:
+        check_heads_options(args, is_eagle(resolve_heads_folder(args.heads)), args.heads)  # before the target loads
         target, heads = load_heads(args.heads, args.target, device=args.device, dtype=args.dtype)
         use_cpu_kernels(target.model, args.cpu_kernels)
         return target, heads_drafter(heads, target, args, tree, args.heads)
@@ -224,11 +227,9 @@ def chosen_level_cost(args, levels: int, measure) -> float:
 def heads_drafter(heads, target, args, tree, folder: str):
     """The drafter for the heads of `folder`, loaded onto `target` (on its kernels already): the head in its
     draft dtype on the target's kernels, and with `--tree auto` the tree size that suits this machine."""
+    check_heads_options(args, heads.drafts_in_own_dtype, folder)
     if heads.drafts_in_own_dtype:
         heads.to(draft_dtype(target.model, args.cpu_kernels, args.draft_dtype))
-    elif args.draft_dtype != "auto":
-        raise GorgonError(f"the heads in {folder} keep the target's dtype (they read its hidden states): drop "
-                          "--draft-dtype, which sets a feature-level head's or a --draft model's")
     use_drafter_kernels(heads, target.model, args.cpu_kernels)
     if tree == "auto" and heads.accuracies:
         tree = best_tree_size(heads.level_accuracies(args.draft_depth), verify_costs(target.model))
@@ -237,10 +238,20 @@ def heads_drafter(heads, target, args, tree, folder: str):
     drafter = drafter_for(heads, tree, args.draft_depth, args.draft_topk)
     if hasattr(drafter, "level_trial"):  # a search whose levels can stop: timed at its (possibly widened) top-k
         drafter.level_cost = chosen_level_cost(args, drafter.depth, lambda: drafted_level_cost(drafter, target.model))
-    elif args.draft_level_cost not in (None, "auto"):
+    return drafter
+
+
+def check_heads_options(args, feature_level: bool, folder: str) -> None:
+    """--draft-dtype and --draft-level-cost shape a feature-level head (or a --draft model); Medusa heads take
+    neither. Read from the folder's config.json, so a command line is refused before the target loads."""
+    if feature_level:
+        return
+    if args.draft_dtype != "auto":
+        raise GorgonError(f"the heads in {folder} keep the target's dtype (they read its hidden states): drop "
+                          "--draft-dtype, which sets a feature-level head's or a --draft model's")
+    if args.draft_level_cost not in (None, "auto"):
         raise GorgonError(f"the heads in {folder} draft every level in one forward: --draft-level-cost has nothing "
                           "to stop (it applies to --draft and feature-level heads)")
-    return drafter
 
 
 def compared_drafter(args, target, tree, drafter):

@@ -635,11 +635,12 @@ def test_cli_draft_depth_and_topk_shape_the_search(tmp_path, capsys):
     assert capsys.readouterr().err.strip().endswith("--draft-depth and --draft-topk shape a feature-level head's "
                                                     "search; Medusa heads draft one level per head: choose their "
                                                     "tree with --tree")
-    assert gorgon(medusa + ["--draft-level-cost", "0.1"] + common) == 2
+    nowhere = ["--target", str(tmp_path / "nowhere")]  # refused from the heads' config, before a target loads
+    assert gorgon(medusa + ["--draft-level-cost", "0.1"] + nowhere) == 2
     assert capsys.readouterr().err.strip().endswith("medusa draft every level in one forward: --draft-level-cost "
                                                     "has nothing to stop (it applies to --draft and feature-level "
                                                     "heads)")
-    assert gorgon(medusa + ["--draft-dtype", "bfloat16"] + common) == 2  # ignored before
+    assert gorgon(medusa + ["--draft-dtype", "bfloat16"] + nowhere) == 2  # ignored before
     assert capsys.readouterr().err.strip().endswith("medusa keep the target's dtype (they read its hidden states): "
                                                     "drop --draft-dtype, which sets a feature-level head's or a "
                                                     "--draft model's")
