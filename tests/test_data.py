@@ -368,3 +368,13 @@ def test_sharegpt_prompts_are_read_from_a_file_cut_off_mid_record():
     cut = text[: text.index('"cut"') + 3]
     assert [r["id"] for r in sharegpt.read_records(text)] == ["a", "b", "c", "d"]
     assert sharegpt.prompts(sharegpt.read_records(cut)) == [{"id": "a", "turns": ["Hi", "More"]}]
+
+
+def test_the_bar_ends_with_every_prompt_saved(tmp_path, capsys):
+    """The bar's `saved` (prompts in shards, which a rerun keeps) was set per batch only, before the shards were
+    written: a finished run's bar ended showing saved=0."""
+    target = tiny_chat_target(tmp_path)
+    src = write_jsonl(tmp_path / "p.jsonl", [{"prompt": f"q{i}"} for i in range(3)])
+    make_dataset(DataSettings(prompts=src, target=str(target), max_new_tokens=4), tmp_path / "o", progress=True)
+    bar = capsys.readouterr().err.replace("\r", "\n").splitlines()
+    assert [line for line in bar if line.startswith("gorgon data: 100%")][-1].count("saved=3") == 1

@@ -398,14 +398,17 @@ def make_dataset(settings: DataSettings, out: str | os.PathLike, target: Target 
         bar = tqdm(total=len(convs), unit="prompt", desc="gorgon data", disable=not progress, dynamic_ncols=True,
                    initial=len(convs) - left)
 
+        shown = {"saved": len(convs) - left}  # the bar's figures; saved: in shards, which a rerun keeps
+
         def on_batch(n_prompts: int, n_tokens: int) -> None:
             nonlocal tokens, answered
             tokens, answered = tokens + n_tokens, answered + n_prompts
             if settings.turns == "first":  # a finished answer is a finished conversation
                 bar.update(n_prompts)
-            counts = {} if settings.turns == "first" else {"answers": answered}  # turns: the bar moves per call
-            bar.set_postfix(**counts, saved=len(convs) - left,  # saved: in shards, which a rerun keeps
-                            tok_per_s=f"{tokens / (time.perf_counter() - start):.1f}")
+            else:  # turns: the bar moves per call
+                shown["answers"] = answered
+            shown["tok_per_s"] = f"{tokens / (time.perf_counter() - start):.1f}"
+            bar.set_postfix(**shown)
 
         per_call = max(1, BATCHES_PER_CALL * settings.batch_size // settings.shard_size)
         for shards in (todo[k: k + per_call] for k in range(0, len(todo), per_call)):
@@ -418,8 +421,8 @@ def make_dataset(settings: DataSettings, out: str | os.PathLike, target: Target 
                                   json.dumps({"skipped": sum(n for _, n in shard)}) + "\n"
                                   + "".join(json.dumps(r) + "\n" for r, _ in shard if r is not None))
             left -= len(positions)
-            bar.n = len(convs) - left  # counts the skipped prompts too
-            bar.refresh()
+            bar.n = shown["saved"] = len(convs) - left  # counts the skipped prompts too
+            bar.set_postfix(**shown)
         bar.close()
         rows, skipped = [], 0
         for i in range(n_shards):
