@@ -75,6 +75,7 @@ def test_distillation_lowers_held_out_kl_and_the_draft_works_as_assistant_model(
     assert metrics["after"]["top1"] > metrics["before"]["top1"] and metrics["steps"] == 30
     card = (out / "README.md").read_text()
     assert "assistant_model=draft" in card and f"{after:.3f}" in card
+    assert not (out / "checkpoints").exists()  # save_every 0: trl's empty folder was left behind
 
     # The distilled draft drops into transformers' own assisted generation, and into gorgon's decoder.
     ids = target.tokenizer.apply_chat_template([{"role": "user", "content": "count from 3"}],

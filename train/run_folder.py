@@ -263,10 +263,13 @@ def set_aside_earlier_run(out: Path) -> None:
 
 def finish_run_folder(out: Path, recipe: dict) -> None:
     """The last writes of a run's output (main process): the replaced run's files removed, then recipe.json,
-    which marks the folder finished (so a folder with it holds everything else a run writes)."""
+    which marks the folder finished (so a folder with it holds everything else a run writes). An empty
+    checkpoints/ (trl makes it before its first save) is not left behind."""
     from gorgon.heads.files import atomic_write_text
 
     shutil.rmtree(out / EARLIER, ignore_errors=True)
+    with contextlib.suppress(OSError):  # not there, or holding checkpoints
+        (out / "checkpoints").rmdir()
     atomic_write_text(out / RUN_MARKER, "")
     atomic_write_text(out / "recipe.json", json.dumps(recipe, indent=1) + "\n")
     (out / LOCK).unlink(missing_ok=True)
