@@ -508,6 +508,7 @@ def main(argv=None) -> int:
     args = vars(parser().parse_args(argv))
     out, overwrite, kernels = args.pop("out"), args.pop("overwrite"), args.pop("cpu_kernels")
     make_dataset(DataSettings(**args), out, overwrite=overwrite, cpu_kernels=kernels)
-    print(f"gorgon data: next, heads on it: accelerate launch train/heads.py --data {out} --out HEADS (or with a "
-          "recipe: --config configs/heads/RECIPE.yaml)")
+    print(f"gorgon data: next, heads on it: accelerate launch -q --config_file configs/accelerate/cpu.yaml "
+          f"train/heads.py --data {out} --out HEADS (or gorgon train, one process; a recipe: --config "
+          "configs/heads/RECIPE.yaml)")
     return 0
