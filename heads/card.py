@@ -119,6 +119,33 @@ def card_metadata(target_name: str, library: str, tags: list[str], base_model: s
     return "---\n" + yaml.safe_dump(data, sort_keys=False) + "---"
 
 
+def short_card(repo_id: str, target_name: str | None, what: str, tag: str) -> str:
+    """The card `push_to_hub` gives a repo without one: what the heads are, for which target, and how to load
+    them (a training run's folder, pushed with `gorgon push`, has the full card with its figures)."""
+    target_name = target_name or EMBEDDED_NAME
+    return f"""{card_metadata(target_name, "gorgon", [tag, "speculative-decoding"])}
+
+# {what} for {target_name}
+
+Draft heads for speculative decoding with gorgon, saved with
+`push_to_hub`. Greedy decoding with them gives exactly the target's own output, only faster.
+
+```bash
+gorgon generate --heads {repo_id} --prompt "Hello"
+```
+
+```python
+from gorgon.heads import drafter_for, load_heads
+from gorgon.decode import speculative_generate
+
+target, heads = load_heads("{repo_id}")
+ids = target.chat_ids([{{"role": "user", "content": "Hello"}}])
+result = speculative_generate(target, drafter_for(heads), ids, max_new_tokens=128)
+print(target.tokenizer.decode(result.tokens), result.tau)
+```
+"""
+
+
 def target_license(target_name: str) -> dict:
     """The target's license keys (license, license_name, license_link) as its own card states them, read without
     the network: the embedded target's, a local target's README.md, or the README.md in the Hub cache. {} where

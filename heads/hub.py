@@ -129,11 +129,12 @@ def check_repo_id(repo_id: str, setting: str) -> None:
 
 def upload_folder(folder: str | os.PathLike, repo_id: str, private: bool = False, revision: str | None = None,
                   commit_message: str = "Upload gorgon heads", local: bool = True,
-                  replacing: dict[str, str] | None = None) -> str:
+                  replacing: dict[str, str] | None = None, card_if_missing: str | None = None) -> str:
     """Create the repo if needed and upload a folder in one commit (training checkpoints left out),
     removing the repo's `LOADED_FILES` that the folder does not have. `local`: the folder is the user's (a
     failure says it is unchanged), not a temporary one. `replacing`: texts uploaded in place of some of its
-    files (a card made for the repo), which stay as they are in the folder."""
+    files (a card made for the repo), which stay as they are in the folder. `card_if_missing`: a model card
+    uploaded where the repo has none (one there, a training run's, is not replaced)."""
     from huggingface_hub import HfApi, is_offline_mode
 
     kept = f"; the local folder {folder} is unchanged" if local else ""
@@ -142,12 +143,14 @@ def upload_folder(folder: str | os.PathLike, repo_id: str, private: bool = False
                           "retry")
     api = HfApi()
     with tempfile.TemporaryDirectory() as staged:
-        if replacing:
-            folder = linked_copy(Path(folder), Path(staged), replacing)
         try:
             api.create_repo(repo_id, private=private, exist_ok=True)
             if revision:
                 api.create_branch(repo_id, branch=revision, exist_ok=True)
+            if card_if_missing and "README.md" not in api.list_repo_files(repo_id, revision=revision):
+                replacing = {**(replacing or {}), "README.md": card_if_missing}
+            if replacing:
+                folder = linked_copy(Path(folder), Path(staged), replacing)
             info = api.upload_folder(folder_path=str(folder), repo_id=repo_id, revision=revision,
                                      commit_message=commit_message, ignore_patterns=["checkpoints/*", ".*"],
                                      delete_patterns=LOADED_FILES)
@@ -201,9 +204,10 @@ class PushToHubMixin:
 
     def push_to_hub(self, repo_id: str, private: bool = False, revision: str | None = None,
                     commit_message: str = "Upload gorgon heads") -> str:
-        """Upload to the Hub in one commit; returns the commit URL. What `save_pretrained` writes only: `gorgon
-        push FOLDER` uploads a training run's folder with its model card, metrics and plot."""
+        """Upload to the Hub in one commit; returns the commit URL. What `save_pretrained` writes, and a short
+        model card where the repo has none (`model_card`): `gorgon push FOLDER` uploads a training run's folder
+        with its full card, metrics and plot."""
         with tempfile.TemporaryDirectory() as tmp:
             self.save_pretrained(tmp)
             return upload_folder(tmp, repo_id, private=private, revision=revision, commit_message=commit_message,
-                                 local=False)
+                                 local=False, card_if_missing=self.model_card(repo_id))

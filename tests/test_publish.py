@@ -326,8 +326,18 @@ def test_heads_push_to_hub_uploads_what_save_pretrained_writes(tmp_path, hub):
     assert run.returncode == 0, run.stderr[-2000:]
     assert run.stdout.strip().endswith(f"someone/tiny-heads/commit/{'1' * 40}")
     assert sum("/commit/" in p for m, p in FakeHub.calls if m == "POST") == 1
-    assert set(FakeHub.files) == {"config.json", "model.safetensors"}
+    assert set(FakeHub.files) == {"config.json", "model.safetensors", "README.md"}
     assert json.loads(FakeHub.files["config.json"]) == json.loads((folder / "config.json").read_text())
+    # A short card, where the repo had none (the Hub showed no base model, license or usage); a card there, a
+    # training run's, is not replaced.
+    card = FakeHub.files["README.md"].decode()
+    assert front_matter(card) == {"base_model": "tiny", "library_name": "gorgon", "pipeline_tag": "text-generation",
+                                  "tags": ["medusa", "speculative-decoding"]}  # the heads' target_name, a Hub id
+    assert 'load_heads("someone/tiny-heads")' in card and "gorgon generate --heads someone/tiny-heads" in card
+    FakeHub.files["README.md"] = b"the full card"
+    assert subprocess.run([sys.executable, "-c", code, str(folder)], env=env, capture_output=True,
+                          timeout=120).returncode == 0
+    assert FakeHub.files["README.md"] == b"the full card"
     # A failed upload named the temporary folder as "unchanged": the user has no such folder. Offline, it said
     # huggingface_hub's "unset HF_HUB_OFFLINE" even where gorgon had set it, finding no network.
     for unreachable, says in [({}, "HF_HUB_OFFLINE is set: unset it, then retry"),

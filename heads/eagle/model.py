@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..cache import with_cache
+from ..card import short_card
 from ..errors import GorgonError, config_from_dict
 from ..files import check_heads_destination, read_config, reading_weights, write_weights
 from ..hub import CONFIG_NAME, PushToHubMixin, resolve_heads_folder
@@ -319,6 +320,10 @@ class EagleHead(PushToHubMixin, nn.Module):
         return chain_tau(self.config.accuracies[0][0], min(self.config.depth, self.saved_nodes(device_type) - 1))
 
     # -- save / load ----------------------------------------------------------------------------
+    def model_card(self, repo_id: str) -> str:
+        """The card `push_to_hub` gives a repo without one."""
+        return short_card(repo_id, self.config.target_name, "A feature-level (EAGLE-3-style) draft head", "eagle")
+
     def save_pretrained(self, path: str | os.PathLike, state_dict: dict | None = None) -> None:
         """Write config.json and model.safetensors (each atomically); a folder holding another model is
         refused. `state_dict`: the weights to write instead of the module's own (training gathers them whole

@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from ..card import short_card
 from ..errors import GorgonError, config_from_dict
 from ..files import atomic_write_text, check_heads_destination, read_config, reading_weights, write_weights
 from ..hub import CONFIG_NAME, PushToHubMixin, resolve_heads_folder
@@ -209,6 +210,10 @@ class MedusaHeads(PushToHubMixin, nn.Module):
         return lm_logits(self._target, states)
 
     # -- save / load / push -------------------------------------------------------------------
+    def model_card(self, repo_id: str) -> str:
+        """The card `push_to_hub` gives a repo without one."""
+        return short_card(repo_id, self.config.target_name, "Medusa heads", "medusa")
+
     def save_pretrained(self, path: str | os.PathLike, state_dict: dict | None = None) -> None:
         """Write config.json, model.safetensors and trees.json (each atomically); a folder holding another
         model is refused. `state_dict`: the weights to write instead of the module's own (training gathers
