@@ -310,9 +310,11 @@ def test_on_the_fast_path_the_heads_levels_share_key_value_heads(monkeypatch):
 @pytest.mark.parametrize("arch", LAYOUTS)
 def test_save_load_round_trip_drafts_the_same(tmp_path, arch):
     model = tiny_model(arch, layers=4)
+    model.config._name_or_path = "/home/someone/.cache/target"  # where it was loaded from: not saved
     head = head_for(model, draft=torch.arange(0, VOCAB, 2))
     head.set_trees([[0.5, 0.1]], {"cpu": 6, "cuda": 12})
     head.save_pretrained(tmp_path)
+    assert "/home/someone" not in (tmp_path / "config.json").read_text()
     loaded = EagleHead.from_pretrained(tmp_path, target=model)
     assert loaded.saved_nodes("cpu") == 6 and loaded.accuracies == [[0.5, 0.1]]
     ids = torch.randint(0, VOCAB, (1, 10))

@@ -75,6 +75,10 @@ class EagleConfig:
         return dataclasses.asdict(self)
 
 
+# Where the target was loaded from (a cache or home folder): left out of a head's saved layer config.
+LOCAL_KEYS = ("_name_or_path", "_model_name_or_path")
+
+
 def default_feature_layers(num_layers: int) -> list[int]:
     """EAGLE-3's low, middle and high layers: (2, L // 2, L - 3) as vLLM and SGLang choose them by default.
 
@@ -177,7 +181,8 @@ class EagleHead(PushToHubMixin, nn.Module):
         if draft_size is not None and not 1 <= draft_size <= cfg.vocab_size:
             raise GorgonError(f"a draft vocabulary of {draft_size} tokens does not fit the target's {cfg.vocab_size}: "
                               f"use 1 to {cfg.vocab_size}")
-        config = EagleConfig(hidden_size=cfg.hidden_size, vocab_size=cfg.vocab_size, layer_config=cfg.to_dict(),
+        layer = {k: v for k, v in cfg.to_dict().items() if k not in LOCAL_KEYS}
+        config = EagleConfig(hidden_size=cfg.hidden_size, vocab_size=cfg.vocab_size, layer_config=layer,
                              feature_layers=list(layers), draft_vocab_size=draft_size, target_name=target_name,
                              target_fingerprint=target_fingerprint, **search)
         head = cls(config, getattr(target_model.config, "_attn_implementation", None) or "sdpa")
