@@ -131,3 +131,52 @@ def test_decoding_never_runs_cudnn_attention():
         speculative_generate(model, drafter, ids, max_new_tokens=20)
     assert count.attention > 0 and count.calls == 0
     assert torch.backends.cuda.cudnn_sdp_enabled()
+
+
+def test_a_drafter_left_on_the_cpu_is_named():
+    """A feature-level head or a draft model on the CPU beside a CUDA target failed inside torch at the first step
+    ("Expected all tensors to be on the same device"); Medusa heads were already named."""
+    from gorgon.heads import DraftModelDrafter, GorgonError
+
+    model = tiny_model("llama", layers=4).cuda()
+    ids = torch.randint(0, VOCAB, (1, 6), device="cuda")
+    with pytest.raises(GorgonError, match=r"^the head is on cpu but the target on cuda:0: move it"):
+        speculative_generate(model, EagleDrafter(EagleHead.for_target(model).cpu(), nodes=4), ids, max_new_tokens=4)
+    with pytest.raises(GorgonError, match=r"^the draft model is on cpu but the target on cuda:0: move it"):
+        speculative_generate(model, DraftModelDrafter(tiny_model("llama", seed=1)), ids, max_new_tokens=4)
+
+
+@pytest.mark.parametrize("arch", ["medusa", "eagle"])
+def test_from_options_on_cuda_decodes_exactly(tmp_path, arch):
+    """The target and drafter as `gorgon generate` builds them on a GPU (the tree sized from verify costs timed
+    there, a feature-level head in its draft dtype), alone and merged with context drafts, against `generate`
+    in float32."""
+    from helpers import tiny_chat_target
+    from transformers import AutoModelForCausalLM
+
+    from gorgon.decode import from_options
+
+    target_dir = tiny_chat_target(tmp_path)
+    model = AutoModelForCausalLM.from_pretrained(target_dir)
+    heads = MedusaHeads.for_target(model) if arch == "medusa" else EagleHead.for_target(model)
+    heads.save_pretrained(tmp_path / "heads")
+    for context_draft in (False, True):
+        target, drafter = from_options(heads=tmp_path / "heads", target=target_dir, device="cuda", dtype="float32",
+                                       context_draft=context_draft)
+        assert target.model.device.type == "cuda"
+        ids = torch.randint(1, 50, (1, 6), generator=torch.Generator().manual_seed(0)).cuda()
+        ref = target.model.generate(ids, max_new_tokens=16, do_sample=False, eos_token_id=None)[0, 6:].tolist()
+        assert speculative_generate(target, drafter, ids, 16, eos_token_id=None).tokens == ref
+
+
+def test_context_drafts_and_a_draft_model_chain_decode_exactly_on_cuda():
+    """Prompt lookup alone, and a draft model's chain (one candidate per level), against `generate` in float32."""
+    from gorgon.heads import ContextDrafter, DraftModelDrafter
+
+    model = tiny_model("llama", vocab=8, layers=4).cuda()
+    draft = tiny_model("llama", vocab=8, seed=7).cuda()
+    for drafter in (ContextDrafter(), DraftModelDrafter(draft, k=3)):
+        for seed in range(2):
+            ids = torch.randint(0, 8, (1, 8 + seed), generator=torch.Generator().manual_seed(seed)).cuda()
+            ref = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=24, do_sample=False)
+            assert speculative_generate(model, drafter, ids, max_new_tokens=24).tokens == ref[0, ids.shape[1]:].tolist()
