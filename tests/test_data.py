@@ -294,6 +294,9 @@ def test_an_edited_prompts_file_is_not_taken_for_the_one_a_run_used(tmp_path):
     with pytest.raises(GorgonError, match=r"o holds a dataset made with other settings \(prompts_sha256 \(the "
                                           r"prompts' contents\)\)"):
         make_dataset(settings, tmp_path / "o", progress=False)
+    # Another --limit of the same file takes other prompts: the limit is named, not the contents as if edited.
+    with pytest.raises(GorgonError, match=r"o holds a dataset made with other settings \(limit\):"):
+        make_dataset(DataSettings(**{**settings.__dict__, "limit": 1}), tmp_path / "o", progress=False)
     # An unfinished run of the old prompts, resumed after the file changed.
     shutil.rmtree(out)
     (tmp_path / "o.partial").mkdir()

@@ -244,8 +244,8 @@ def record_changes(old: dict, new: dict, fingerprints: tuple[str, ...] = ()) -> 
     both have it, the target's fingerprint, any the target answers to (`fingerprints`) counting as its
     own (a record from before a key existed is not checked for it)."""
     diff = changed_settings(old["settings"], new["settings"])
-    if old.get("prompts_sha256", new["prompts_sha256"]) != new["prompts_sha256"]:
-        diff.append("prompts_sha256 (the prompts' contents)")
+    if old.get("prompts_sha256", new["prompts_sha256"]) != new["prompts_sha256"] and "limit" not in diff:
+        diff.append("prompts_sha256 (the prompts' contents)")  # another --limit takes other prompts: not said
     if "fingerprint" in old and "fingerprint" in new and old["fingerprint"] not in (new["fingerprint"], *fingerprints):
         diff.append("target fingerprint")
     return diff
