@@ -263,7 +263,7 @@ def check_output(out: Path, ours, overwrite: bool, kind: str = "folder", own_ent
     replace = False
     if exists and (kind == "file" or any(out.iterdir())):
         if not ours(out):
-            raise GorgonError(f"--out {out} already holds files gorgon did not write: choose a new "
+            raise GorgonError(f"--out {out} already holds files this command did not write: choose a new "
                               f"{'or empty folder' if kind == 'folder' else 'file'}")
         if not overwrite:
             raise GorgonError(f"--out {out} holds earlier gorgon output: pass --overwrite to replace it, or choose "

@@ -78,13 +78,13 @@ def test_every_command_leaves_a_foreign_out_folder_alone(tmp_path, capsys):
     # bench writes a file: an existing file it did not write is refused too, and kept.
     foreign = tmp_path / "victim-bench" / "precious.txt"
     assert gorgon(commands["bench"] + ["--out", str(foreign), "--overwrite"]) == 2
-    assert "gorgon did not write" in capsys.readouterr().err and foreign.read_text() == "mine"
+    assert "this command did not write" in capsys.readouterr().err and foreign.read_text() == "mine"
     # A report of gorgon's with an image of the user's where its plot goes: the image is not taken for the plot.
     report = tmp_path / "r.json"
     report.write_text('{"command": "gorgon bench --out r.json"}')
     (tmp_path / "r.png").write_bytes(b"\x89PNG\r\n\x1a\n a screenshot of mine")
     assert gorgon(commands["bench"] + ["--out", str(report), "--overwrite"]) == 2
-    assert "r.png already holds files gorgon did not write" in capsys.readouterr().err
+    assert "r.png already holds files this command did not write" in capsys.readouterr().err
 
 
 def test_a_checkpoint_in_an_engines_layout_is_not_taken_for_an_export(tmp_path, capsys):
@@ -97,7 +97,7 @@ def test_a_checkpoint_in_an_engines_layout_is_not_taken_for_an_export(tmp_path, 
     (downloaded / "NOTES.md").write_text("mine")
     before = snapshot(downloaded)
     assert gorgon(["export", "--heads", str(heads), "--format", "medusa", "--out", str(downloaded), "--overwrite"]) == 2
-    assert "already holds files gorgon did not write" in capsys.readouterr().err
+    assert "already holds files this command did not write" in capsys.readouterr().err
     assert snapshot(downloaded) == before
     assert gorgon(["export", "--heads", str(tmp_path / "nowhere"), "--format", "vllm",
                    "--out", str(tmp_path / "new" / "v")]) == 2
@@ -234,7 +234,7 @@ def test_data_refuses_a_foreign_folder_and_replaces_its_own_only_when_asked(tmp_
     prompts = toy_data(tmp_path / "toy.jsonl", n=2)
     victim = foreign_folder(tmp_path / "victim")
     settings = DataSettings(prompts=prompts, target=target, max_new_tokens=4)
-    with pytest.raises(GorgonError, match="already holds files gorgon did not write"):
+    with pytest.raises(GorgonError, match="already holds files this command did not write"):
         make_dataset(settings, victim, progress=False, overwrite=True)
     assert (victim / "precious.txt").read_text() == "mine"
     out = make_dataset(settings, tmp_path / "data", progress=False)

@@ -143,7 +143,7 @@ def test_a_bench_stopped_early_leaves_the_questions_it_ran(tmp_path, monkeypatch
                                           r"\(max_new_tokens\): rerun with the same ones to go on from it"):
         bench.main([*command, "--max-new-tokens", "5"])
     out.with_suffix(".png").write_bytes(b"an image of mine")  # the plot the resumed bench would write
-    with pytest.raises(GorgonError, match=r"report.png already holds files gorgon did not write"):
+    with pytest.raises(GorgonError, match=r"report.png already holds files this command did not write"):
         bench.main(command)
     out.with_suffix(".png").unlink()
     calls.clear()
@@ -254,8 +254,8 @@ def test_tau_scripts_refuse_bad_input_in_one_line(tmp_path):
     foreign = tmp_path / "notes.json"
     foreign.write_text('{"mine": true}')
     code, err = script("learning_curve.py", "--heads", "h", "--questions", "q.jsonl", "--out", str(foreign))
-    assert (code, err) == (2, f"scripts/learning_curve.py: error: --out {foreign} already holds files gorgon did not "
-                              "write: choose a new file")
+    assert (code, err) == (2, f"scripts/learning_curve.py: error: --out {foreign} already holds files this command did "
+                              "not write: choose a new file")
     assert foreign.read_text() == '{"mine": true}'
     earlier = tmp_path / "curve.json"
     earlier.write_text(json.dumps({"points": [], "nodes": 8}))

@@ -224,7 +224,8 @@ def test_an_out_refused_on_the_main_process_is_one_line_on_every_process(tmp_pat
                                    toy_data(tmp_path / "toy.jsonl", n=8), "--target", str(target), "--out", str(out),
                                    "--report-to", "none"], env=env(), capture_output=True, text=True, timeout=300)
     assert run.returncode != 0 and (out / "notes.txt").read_text() == "mine"
-    line = f"train/heads.py: error: --out {out} already holds files gorgon did not write: choose a new or empty folder"
+    line = (f"train/heads.py: error: --out {out} already holds files this command did not write: choose a new or "
+            "empty folder")
     assert run.stderr.splitlines().count(line) == 2 and "[rank1]" not in run.stderr, run.stderr[-3000:]
 
 
