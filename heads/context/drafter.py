@@ -78,17 +78,18 @@ class ContextDrafter:
         return {"tree": "built per step", "context_draft": {"ngram": self.max_ngram, "tokens": self.length,
                                                             "max_tokens": self.max_length, "branches": self.branches}}
 
-    def chains(self, root: torch.Tensor, context: torch.Tensor) -> tuple[int, list[list[int]]]:
-        return lookup(context.tolist() + [int(root)], self.max_ngram, self.length, self.branches, self.max_length)
+    def chains(self, text: list[int]) -> tuple[int, list[list[int]]]:
+        return lookup(text, self.max_ngram, self.length, self.branches, self.max_length)
 
     def propose(self, root: torch.Tensor, features: torch.Tensor, context: torch.Tensor):
-        return tree_from_token_paths(root, self.chains(root, context)[1])
+        return tree_from_token_paths(root, self.chains(text_of(root, context))[1])
 
     def scored_paths(self, root: torch.Tensor, features: torch.Tensor,
                      context: torch.Tensor) -> list[tuple[list[int], float]]:
         """Every prefix of every chain with its learned chance of acceptance, parents before children."""
-        self._judge_last(root, features, context)
-        n, chains = self.chains(root, context)
+        text = text_of(root, context)
+        self._judge_last(text, features.shape[0])
+        n, chains = self.chains(text)
         self.last = (context.numel(), n, chains)
         paths = []
         for branch, chain in enumerate(chains):
@@ -99,17 +100,17 @@ class ContextDrafter:
                 paths.append((chain[:depth], chance))
         return paths
 
-    def _judge_last(self, root: torch.Tensor, features: torch.Tensor, context: torch.Tensor) -> None:
+    def _judge_last(self, text: list[int], new: int) -> None:
         """Count where the last proposal's chains were right: the text since then (the last root, the
         accepted tokens, and the new root the target chose) is what the target wrote after them.
-        The features tell a continued text from a new prompt (they cover what is new since the last
-        call: the accepted tokens, or a whole prompt, even one that extends the last text)."""
+        The `new` tokens with features tell a continued text from a new prompt (they cover what is new
+        since the last call: the accepted tokens, or a whole prompt, even one that extends the last text)."""
         if self.last is None:
             return
         before, n, chains = self.last
-        if context.numel() - features.shape[0] != before:
+        if len(text) - 1 - new != before:
             return  # a new prompt: nothing to judge
-        written = context[before + 1:].tolist() + [int(root)]
+        written = text[before + 1:]
         for branch, chain in enumerate(chains):
             for depth, (token, truth) in enumerate(zip(chain, written), 1):
                 counts = self.record.setdefault((n, branch, depth), [0, 0])
@@ -117,6 +118,11 @@ class ContextDrafter:
                 counts[1] += 1
                 if token != truth:
                     break
+
+
+def text_of(root: torch.Tensor, context: torch.Tensor) -> list[int]:
+    """The context and the root as token ids, read in one transfer (one wait for a GPU, not three)."""
+    return torch.cat([context, root.reshape(1).to(context.dtype)]).tolist()
 
 
 class MergedDrafter:
