@@ -432,12 +432,15 @@ def main(argv=None) -> int:
         print(f"gorgon bench: going on from the {len(earlier['questions']) + len(earlier['skipped'])} questions "
               f"in {args.out} (--overwrite starts over)", file=sys.stderr)
 
+    written = []  # whether this run has written --out (a stopped run's hint is of its own report only)
+
     def record(report: dict, complete: bool) -> None:
         """Add what describes the run; with --out, write the report (after every question: until the last
         it is marked incomplete)."""
         report.update(about, complete=complete)
         if args.out:
             atomic_write_text(Path(args.out), json.dumps(report, indent=1) + "\n")
+            written.append(True)
 
     if not args.out:
         print("gorgon bench: no --out, so the report is printed at the end only (--out FILE keeps it, question by "
@@ -447,7 +450,7 @@ def main(argv=None) -> int:
                            compare=compare, checkpoint=(lambda partial: record(partial, False)) if args.out else None,
                            earlier=earlier)
     except KeyboardInterrupt:
-        kept = unfinished_report(Path(args.out)) if args.out else None
+        kept = unfinished_report(Path(args.out)) if args.out and (written or earlier) else None
         if kept is not None:
             print(f"\ngorgon bench: {args.out} keeps the {len(kept['questions']) + len(kept['skipped'])} questions "
                   f"finished so far: rerun the same command{' without --overwrite' if args.overwrite else ''} to go "

@@ -109,8 +109,7 @@ def load_drafter(args, tree):
     """The target and the drafter the arguments name, on the chosen CPU kernels; --context-draft merges
     prompt lookup into the other drafter's tree, or drafts alone."""
     if not (args.heads or args.draft or args.context_draft):
-        raise GorgonError("no drafter: pass --heads FOLDER or --draft MODEL, --context-draft, or one of the two "
-                          "with --context-draft")
+        raise GorgonError("no drafter: pass --heads FOLDER or --draft MODEL, and/or --context-draft")
     if args.tree_budget is not None and not (args.context_draft and (args.heads or args.draft)):
         raise GorgonError("--tree-budget sizes a merged tree: it needs --context-draft with --heads or --draft")
     if args.draft_depth and not args.heads:
@@ -194,8 +193,9 @@ def load_model_drafter(args, tree):
         raise GorgonError("a --draft model grows its tree each step: --tree takes a node count with --draft, "
                           "not rank paths")
     if args.heads:
-        check_heads_options(args, is_eagle(resolve_heads_folder(args.heads)), args.heads)  # before the target loads
-        target, heads = load_heads(args.heads, args.target, device=args.device, dtype=args.dtype)
+        folder = resolve_heads_folder(args.heads)  # a hub id downloaded once
+        check_heads_options(args, is_eagle(folder), args.heads)  # before the target loads
+        target, heads = load_heads(folder, args.target, device=args.device, dtype=args.dtype)
         use_cpu_kernels(target.model, args.cpu_kernels)
         return target, heads_drafter(heads, target, args, tree, args.heads)
     target = load_target(args.target, device=args.device, dtype=args.dtype)

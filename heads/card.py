@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from pathlib import Path
@@ -75,46 +76,64 @@ def refresh_model_card(folder: Path, bench: dict) -> None:
         raise GorgonError(f"{folder} has no recipe.json/metrics.json, so its card cannot be rebuilt: "
                           "--update-card works on folders written by gorgon's training") from err
     metrics["bench"] = {k: v for k, v in bench.items() if k not in PER_QUESTION}
-    atomic_write_text(folder / "metrics.json", json.dumps(metrics, indent=1) + "\n")
     write_model_card(folder, recipe, metrics)
 
 
-def card_for_run(folder: Path, ref: str | None = None) -> str | None:
-    """The card of a training run's folder, naming it `ref` in its commands (`card_text`); None where the folder
-    is not a run gorgon trained (no recipe.json and metrics.json to make it from)."""
+def card_for_run(folder: Path, ref: str) -> str | None:
+    """The card of a training run's folder made again naming it `ref` (a Hub repo), where README.md is the card
+    training (or `bench --update-card`) wrote, unedited; else None."""
     try:
         recipe = json.loads((folder / "recipe.json").read_text())
         metrics = json.loads((folder / "metrics.json").read_text())
-    except (OSError, ValueError):
+        written = hashlib.sha256((folder / "README.md").read_bytes()).hexdigest()
+        if written != metrics["card"]["sha256"]:
+            return None
+        return card_text(folder, recipe, metrics, ref)
+    except (OSError, ValueError, KeyError, TypeError):  # not a run's folder, a card from before, or edited
         return None
-    return card_text(folder, recipe, metrics, ref)
 
 
 def write_model_card(folder: Path, recipe: dict, metrics: dict) -> None:
-    """README.md of a training run's folder (heads or a draft model)."""
-    atomic_write_text(folder / "README.md", card_text(folder, recipe, metrics))
+    """README.md of a training run's folder (heads or a draft model). What the card says of the target and
+    where it points (`card` in metrics.json) is decided once, here, so that the card made again for a push is
+    the same wherever it runs; its hash tells that card from one the user edited."""
+    metrics.setdefault("card", {"ref": recipe.get("push_to_hub") or os.fspath(folder),
+                                "hub": hub_fields(recipe, metrics)})
+    text = card_text(folder, recipe, metrics)
+    metrics["card"]["sha256"] = hashlib.sha256(text.encode("utf-8")).hexdigest()
+    atomic_write_text(folder / "metrics.json", json.dumps(metrics, indent=1) + "\n")
+    atomic_write_text(folder / "README.md", text)
 
 
 def card_text(folder: Path, recipe: dict, metrics: dict, ref: str | None = None) -> str:
     """The model card: Hub metadata, how it was trained, its measured accuracy and speed, and usage. Its commands
-    name it `ref`: by default the Hub repo training pushed it to, else the folder (`gorgon push` passes the
-    repo id)."""
-    ref = ref or recipe.get("push_to_hub") or os.fspath(folder)
+    name it `ref`: by default what it was written with (the Hub repo training pushed it to, else the folder;
+    `gorgon push` passes the repo id)."""
+    card = metrics.get("card") or {}
+    ref = ref or card.get("ref") or recipe.get("push_to_hub") or os.fspath(folder)
+    hub = card.get("hub") or hub_fields(recipe, metrics)
     if metrics.get("kind") == "draft":
-        return draft_card(ref, recipe, metrics)
+        return draft_card(ref, recipe, metrics, hub)
     if recipe.get("arch") == "eagle":
         layers = json.loads((folder / "config.json").read_text())["feature_layers"]  # as saved
-        return eagle_card(ref, recipe, metrics, layers)
-    return medusa_card(ref, recipe, metrics)
+        return eagle_card(ref, recipe, metrics, hub, layers)
+    return medusa_card(ref, recipe, metrics, hub)
 
 
-def card_metadata(target_name: str, library: str, tags: list[str], base_model: str | None = None) -> str:
-    """The card's Hub metadata, the YAML between its --- lines. `base_model` (default: the target) only where it
-    is a Hub id: the Hub refuses a card whose base_model is a local path, and with it the whole push. The target's
-    license where its own card says it: the heads learn from its outputs, so its terms are theirs."""
-    base = hub_name(base_model or target_name)
-    data = {"base_model": base} if is_hub_id(base) else {}
-    data.update(target_license(target_name))
+def hub_fields(recipe: dict, metrics: dict) -> dict:
+    """What a card's metadata says of the model it builds on: `base_model` (a distilled draft's student, else the
+    target) only where it is a Hub id, since the Hub refuses a card whose base_model is a local path, and with
+    it the whole push; and the target's license keys where its own card says them: the heads learn from its
+    outputs, so its terms are theirs."""
+    target = metrics.get("target_name") or recipe.get("target") or EMBEDDED_NAME
+    base = hub_name((recipe.get("student") if metrics.get("kind") == "draft" else None) or target)
+    return {"base_model": base if is_hub_id(base) else None, "license": target_license(target)}
+
+
+def card_metadata(hub: dict, library: str, tags: list[str]) -> str:
+    """The card's Hub metadata, the YAML between its --- lines (`hub`: from `hub_fields`)."""
+    data = {"base_model": hub["base_model"]} if hub["base_model"] else {}
+    data.update(hub["license"])
     data.update(library_name=library, pipeline_tag="text-generation", tags=tags)
     return "---\n" + yaml.safe_dump(data, sort_keys=False) + "---"
 
@@ -123,7 +142,8 @@ def short_card(repo_id: str, target_name: str | None, what: str, tag: str) -> st
     """The card `push_to_hub` gives a repo without one: what the heads are, for which target, and how to load
     them (a training run's folder, pushed with `gorgon push`, has the full card with its figures)."""
     target_name = target_name or EMBEDDED_NAME
-    return f"""{card_metadata(target_name, "gorgon", [tag, "speculative-decoding"])}
+    hub = hub_fields({}, {"target_name": target_name})
+    return f"""{card_metadata(hub, "gorgon", [tag, "speculative-decoding"])}
 
 # {what} for {target_name}
 
@@ -146,18 +166,31 @@ print(target.tokenizer.decode(result.tokens), result.tau)
 """
 
 
+def hub_card(repo_id: str) -> str | None:
+    """A Hub model's README.md: from the cache, else downloaded where the Hub is on (loading a model does not
+    fetch it); None where neither gives it."""
+    from huggingface_hub import hf_hub_download, is_offline_mode, try_to_load_from_cache
+
+    cached = try_to_load_from_cache(repo_id, "README.md")
+    if isinstance(cached, str) or is_offline_mode():
+        return cached if isinstance(cached, str) else None
+    try:
+        return hf_hub_download(repo_id, "README.md")
+    except Exception:  # the hub client raises many types; a card is best effort: no license is then named
+        return None
+
+
 def target_license(target_name: str) -> dict:
-    """The target's license keys (license, license_name, license_link) as its own card states them, read without
-    the network: the embedded target's, a local target's README.md, or the README.md in the Hub cache. {} where
-    no card is at hand (the heads' card then names none: a license is not guessed)."""
-    from huggingface_hub import metadata_load, try_to_load_from_cache
+    """The target's license keys (license, license_name, license_link) as its own card states them: the
+    embedded target's, a local target's README.md, or a Hub target's (`hub_card`). {} where no card is at hand
+    (the heads' card then names none: a license is not guessed)."""
+    from huggingface_hub import metadata_load
 
     if hub_name(target_name) == EMBEDDED_HUB_ID:
         return {"license": EMBEDDED_LICENSE}
     local = Path(target_name).expanduser() / "README.md"
-    card = local if local.is_file() else try_to_load_from_cache(target_name, "README.md") \
-        if is_hub_id(target_name) else None
-    if not isinstance(card, (str, Path)):
+    card = local if local.is_file() else hub_card(target_name) if is_hub_id(target_name) else None
+    if card is None:
         return {}
     try:
         metadata = metadata_load(card) or {}
@@ -200,7 +233,7 @@ def speed_section(bench: dict | None, flag: str, ref: str) -> str:
                     f"`{bench['command']}`")
 
 
-def medusa_card(ref: str, recipe: dict, metrics: dict) -> str:
+def medusa_card(ref: str, recipe: dict, metrics: dict, hub: dict) -> str:
     """Medusa heads' card."""
     target_name = metrics.get("target_name") or recipe.get("target") or EMBEDDED_NAME
     rows = "\n".join(f"| {k + 1} | t+{k + 2} | {a:.3f} | {b:.3f} |"
@@ -208,7 +241,7 @@ def medusa_card(ref: str, recipe: dict, metrics: dict) -> str:
     lm_head = "the target's shared" if recipe["shared_lm_head"] else "their own"
     tau, nodes = metrics["expected_tau"], tree_nodes(recipe, metrics)
     base = hub_name(target_name)
-    return f"""{card_metadata(target_name, "gorgon", ["medusa", "speculative-decoding"])}
+    return f"""{card_metadata(hub, "gorgon", ["medusa", "speculative-decoding"])}
 
 # Medusa heads for {target_name}
 
@@ -281,7 +314,7 @@ def draft_vocab_line(metrics: dict) -> str:
             f"{share['held_out']:.1%} of the held-out ones.\n")
 
 
-def draft_card(ref: str, recipe: dict, metrics: dict) -> str:
+def draft_card(ref: str, recipe: dict, metrics: dict, hub: dict) -> str:
     """A distilled draft model's card: what it started from, how close it follows the target, usage. Its
     base_model is the model it was distilled from (the target, when cut from the target's own layers)."""
     target_name = metrics["target_name"]
@@ -293,9 +326,8 @@ def draft_card(ref: str, recipe: dict, metrics: dict) -> str:
     how = (f"It was distilled with gorgon (trl GKD, {divergence}{policy}{', LoRA merged' if recipe['lora'] else ''},\n"
            f"{metrics['steps']} steps) on {data_line(recipe, metrics)}." if metrics["steps"] else
            "It is not distilled: saved with `--max_steps 0`, as the baseline that distillation is measured against.")
-    student = recipe.get("student")  # None: cut from the target's own layers
     tags = ["speculative-decoding", "draft-model", "distillation"]
-    return f"""{card_metadata(target_name, "transformers", tags, base_model=student)}
+    return f"""{card_metadata(hub, "transformers", tags)}
 
 # Draft model for {target_name}
 
@@ -346,14 +378,14 @@ llm = LLM(model="{base}", speculative_config={{"model": "{ref}",
 """
 
 
-def eagle_card(ref: str, recipe: dict, metrics: dict, feature_layers: list[int]) -> str:
+def eagle_card(ref: str, recipe: dict, metrics: dict, hub: dict, feature_layers: list[int]) -> str:
     """A feature-level head's card: what it reads, how it was trained, its accuracy, and usage."""
     target_name = metrics.get("target_name") or recipe.get("target") or EMBEDDED_NAME
     base = hub_name(target_name)
     pairs = zip(metrics["top1"], metrics["top5"])
     rows = "\n".join(f"| {k + 1} | {a:.3f} | {b:.3f} |" for k, (a, b) in enumerate(pairs))
     layers = ", ".join(map(str, feature_layers))
-    return f"""{card_metadata(target_name, "gorgon", ["eagle", "speculative-decoding"])}
+    return f"""{card_metadata(hub, "gorgon", ["eagle", "speculative-decoding"])}
 
 # A feature-level draft head for {target_name}
 

@@ -14,14 +14,13 @@ from .errors import ArgumentParser, GorgonError, user_path
 from .files import (
     atomic_write_text,
     check_output,
-    looks_like_path,
     missing_folders,
     move_into_place,
     new_temp,
     remove_empty_folders,
     remove_stale_temps,
 )
-from .hub import resolve_heads_folder
+from .hub import is_hub_id, resolve_heads_folder
 from .loading import is_eagle, load_heads
 from .medusa import formats as medusa_formats
 from .medusa.model import ADAPTER_DIR
@@ -94,8 +93,8 @@ def main(argv=None) -> int:
     else:
         move_into_place(staging, out, EXPORT_MARKER)
     print(f"gorgon export: wrote {args.format} heads to {out}")
-    if looks_like_path(base_model):
-        print(f"gorgon export: the export names its target by the local path {base_model}: an engine on another "
+    if not is_hub_id(base_model):
+        print(f"gorgon export: the export names its target by the local path {base_model}: an engine elsewhere "
               "machine needs a name it can load (--base-model user/name)", file=sys.stderr)
     if (folder / ADAPTER_DIR).is_dir():  # Medusa-2: the export holds the heads, not the target's adapter
         print(f"gorgon export: these Medusa-2 heads were trained on the target with the LoRA adapter in "

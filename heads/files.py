@@ -183,7 +183,7 @@ def save_figure(fig, path: Path) -> None:
 
 
 def atomic_write_text(path: Path, text: str) -> None:
-    atomic_write(Path(path), lambda tmp: Path(tmp).write_text(text))
+    atomic_write(Path(path), lambda tmp: Path(tmp).write_text(text, encoding="utf-8"))
 
 
 def check_heads_destination(folder: Path, weights_name: str) -> None:
@@ -247,8 +247,8 @@ def read_jsonl(path: Path) -> list:
 def check_output(out: Path, ours, overwrite: bool, kind: str = "folder", own_entry=None) -> bool:
     """Before any work: may a command write its output (a `kind`: folder or file) at `out`?
 
-    Anything that is not gorgon's own output is never written over: a file where a folder is
-    wanted (or the reverse), a non-empty folder or a file gorgon did not make. gorgon's own
+    Anything that is not this command's own output is never written over: a file where a folder is
+    wanted (or the reverse), a non-empty folder or a file it did not make. gorgon's own
     earlier output (`ours(out)` is true) is replaced only with --overwrite; a folder replaced whole
     must hold nothing else (`own_entry(path)` is true of each entry), so a user's file put inside is
     not removed with it. Returns whether earlier output will be replaced. The place is then checked

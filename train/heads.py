@@ -26,7 +26,7 @@ import torch
 from gorgon.heads.eagle.model import NODES as EAGLE_NODES
 from gorgon.heads.eagle.model import EagleConfig
 from gorgon.heads.errors import GorgonError
-from gorgon.heads.files import atomic_write_text, follow_umask
+from gorgon.heads.files import follow_umask
 from gorgon.heads.medusa.model import ADAPTER_DIR
 from gorgon.heads.medusa.model import NODES as MEDUSA_NODES
 from gorgon.heads.tree import MAX_TREE_NODES
@@ -529,9 +529,8 @@ def save(run: Run) -> dict:
                                              state_dict=strip_prefix(trained_weights, "target."))
             follow_umask(out / ADAPTER_DIR)
         recipe = asdict(cfg)
-        atomic_write_text(out / "metrics.json", json.dumps(metrics, indent=1) + "\n")
         plot_head_accuracy(metrics, out / "head_accuracy.png")
-        write_model_card(out, recipe, metrics)
+        write_model_card(out, recipe, metrics)  # and metrics.json, with what the card says
         finish_run_folder(out, recipe)
     return metrics
 

@@ -290,8 +290,8 @@ def print_settings(cls) -> None:
 
 
 # The programs and modules that launch training processes: a parent running one of them is their launcher.
-LAUNCHERS = ("accelerate", "torchrun", "deepspeed", "accelerate.commands.launch", "torch.distributed.run",
-             "torch.distributed.launch")
+LAUNCHERS = ("accelerate", "accelerate-launch", "torchrun", "deepspeed", "accelerate.commands.launch",
+             "torch.distributed.run", "torch.distributed.launch", "deepspeed.launcher.launch")
 
 
 def end_with_the_launcher() -> None:
@@ -304,10 +304,10 @@ def end_with_the_launcher() -> None:
 
     launcher = os.getppid()
     try:
-        words = Path(f"/proc/{launcher}/cmdline").read_bytes().decode(errors="replace").split("\0")[:3]
+        words = Path(f"/proc/{launcher}/cmdline").read_bytes().decode(errors="replace").split("\0")[:6]
     except OSError:  # not Linux
         return
-    if not any(Path(word).name in LAUNCHERS for word in words):  # `python -m M`, `python PATH/launcher`, `launcher`
+    if not any(Path(word).name in LAUNCHERS for word in words):  # `launcher`, `python [-u] -m M`, `python PATH`
         return
     try:
         if ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM) != 0:  # 1: PR_SET_PDEATHSIG

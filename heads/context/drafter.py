@@ -88,7 +88,7 @@ class ContextDrafter:
                      context: torch.Tensor) -> list[tuple[list[int], float]]:
         """Every prefix of every chain with its learned chance of acceptance, parents before children."""
         text = text_of(root, context)
-        self._judge_last(text, features.shape[0])
+        self._judge_last(text, features)
         n, chains = self.chains(text)
         self.last = (context.numel(), n, chains)
         paths = []
@@ -100,15 +100,15 @@ class ContextDrafter:
                 paths.append((chain[:depth], chance))
         return paths
 
-    def _judge_last(self, text: list[int], new: int) -> None:
+    def _judge_last(self, text: list[int], features: torch.Tensor) -> None:
         """Count where the last proposal's chains were right: the text since then (the last root, the
         accepted tokens, and the new root the target chose) is what the target wrote after them.
-        The `new` tokens with features tell a continued text from a new prompt (they cover what is new
-        since the last call: the accepted tokens, or a whole prompt, even one that extends the last text)."""
+        The features tell a continued text from a new prompt (they cover what is new since the last
+        call: the accepted tokens, or a whole prompt, even one that extends the last text)."""
         if self.last is None:
             return
         before, n, chains = self.last
-        if len(text) - 1 - new != before:
+        if len(text) - 1 - features.shape[0] != before:
             return  # a new prompt: nothing to judge
         written = text[before + 1:]
         for branch, chain in enumerate(chains):
