@@ -38,8 +38,10 @@ def test_accelerate_launch_trains_a_few_steps(tmp_path):
         assert (out / name).is_file(), name
     trees = json.loads((out / "trees.json").read_text())
     assert len(trees["cpu"]) == 15 and len(trees["cuda"]) == 63 and len(trees["accuracies"]) == 4
-    assert "step 4:" in run.stderr + run.stdout
+    assert "step 4: loss/top-1 of draft 1: " in run.stderr + run.stdout
     assert list((tmp_path / "wandb").glob("offline-run-*")), "wandb should log offline"
+    logged = b"".join(f.read_bytes() for f in (tmp_path / "wandb").glob("offline-run-*/*.wandb"))
+    assert b"train/loss_head1" in logged and b"loss_head0" not in logged  # numbered as the card and the log lines
     heads = MedusaHeads.from_pretrained(out, target=load_target(str(target), device="cpu"))
     assert heads.config.num_heads == 4 and heads.trees == trees
 

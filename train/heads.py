@@ -453,7 +453,7 @@ def train_steps(run: Run) -> None:
             if cfg.eval_every and run.step % cfg.eval_every == 0:
                 eval_loss, counts, _ = evaluate(run)
                 top1 = [row[0] for row in accuracy_table(counts)]
-                accelerator.log({"eval/loss": eval_loss, **{f"eval/top1_head{k}": a for k, a in enumerate(top1)}},
+                accelerator.log({"eval/loss": eval_loss, **{f"eval/top1_head{k}": a for k, a in enumerate(top1, 1)}},
                                 step=run.step)
                 if accelerator.is_main_process:
                     bar.write(f"step {run.step}: held-out loss {eval_loss:.3f}, top-1 of draft "
@@ -517,7 +517,7 @@ def save(run: Run) -> dict:
         "data": describe(cfg.data), "data_sha256": run.settings["data_sha256"],
         "draft_vocab_size": cfg.draft_vocab_size, "draft_vocab_coverage": run.draft_vocab_coverage,
     }
-    accelerator.log({f"eval/top1_head{k}": a for k, a in enumerate(metrics["top1"])}, step=run.total)
+    accelerator.log({f"eval/top1_head{k}": a for k, a in enumerate(metrics["top1"], 1)}, step=run.total)
     trained_weights = full_state_dict(accelerator, run.objective)  # every process: it gathers shards
     if accelerator.is_main_process:
         out.mkdir(parents=True, exist_ok=True)
@@ -596,14 +596,14 @@ def log_window(accelerator, window: dict, step: int, scheduler, bar) -> list[flo
     if heads[-1, 4]:
         logs["train/base_kl"] = float(heads[-1, 0] / heads[-1, 4])
     losses = []
-    for k, (loss, top1, top5, count, batches) in enumerate(heads[:-1].tolist()):
+    for k, (loss, top1, top5, count, batches) in enumerate(heads[:-1].tolist(), 1):  # as the card numbers them
         losses.append(loss / max(1, batches))
         logs[f"train/loss_head{k}"] = losses[-1]
         logs[f"train/top1_head{k}"] = top1 / max(1, count)
         logs[f"train/top5_head{k}"] = top5 / max(1, count)
     accelerator.log(logs, step=step)
-    heads_text = " ".join(f"{k + 1}: {logs[f'train/loss_head{k}']:.2f}/{logs[f'train/top1_head{k}']:.2f}"
-                          for k in range(len(losses)))  # numbered as the card numbers heads (and draft steps)
+    heads_text = " ".join(f"{k}: {logs[f'train/loss_head{k}']:.2f}/{logs[f'train/top1_head{k}']:.2f}"
+                          for k in range(1, len(losses) + 1))
     if accelerator.is_main_process:
         bar.write(f"step {step}: loss/top-1 of draft {heads_text} | {logs['train/tokens_per_s']:.0f} tok/s | "
                   f"lr {logs['train/lr']:.2e}")
