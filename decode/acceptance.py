@@ -18,6 +18,7 @@ import math
 import numbers
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from gorgon.heads.errors import GorgonError
@@ -68,13 +69,39 @@ def target_probs(logits: torch.Tensor, s: Sampling) -> torch.Tensor:
         kth = logits.topk(s.top_k, dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
     if s.top_p < 1.0:
-        sorted_logits, order = logits.sort(dim=-1, descending=False)
-        cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
-        drop_sorted = cumulative <= (1 - s.top_p)
-        drop_sorted[..., -1:] = False  # always keep the most likely token
-        drop = drop_sorted.scatter(-1, order, drop_sorted)
-        logits = logits.masked_fill(drop, float("-inf"))
+        logits = logits.masked_fill(top_p_dropped(logits, s.top_p), float("-inf"))
     return logits.softmax(dim=-1)
+
+
+def top_p_dropped(logits: torch.Tensor, top_p: float) -> torch.Tensor:
+    """The tokens top-p drops (True): the least likely, while their probabilities summed upward stay within
+    1 - top_p; the most likely is always kept. As transformers' TopPLogitsWarper computes it: on the rows'
+    values sorted ascending, the order among equal values as torch's sort leaves it.
+
+    On a CPU, torch sorts a tree's rows in 22 ms a step (8 rows of 49,152, one thread), numpy in 1: the cut
+    is found on numpy's sorted values (the same values, so the same sums), and only a row whose cut falls
+    between equal values, where the order decides, is sorted by torch."""
+    if logits.device.type != "cpu":
+        return dropped_in_sorted_order(logits, top_p)
+    rows = logits.reshape(-1, logits.shape[-1])
+    values = torch.from_numpy(np.sort(rows.numpy(), axis=-1))
+    dropped = values.softmax(dim=-1).cumsum(dim=-1) <= (1 - top_p)
+    dropped[..., -1:] = False
+    count = dropped.sum(dim=-1, keepdim=True)  # a prefix: the sums only grow
+    last = values.gather(-1, (count - 1).clamp(min=0))  # the largest value dropped
+    after = values.gather(-1, count.clamp(max=values.shape[-1] - 1))  # the smallest kept
+    drop = (rows <= last) & (count > 0)
+    for row in ((count > 0) & (last == after))[:, 0].nonzero()[:, 0].tolist():  # the cut splits equal values
+        drop[row] = dropped_in_sorted_order(rows[row:row + 1], top_p)[0]
+    return drop.reshape(logits.shape)
+
+
+def dropped_in_sorted_order(logits: torch.Tensor, top_p: float) -> torch.Tensor:
+    """`top_p_dropped` through torch's own sort, as the warper does it."""
+    sorted_logits, order = logits.sort(dim=-1, descending=False)
+    dropped = sorted_logits.softmax(dim=-1).cumsum(dim=-1) <= (1 - top_p)
+    dropped[..., -1:] = False  # always keep the most likely token
+    return dropped.scatter(-1, order, dropped)
 
 
 def _walk(tree: Tree, chosen_child: list[int]) -> tuple[int, ...]:
