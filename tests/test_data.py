@@ -11,7 +11,16 @@ import time
 import datasets
 import pytest
 import torch
-from helpers import ARCHS, VOCAB, another_live_process, load_script, needs_embedded, tiny_chat_target, tiny_model
+from helpers import (
+    ARCHS,
+    ROOT,
+    VOCAB,
+    another_live_process,
+    load_script,
+    needs_embedded,
+    tiny_chat_target,
+    tiny_model,
+)
 
 from gorgon.decode.kernels import fast_kernels_unavailable, use_cpu_kernels
 from gorgon.heads import GorgonError
@@ -358,7 +367,7 @@ def test_small_run_on_the_embedded_target(tmp_path, embedded_target):
                                   for r in rows)
 
 
-def test_sharegpt_prompts_are_read_from_a_file_cut_off_mid_record():
+def test_sharegpt_prompts_are_read_from_a_file_cut_off_mid_record(tmp_path):
     """scripts/sharegpt_prompts.py makes the recipes' prompt file from PyPI's ShareGPT, which is cut off inside a
     record: the complete records are kept, as each conversation's non-empty human turns, where a human starts."""
     sharegpt = load_script("sharegpt_prompts")
@@ -371,6 +380,14 @@ def test_sharegpt_prompts_are_read_from_a_file_cut_off_mid_record():
     cut = text[: text.index('"cut"') + 3]
     assert [r["id"] for r in sharegpt.read_records(text)] == ["a", "b", "c", "d"]
     assert sharegpt.prompts(sharegpt.read_records(cut)) == [{"id": "a", "turns": ["Hi", "More"]}]
+    # The script writes a new file only: one of the user's at --out is refused in one line, and kept.
+    mine = tmp_path / "prompts.jsonl"
+    mine.write_text("mine")
+    run = subprocess.run([sys.executable, "scripts/sharegpt_prompts.py", "--out", str(mine)], capture_output=True,
+                         text=True, cwd=ROOT)
+    assert (run.returncode, run.stderr.strip()) == (2, f"scripts/sharegpt_prompts.py: error: --out {mine} exists: "
+                                                       "choose a new path (this script writes a new file only)")
+    assert mine.read_text() == "mine"
 
 
 def test_the_bar_ends_with_every_prompt_saved(tmp_path, capsys):
