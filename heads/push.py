@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 
@@ -44,6 +45,11 @@ def card_for_the_repo(folder: Path, repo_id: str) -> dict[str, str] | None:
     if card is not None:
         return {"README.md": card}
     if (folder / "README.md").is_file() and (folder / "recipe.json").is_file():
-        print(f"gorgon push: {folder / 'README.md'} is not the card training wrote (edited?): it goes up as it is, "
-              "naming what it names", file=sys.stderr)
+        try:
+            older = "card" not in json.loads((folder / "metrics.json").read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            older = False
+        why = "was written by an earlier gorgon" if older else "is not the card training wrote (edited?)"
+        print(f"gorgon push: {folder / 'README.md'} {why}: it goes up as it is, naming what it names",
+              file=sys.stderr)
     return None

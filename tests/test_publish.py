@@ -442,6 +442,10 @@ def test_a_card_names_its_folder_and_the_pushed_card_the_repo(tmp_path, hub):
     run = push(hub, folder)
     assert run.returncode == 0 and "README.md is not the card training wrote (edited?): it goes up" in run.stderr
     assert FakeHub.files["README.md"].decode() == card + "\nMy notes.\n"
+    metrics = json.loads((folder / "metrics.json").read_text())
+    del metrics["card"]  # a run from before cards were recorded
+    (folder / "metrics.json").write_text(json.dumps(metrics))
+    assert "README.md was written by an earlier gorgon: it goes up as it is" in push(hub, folder).stderr
 
 
 def test_a_draft_cards_base_model_is_the_model_it_was_distilled_from(tmp_path):
