@@ -85,9 +85,7 @@ def top_p_dropped(logits: torch.Tensor, top_p: float) -> torch.Tensor:
         return dropped_in_sorted_order(logits, top_p)
     rows = logits.reshape(-1, logits.shape[-1])
     values = torch.from_numpy(np.sort(rows.detach().numpy(), axis=-1))
-    dropped = values.softmax(dim=-1).cumsum(dim=-1) <= (1 - top_p)
-    dropped[..., -1:] = False
-    count = dropped.sum(dim=-1, keepdim=True)  # a prefix: the sums only grow
+    count = dropped_ascending(values, top_p).sum(dim=-1, keepdim=True)  # a prefix: the sums only grow
     last = values.gather(-1, (count - 1).clamp(min=0))  # the largest value dropped
     after = values.gather(-1, count.clamp(max=values.shape[-1] - 1))  # the smallest kept
     drop = (rows <= last) & (count > 0)
@@ -99,9 +97,16 @@ def top_p_dropped(logits: torch.Tensor, top_p: float) -> torch.Tensor:
 def dropped_in_sorted_order(logits: torch.Tensor, top_p: float) -> torch.Tensor:
     """`top_p_dropped` through torch's own sort, as the warper does it."""
     sorted_logits, order = logits.sort(dim=-1, descending=False)
-    dropped = sorted_logits.softmax(dim=-1).cumsum(dim=-1) <= (1 - top_p)
-    dropped[..., -1:] = False  # always keep the most likely token
+    dropped = dropped_ascending(sorted_logits, top_p)
     return dropped.scatter(-1, order, dropped)
+
+
+def dropped_ascending(values: torch.Tensor, top_p: float) -> torch.Tensor:
+    """On rows sorted ascending: the positions top-p drops, while the probabilities summed from the least
+    likely stay within 1 - top_p; the most likely is always kept."""
+    dropped = values.softmax(dim=-1).cumsum(dim=-1) <= (1 - top_p)
+    dropped[..., -1:] = False
+    return dropped
 
 
 def _walk(tree: Tree, chosen_child: list[int]) -> tuple[int, ...]:

@@ -432,15 +432,16 @@ def main(argv=None) -> int:
         print(f"gorgon bench: going on from the {len(earlier['questions']) + len(earlier['skipped'])} questions "
               f"in {args.out} (--overwrite starts over)", file=sys.stderr)
 
-    written = []  # whether this run has written --out (a stopped run's hint is of its own report only)
+    written = False  # whether this run has written --out (a stopped run's hint is of its own report only)
 
     def record(report: dict, complete: bool) -> None:
         """Add what describes the run; with --out, write the report (after every question: until the last
         it is marked incomplete)."""
+        nonlocal written
         report.update(about, complete=complete)
         if args.out:
             atomic_write_text(Path(args.out), json.dumps(report, indent=1) + "\n")
-            written.append(True)
+            written = True
 
     if not args.out:
         print("gorgon bench: no --out, so the report is printed at the end only (--out FILE keeps it, question by "

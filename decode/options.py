@@ -225,9 +225,9 @@ def chosen_level_cost(args, levels: int, measure) -> float:
 
 
 def heads_drafter(heads, target, args, tree, folder: str):
-    """The drafter for the heads of `folder`, loaded onto `target` (on its kernels already): the head in its
-    draft dtype on the target's kernels, and with `--tree auto` the tree size that suits this machine."""
-    check_heads_options(args, heads.drafts_in_own_dtype, folder)
+    """The drafter for the heads of `folder`, loaded onto `target` (on its kernels already; the options checked
+    against the folder with `check_heads_options` before it loaded): the head in its draft dtype on the
+    target's kernels, and with `--tree auto` the tree size that suits this machine."""
     if heads.drafts_in_own_dtype:
         heads.to(draft_dtype(target.model, args.cpu_kernels, args.draft_dtype))
     use_drafter_kernels(heads, target.model, args.cpu_kernels)
@@ -257,7 +257,9 @@ def check_heads_options(args, feature_level: bool, folder: str) -> None:
 def compared_drafter(args, target, tree, drafter):
     """`gorgon bench --compare-heads`: the other heads, loaded onto the same target and drafted as the
     --heads are (the same tree option, merged with their own context drafter when --context-draft is on)."""
-    other = heads_drafter(load_heads_for(args.compare_heads, target), target, args, tree, args.compare_heads)
+    folder = resolve_heads_folder(args.compare_heads)
+    check_heads_options(args, is_eagle(folder), args.compare_heads)
+    other = heads_drafter(load_heads_for(folder, target), target, args, tree, args.compare_heads)
     if not isinstance(drafter, MergedDrafter):
         return other
     return MergedDrafter(other, context_drafter(args), args.tree_budget, drafter.costs)

@@ -95,7 +95,7 @@ def main(argv=None) -> int:
     print(f"gorgon export: wrote {args.format} heads to {out}")
     if not is_hub_id(base_model):
         print(f"gorgon export: the export names its target by the local path {base_model}: an engine elsewhere "
-              "machine needs a name it can load (--base-model user/name)", file=sys.stderr)
+              "needs a name it can load (--base-model user/name)", file=sys.stderr)
     if (folder / ADAPTER_DIR).is_dir():  # Medusa-2: the export holds the heads, not the target's adapter
         print(f"gorgon export: these Medusa-2 heads were trained on the target with the LoRA adapter in "
               f"{folder / ADAPTER_DIR}: serve them on the target with it merged (peft's merge_and_unload), or they "

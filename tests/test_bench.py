@@ -309,10 +309,12 @@ def test_compare_heads_are_timed_in_the_same_rotation_and_drafted_as_the_heads(t
     MedusaHeads.for_target(other.model, target_fingerprint=other.fingerprint).save_pretrained(tmp_path / "foreign")
     shutil.copytree(tmp_path / "medusa", tmp_path / "medusa2")
     (tmp_path / "medusa2" / "adapter").mkdir()
-    for folder, says in (("foreign", "fingerprint"), ("medusa2", "holds Medusa-2 heads, whose LoRA adapter changes "
-                                                                 "the target: compare them as --heads")):
+    for folder, extra, says in (("foreign", [], "fingerprint"),
+                                ("medusa2", [], "holds Medusa-2 heads, whose LoRA adapter changes the target: compare "
+                                                "them as --heads"),
+                                ("medusa", ["--draft-dtype", "bfloat16"], "keep the target's dtype")):
         assert gorgon(["bench", "--heads", str(tmp_path / "eagle"), "--compare-heads", str(tmp_path / folder)]
-                      + common) == 2
+                      + common + extra) == 2
         last = capsys.readouterr().err.strip().splitlines()[-1]
         assert last.startswith("gorgon bench: error: ") and says in last, last
     assert gorgon(["bench", "--context-draft", "--compare-heads", str(tmp_path / "medusa"), "--questions", str(q)]) == 2
