@@ -124,15 +124,18 @@ def hub_fields(recipe: dict, metrics: dict) -> dict:
     """What a card's metadata says of the model it builds on: `base_model` (a distilled draft's student, else the
     target) only where it is a Hub id, since the Hub refuses a card whose base_model is a local path, and with
     it the whole push; and the target's license keys where its own card says them: the heads learn from its
-    outputs, so its terms are theirs."""
+    outputs, so its terms are theirs; and the Hub datasets they learnt from (`datasets` in its metrics)."""
     target = metrics.get("target_name") or recipe.get("target") or EMBEDDED_NAME
     base = hub_name((recipe.get("student") if metrics.get("kind") == "draft" else None) or target)
-    return {"base_model": base if is_hub_id(base) else None, "license": target_license(target)}
+    return {"base_model": base if is_hub_id(base) else None, "datasets": metrics.get("datasets", []),
+            "license": target_license(target)}
 
 
 def card_metadata(hub: dict, library: str, tags: list[str]) -> str:
     """The card's Hub metadata, the YAML between its --- lines (`hub`: from `hub_fields`)."""
     data = {"base_model": hub["base_model"]} if hub["base_model"] else {}
+    if hub.get("datasets"):  # a card written before they were recorded has none
+        data["datasets"] = hub["datasets"]
     data.update(hub["license"])
     data.update(library_name=library, pipeline_tag="text-generation", tags=tags)
     return "---\n" + yaml.safe_dump(data, sort_keys=False) + "---"

@@ -420,6 +420,29 @@ def test_a_card_names_the_base_model_and_license_the_hub_can_take(tmp_path, monk
     assert other["base_model"] == "someone/model" and "license" not in other
 
 
+def test_a_card_lists_the_hub_datasets_the_heads_learnt_from(tmp_path):
+    """The Hub links a model to the datasets its card lists: training data read from the Hub, and the Hub
+    prompts `gorgon data` answered; local files, folders and the target's own prompts are not listed."""
+    from gorgon.heads.card import card_text
+    from gorgon.train.data import METADATA_NAME, hub_datasets
+
+    def data_folder(name: str, prompts: str) -> str:
+        (tmp_path / name).mkdir()
+        (tmp_path / name / METADATA_NAME).write_text(json.dumps({"settings": {"prompts": prompts}}))
+        return str(tmp_path / name)
+
+    assert hub_datasets(data_folder("hub", "anon8231489123/ShareGPT_Vicuna_unfiltered")) == [
+        "anon8231489123/ShareGPT_Vicuna_unfiltered"]
+    assert hub_datasets(data_folder("self", "self")) == []
+    assert hub_datasets(data_folder("file", str(tmp_path / "prompts.jsonl"))) == []
+    assert hub_datasets("someone/distilled-data") == ["someone/distilled-data"]
+    assert hub_datasets(str(tmp_path / "file")) == []
+    card = card_text(tmp_path, MEDUSA_RECIPE, {**MEDUSA_METRICS, "target_name": "SmolLM2-135M-Instruct",
+                                               "datasets": ["someone/distilled-data"]})
+    assert front_matter(card)["datasets"] == ["someone/distilled-data"]
+    assert "datasets" not in front_matter(card_text(tmp_path, MEDUSA_RECIPE, {**MEDUSA_METRICS, "datasets": []}))
+
+
 def test_a_card_names_its_folder_and_the_pushed_card_the_repo(tmp_path, hub):
     """The card's commands said THIS_FOLDER: they name the folder training wrote, and `gorgon push` uploads the
     card made again naming the repo (the folder's own card unchanged); a card the user edited goes up as is."""

@@ -42,6 +42,7 @@ from gorgon.heads.files import (
     remove_stale_temps,
     take_lock,
 )
+from gorgon.heads.hub import is_hub_id
 from gorgon.heads.target import Target, context_length, fits_context, load_target
 
 from .batching import continuous_generate
@@ -284,6 +285,15 @@ def describe(folder: str | os.PathLike) -> str:
         line += (f": {meta['conversations']} conversations answered by the target itself "
                  f"(`gorgon data`, prompts `{meta['settings']['prompts']}`)")
     return line
+
+
+def hub_datasets(source: str) -> list[str]:
+    """The Hub datasets training data came from, for a model card's `datasets:` metadata (the Hub links the
+    model to them): the data itself when read from the Hub, and the prompts `gorgon data` answered when
+    those were a Hub dataset."""
+    meta = read_metadata(source)
+    prompts = meta["settings"]["prompts"] if meta is not None else None
+    return [name for name in (source, prompts) if name and name != "self" and is_hub_id(name)]
 
 
 @contextlib.contextmanager

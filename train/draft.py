@@ -213,7 +213,7 @@ def distil(cfg: DraftTrainConfig) -> Path:
     from gorgon.heads.draft_model.objective import agreement
     from gorgon.heads.target import load_target, target_text_config
     from gorgon.heads.tree import chain_tau
-    from gorgon.train.data import describe
+    from gorgon.train.data import describe, hub_datasets
     from gorgon.train.examples import (
         answer_tokens,
         collate,
@@ -322,7 +322,8 @@ def distil(cfg: DraftTrainConfig) -> Path:
         "processes": state.num_processes,
         "eval_tokens": after["tokens"], "before": before, "after": after, "draft_tokens": cfg.draft_tokens,
         "draft_vocab_size": cfg.draft_vocab_size, "draft_vocab_coverage": coverage,
-        "data": describe(cfg.data), "data_sha256": settings["data_sha256"],
+        "data": describe(cfg.data), "datasets": hub_datasets(cfg.data),
+        "data_sha256": settings["data_sha256"],
         "expected_tau": {"before": chain_tau(before["top1"], cfg.draft_tokens),
                          "after": chain_tau(after["top1"], cfg.draft_tokens)},
     }

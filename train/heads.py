@@ -493,7 +493,7 @@ def save(run: Run) -> dict:
     """Measure the heads on held-out data, choose their trees, and write the heads folder (weights, trees,
     Medusa-2's adapter, metrics, recipe, plot, card) from the main process; returns the metrics."""
     from gorgon.heads.card import plot_head_accuracy, write_model_card
-    from gorgon.train.data import describe
+    from gorgon.train.data import describe, hub_datasets
     from gorgon.train.recipe import full_state_dict
     from gorgon.train.run_folder import finish_run_folder, set_aside_earlier_run
 
@@ -514,7 +514,8 @@ def save(run: Run) -> dict:
         "eval_conversations": run.eval_conversations, "processes": accelerator.num_processes,
         "conversations_trained": trained, "conversations_evaluated": evaluated,
         "loss_curve": run.loss_curve, "train_seconds": run.train_seconds, "target_name": run.target.name,
-        "data": describe(cfg.data), "data_sha256": run.settings["data_sha256"],
+        "data": describe(cfg.data), "datasets": hub_datasets(cfg.data),
+        "data_sha256": run.settings["data_sha256"],
         "draft_vocab_size": cfg.draft_vocab_size, "draft_vocab_coverage": run.draft_vocab_coverage,
     }
     accelerator.log({f"eval/top1_head{k}": a for k, a in enumerate(metrics["top1"], 1)}, step=run.total)
