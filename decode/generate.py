@@ -273,7 +273,7 @@ def check_decoding(model, drafter, input_ids: torch.Tensor, generator: torch.Gen
     if "flash" in attention:
         raise GorgonError(f"the target runs {attention}, which takes no tree mask: load it with "
                           "attn_implementation='sdpa' (or 'eager') to verify trees")
-    if generator is not None and generator.device.type != input_ids.device.type:
+    if generator is not None and not same_device(generator.device, input_ids.device):
         raise GorgonError(f"the generator is on {generator.device} but the model on {input_ids.device}: create it "
                           f"with torch.Generator(device='{input_ids.device}')")
     ignored = generation_settings_not_applied(model)
@@ -281,6 +281,12 @@ def check_decoding(model, drafter, input_ids: torch.Tensor, generator: torch.Gen
         warnings.warn(f"the target's generation_config sets {', '.join(ignored)}, which speculative decoding does "
                       f"not apply: the output is generate's without {'it' if len(ignored) == 1 else 'them'}",
                       stacklevel=3)
+
+
+def same_device(a: torch.device, b: torch.device) -> bool:
+    """Whether a generator on `a` can draw for tensors on `b`: the same type, and the same index where both
+    name one (a generator on cuda:0 failed inside torch for a model on cuda:1)."""
+    return a.type == b.type and (a.index is None or b.index is None or a.index == b.index)
 
 
 @torch.inference_mode()

@@ -939,6 +939,23 @@ def test_the_python_api_takes_what_its_loaders_return_and_names_its_mistakes(tmp
         speculative_generate(target.model.to(torch.bfloat16), drafter, ids, 6)
 
 
+def test_a_generator_on_another_device_than_the_model_is_named():
+    """A generator on cuda:0 passed the device type check for a model on cuda:1 and failed inside torch."""
+    from types import SimpleNamespace
+
+    from gorgon.decode.generate import same_device
+
+    model = tiny_model("llama")
+    drafter = HeadsDrafter(MedusaHeads.for_target(model, num_heads=2))
+    elsewhere = SimpleNamespace(device=torch.device("cuda", 0))  # only its device is read before a draw
+    with pytest.raises(GorgonError, match=r"^the generator is on cuda:0 but the model on cpu: create it with "
+                                          r"torch.Generator\(device='cpu'\)$"):
+        speculative_generate(model, drafter, torch.ones(1, 4, dtype=torch.long), 4, generator=elsewhere)
+    assert not same_device(torch.device("cuda", 0), torch.device("cuda", 1))
+    assert same_device(torch.device("cuda"), torch.device("cuda", 1)) and same_device(torch.device("cpu"),
+                                                                                      torch.device("cpu"))
+
+
 def test_python_arguments_of_the_wrong_kind_are_named(tmp_path):
     """Float ids, an EOS given as text, a number as stop strings and a string temperature failed inside torch or
     Python (or named only the value); a token map given as a list failed at .to()."""
