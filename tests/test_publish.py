@@ -484,6 +484,30 @@ def test_a_draft_cards_base_model_is_the_model_it_was_distilled_from(tmp_path):
         assert front_matter(card)["base_model"] == base and front_matter(card)["library_name"] == "transformers"
 
 
+def test_an_engine_layout_loads_onto_the_target_it_names(tmp_path, capsys):
+    """Heads in an engine's layout (vLLM's Medusa, EAGLE-3, speculators) named their target only there
+    (base_model_name_or_path, the verifier): without --target the embedded target loaded, and the heads
+    failed on its shapes. The embedded target's Hub id loads the embedded build, and says so."""
+    from gorgon.heads import EagleHead, load_heads
+    from gorgon.heads.eagle.formats import export_head
+    from gorgon.heads.target import EMBEDDED_HUB_ID, EMBEDDED_NAME, recorded_target, target_for_heads
+
+    target = tiny_chat_target(tmp_path, layers=6)  # EAGLE-3 mixes 3 layers below the last
+    model = load_target(str(target), device="cpu").model
+    export_heads(MedusaHeads.for_target(model, num_heads=2), "vllm", tmp_path / "vllm", base_model=str(target))
+    for fmt in ("eagle3", "speculators"):
+        export_head(EagleHead.for_target(model, feature_layers=[1, 3, 5]), fmt, tmp_path / fmt, base_model=str(target))
+    for folder in ("vllm", "eagle3", "speculators"):
+        loaded, _ = load_heads(tmp_path / folder)
+        assert loaded.name == str(target), folder
+        assert f"gorgon: target {target}, which the heads were trained for" in capsys.readouterr().err
+    assert recorded_target({"speculators_config": {"verifier": {"name_or_path": EMBEDDED_HUB_ID}}}) == EMBEDDED_NAME
+    assert recorded_target({"speculators_config": "odd"}) is None and recorded_target([]) is None
+    assert target_for_heads({"base_model_name_or_path": EMBEDDED_HUB_ID}, None) is None
+    assert f"target {EMBEDDED_HUB_ID}, which the heads name, as the embedded build of it" in capsys.readouterr().err
+    assert target_for_heads({"target_name": EMBEDDED_NAME}, None) is None and not capsys.readouterr().err
+
+
 def test_an_export_names_the_embedded_target_by_its_hub_id_and_imports_back_to_it(tmp_path, capsys,
                                                                                    monkeypatch):
     """Exports recorded "SmolLM2-135M-Instruct", which no engine can load (vLLM loads the speculators verifier's

@@ -50,7 +50,7 @@ import torch.nn.functional as F
 
 from ..errors import GorgonError, check_keys
 from ..files import read_safetensors_folder, write_weights
-from ..target import gorgon_name
+from ..target import recorded_target
 
 FORMATS = ("eagle3", "speculators")
 # The layers the engines build a draft's midlayer as (model_type), and the eagle3 architecture naming each.
@@ -247,8 +247,7 @@ def import_head(folder: Path, config: dict, fmt: str):
         state["token_map"] = (d2t.long() + torch.arange(draft)).long()
     fields = {k: layer[k] for k in LAYER_FIELDS + ("model_type", "vocab_size") if layer.get(k) is not None}
     fields["num_hidden_layers"] = saved.pop("target_num_hidden_layers", max(layers) + 1)  # the target's, as ours
-    verifier = config.get("speculators_config", {}).get("verifier", {}).get("name_or_path")
     eagle = dict(hidden_size=layer["hidden_size"], vocab_size=vocab, layer_config=fields, feature_layers=list(layers),
                  draft_vocab_size=draft if draft < vocab else None,
-                 target_name=gorgon_name(config.get("base_model_name_or_path") or verifier), **saved)
+                 target_name=recorded_target(config), **saved)
     return eagle, state

@@ -23,7 +23,7 @@ import torch
 
 from ..errors import GorgonError
 from ..files import read_safetensors_folder, write_weights
-from ..target import gorgon_name
+from ..target import recorded_target
 
 FORMATS = ("vllm", "medusa")
 MEDUSA_WEIGHTS = "medusa_lm_head.safetensors"
@@ -122,7 +122,7 @@ def import_heads(folder: Path, config: dict, fmt: str):
             draft = int(state["token_map"].numel())
         fields = dict(num_heads=heads, num_layers=layers, hidden_size=config["hidden_size"],
                       vocab_size=config["vocab_size"], shared_lm_head=shared,
-                      target_name=gorgon_name(config.get("base_model_name_or_path")), draft_vocab_size=draft)
+                      target_name=recorded_target(config), draft_vocab_size=draft)
         return fields, state
     raw = _load_medusa_state(folder)
     heads = config.get("medusa_num_heads") or 1 + max(int(k.split(".")[0]) for k in raw)
@@ -136,5 +136,5 @@ def import_heads(folder: Path, config: dict, fmt: str):
         state[f"lm_heads.{h}.weight"] = raw[f"{h}.{layers}.weight"]
     vocab, hidden = raw[f"0.{layers}.weight"].shape
     fields = dict(num_heads=heads, num_layers=layers, hidden_size=hidden, vocab_size=vocab, shared_lm_head=False,
-                  target_name=gorgon_name(config.get("base_model_name_or_path")))
+                  target_name=recorded_target(config))
     return fields, state
