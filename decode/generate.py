@@ -327,7 +327,6 @@ def speculative_generate(model, drafter: Drafter, input_ids: torch.Tensor, max_n
     stop = StopRule(max_new_tokens, eos_token_id, stop_strings, tokenizer)
     layers = drafter.feature_layers
     feed, end = stream_to(streamer, input_ids)
-    start = time.perf_counter()
 
     def next_token(hidden):
         if sampling.greedy:
@@ -336,6 +335,7 @@ def speculative_generate(model, drafter: Drafter, input_ids: torch.Tensor, max_n
 
     with decoding_attention(input_ids.device):  # on CUDA, attention without per-shape setup
         check_verifies_trees(model)  # once per model: a family whose forward cannot verify trees is refused
+        start = time.perf_counter()  # after that one-time probe, which --stats' tokens/s once included
         cache = growing_cache()
         decoder = base_model(model)
         out = decoder(input_ids=input_ids, **with_cache(decoder, cache), use_cache=True,

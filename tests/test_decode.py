@@ -218,6 +218,23 @@ def test_an_attention_that_ignores_the_tree_mask_is_refused_by_the_probe():
         check_verifies_trees(model)
 
 
+def test_the_timed_seconds_leave_out_the_one_time_tree_probe(monkeypatch):
+    """`--stats`' tokens/s for a model's first output included the probe (two forwards of the target)."""
+    import time
+
+    import gorgon.decode.verify as verify_module
+
+    def slow_probe(model, decoder):
+        time.sleep(2.0)  # far longer than 4 tokens of a tiny model take
+        return None
+
+    monkeypatch.setattr(verify_module, "tree_probe_problem", slow_probe)
+    model = tiny_model("llama")
+    result = speculative_generate(model, HeadsDrafter(MedusaHeads.for_target(model, num_heads=2)),
+                                  torch.ones(1, 4, dtype=torch.long), 4)
+    assert model._gorgon_verifies_trees and 0 < result.seconds < 2.0
+
+
 def test_stops_at_eos_and_never_overshoots():
     model = tiny_model("llama")
     ids = torch.randint(0, VOCAB, (1, 5))
