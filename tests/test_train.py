@@ -69,8 +69,9 @@ def test_loss_falls_on_a_learnable_toy_set(tmp_path):
     target = load_target(str(target_path), device="cpu")
     fresh = MedusaHeads.for_target(target.model)
     trained = MedusaHeads.from_pretrained(out, target=target)
+    fresh.set_draft_vocab(trained.token_map)  # the loss over 30 tokens, as the trained heads': lower by itself
     before, after = eval_loss(fresh, target, data), eval_loss(trained, target, data)
-    assert all(a < 0.8 * b for a, b in zip(after, before)), (before, after)
+    assert all(a < 0.5 * b for a, b in zip(after, before)), (before, after)
     metrics = json.loads((out / "metrics.json").read_text())
     assert 0.99 <= metrics["draft_vocab_coverage"] <= 1.0  # the toy answers use fewer than 30 characters
     assert trained.config.draft_vocab_size == 30 and trained.token_map.numel() == 30
@@ -109,15 +110,26 @@ def greedy_answers(model, tok, n=8):
 @pytest.mark.parametrize("settings", [dict(loss="kl", cache_features=True), dict(mode="medusa2", lora_r=4),
                                       dict(arch="eagle", cache_features=True, ttt_steps=2)],
                          ids=["medusa1", "medusa2", "eagle"])
-def test_heads_train_in_float32_beside_a_bfloat16_target(tmp_path, settings):
+def test_heads_train_in_float32_beside_a_bfloat16_target(tmp_path, settings, monkeypatch):
     """Without accelerate's autocast (plain `python train/heads.py`, or an accelerate config without mixed
     precision) the float32 heads read a bfloat16 target's features, cached ones in the second epoch too;
     then they load and draft beside it (greedy output equals generate's exactly in float32 only)."""
+    from gorgon.heads.feature_cache import FeatureCache
+
+    found, get = [], FeatureCache.get
+
+    def recorded_get(self, *args):
+        found.append(get(self, *args))
+        return found[-1]
+
+    monkeypatch.setattr(FeatureCache, "get", recorded_get)
     target_path = str(tiny_chat_target(tmp_path))
     out = train(HeadsTrainConfig(data=toy_data(tmp_path / "toy.jsonl", n=16), out=str(tmp_path / "h"),
                                  target=target_path, dtype="bfloat16", epochs=2, batch_size=8, report_to="none",
                                  save_every=0, **settings))
     assert json.loads((out / "metrics.json").read_text())["steps"] == 4
+    if settings.get("cache_features"):  # the second epoch's 2 batches, at least, read the target's outputs kept
+        assert sum(f is not None for f in found) >= 2, found
     target, heads = load_heads(out, target_path, device="cpu", dtype="bfloat16")
     ids = target.tokenizer.apply_chat_template([{"role": "user", "content": "count from 3"}],
                                                add_generation_prompt=True, return_tensors="pt",
