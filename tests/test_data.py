@@ -111,13 +111,14 @@ def test_self_prompts_are_written_by_the_target_and_deduplicated(tmp_path):
 
 def test_prompts_longer_than_the_context_are_skipped_and_counted(tmp_path):
     target = tiny_chat_target(tmp_path)  # context 512
-    src = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "short"}, {"prompt": "x" * 600}])
+    src = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "short"}, {"prompt": "y" * 60}, {"prompt": "x" * 600}])
     out = make_dataset(DataSettings(prompts=src, target=str(target), max_new_tokens=8), tmp_path / "o", progress=False)
-    assert len(datasets.load_from_disk(str(out))) == 1
+    assert len(datasets.load_from_disk(str(out))) == 2
     assert json.loads((out / METADATA_NAME).read_text())["skipped_turns_too_long"] == 1
     capped = make_dataset(DataSettings(prompts=src, target=str(target), max_new_tokens=8, max_prompt_tokens=30),
-                          tmp_path / "capped", progress=False)
-    assert json.loads((capped / METADATA_NAME).read_text())["skipped_turns_too_long"] == 1
+                          tmp_path / "capped", progress=False)  # the 60 y's are over the cap, not the context
+    assert len(datasets.load_from_disk(str(capped))) == 1
+    assert json.loads((capped / METADATA_NAME).read_text())["skipped_turns_too_long"] == 2
 
 
 def _alone(model, prompts, eos, max_new_tokens):

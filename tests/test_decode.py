@@ -292,6 +292,7 @@ def test_sampled_verification_uses_the_targets_own_distribution(monkeypatch):
     result = speculative_generate(model, drafter, ids, 12, sampling=s, eos_token_id=None,
                                   generator=torch.Generator().manual_seed(0))
     done = result.accepted[0]
+    assert len(seen) == len(result.accepted) - 1  # each verify step's, none missed
     for step, probs in enumerate(seen):
         prefix = torch.cat([ids, torch.tensor([result.tokens[:done]])], 1)
         torch.testing.assert_close(probs, target_probs(model(prefix).logits[0, -1], s), atol=1e-5, rtol=1e-4)

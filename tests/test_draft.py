@@ -86,7 +86,8 @@ def test_distillation_lowers_held_out_kl_and_the_draft_works_as_assistant_model(
     assert torch.equal(assisted, plain)
     result = speculative_generate(target.model, DraftModelDrafter(draft, 3), ids, max_new_tokens=40)
     assert result.tokens == plain[0, ids.shape[1]:].tolist()
-    assert result.tau > 1.5, "a draft trained on these answers should be accepted often"
+    # No tau bound: the untrained start (the target's first layer) reached 2.86 on this prompt and the draft
+    # 1.90, since the toy answers are not this random target's own; the held-out KL above checks training.
 
     # Saved beside it: the 24 most frequent answer tokens, which the toy answers all fall in (this random target's
     # own answers need not: the toy data is not self-distilled, so only exactness is asserted with it).

@@ -317,6 +317,9 @@ def test_save_load_round_trip_drafts_the_same(tmp_path, arch):
     assert "/home/someone" not in (tmp_path / "config.json").read_text()
     loaded = EagleHead.from_pretrained(tmp_path, target=model)
     assert loaded.saved_nodes("cpu") == 6 and loaded.accuracies == [[0.5, 0.1]]
+    saved, back = head.state_dict(), loaded.state_dict()
+    assert saved.keys() == back.keys() and all(torch.equal(saved[k], back[k]) for k in saved)
+    torch.testing.assert_close(draft_logits(loaded), draft_logits(head), rtol=0, atol=0)
     ids = torch.randint(0, VOCAB, (1, 10))
     result = [speculative_generate(model, EagleDrafter(h), ids, max_new_tokens=12) for h in (head, loaded)]
     assert result[0].tokens == result[1].tokens and result[0].accepted == result[1].accepted

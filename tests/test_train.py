@@ -349,8 +349,9 @@ def test_a_folder_gorgon_did_not_write_is_refused_untouched(tmp_path):
         (out / "checkpoints" / name).mkdir(parents=True)
         (out / "checkpoints" / name / "model.bin").write_text("weights")
     (out / "notes.txt").write_text("mine")
-    for resume in (False, True):
-        with pytest.raises(GorgonError):
+    for resume, refusal in ((False, "already holds files this command did not write"),
+                            (True, "--resume: .* is not a gorgon training run's folder")):
+        with pytest.raises(GorgonError, match=refusal):
             train(HeadsTrainConfig(data=toy_data(tmp_path / "toy.jsonl"), out=str(out), target=str(target),
                                    report_to="none", resume=resume))
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-3", "step-best"]

@@ -52,6 +52,9 @@ def resume_point(latest: Path | None, resume: bool, out: Path) -> Path | None:
     if resume and latest is None and (out / "recipe.json").is_file():
         raise GorgonError(f"--resume: {out} holds a finished run without a checkpoint to continue from (the run was "
                           "shorter than save_every): pass --overwrite true to train it again, for longer")
+    if resume and latest is None and out.is_dir() and any(out.iterdir()) and not (out / RUN_MARKER).is_file():
+        raise GorgonError(f"--resume: {out} is not a gorgon training run's folder (it holds files this command did "
+                          "not write): pass the --out of the run to continue, or start in a new or empty folder")
     if resume and latest is None:
         raise GorgonError(f"--resume: no complete checkpoint in {out / 'checkpoints'}: run without --resume to start")
     return latest
