@@ -116,11 +116,17 @@ def take_lock(lock: Path) -> None:
     atomic_write_text(lock, f"{host_name()} {os.getpid()} {process_start(os.getpid())}\n")
 
 
+def holds_lock(lock: Path) -> bool:
+    """Whether this process holds `lock` (`take_lock`)."""
+    with contextlib.suppress(OSError, ValueError, IndexError):
+        return int(lock.read_text().split()[1]) == os.getpid()
+    return False
+
+
 def drop_lock(lock: Path) -> None:
     """Give back `lock` if this process holds it."""
-    with contextlib.suppress(OSError, ValueError, IndexError):
-        if int(lock.read_text().split()[1]) == os.getpid():
-            lock.unlink()
+    if holds_lock(lock):
+        lock.unlink(missing_ok=True)
 
 
 def follow_umask(folder: Path) -> None:

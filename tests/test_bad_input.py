@@ -989,8 +989,9 @@ def test_python_arguments_of_the_wrong_kind_are_named(tmp_path):
 def test_ctrl_c_says_what_was_kept_and_how_to_go_on(tmp_path, capsys):
     """Ctrl-C ended training and data generation silently (after a half-drawn progress bar): a user learnt of
     --resume only from the refusal of a plain rerun. (The first newline ends the bar's line.)"""
+    from gorgon.heads.files import take_lock
     from gorgon.train.data import holding
-    from gorgon.train.run_folder import RUN_MARKER, lock_released_on_failure
+    from gorgon.train.run_folder import LOCK, RUN_MARKER, lock_released_on_failure
 
     out = tmp_path / "run"
     (out / "checkpoints" / "step-20").mkdir(parents=True)
@@ -999,8 +1000,15 @@ def test_ctrl_c_says_what_was_kept_and_how_to_go_on(tmp_path, capsys):
                                                          "command with --resume true to continue from it"),
                        (None, "no checkpoint was saved yet (save_every sets how often): a rerun starts over")]:
         with pytest.raises(KeyboardInterrupt), lock_released_on_failure(out, lambda kept=kept: kept):
+            take_lock(out / LOCK)
             raise KeyboardInterrupt
-        assert capsys.readouterr().err == f"\ngorgon: {says}\n"
+        assert capsys.readouterr().err == f"\ngorgon: {says}\n" and not (out / LOCK).exists()
+    # Stopped before it took the folder, which another run holds: that run's checkpoints are not looked
+    # for (looking removes one cut short: the other run's, being written), and nothing is said of them.
+    (out / LOCK).write_text("elsewhere 1 0\n")
+    with pytest.raises(KeyboardInterrupt), lock_released_on_failure(out, lambda: pytest.fail("looked")):
+        raise KeyboardInterrupt
+    assert capsys.readouterr().err == "" and (out / LOCK).read_text() == "elsewhere 1 0\n"
     partial = tmp_path / "data.partial"
     with pytest.raises(KeyboardInterrupt), holding(partial):
         (partial / "shard-00000.jsonl").write_text("{}\n")

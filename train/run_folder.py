@@ -292,14 +292,17 @@ def kept_checkpoints(out: Path) -> str:
 def lock_released_on_failure(out: Path, latest_checkpoint):
     """A run that fails or is refused after taking the folder's LOCK gives it back, so the folder is as it was
     (a killed run cannot: its lock names a process that is gone, which no later run waits for). A run stopped
-    with Ctrl-C says how to go on: from its newest checkpoint (`latest_checkpoint()`), or from the start."""
-    from gorgon.heads.files import drop_lock
+    with Ctrl-C after taking it says how to go on: from its newest checkpoint (`latest_checkpoint()`, which
+    removes a checkpoint cut short), or from the start. One stopped before says nothing of the folder: it may
+    be another run's, still writing its checkpoints."""
+    from gorgon.heads.files import drop_lock, holds_lock
 
     try:
         yield
     except BaseException as err:
+        held = holds_lock(out / LOCK)
         drop_lock(out / LOCK)
-        if isinstance(err, KeyboardInterrupt) and os.environ.get("RANK", "0") == "0":  # once, in a launch
+        if isinstance(err, KeyboardInterrupt) and held:  # the main process holds it: said once in a launch
             kept = latest_checkpoint() if (out / RUN_MARKER).is_file() else None
             print(f"\ngorgon: {kept} is kept: rerun the command with --resume true to continue from it" if kept else
                   "\ngorgon: no checkpoint was saved yet (save_every sets how often): a rerun starts over",
