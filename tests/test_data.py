@@ -265,6 +265,31 @@ def test_resume_with_other_settings_is_refused(tmp_path):
     assert make_dataset(settings, out, progress=False) == out and not partial.exists()
 
 
+def test_a_run_killed_while_moving_into_an_empty_folder_is_finished_by_the_next(tmp_path, monkeypatch):
+    """Into an existing empty --out the dataset moves entry by entry, its metadata first: a kill then left
+    the metadata alone, which the next run took for a complete dataset, removing the shards."""
+    import gorgon.train.data as data_module
+
+    target = tiny_chat_target(tmp_path)
+    src = write_jsonl(tmp_path / "p.jsonl", [{"prompt": f"question {i}"} for i in range(6)])
+    settings = DataSettings(prompts=src, target=str(target), max_new_tokens=6)
+    whole = make_dataset(settings, tmp_path / "whole", progress=False)
+    out, move = tmp_path / "mine", data_module.move_into_place
+    out.mkdir()
+
+    def killed_after_the_metadata(tmp, folder, marker):
+        os.replace(tmp / marker, folder / marker)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(data_module, "move_into_place", killed_after_the_metadata)
+    with pytest.raises(KeyboardInterrupt):
+        make_dataset(settings, out, progress=False)
+    assert [p.name for p in out.iterdir()] == [METADATA_NAME] and (tmp_path / "mine.partial").is_dir()
+    monkeypatch.setattr(data_module, "move_into_place", move)
+    assert make_dataset(settings, out, progress=False) == out and not (tmp_path / "mine.partial").exists()
+    assert list(datasets.load_from_disk(str(out))) == list(datasets.load_from_disk(str(whole)))
+
+
 def test_an_unfinished_run_another_live_process_writes_is_refused(tmp_path):
     """Two `gorgon data` into one --out raced: the second wrote the same shards, one removed OUT.partial at its
     swap under the other, and --overwrite started the other's shards over. The writer's lock refuses a second

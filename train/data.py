@@ -265,6 +265,17 @@ def is_dataset(out: Path) -> bool:
     return (out / METADATA_NAME).is_file()
 
 
+def is_complete(out: Path) -> bool:
+    """Whether a dataset folder holds every file its state.json lists. A dataset moved into an existing empty
+    folder puts its metadata there first (so a kill then leaves a folder gorgon knows as its own), and the
+    data after it."""
+    try:
+        files = json.loads((out / "state.json").read_text())["_data_files"]
+        return (out / "dataset_info.json").is_file() and all((out / f["filename"]).is_file() for f in files)
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
+
+
 def in_dataset(path: Path) -> bool:
     """A file `gorgon data` (or `datasets`) writes in a dataset folder: --overwrite removes these, and no other."""
     return any(fnmatch.fnmatch(path.name, name) for name in (METADATA_NAME, "dataset_info.json", "state.json",
@@ -349,7 +360,8 @@ def make_dataset(settings: DataSettings, out: str | os.PathLike, target: Target 
     kernels = cpu_kernels if settings.engine == "transformers" else None
     record = {"settings": {**asdict(settings), "cpu_kernels": kernels}, "prompts_sha256": prompts_hash(convs)}
     partial = out.parent / f"{out.name}.partial"  # the unfinished run, resumed from here
-    if is_dataset(out) and not overwrite:
+    cut_short = is_dataset(out) and not is_complete(out)  # killed while moving in: made again from the shards
+    if is_dataset(out) and not overwrite and not cut_short:
         diff = record_changes(read_metadata(out), record)
         if diff:
             raise GorgonError(f"{out} holds a dataset made with other settings ({', '.join(diff)}): pass --overwrite "
@@ -360,7 +372,7 @@ def make_dataset(settings: DataSettings, out: str | os.PathLike, target: Target 
             shutil.rmtree(partial)
         print(f"gorgon data: {out} is already complete; pass --overwrite to regenerate it")
         return out
-    replace = check_output(out, is_dataset, overwrite, own_entry=in_dataset)
+    replace = check_output(out, is_dataset, overwrite or cut_short, own_entry=in_dataset)
     if os.path.lexists(partial) and not partial.is_dir():
         raise GorgonError(f"{partial} is a file, where gorgon data keeps an unfinished run: move it away or choose "
                           "another --out")
