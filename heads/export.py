@@ -61,7 +61,7 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     args = parser().parse_args(argv)
-    out = Path(args.out)
+    out = Path(os.path.abspath(args.out))  # `.` has no name to stage the export beside it under
     if Path(args.heads).is_dir() and out.exists() and out.resolve() == Path(args.heads).resolve():
         raise GorgonError(f"--out {out} is the heads folder itself: choose another folder for the export")
     replace = check_output(out, is_export, args.overwrite)

@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import datasets
 import pytest
@@ -288,6 +289,17 @@ def test_a_run_killed_while_moving_into_an_empty_folder_is_finished_by_the_next(
     monkeypatch.setattr(data_module, "move_into_place", move)
     assert make_dataset(settings, out, progress=False) == out and not (tmp_path / "mine.partial").exists()
     assert list(datasets.load_from_disk(str(out))) == list(datasets.load_from_disk(str(whole)))
+
+
+def test_out_dot_writes_the_dataset_into_the_current_folder(tmp_path, monkeypatch):
+    """`--out .` staged OUT.partial and the dataset inside the folder (`.`'s parent is `.`), then failed at the
+    move, after all the work, leaving a folder a rerun refused."""
+    target = tiny_chat_target(tmp_path)
+    src = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "question"}])
+    (tmp_path / "here").mkdir()
+    monkeypatch.chdir(tmp_path / "here")
+    make_dataset(DataSettings(prompts=src, target=str(target), max_new_tokens=4), Path("."), progress=False)
+    assert len(datasets.load_from_disk(".")) == 1 and not any(p.name.startswith(".") for p in Path(".").iterdir())
 
 
 def test_an_unfinished_run_another_live_process_writes_is_refused(tmp_path):

@@ -484,6 +484,20 @@ def test_a_draft_cards_base_model_is_the_model_it_was_distilled_from(tmp_path):
         assert front_matter(card)["base_model"] == base and front_matter(card)["library_name"] == "transformers"
 
 
+def test_an_export_to_out_dot_writes_into_the_current_folder(tmp_path, monkeypatch):
+    """`--out .` staged the export inside the folder (`.`'s parent is `.`) and failed at the move, after the
+    work."""
+    from gorgon.heads.cli import main as gorgon
+
+    target = tiny_chat_target(tmp_path)
+    MedusaHeads.for_target(load_target(str(target), device="cpu").model).save_pretrained(tmp_path / "heads")
+    (tmp_path / "here").mkdir()
+    monkeypatch.chdir(tmp_path / "here")
+    assert gorgon(["export", "--heads", str(tmp_path / "heads"), "--target", str(target), "--format", "medusa",
+                   "--out", "."]) == 0
+    assert (tmp_path / "here" / "config.json").is_file() and not list((tmp_path / "here").glob(".*.tmp"))
+
+
 def test_an_engine_layout_loads_onto_the_target_it_names(tmp_path, capsys):
     """Heads in an engine's layout (vLLM's Medusa, EAGLE-3, speculators) named their target only there
     (base_model_name_or_path, the verifier): without --target the embedded target loaded, and the heads

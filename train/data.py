@@ -353,7 +353,7 @@ def make_dataset(settings: DataSettings, out: str | os.PathLike, target: Target 
     import datasets
     from tqdm.auto import tqdm
 
-    out = Path(out)
+    out = Path(os.path.abspath(out))  # `.` has no name to put OUT.partial beside it under
     check_data_settings(settings, out)
     convs = None if settings.prompts == "self" else load_conversations(settings.prompts, settings.limit)
     # The CPU kernels round differently, which can resolve a near-tie the other way: a resume keeps them too.
