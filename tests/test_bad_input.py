@@ -340,6 +340,11 @@ def test_overwrite_refuses_a_file_of_the_users_inside_gorgons_output(tmp_path):
         assert snapshot(out) == before
         shutil.rmtree(out / "serving")
         make()
+    # A tokenizer's files are a draft model's own, but not in a heads folder (they were removed with no word).
+    (tmp_path / "run" / "tokenizer.json").write_text("mine")
+    with pytest.raises(GorgonError, match="holds tokenizer.json, which gorgon did not write"):
+        train(run)
+    assert (tmp_path / "run" / "tokenizer.json").read_text() == "mine"
 
 
 def test_training_step_counts(tmp_path):

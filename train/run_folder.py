@@ -123,24 +123,35 @@ RUN_MARKER = ".gorgon-run"  # written into a training --out when the run starts:
 REPLACING = "replacing an earlier run\n"  # the marker's text while a run (--overwrite) replaces finished output
 EARLIER = ".earlier-run"  # where the replaced run's files wait while the new run writes its own
 LOCK = ".gorgon-run.lock"  # this machine and the main process's id while a run writes the folder
-# What a run writes in its --out (heads, a draft model and its tokenizer, checkpoints, the temporary files of
-# atomic writes): --overwrite replaces a folder holding these only, and gorgon bench reports with their plots
-# (and the lock a killed bench left beside its report).
-RUN_FILES = (RUN_MARKER, EARLIER, LOCK, "checkpoints", ADAPTER_DIR, ".*.tmp", "config.json", "generation_config.json",
-             "model.safetensors", "model-*-of-*.safetensors", "model.safetensors.index.json", TREES_NAME,
-             DRAFT_VOCAB_NAME, "metrics.json", "recipe.json", "head_accuracy.png", "README.md", "tokenizer.json",
-             "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json", "chat_template.jinja",
-             "vocab.json", "merges.txt", "tokenizer.model", ".*.json.lock")
+# What a run writes in its --out (heads or a draft model, checkpoints, the temporary files of atomic writes):
+# --overwrite replaces a folder holding these only, and gorgon bench reports with their plots (and the lock a
+# killed bench left beside its report). A draft model's folder holds its tokenizer and generation config too.
+RUN_FILES = (RUN_MARKER, EARLIER, LOCK, "checkpoints", ADAPTER_DIR, ".*.tmp", "config.json", "model.safetensors",
+             "model-*-of-*.safetensors", "model.safetensors.index.json", TREES_NAME, DRAFT_VOCAB_NAME,
+             "metrics.json", "recipe.json", "head_accuracy.png", "README.md", ".*.json.lock")
+DRAFT_FILES = ("generation_config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+               "added_tokens.json", "chat_template.jinja", "vocab.json", "merges.txt", "tokenizer.model")
 
 
 def in_run_folder(path: Path) -> bool:
     """An entry of a training --out that --overwrite may remove: what a run writes, or a gorgon bench report (and
-    its plot) of the earlier heads."""
+    its plot) of the earlier heads. A tokenizer's files are a draft model's only where the folder holds one (in
+    a heads folder they are the user's)."""
     from gorgon.decode.bench import is_report
     from gorgon.heads.files import is_plot
 
+    if any(fnmatch.fnmatch(path.name, name) for name in DRAFT_FILES):
+        return holds_draft(path.parent)
     return (any(fnmatch.fnmatch(path.name, name) for name in RUN_FILES) or is_report(path)
             or (path.suffix == ".png" and is_report(path.with_suffix(".json")) and is_plot(path)))
+
+
+def holds_draft(folder: Path) -> bool:
+    """Whether a training --out holds a finished draft model run (its metrics.json says so)."""
+    try:
+        return json.loads((folder / "metrics.json").read_text()).get("kind") == "draft"
+    except (OSError, ValueError, AttributeError):
+        return False
 
 
 def prepare_output(out: Path, latest_checkpoint, cfg) -> Path | None:
