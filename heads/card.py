@@ -54,10 +54,13 @@ def plot_head_accuracy(metrics: dict, path: Path) -> None:
 
 def check_card_folder(folder: Path) -> None:
     """Before a benchmark: can --update-card rebuild `folder`'s card? Training's recipe.json and metrics.json
-    must be there and the folder writable, or the figures measured would be lost at the end."""
+    must be there and the folder writable, or the figures measured would be lost at the end; a card the user
+    edited is not written over."""
     if not ((folder / "recipe.json").is_file() and (folder / "metrics.json").is_file()):
         raise GorgonError(f"{folder} has no recipe.json/metrics.json, so its card cannot be rebuilt: "
                           "--update-card works on folders written by gorgon's training")
+    check_card_unedited(folder, "--update-card would write the new card over it: keep your changes elsewhere and "
+                                "move it away, or leave out --update-card")
     check_writable(folder, "leave out --update-card (it rewrites the card there) and pass --out, or copy the folder "
                            "somewhere writable")
 
@@ -79,17 +82,32 @@ def refresh_model_card(folder: Path, bench: dict) -> None:
     write_model_card(folder, recipe, metrics)
 
 
+def card_as_written(folder: Path) -> bool | None:
+    """Whether README.md of a training run's folder is the card gorgon last wrote there (its hash, kept in
+    metrics.json); None where that cannot be told: no card, or none recorded (an earlier gorgon's)."""
+    try:
+        recorded = json.loads((folder / "metrics.json").read_text())["card"]["sha256"]
+        return hashlib.sha256((folder / "README.md").read_bytes()).hexdigest() == recorded
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def check_card_unedited(folder: Path, why: str) -> None:
+    """Refuse, before the work, to write a card over one the user edited."""
+    if card_as_written(folder) is False:
+        raise GorgonError(f"{folder / 'README.md'} is not the card gorgon wrote (edited?): {why}")
+
+
 def card_for_run(folder: Path, ref: str) -> str | None:
     """The card of a training run's folder made again naming it `ref` (a Hub repo), where README.md is the card
     training (or `bench --update-card`) wrote, unedited; else None."""
+    if not card_as_written(folder):  # edited, from an earlier gorgon, or not a run's folder
+        return None
     try:
         recipe = json.loads((folder / "recipe.json").read_text())
         metrics = json.loads((folder / "metrics.json").read_text())
-        written = hashlib.sha256((folder / "README.md").read_bytes()).hexdigest()
-        if written != metrics["card"]["sha256"]:
-            return None
         return card_text(folder, recipe, metrics, ref)
-    except (OSError, ValueError, KeyError, TypeError):  # not a run's folder, a card from before, or edited
+    except (OSError, ValueError, KeyError, TypeError):
         return None
 
 

@@ -282,6 +282,28 @@ def test_training_over_a_finished_run_needs_overwrite_and_leaves_nothing_stale(t
     assert not (out / "bench.png").exists()
 
 
+def test_a_card_the_user_edited_is_not_written_over(tmp_path):
+    """`gorgon bench --update-card` and training a finished run again (--resume to train longer, --overwrite)
+    wrote their card over one the user had edited, with no word; `gorgon push` already kept it. Each is
+    refused before the work, the card as it was."""
+    from gorgon.heads.card import check_card_folder
+
+    target = str(tiny_chat_target(tmp_path))
+    cfg = dict(data=toy_data(tmp_path / "toy.jsonl", n=8), out=str(tmp_path / "run"), target=target, max_steps=1,
+               report_to="none", save_every=1)
+    out = train(HeadsTrainConfig(**cfg))
+    check_card_folder(out)  # the card as training wrote it
+    card = (out / "README.md").read_text() + "\nMy notes.\n"
+    (out / "README.md").write_text(card)
+    edited = rf"^{re.escape(str(out / 'README.md'))} is not the card gorgon wrote \(edited\?\): "
+    with pytest.raises(GorgonError, match=edited + "--update-card would write the new card over it"):
+        check_card_folder(out)
+    for again in (dict(resume=True, max_steps=2), dict(overwrite=True)):
+        with pytest.raises(GorgonError, match=edited + "this run would write its own card over it"):
+            train(HeadsTrainConfig(**{**cfg, **again}))
+    assert (out / "README.md").read_text() == card
+
+
 def test_an_overwrite_that_fails_or_is_cut_short_keeps_the_earlier_heads(tmp_path, monkeypatch):
     """--overwrite removed a finished run's heads before training: a run that then failed (or was killed) left
     none. Now they stay until the new run writes its own; a save cut short keeps them aside until one ends."""

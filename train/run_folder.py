@@ -198,6 +198,11 @@ def prepare_own_output(out: Path, latest_checkpoint, cfg) -> Path | None:
         check_can_upload("push_to_hub")
     resume, overwrite = cfg.resume, cfg.overwrite
     finished = (out / "recipe.json").is_file()
+    if finished and (resume or overwrite):
+        from gorgon.heads.card import check_card_unedited
+
+        check_card_unedited(out, "this run would write its own card over it: keep your changes elsewhere and move "
+                                 "it away first")
     ours = finished or (out / RUN_MARKER).is_file()
     check_unlocked(out / LOCK, "training run")  # a run started by hand, or off Linux, may outlive its launcher
     if resume or not overwrite:  # checkpoints are looked for (and cut-short ones removed) in our folders only
