@@ -10,7 +10,7 @@ counts the questions where they are.
 from __future__ import annotations
 
 import argparse
-import atexit
+import contextlib
 import json
 import statistics
 import sys
@@ -27,17 +27,26 @@ from gorgon.heads.files import (
     check_report_output,
     check_unlocked,
     drop_lock,
+    missing_folders,
+    remove_empty_folders,
     save_figure,
     take_lock,
 )
-from gorgon.heads.target import context_length, load_causal_lm
+from gorgon.heads.target import check_model_source, context_length, load_causal_lm
 
 from .acceptance import Sampling
 from .attention import decoding_attention
 from .calibrate import machine_setup, sync
 from .generate import GenerationResult, generation_config_as_applied, speculative_generate
 from .kernels import kernels_in_use, stock_kernels
-from .options import add_model_arguments, compared_drafter, drafter_name, load_drafter, read_tree
+from .options import (
+    add_model_arguments,
+    check_sampling_options,
+    compared_drafter,
+    drafter_name,
+    load_drafter,
+    read_tree,
+)
 from .questions import ask, load_questions, per_category_sample
 
 BASELINES = ("generate", "stock", "prompt-lookup", "no-context")
@@ -140,9 +149,7 @@ def timed_methods(model, drafter, baselines: tuple[str, ...], assistant, samplin
     if "prompt-lookup" in baselines:
         methods["prompt-lookup"] = plain(prompt_lookup_num_tokens=10)
     if "no-context" in baselines:
-        if not isinstance(drafter, MergedDrafter):
-            raise GorgonError("--baselines no-context times the --heads or --draft drafter without the context "
-                              "draft: it needs --context-draft together with --heads or --draft")
+        check_no_context(isinstance(drafter, MergedDrafter))
         methods["no-context"] = speculative(drafter.drafter)
     if compare is not None:
         methods["compare"] = speculative(compare)
@@ -393,12 +400,23 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
+def check_no_context(merged: bool) -> None:
+    """The no-context baseline is the merged drafter's own drafter alone."""
+    if not merged:
+        raise GorgonError("--baselines no-context times the --heads or --draft drafter without the context "
+                          "draft: it needs --context-draft together with --heads or --draft")
+
+
 def main(argv=None) -> int:
     args = parser().parse_args(argv)
     baselines = tuple(b.strip() for b in args.baselines.split(",") if b.strip())
     unknown = [b for b in baselines if b not in BASELINES]
     if unknown:
         raise GorgonError(f"unknown baseline {unknown[0]!r}: use {', '.join(BASELINES)}")
+    if "no-context" in baselines:  # before the target loads
+        check_no_context(args.context_draft and bool(args.heads or args.draft))
+    if args.assistant:
+        check_model_source(args.assistant, "assistant model")
     if args.update_card and not (args.heads or args.draft):
         raise GorgonError("--update-card writes into a --heads or --draft folder's card: pass one")
     if args.update_card:
@@ -408,10 +426,15 @@ def main(argv=None) -> int:
     earlier = None if args.overwrite or not args.out else unfinished_report(Path(args.out))
     if args.out:  # going on from a stopped report rewrites it, and writes its plot: checked as --overwrite's are
         check_report_output(args.out, is_report, args.overwrite or earlier is not None)
-        hold_report_lock(Path(args.out))
     questions = per_category_sample(load_questions(args.questions, args.limit), args.per_category)
-    Sampling(args.temperature)  # its range check, before the target loads
+    check_sampling_options(args)  # its range check, before the target loads
     tree = read_tree(args.tree)
+    with holding_report(Path(args.out) if args.out else None):
+        return bench_command(args, argv, baselines, questions, tree, earlier)
+
+
+def bench_command(args, argv, baselines: tuple[str, ...], questions: list, tree, earlier: dict | None) -> int:
+    """`gorgon bench` once its options are checked: load, time, report."""
     target, drafter = load_drafter(args, tree)
     sampling = Sampling.like_generate(target.model, args.temperature, args.top_k, args.top_p)
     compare = compared_drafter(args, target, tree, drafter) if args.compare_heads else None
@@ -475,8 +498,6 @@ def main(argv=None) -> int:
         folder = Path(args.heads or args.draft)  # a local training folder: its card is rewritten in place
         refresh_model_card(folder, report)
         print(f"model card updated: {folder / 'README.md'}")
-    if args.out:
-        drop_lock(report_lock(Path(args.out)))
     return 0
 
 
@@ -502,14 +523,24 @@ def check_same_bench(earlier: dict, about: dict, out) -> None:
 
 
 def report_lock(out: Path) -> Path:
-    """The lock beside a report that a bench is writing (`hold_report_lock`)."""
+    """The lock beside a report that a bench is writing (`holding_report`)."""
     return out.parent / f".{out.name}.lock"
 
 
-def hold_report_lock(out: Path) -> None:
+@contextlib.contextmanager
+def holding_report(out: Path | None):
     """Refuse a report another live bench is writing (both wrote it after each question, and one's figures were
-    lost); else hold its lock until the bench ends (given back at exit when it fails)."""
+    lost); else hold its lock while the bench runs. The folders made for it go again if it wrote nothing there
+    (a refused or failed bench left them). None: no --out, nothing to hold."""
+    if out is None:
+        yield
+        return
     lock = report_lock(out)
     check_unlocked(lock, "gorgon bench", out)
+    made = missing_folders(lock.parent)
     take_lock(lock)
-    atexit.register(drop_lock, lock)
+    try:
+        yield
+    finally:
+        drop_lock(lock)
+        remove_empty_folders(made)

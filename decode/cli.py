@@ -11,7 +11,7 @@ from gorgon.heads.errors import ArgumentParser, GorgonError
 
 from .acceptance import Sampling
 from .generate import ACCEPTANCE_RULES, speculative_generate
-from .options import add_model_arguments, load_drafter, read_tree
+from .options import add_model_arguments, check_sampling_options, load_drafter, read_tree
 
 
 def parser() -> argparse.ArgumentParser:
@@ -52,7 +52,7 @@ class TextStream:
 
 def main(argv=None) -> int:
     args = parser().parse_args(argv)
-    Sampling(args.temperature)  # its range check, and what else needs no model, before the target loads
+    check_sampling_options(args)  # its range check, and what else needs no model, before the target loads
     if args.acceptance == "typical" and args.temperature == 0:
         raise GorgonError("--acceptance typical needs --temperature > 0 (with temperature 0 decoding is exact greedy)")
     if "" in args.stop:

@@ -24,9 +24,11 @@ from gorgon.heads import (
 from gorgon.heads.errors import ArgumentParser, int_at_least, user_path
 from gorgon.heads.files import read_text
 from gorgon.heads.hub import resolve_heads_folder
-from gorgon.heads.loading import drafter_for, is_eagle, load_heads, load_heads_for
+from gorgon.heads.loading import check_search_options, drafter_for, is_eagle, load_heads, load_heads_for
+from gorgon.heads.target import check_model_source
 from gorgon.heads.tree import MAX_TREE_NODES, best_tree_size
 
+from .acceptance import Sampling
 from .calibrate import drafted_level_cost, verify_costs
 from .kernels import DRAFT_DTYPES, KERNELS, draft_dtype, stock_rows, use_cpu_kernels
 
@@ -126,10 +128,13 @@ def load_drafter(args, tree):
     if args.draft_dtype != "auto" and not (args.heads or args.draft):
         raise GorgonError("--draft-dtype sets the dtype of a drafter's own weights: it needs --heads or --draft "
                           "(context drafts have none)")
+    if args.draft:
+        check_model_source(args.draft, "draft model")  # before the target loads
     context = context_drafter(args) if args.context_draft else None
     if not (args.heads or args.draft):
         if tree != "auto":
-            raise GorgonError("--tree applies to --heads: --context-draft alone proposes what the context repeats")
+            raise GorgonError("--tree sizes a --heads or --draft tree: --context-draft alone proposes what the "
+                              "context repeats")
         target = load_target(args.target, device=args.device, dtype=args.dtype)
         use_cpu_kernels(target.model, args.cpu_kernels)
         return target, context
@@ -243,7 +248,9 @@ def heads_drafter(heads, target, args, tree, folder: str):
 
 def check_heads_options(args, feature_level: bool, folder: str) -> None:
     """--draft-dtype and --draft-level-cost shape a feature-level head (or a --draft model); Medusa heads take
-    neither. Read from the folder's config.json, so a command line is refused before the target loads."""
+    neither, nor --draft-depth and --draft-topk. Read from the folder's config.json, so a command line is
+    refused before the target loads."""
+    check_search_options(feature_level, args.draft_depth, args.draft_topk)
     if feature_level:
         return
     if args.draft_dtype != "auto":
@@ -273,6 +280,17 @@ def use_drafter_kernels(drafter: torch.nn.Module, target_model: torch.nn.Module,
     if weight.device.type == "cpu":
         same = weight.dtype == target_weight.dtype
         use_cpu_kernels(drafter, kernels, stock_rows=(stock_rows(target_model) or 0) if same else "measure")
+
+
+def check_sampling_options(args) -> None:
+    """--temperature's range, and no --top-k or --top-p with greedy decoding (where they would do nothing),
+    before the target loads."""
+    Sampling(args.temperature)
+    given = [name for name, value in (("--top-k", args.top_k), ("--top-p", args.top_p)) if value is not None]
+    if given and args.temperature == 0:
+        raise GorgonError(f"{' and '.join(given)} {'shapes' if len(given) == 1 else 'shape'} sampling, and "
+                          "--temperature 0 decodes greedily: pass a --temperature above 0 too, or drop "
+                          f"{'it' if len(given) == 1 else 'them'}")
 
 
 def probability(text: str) -> float:

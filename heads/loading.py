@@ -66,7 +66,12 @@ def drafter_for(heads, tree=None, depth: int | None = None, topk: int | None = N
             raise GorgonError("a feature-level head builds its tree each step: pass --tree N (nodes per step) "
                               "or auto, not a list of rank paths")
         return EagleDrafter(heads, nodes=tree if isinstance(tree, int) else None, depth=depth, topk=topk)
-    if depth is not None or topk is not None:
+    check_search_options(False, depth, topk)
+    return HeadsDrafter(heads, tree)
+
+
+def check_search_options(feature_level: bool, depth: int | None, topk: int | None) -> None:
+    """A search's depth and top-k shape a feature-level head's tree; Medusa heads have no search."""
+    if not feature_level and (depth is not None or topk is not None):
         raise GorgonError("--draft-depth and --draft-topk shape a feature-level head's search; Medusa heads "
                           "draft one level per head: choose their tree with --tree")
-    return HeadsDrafter(heads, tree)

@@ -168,13 +168,18 @@ def target_source(name_or_path: str | os.PathLike | None) -> str:
         raise GorgonError(f"the target to load must be a folder, a hub id or None, not a {type(name_or_path).__name__}"
                           ": for heads onto a target loaded already, use gorgon.heads.load_heads_for(heads, target)")
     name_or_path = os.fspath(name_or_path)  # a Path too
-    problem = local_path_problem(name_or_path)
-    if problem:
-        raise GorgonError(f"target {problem}: pass a folder, a hub id, or nothing for the embedded default")
-    if not Path(name_or_path).exists() and looks_like_path(name_or_path):
-        raise GorgonError(f"no target at {name_or_path}: pass an existing folder, a hub id, "
-                          "or nothing for the embedded default")
+    check_model_source(name_or_path, "target", "an existing folder, a hub id, or nothing for the embedded default")
     return name_or_path
+
+
+def check_model_source(name: str, what: str, choices: str = "an existing folder or a hub id") -> None:
+    """Refuse a local path that cannot hold `what` (a model) in one line, before any model loads: not as a failed
+    hub download, nor after a target took minutes to load."""
+    problem = local_path_problem(name)
+    if problem:
+        raise GorgonError(f"{what} {problem}: pass {choices}")
+    if not Path(name).expanduser().exists() and looks_like_path(name):
+        raise GorgonError(f"no {what} at {name}: pass {choices}")
 
 
 def target_text_config(name_or_path: str | os.PathLike | None):

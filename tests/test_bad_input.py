@@ -1,5 +1,6 @@
 """Bad input against every command (issue 15): nothing lost, nothing silently wrong, one line per error."""
 
+import importlib.util
 import json
 import math
 import os
@@ -879,6 +880,53 @@ def test_an_export_format_for_the_other_method_is_refused_before_the_target_load
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.strip().endswith("holds Medusa heads, which export as vllm or medusa, not "
                                                          "eagle3")
+
+
+def test_options_that_cannot_apply_are_refused_before_the_target_loads(tmp_path, capsys):
+    """Each was refused only after the target had loaded (seconds here, minutes for a large target), or not at
+    all (--top-p with greedy decoding did nothing). The target named here does not exist, so a refusal that
+    came after its load would name it instead."""
+    from helpers import QUESTIONS, questions_file
+
+    heads, nowhere = tmp_path / "heads", str(tmp_path / "no-target")
+    MedusaHeads.for_target(tiny_model()).save_pretrained(heads)
+    questions = str(questions_file(tmp_path / "q.jsonl", QUESTIONS[:1]))
+    medusa = ["--heads", str(heads), "--target", nowhere]
+    bench = ["bench", "--questions", questions, "--target", nowhere]
+    tiny, toy = tmp_path / "config-only", toy_data(tmp_path / "toy.jsonl", n=8)
+    tiny.mkdir()  # a target whose config reads and whose weights do not load
+    shutil.copy(tiny_chat_target(tmp_path) / "config.json", tiny)
+    capsys.readouterr()
+    cases = [
+        (["generate", "--prompt", "hi", "--draft-depth", "3"] + medusa, "--draft-depth and --draft-topk shape a "
+         "feature-level head's search; Medusa heads draft one level per head: choose their tree with --tree"),
+        (["generate", "--prompt", "hi", "--draft", str(tmp_path / "no-draft"), "--target", nowhere],
+         f"no draft model at {tmp_path / 'no-draft'}: pass an existing folder or a hub id"),
+        (["generate", "--prompt", "hi", "--context-draft", "--tree", "8", "--target", nowhere],
+         "--tree sizes a --heads or --draft tree: --context-draft alone proposes what the context repeats"),
+        (["generate", "--prompt", "hi", "--top-p", "0.9"] + medusa, "--top-p shapes sampling, and --temperature 0 "
+         "decodes greedily: pass a --temperature above 0 too, or drop it"),
+        (bench + ["--heads", str(heads), "--baselines", "no-context", "--out", str(tmp_path / "d" / "r.json")],
+         "--baselines no-context times the --heads or --draft drafter without the context draft"),
+        (bench + ["--heads", str(heads), "--assistant", str(tmp_path / "no-assistant"), "--top-k", "5"],
+         f"no assistant model at {tmp_path / 'no-assistant'}"),
+        (bench + ["--heads", str(heads), "--top-k", "5", "--top-p", "0.9"], "--top-k and --top-p shape sampling"),
+        (["data", "--prompts", questions, "--target", nowhere, "--top-p", "0.9", "--out", str(tmp_path / "o")],
+         "--top-p 0.9 samples, and --temperature 0 answers greedily"),
+        (["draft", "--data", toy, "--target", str(tiny), "--out", str(tmp_path / "dr"), "--student-layers", "2"],
+         "student_layers must be between 1 and 1 (the target has 2 layers), not 2"),
+    ]
+    if importlib.util.find_spec("vllm") is None:
+        cases.append((["data", "--prompts", questions, "--target", nowhere, "--engine", "vllm", "--out",
+                       str(tmp_path / "o")], "--engine vllm needs vLLM"))
+    for argv, says in cases:
+        assert gorgon(argv) == 2, argv
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and says in err, (argv, err)
+    assert not (tmp_path / "d").exists()  # the refused bench's --out folder is not left behind
+    # A bench that fails after taking its report's place leaves no folder it made either.
+    assert gorgon(bench + ["--heads", str(heads), "--out", str(tmp_path / "e" / "f" / "r.json")]) == 2
+    assert "no target at" in capsys.readouterr().err and not (tmp_path / "e").exists()
 
 
 def test_a_failed_command_removes_the_parent_folders_it_made_for_its_output(tmp_path, monkeypatch, capsys):

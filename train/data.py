@@ -16,6 +16,7 @@ import argparse
 import contextlib
 import fnmatch
 import hashlib
+import importlib.util
 import json
 import math
 import os
@@ -116,10 +117,8 @@ class VllmEngine(Engine):
     """
 
     def __init__(self, target: Target, settings: DataSettings):
-        try:
-            import vllm
-        except ImportError as err:
-            raise GorgonError("--engine vllm needs vLLM: `pip install vllm`, or use --engine transformers") from err
+        import vllm  # there: checked with the settings
+
         super().__init__(target, settings, cpu_kernels="stock")  # vLLM runs its own copy of the weights
         target.fingerprint  # noqa: B018 -- computed from the weights before they are released
         source = target.model.name_or_path
@@ -338,6 +337,11 @@ def check_data_settings(settings: DataSettings, out: Path) -> None:
         if getattr(settings, name) is not None and getattr(settings, name) < 1:  # limit and max_prompt_tokens: None
             raise GorgonError(f"--{name.replace('_', '-')} must be at least 1, not {getattr(settings, name)}")
     Sampling(settings.temperature, 0, settings.top_p)  # the range check of temperature and top-p
+    if settings.top_p != 1.0 and settings.temperature == 0 and settings.prompts != "self":
+        raise GorgonError(f"--top-p {settings.top_p} samples, and --temperature 0 answers greedily: pass a "
+                          "--temperature above 0 too, or drop --top-p")
+    if settings.engine == "vllm" and importlib.util.find_spec("vllm") is None:
+        raise GorgonError("--engine vllm needs vLLM: `pip install vllm`, or use --engine transformers")
     if settings.prompts == "self" and not settings.limit:
         raise GorgonError("--prompts self needs --limit N: how many prompts the target should write")
     if os.path.exists(settings.prompts) and os.path.realpath(out) == os.path.realpath(settings.prompts):
@@ -503,8 +507,8 @@ def parser() -> argparse.ArgumentParser:
                    help="skip prompts longer than this (and count them): match your training max_length "
                         "(default: none skipped but those past the context)")
     p.add_argument("--temperature", type=float, default=d.temperature, help="0 (default) is greedy")
-    p.add_argument("--top-p", type=float, default=d.top_p, help="with --temperature: nucleus sampling (1, the "
-                   "default, is off)")
+    p.add_argument("--top-p", type=float, default=d.top_p, help="with --temperature, or for --prompts self (drawn at "
+                   "temperature 1 when --temperature is 0): nucleus sampling (1, the default, is off)")
     p.add_argument("--seed", type=int, default=d.seed, help="sampling seed (also for --prompts self): each answer's "
                    "derives from it and the prompt's place in the run, so a resumed run samples what an uninterrupted "
                    "one would (default 0)")

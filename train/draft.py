@@ -209,9 +209,9 @@ def distil(cfg: DraftTrainConfig) -> Path:
     from transformers import AutoModelForCausalLM
 
     from gorgon.heads.card import write_model_card
-    from gorgon.heads.draft_model.model import load_student, save_draft
+    from gorgon.heads.draft_model.model import check_student_layers, load_student, save_draft
     from gorgon.heads.draft_model.objective import agreement
-    from gorgon.heads.target import load_target, target_text_config
+    from gorgon.heads.target import check_model_source, load_target, target_text_config
     from gorgon.heads.tree import chain_tau
     from gorgon.train.data import describe, hub_datasets
     from gorgon.train.examples import (
@@ -253,10 +253,14 @@ def distil(cfg: DraftTrainConfig) -> Path:
                           "DeepSpeed ZeRO-3 shard: train a LoRA draft with DDP (configs/accelerate/multi_gpu.yaml), "
                           "or set lora: false")
     conversations = read_conversations(cfg.data)  # a bad --data fails before the target loads
-    vocab = target_text_config(cfg.target).vocab_size  # and a draft vocabulary too large for it
-    if cfg.draft_vocab_size is not None and cfg.draft_vocab_size > vocab:
-        raise GorgonError(f"draft_vocab_size {cfg.draft_vocab_size} is larger than the target's vocabulary ({vocab}): "
-                          "use a smaller one, or unset it to draft from every token")
+    text_config = target_text_config(cfg.target)  # a draft vocabulary or a student that cannot fit it
+    if cfg.draft_vocab_size is not None and cfg.draft_vocab_size > text_config.vocab_size:
+        raise GorgonError(f"draft_vocab_size {cfg.draft_vocab_size} is larger than the target's vocabulary "
+                          f"({text_config.vocab_size}): use a smaller one, or unset it to draft from every token")
+    if cfg.student is None:
+        check_student_layers(cfg.student_layers, text_config.num_hidden_layers)
+    else:
+        check_model_source(cfg.student, "student")
     target = load_target(cfg.target, device=str(state.device), dtype=cfg.dtype)
     target.model.requires_grad_(False)
     tokenizer = target.tokenizer
@@ -275,7 +279,7 @@ def distil(cfg: DraftTrainConfig) -> Path:
                           "or change eval_fraction")
     token_map = coverage = None
     if cfg.draft_vocab_size:  # its share of the training answers' tokens, and of the held-out ones (drafting sees)
-        token_map, train_share = frequent_tokens(train_ex, cfg.draft_vocab_size, vocab)
+        token_map, train_share = frequent_tokens(train_ex, cfg.draft_vocab_size, text_config.vocab_size)
         held_out_share = float(torch.isin(answer_tokens(eval_ex), token_map).float().mean())
         coverage = {"train": train_share, "held_out": held_out_share}
     student, what = load_student(target, cfg.student, cfg.student_layers)

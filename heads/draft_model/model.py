@@ -26,13 +26,17 @@ from ..vocab import is_draft_vocab
 DRAFT_VOCAB_NAME = "draft_vocab.safetensors"
 
 
-def truncated_copy(model: torch.nn.Module, num_layers: int) -> torch.nn.Module:
-    """The target cut to its first `num_layers` decoder layers, keeping its embedding, final norm
-    and LM head: a draft that starts out speaking the target's vocabulary and style."""
-    total = model.config.num_hidden_layers
+def check_student_layers(num_layers: int, total: int) -> None:
+    """A draft cut from a target of `total` layers keeps at least one and fewer than all."""
     if not 1 <= num_layers < total:
         raise GorgonError(f"student_layers must be between 1 and {total - 1} (the target has {total} layers), "
                           f"not {num_layers}")
+
+
+def truncated_copy(model: torch.nn.Module, num_layers: int) -> torch.nn.Module:
+    """The target cut to its first `num_layers` decoder layers, keeping its embedding, final norm
+    and LM head: a draft that starts out speaking the target's vocabulary and style."""
+    check_student_layers(num_layers, model.config.num_hidden_layers)
     config = copy.deepcopy(model.config)
     config.num_hidden_layers = num_layers
     if getattr(config, "layer_types", None):
