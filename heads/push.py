@@ -9,13 +9,14 @@ from pathlib import Path
 
 from .card import card_for_run
 from .errors import ArgumentParser, GorgonError, user_path
-from .hub import CONFIG_NAME, upload_folder
+from .hub import CONFIG_NAME, check_repo_id, upload_folder
 
 
 def parser() -> argparse.ArgumentParser:
-    p = ArgumentParser(prog="gorgon push", description="Create the Hub repo if needed and upload a heads "
-                                "folder (heads, config, trees, metrics, plot, model card) in one commit.")
-    p.add_argument("--heads", type=user_path, required=True, help="the heads folder to upload")
+    p = ArgumentParser(prog="gorgon push", description="Create the Hub repo if needed and upload a heads or draft "
+                                "model folder (weights, config, trees, metrics, plot, model card) in one commit.")
+    p.add_argument("--heads", type=user_path, required=True,
+                   help="the folder to upload: heads, or a draft model, as training wrote it")
     p.add_argument("--repo-id", required=True, help="user/name on the Hub")
     p.add_argument("--private", action="store_true", help="create the repo as private")
     p.add_argument("--revision", default=None, help="branch to commit to (default: main)")
@@ -24,6 +25,7 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     args = parser().parse_args(argv)
+    check_repo_id(args.repo_id, "--repo-id")  # before the Hub is asked
     folder = Path(args.heads)
     if not folder.exists():
         raise GorgonError(f"{folder} not found: pass the folder training wrote")

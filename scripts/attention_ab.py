@@ -21,19 +21,22 @@ from gorgon.decode.kernels import use_cpu_kernels
 from gorgon.decode.verify import verify
 from gorgon.heads import load_target
 from gorgon.heads.cache import crop_cache, with_cache
-from gorgon.heads.errors import ArgumentParser, run_script
+from gorgon.heads.errors import ArgumentParser, int_at_least, run_script
 from gorgon.heads.medusa.drafter import REFERENCE_ACCURACIES
 from gorgon.heads.target import base_model, lm_logits
-from gorgon.heads.tree import build_tree, tree_from_accuracies
+from gorgon.heads.tree import MAX_TREE_NODES, build_tree, tree_from_accuracies
 
 
 @torch.inference_mode()
 def main() -> None:
     p = ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--target", default=None, help="hub id or local path (default: the embedded SmolLM2-135M-Instruct)")
-    p.add_argument("--contexts", type=int, nargs="+", default=[128, 512, 1024], help="cache sizes to time at")
-    p.add_argument("--nodes", type=int, default=8, help="tree nodes verified per forward (default 8)")
-    p.add_argument("--repeat", type=int, default=40, help="timed rounds per cache size (default 40)")
+    p.add_argument("--contexts", type=int_at_least(1), nargs="+", default=[128, 512, 1024],
+                   help="cache sizes to time at (default 128 512 1024)")
+    p.add_argument("--nodes", type=int_at_least(2, MAX_TREE_NODES), default=8,
+                   help="tree nodes verified per forward (default 8)")
+    p.add_argument("--repeat", type=int_at_least(1), default=40,
+                   help="timed rounds per cache size (default 40)")
     args = p.parse_args()
     target = load_target(args.target, device="cpu", dtype="float32")
     model, decoder = target.model, base_model(target.model)

@@ -18,9 +18,10 @@ from pathlib import Path
 
 from gorgon.decode.questions import load_questions, per_category_sample
 from gorgon.decode.tau import measure_tau
-from gorgon.heads.errors import ArgumentParser, int_at_least, run_script
+from gorgon.heads.errors import ArgumentParser, GorgonError, int_at_least, run_script
 from gorgon.heads.files import atomic_write_text, check_report_output, save_figure
 from gorgon.heads.loading import drafter_for, load_heads
+from gorgon.heads.tree import MAX_TREE_NODES
 
 
 def is_curve(path: Path) -> bool:
@@ -63,12 +64,16 @@ def main() -> None:
     p.add_argument("--per-category", type=int_at_least(1), default=None,
                    help="the first N questions of each category only")
     p.add_argument("--max-new-tokens", type=int_at_least(1), default=64, help="most tokens per answer (default 64)")
-    p.add_argument("--nodes", type=int, default=8, help="tree nodes per step for every drafter (default 8)")
+    p.add_argument("--nodes", type=int_at_least(2, MAX_TREE_NODES), default=8,
+                   help="tree nodes per step for every drafter (default 8)")
     p.add_argument("--out", required=True, help="the JSON to write (a PNG goes beside it)")
     p.add_argument("--overwrite", action="store_true", help="replace an earlier curve at --out")
     args = p.parse_args()
     out = Path(args.out)
     check_report_output(out, is_curve, args.overwrite)  # before the measuring, not after
+    for folder in args.heads:
+        if not (Path(folder) / "metrics.json").is_file():
+            raise GorgonError(f"{folder} has no metrics.json: pass heads folders that train/heads.py wrote")
     questions = per_category_sample(load_questions(args.questions), args.per_category)
     points = []
     for folder in args.heads:

@@ -19,6 +19,7 @@ over each token count tree sizing times (1 to 16 on a CPU; the argmax included) 
 
 import argparse
 import json
+from pathlib import Path
 
 import torch
 
@@ -32,7 +33,7 @@ from gorgon.decode.questions import load_questions
 from gorgon.decode.verify import accepted_rows, features, keep_path, verify
 from gorgon.heads import HeadsDrafter, MedusaHeads
 from gorgon.heads.cache import crop_cache, growing_cache, with_cache
-from gorgon.heads.errors import ArgumentParser, run_script
+from gorgon.heads.errors import ArgumentParser, GorgonError, int_at_least, run_script
 from gorgon.heads.target import base_model, lm_logits, resolve_device, resolve_dtype
 
 
@@ -91,6 +92,8 @@ def random_target(args):
     from transformers import AutoConfig, AutoModelForCausalLM
 
     device = resolve_device(args.device)
+    if not Path(args.random_target).is_file():
+        raise GorgonError(f"--random-target {args.random_target} is not a file: pass a model's config.json")
     config = AutoConfig.from_pretrained(args.random_target)
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(config, dtype=resolve_dtype(args.dtype, device)).eval()
@@ -115,12 +118,13 @@ def main():
     p.add_argument("--random-target", metavar="CONFIG",
                    help="instead of --heads/--draft: build the target from this config.json with random weights, "
                         "with 4 random Medusa heads (costs need no real weights, e.g. an 8B-shaped Llama)")
-    p.add_argument("--context", type=int, default=256, help="cached tokens before the step (default 256)")
+    p.add_argument("--context", type=int_at_least(1), default=256, help="cached tokens before the step (default 256)")
     p.add_argument("--questions", default=None,
                    help="cache a real conversation instead of random tokens: the first question of this .jsonl "
                         "(e.g. scripts/data/mt_bench.jsonl) and the target's greedy answer, --context tokens in "
                         "all. On random tokens a feature-level head is unsure and drafts a smaller tree than in use")
-    p.add_argument("--repeat", type=int, default=15, help="timed runs per figure; the median is kept (default 15)")
+    p.add_argument("--repeat", type=int_at_least(1), default=15,
+                   help="timed runs per figure; the median is kept (default 15)")
     p.add_argument("--json", action="store_true", help="print one JSON line instead of the table")
     args = p.parse_args()
     if args.questions and args.random_target:

@@ -644,8 +644,9 @@ def test_a_model_passed_as_heads_says_so(tmp_path, capsys):
     capsys.readouterr()
     assert gorgon(["generate", "--heads", str(target), "--target", str(tmp_path / "nowhere"), "--prompt", "hi"]) == 2
     assert capsys.readouterr().err.strip() == (f"gorgon generate: error: {target} holds a model (LlamaForCausalLM), "
-                                               "not heads: pass a draft model as --draft (engines load its folder "
-                                               "as it is, with no export), a target as --target")
+                                               "not heads: a draft model goes to generate and bench as --draft "
+                                               "(engines load its folder as it is, with no export), a target as "
+                                               "--target")
 
 
 def test_a_folder_that_is_not_a_model_says_what_it_holds(tmp_path, capsys):
@@ -744,6 +745,30 @@ def test_a_bad_option_is_one_line_without_the_usage(argv, says, capsys):
         gorgon(argv)
     err = capsys.readouterr().err
     assert exit.value.code == 2 and err.count("\n") == 1 and err.startswith(says)
+
+
+def test_a_mistaken_command_names_the_command_that_takes_it(tmp_path, capsys):
+    """A draft recipe given to heads training was "unknown key 'student_layers': did you mean feature_layers"; a
+    malformed --repo-id asked the user to connect to the Hub; the scripts' counts of 0 and a missing file ended
+    in tracebacks."""
+    assert gorgon(["train", "--config", str(ROOT / "configs" / "draft" / "smollm2-135m.yaml")]) == 2
+    assert "is not a recipe for this script (it has student_layers, beta, lmbda, ...): heads train from " \
+           "configs/heads with gorgon train" in capsys.readouterr().err
+    assert gorgon(["draft", "--config", str(ROOT / "configs" / "heads" / "smollm2-135m-eagle.yaml")]) == 2
+    assert "draft models from configs/draft with gorgon draft" in capsys.readouterr().err
+    assert gorgon(["push", "--heads", str(tmp_path), "--repo-id", "bad id"]) == 2
+    assert capsys.readouterr().err == ("gorgon push: error: --repo-id 'bad id' is not a Hub repo id: pass user/name "
+                                       "(or org/name) of letters, digits, -, _ and .\n")
+    for script, argv, says in [
+        ("profile_step.py", ["--repeat", "0"], "argument --repeat: must be at least 1, not 0"),
+        ("profile_step.py", ["--random-target", str(tmp_path / "none.json")], "is not a file: pass a model's"),
+        ("attention_ab.py", ["--contexts", "0"], "argument --contexts: must be at least 1, not 0"),
+        ("learning_curve.py", ["--heads", str(tmp_path), "--questions", "q", "--out", str(tmp_path / "c.json")],
+         f"{tmp_path} has no metrics.json: pass heads folders that train/heads.py wrote"),
+    ]:
+        run = subprocess.run([sys.executable, str(ROOT / "scripts" / script)] + argv, env=env(), capture_output=True,
+                             text=True, timeout=120)
+        assert run.returncode == 2 and run.stderr.count("\n") == 1 and says in run.stderr, (script, run.stderr)
 
 
 def test_help_into_a_pipe_closed_early_ends_without_a_traceback():

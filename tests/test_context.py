@@ -134,8 +134,9 @@ def test_bad_settings_are_one_line():
         ContextDrafter(max_ngram=0)
     with pytest.raises(GorgonError, match="context draft length must be a whole number >= 1"):
         ContextDrafter(length=0)
-    with pytest.raises(GorgonError, match=r"the longest context draft \(3\) must be a whole number at least the "
-                                          r"context draft length \(5\): raise it"):
+    with pytest.raises(GorgonError, match=r"the longest context draft \(--context-max-tokens, max_length: 3\) must be "
+                                          r"a whole number at least the context draft length \(--context-tokens, "
+                                          r"length: 5\): raise it"):
         ContextDrafter(length=5, max_length=3)
     with pytest.raises(GorgonError, match="a merged tree needs a budget of 2 .* to 256 nodes, not 0"):
         MergedDrafter(Fixed(), ContextDrafter(), budget=0)

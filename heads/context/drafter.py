@@ -45,8 +45,9 @@ def check_context_settings(max_ngram: int, length: int, branches: int, max_lengt
         if not (isinstance(value, int) and value >= 1):
             raise GorgonError(f"the {name} must be a whole number >= 1, not {value!r}")
     if not (isinstance(max_length, int) and max_length >= length):
-        raise GorgonError(f"the longest context draft ({max_length!r}) must be a whole number at least the context "
-                          f"draft length ({length}): raise it, or set it to {length} for drafts of a fixed length")
+        raise GorgonError(f"the longest context draft (--context-max-tokens, max_length: {max_length!r}) must be a "
+                          f"whole number at least the context draft length (--context-tokens, length: {length}): "
+                          f"raise it, or set it to {length} for drafts of a fixed length")
 
 
 class ContextDrafter:

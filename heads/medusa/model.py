@@ -257,9 +257,9 @@ def check_not_a_model(folder: Path, data) -> None:
     the heads' config."""
     if isinstance(data, dict) and data.get("architectures") and "target_name" not in data \
             and foreign_format(folder, data) is None:
-        raise GorgonError(f"{folder} holds a model ({', '.join(map(str, data['architectures']))}), not heads: pass a "
-                          "draft model as --draft (engines load its folder as it is, with no export), a target as "
-                          "--target")
+        raise GorgonError(f"{folder} holds a model ({', '.join(map(str, data['architectures']))}), not heads: a draft "
+                          "model goes to generate and bench as --draft (engines load its folder as it is, with no "
+                          "export), a target as --target")
 
 
 def load_with_heads(heads: str | os.PathLike, target: str | None = None, device: str = "auto",
