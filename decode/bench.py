@@ -375,9 +375,9 @@ def parser() -> argparse.ArgumentParser:
     add_model_arguments(p)
     p.add_argument("--questions", type=user_path, required=True,
                    help="MT-Bench/Spec-Bench .jsonl, e.g. scripts/data/mt_bench.jsonl")
-    p.add_argument("--limit", type=int_at_least(1), default=None, help="first N questions only")
+    p.add_argument("--limit", type=int_at_least(1), default=None, help="first N questions only (default: all)")
     p.add_argument("--per-category", type=int_at_least(1), default=None,
-                   help="the first N questions of each category only (as scripts/tau.py takes them)")
+                   help="the first N questions of each category only, as scripts/tau.py takes them (default: all)")
     p.add_argument("--baselines", default="generate,stock",
                    help="comma-separated, timed in the same rotation as gorgon: generate (plain `generate`, always "
                         "run), stock (plain `generate` on torch's defaults: its stock CPU kernels when gorgon runs on "

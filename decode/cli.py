@@ -30,7 +30,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--acceptance", choices=ACCEPTANCE_RULES, default="exact",
                    help="exact (lossless; default) or typical (Medusa's typical acceptance: LOSSY, sampling only)")
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
-    p.add_argument("--stats", action="store_true", help="print tau, target forwards and tokens/s to stderr")
+    p.add_argument("--stats", action="store_true",
+                   help="print tau (tokens per target forward), target forwards and tokens/s to stderr")
     return p
 
 

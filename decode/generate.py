@@ -246,7 +246,7 @@ def chosen_sampling(config, sampling: Sampling | None, acceptance: str) -> Sampl
     where the target's generation_config samples (as `generate` would)."""
     if sampling is None:
         if getattr(config, "do_sample", False):
-            warnings.warn("the target's generation_config samples (do_sample=True), as `generate` does by default; "
+            warnings.warn("gorgon: the target's generation_config samples (do_sample=True), as `generate` does by default; "
                           "this decodes greedily: pass sampling=Sampling.like_generate(model, temperature) to sample",
                           stacklevel=3)
         sampling = Sampling()
@@ -278,7 +278,7 @@ def check_decoding(model, drafter, input_ids: torch.Tensor, generator: torch.Gen
                           f"with torch.Generator(device='{input_ids.device}')")
     ignored = generation_settings_not_applied(model)
     if ignored:
-        warnings.warn(f"the target's generation_config sets {', '.join(ignored)}, which speculative decoding does "
+        warnings.warn(f"gorgon: the target's generation_config sets {', '.join(ignored)}, which speculative decoding does "
                       f"not apply: the output is generate's without {'it' if len(ignored) == 1 else 'them'}",
                       stacklevel=3)
 

@@ -52,9 +52,10 @@ def add_model_arguments(p: argparse.ArgumentParser, sampling: bool = True) -> No
                    help=f"levels a --draft model drafts per step (its chain's length), 1 to {MAX_DRAFT_TOKENS} "
                         f"(default {DRAFT_TOKENS})")
     p.add_argument("--draft-level-cost", type=draft_level_cost_value, default=None,
-                   help="a --draft model or feature-level head stops drafting deeper in a step once its "
-                        "candidates' chances sum below this (a level's drafting time in target steps): auto (the "
-                        "default) times it on this machine, 0 drafts every level")
+                   help="what drafting one more level costs, in target steps: a --draft model or feature-level head "
+                        "drafts no deeper in a step once the level's expected accepted tokens (its candidates' "
+                        "chances, summed) fall below it; auto (the default) times it on this machine, 0 drafts "
+                        "every level")
     p.add_argument("--context-draft", action="store_true",
                    help="also draft from the context (prompt lookup: the tokens that followed the latest earlier "
                         "occurrence of the text's last n-gram), in the same tree as --heads or --draft, or alone")

@@ -14,21 +14,24 @@ from .hub import offline_if_hub_unreachable
 
 COMMANDS = {
     "data": ("gorgon.train.data", "self-distillation: the target answers prompts; writes a datasets folder"),
-    "train": ("gorgon.train.heads", "train Medusa or feature-level (EAGLE-style) heads from a YAML recipe (as "
-                                    "`accelerate launch train/heads.py`)"),
-    "draft": ("gorgon.train.draft", "distil a small draft model (as `accelerate launch train/draft.py`)"),
+    "train": ("gorgon.train.heads", "train Medusa or feature-level (EAGLE-style) heads from a YAML recipe, in one "
+                                    "process (`accelerate launch train/heads.py` runs the same on several)"),
+    "draft": ("gorgon.train.draft", "distil a small draft model, in one process (`accelerate launch train/draft.py` "
+                                    "runs the same on several)"),
     "generate": ("gorgon.decode.cli", "generate with a target plus heads or a draft model, streaming accepted tokens"),
     "export": ("gorgon.heads.export", "write heads in a serving engine's format: Medusa (vLLM, TGI, TensorRT-LLM), "
                                       "EAGLE-3 (vLLM, SGLang), speculators"),
-    "push": ("gorgon.heads.push", "upload a heads folder (and its model card) to the Hugging Face Hub"),
-    "bench": ("gorgon.decode.bench", "tau, tokens/s and speedup over plain generate, with an identical-output check"),
+    "push": ("gorgon.heads.push", "upload a heads or draft folder (and its model card) to the Hugging Face Hub"),
+    "bench": ("gorgon.decode.bench", "tau (tokens per target forward), tokens/s and speedup over plain generate, "
+                                     "with an identical-output check"),
 }
 
 
 def usage() -> str:
     width = max(map(len, COMMANDS))
     lines = [f"  {name:<{width}}  {help_}" for name, (_, help_) in COMMANDS.items()]
-    return ("usage: gorgon COMMAND [options]   (gorgon COMMAND --help for its options)\n\ncommands:\n"
+    return ("usage: gorgon COMMAND [options]   (gorgon COMMAND --help for its options; gorgon --version)\n\n"
+            "commands:\n"
             + "\n".join(lines))
 
 
@@ -36,6 +39,11 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
         print(usage())
+        return 0
+    if argv[0] == "--version":
+        from importlib.metadata import version
+
+        print(f"gorgon {version('gorgon')}")
         return 0
     name, rest = argv[0], argv[1:]
     if name not in COMMANDS:

@@ -8,6 +8,7 @@ import os
 import sys
 import types
 import typing
+import warnings
 
 
 class GorgonError(Exception):
@@ -130,7 +131,9 @@ def _fits(value, hint) -> bool:
 
 def exit_status(main, name: str) -> int:
     """Call `main()` and say how it ended as an exit status: its own (None is 0); 2, after one line `name:
-    error: ...`, for bad input or a full or read-only disk; 130 on Ctrl-C. Anything else is a bug: raised."""
+    error: ...`, for bad input or a full or read-only disk; 130 on Ctrl-C. Anything else is a bug: raised.
+    gorgon's own warnings print as one line `name: warning: ...`."""
+    one_line_warnings(name)
     try:
         return main() or 0
     except KeyboardInterrupt:
@@ -143,6 +146,20 @@ def exit_status(main, name: str) -> int:
             raise
         write_error_line(f"{name}: error: {line}")
         return 2
+
+
+def one_line_warnings(name: str) -> None:
+    """Print gorgon's warnings (their text starts "gorgon: ") as `name: warning: ...` on one line: Python adds
+    the file, the line number and the source line, which tell a command-line user nothing."""
+    default = warnings.formatwarning
+
+    def formatted(message, category, filename, lineno, line=None):
+        text = str(message)
+        if text.startswith("gorgon: "):
+            return f"{name}: warning: {text.removeprefix('gorgon: ')}\n"
+        return default(message, category, filename, lineno, line)
+
+    warnings.formatwarning = formatted
 
 
 def run_script(main, name: str) -> None:

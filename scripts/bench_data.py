@@ -1,12 +1,16 @@
 """Continuously batched self-distillation throughput against single-stream `generate`, in one run.
 
-    OMP_NUM_THREADS=1 python scripts/bench_data.py --prompts ../shared/data/mt_bench.jsonl \
+    OMP_NUM_THREADS=1 python scripts/bench_data.py --prompts scripts/data/mt_bench.jsonl \\
         --limit 64 --batch-size 32 --max-new-tokens 256 --single-limit 4
+    OMP_NUM_THREADS=1 python scripts/bench_data.py --prompts ../shared/data/sharegpt_prompts.jsonl \\
+        --limit 32 --dtypes float32 bfloat16 --rounds 2
 
 The batched side is `gorgon data`'s engine over all prompts; the single-stream side is plain
 greedy `model.generate` on the first --single-limit prompts, one at a time. The two alternate for
 --rounds rounds so a noisy neighbour slows both alike; each side's tokens/s is its total tokens
 over its total time. The single-stream answers must equal the batched ones (exact greedy).
+With several --dtypes the batched side runs once per dtype in each round (the target loaded in
+each, as `gorgon data --dtype` loads it), and counts the answers that differ from the first's.
 """
 
 import argparse
@@ -15,6 +19,7 @@ import time
 
 import torch
 
+from gorgon.decode.calibrate import cpu_flags
 from gorgon.decode.kernels import KERNELS
 from gorgon.heads import load_target
 from gorgon.heads.errors import ArgumentParser, int_at_least, run_script
@@ -35,13 +40,18 @@ def main():
                    help="prompts for the (slow) single-stream side (default 4)")
     p.add_argument("--rounds", type=int_at_least(1), default=1, help="alternations of the two sides (default 1)")
     p.add_argument("--cpu-kernels", choices=KERNELS, default="fast", help="for both sides (default fast)")
+    p.add_argument("--dtypes", nargs="+", default=["float32"],
+                   help="the target's dtype for the batched side, each timed in every round (default float32); the "
+                        "single-stream side takes the first")
     args = p.parse_args()
-    target = load_target(args.target)
+    targets = {dtype: load_target(args.target, device="cpu", dtype=dtype) for dtype in args.dtypes}
+    target = targets[args.dtypes[0]]
     convs = load_conversations(args.prompts, args.limit)
     prompts = [chat_ids(target.tokenizer, [{"role": "user", "content": c["turns"][0]}], None) for c in convs]
     prompts = [q for q in prompts if not args.max_prompt_tokens or len(q) <= args.max_prompt_tokens]
-    engine = Engine(target, DataSettings(prompts=args.prompts, batch_size=args.batch_size,
-                                         max_new_tokens=args.max_new_tokens), args.cpu_kernels)
+    settings = DataSettings(prompts=args.prompts, batch_size=args.batch_size, max_new_tokens=args.max_new_tokens)
+    engines = {dtype: Engine(t, settings, args.cpu_kernels) for dtype, t in targets.items()}
+    engine = engines[args.dtypes[0]]
 
     def single(prompt):
         with torch.inference_mode():
@@ -50,13 +60,18 @@ def main():
         return out[:next((j for j, t in enumerate(out) if t in engine.eos), len(out))]
 
     single(prompts[0][:8])  # warm-up
-    totals = {"batched": [0, 0.0], "single": [0, 0.0]}
-    mismatches = 0
+    totals = {"batched": [0, 0.0], "single": [0, 0.0]} | {dtype: [0, 0.0] for dtype in args.dtypes[1:]}
+    mismatches, differing = 0, dict.fromkeys(args.dtypes[1:], 0)
     for _ in range(args.rounds):
-        start = time.perf_counter()
-        batched = engine.generate(prompts, seeds=list(range(len(prompts))))
-        totals["batched"][0] += sum(map(len, batched))
-        totals["batched"][1] += time.perf_counter() - start
+        answers = {}
+        for dtype, side in zip(args.dtypes, ["batched", *args.dtypes[1:]]):
+            start = time.perf_counter()
+            answers[dtype] = engines[dtype].generate(prompts, seeds=list(range(len(prompts))))
+            totals[side][0] += sum(map(len, answers[dtype]))
+            totals[side][1] += time.perf_counter() - start
+        batched = answers[args.dtypes[0]]
+        for dtype in args.dtypes[1:]:
+            differing[dtype] += sum(a != b for a, b in zip(answers[dtype], batched))
         for prompt, answer in zip(prompts[: args.single_limit], batched):
             start = time.perf_counter()
             alone = single(prompt)
@@ -68,10 +83,13 @@ def main():
     print(json.dumps({
         "prompts": len(prompts), "single_prompts": min(args.single_limit, len(prompts)), "rounds": args.rounds,
         "batch_size": args.batch_size, "max_new_tokens": args.max_new_tokens, "threads": torch.get_num_threads(),
-        "cpu_kernels": args.cpu_kernels,
+        "cpu_kernels": args.cpu_kernels, "dtype": args.dtypes[0], "cpu_flags": cpu_flags(),
         "batched_tokens_per_s": round(rates["batched"], 2), "single_tokens_per_s": round(rates["single"], 2),
         "ratio": round(rates["batched"] / rates["single"], 2), "batched_seconds": round(totals["batched"][1], 1),
-        "single_answers_differing_from_batched": mismatches}))
+        "single_answers_differing_from_batched": mismatches,
+        "other_dtypes": {dtype: {"batched_tokens_per_s": round(rates[dtype], 2),
+                                 "ratio_to_first": round(rates[dtype] / rates["batched"], 2),
+                                 "answers_differing_from_first": differing[dtype]} for dtype in args.dtypes[1:]}}))
 
 
 if __name__ == "__main__":

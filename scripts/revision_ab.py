@@ -1,6 +1,6 @@
 """gorgon's decoder at a git revision against the working tree's, interleaved in one process.
 
-    OMP_NUM_THREADS=1 python scripts/revision_ab.py --against HEAD~1 --heads runs/heads/eagle-drop01-12ep \
+    OMP_NUM_THREADS=1 python scripts/revision_ab.py --against HEAD~1 --heads runs/heads/eagle-drop01-12ep \\
         --questions scripts/data/mt_bench.jsonl --limit 8 --rounds 2 --max-new-tokens 64 [--tree 6]
     python scripts/revision_ab.py --against HEAD~1 --heads ... --device cuda --dtype bfloat16 ...
 

@@ -771,6 +771,20 @@ def test_a_mistaken_command_names_the_command_that_takes_it(tmp_path, capsys):
         assert run.returncode == 2 and run.stderr.count("\n") == 1 and says in run.stderr, (script, run.stderr)
 
 
+def test_gorgons_warnings_are_one_line_on_the_command_line(monkeypatch):
+    """A CLI warning came with Python's file, line number and source line ("decode/options.py:134: UserWarning:
+    gorgon: CPU fast kernels are off ...", then the line of code)."""
+    import warnings
+
+    from gorgon.heads.errors import exit_status
+
+    monkeypatch.setattr(warnings, "formatwarning", warnings.formatwarning)  # restored after the test
+    assert exit_status(lambda: 0, "gorgon generate") == 0
+    assert warnings.formatwarning("gorgon: fast kernels are off", UserWarning, "x.py", 3) == \
+        "gorgon generate: warning: fast kernels are off\n"
+    assert warnings.formatwarning("another library's", UserWarning, "x.py", 3).startswith("x.py:3: UserWarning:")
+
+
 def test_help_into_a_pipe_closed_early_ends_without_a_traceback():
     """`python train/heads.py --help | head` ended in a BrokenPipeError traceback."""
     for argv in (["train/heads.py", "--help"], ["-m", "gorgon.heads.cli", "train", "--help"]):

@@ -44,7 +44,7 @@ from gorgon.heads.files import (
     take_lock,
 )
 from gorgon.heads.hub import is_hub_id
-from gorgon.heads.target import Target, context_length, fits_context, load_target
+from gorgon.heads.target import Target, context_length, fits_context, load_target, resolve_device, resolve_dtype
 
 from .batching import continuous_generate
 from .records import load_conversations
@@ -76,6 +76,7 @@ class DataSettings:
     shard_size: int = 64
     chat_template: str | None = None
     engine: str = "transformers"  # transformers | vllm
+    dtype: str = "auto"           # the target's: recorded as resolved (float32 on a CPU, bfloat16 on CUDA)
 
 
 def row_seed(*parts) -> int:
@@ -123,7 +124,7 @@ class VllmEngine(Engine):
         target.fingerprint  # noqa: B018 -- computed from the weights before they are released
         source = target.model.name_or_path
         target.model.to("meta")
-        self.llm = vllm.LLM(model=source, seed=settings.seed)
+        self.llm = vllm.LLM(model=source, seed=settings.seed, dtype=settings.dtype)
         self.vllm = vllm
 
     def generate(self, prompts, seeds, on_batch=None, temperature=None, max_new_tokens=None):
@@ -349,7 +350,8 @@ def check_data_settings(settings: DataSettings, out: Path) -> None:
 
 
 def make_dataset(settings: DataSettings, out: str | os.PathLike, target: Target | None = None,
-                 progress: bool = True, overwrite: bool = False, cpu_kernels: str = "fast") -> Path:
+                 progress: bool = True, overwrite: bool = False, cpu_kernels: str = "fast",
+                 device: str = "auto") -> Path:
     """Generate the self-distillation dataset at `out`; resumes from `out`.partial when present.
 
     `out` must be new, an empty folder, or a dataset gorgon data wrote, which is replaced only
@@ -362,6 +364,8 @@ def make_dataset(settings: DataSettings, out: str | os.PathLike, target: Target 
     convs = None if settings.prompts == "self" else load_conversations(settings.prompts, settings.limit)
     # The CPU kernels round differently, which can resolve a near-tie the other way: a resume keeps them too.
     kernels = cpu_kernels if settings.engine == "transformers" else None
+    dtype = target.model.dtype if target else resolve_dtype(settings.dtype, resolve_device(device))
+    settings = DataSettings(**{**asdict(settings), "dtype": str(dtype).removeprefix("torch.")})  # auto: by device
     record = {"settings": {**asdict(settings), "cpu_kernels": kernels}, "prompts_sha256": prompts_hash(convs)}
     partial = out.parent / f"{out.name}.partial"  # the unfinished run, resumed from here
     cut_short = is_dataset(out) and not is_complete(out)  # killed while moving in: made again from the shards
@@ -392,7 +396,7 @@ def make_dataset(settings: DataSettings, out: str | os.PathLike, target: Target 
             raise GorgonError(f"chat template {settings.chat_template} not found: pass a Jinja file")
         template = Path(settings.chat_template).read_text()
     with holding(partial):
-        target = target or load_target(settings.target)
+        target = target or load_target(settings.target, device=device, dtype=settings.dtype)
         tok = target.tokenizer
         if template is None and not getattr(tok, "chat_template", None):
             raise GorgonError(f"the tokenizer of {target.name} has no chat template: pass --chat-template FILE (Jinja)")
@@ -518,7 +522,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--shard-size", type=int_at_least(1), default=d.shard_size,
                    help=f"conversations per resumable shard (default {d.shard_size}); shards are answered "
                         f"{BATCHES_PER_CALL} batches' worth of prompts at a time, so a kill loses up to that much work")
-    p.add_argument("--chat-template", default=None, help="a Jinja chat template file, for tokenizers without one")
+    p.add_argument("--chat-template", type=user_path, default=None,
+                   help="a Jinja chat template file, for tokenizers without one")
     p.add_argument("--engine", choices=["transformers", "vllm"], default=d.engine,
                    help="transformers (default; continuous batching) or vllm (a GPU path that has never run: vLLM "
                         "was not installable where gorgon is built)")
@@ -526,14 +531,21 @@ def parser() -> argparse.ArgumentParser:
                    help="on the CPU: fast (default: linear layers on weights prepacked for oneDNN, about 10%% faster "
                         "here) or stock (torch's default kernels); the answers are the target's either way, but "
                         "rounding differs, so a near-tie can resolve differently")
+    p.add_argument("--device", default="auto", help="auto (default: cuda when there is a GPU, else cpu), cpu, cuda or "
+                   "cuda:N")
+    p.add_argument("--dtype", default=d.dtype,
+                   help="the target's dtype: auto (default: bfloat16 on CUDA, float32 on a CPU), float32, bfloat16, "
+                        "float16. bfloat16 on a CPU with AMX generated 2.3x the tokens per second of float32 (the "
+                        "answers of the target in bfloat16; a resume keeps the dtype)")
     p.add_argument("--overwrite", action="store_true", help="regenerate a dataset gorgon data already wrote at --out")
     return p
 
 
 def main(argv=None) -> int:
     args = vars(parser().parse_args(argv))
-    out, overwrite, kernels = args.pop("out"), args.pop("overwrite"), args.pop("cpu_kernels")
-    make_dataset(DataSettings(**args), out, overwrite=overwrite, cpu_kernels=kernels)
+    out, overwrite = args.pop("out"), args.pop("overwrite")
+    kernels, device = args.pop("cpu_kernels"), args.pop("device")
+    make_dataset(DataSettings(**args), out, overwrite=overwrite, cpu_kernels=kernels, device=device)
     print(f"gorgon data: next, heads on it: accelerate launch -q --config_file configs/accelerate/cpu.yaml "
           f"train/heads.py --data {out} --out HEADS (or gorgon train, one process; a recipe: --config "
           "configs/heads/RECIPE.yaml)")
