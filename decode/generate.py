@@ -246,9 +246,9 @@ def chosen_sampling(config, sampling: Sampling | None, acceptance: str) -> Sampl
     where the target's generation_config samples (as `generate` would)."""
     if sampling is None:
         if getattr(config, "do_sample", False):
-            warnings.warn("gorgon: the target's generation_config samples (do_sample=True), as `generate` does by default; "
-                          "this decodes greedily: pass sampling=Sampling.like_generate(model, temperature) to sample",
-                          stacklevel=3)
+            warnings.warn("gorgon: the target's generation_config samples (do_sample=True), as `generate` does by "
+                          "default; this decodes greedily: pass sampling=Sampling.like_generate(model, temperature) "
+                          "to sample", stacklevel=3)
         sampling = Sampling()
     if not isinstance(sampling, Sampling):
         raise GorgonError(f"sampling must be a Sampling (Sampling(0.7), or Sampling.like_generate(model, 0.7)), not "
@@ -278,8 +278,8 @@ def check_decoding(model, drafter, input_ids: torch.Tensor, generator: torch.Gen
                           f"with torch.Generator(device='{input_ids.device}')")
     ignored = generation_settings_not_applied(model)
     if ignored:
-        warnings.warn(f"gorgon: the target's generation_config sets {', '.join(ignored)}, which speculative decoding does "
-                      f"not apply: the output is generate's without {'it' if len(ignored) == 1 else 'them'}",
+        warnings.warn(f"gorgon: the target's generation_config sets {', '.join(ignored)}, which speculative decoding "
+                      f"does not apply: the output is generate's without {'it' if len(ignored) == 1 else 'them'}",
                       stacklevel=3)
 
 

@@ -10,17 +10,41 @@ drafting method keeps its model, drafter and training objective in its own subpa
 causal LM), context/ (prompt lookup, which needs no model, and merging it into another tree).
 """
 
-from .context import ContextDrafter, MergedDrafter
-from .draft_model import DRAFT_TOKENS, MAX_DRAFT_TOKENS, DraftModelDrafter, load_draft
-from .drafter import Drafter
-from .eagle import EagleConfig, EagleDrafter, EagleHead
-from .errors import GorgonError
-from .loading import drafter_for, load_heads, load_heads_for
-from .medusa import HeadsDrafter, MedusaConfig, MedusaHeads, load_with_heads
-from .target import Target, fingerprint, load_target
-from .tree import Tree, build_tree, tree_from_accuracies
+import importlib
+from typing import TYPE_CHECKING
 
-__all__ = ["DRAFT_TOKENS", "MAX_DRAFT_TOKENS", "ContextDrafter", "DraftModelDrafter", "Drafter", "EagleConfig",
-           "EagleDrafter", "EagleHead", "GorgonError", "HeadsDrafter", "MedusaConfig", "MedusaHeads",
-           "MergedDrafter", "Target", "Tree", "build_tree", "drafter_for", "fingerprint", "load_draft", "load_heads",
-           "load_heads_for", "load_target", "load_with_heads", "tree_from_accuracies"]
+# Each name and the module it lives in, imported on first use: the `gorgon` command (heads/cli.py) starts,
+# handles Ctrl-C and prints its help before torch loads.
+_EXPORTS = {
+    "ContextDrafter": ".context", "MergedDrafter": ".context",
+    "DRAFT_TOKENS": ".draft_model", "MAX_DRAFT_TOKENS": ".draft_model", "DraftModelDrafter": ".draft_model",
+    "load_draft": ".draft_model",
+    "Drafter": ".drafter",
+    "EagleConfig": ".eagle", "EagleDrafter": ".eagle", "EagleHead": ".eagle",
+    "GorgonError": ".errors",
+    "drafter_for": ".loading", "load_heads": ".loading", "load_heads_for": ".loading",
+    "HeadsDrafter": ".medusa", "MedusaConfig": ".medusa", "MedusaHeads": ".medusa", "load_with_heads": ".medusa",
+    "Target": ".target", "fingerprint": ".target", "load_target": ".target",
+    "Tree": ".tree", "build_tree": ".tree", "tree_from_accuracies": ".tree",
+}
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(_EXPORTS[name], __name__), name)
+    globals()[name] = value  # found directly from now on
+    return value
+
+
+if TYPE_CHECKING:  # what editors and type checkers read
+    from .context import ContextDrafter, MergedDrafter
+    from .draft_model import DRAFT_TOKENS, MAX_DRAFT_TOKENS, DraftModelDrafter, load_draft
+    from .drafter import Drafter
+    from .eagle import EagleConfig, EagleDrafter, EagleHead
+    from .errors import GorgonError
+    from .loading import drafter_for, load_heads, load_heads_for
+    from .medusa import HeadsDrafter, MedusaConfig, MedusaHeads, load_with_heads
+    from .target import Target, fingerprint, load_target
+    from .tree import Tree, build_tree, tree_from_accuracies

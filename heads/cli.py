@@ -51,9 +51,12 @@ def main(argv: list[str] | None = None) -> int:
         hint = f" (did you mean {close[0]}?)" if close else ""
         print(f"gorgon: unknown command {name!r}{hint}\n\n{usage()}", file=sys.stderr)
         return 2
+    return exit_status(lambda: run_command(name, rest), f"gorgon {name}")  # Ctrl-C in its first seconds too
+
+
+def run_command(name: str, argv: list[str]) -> int:
     offline_if_hub_unreachable()  # before the command's imports: huggingface_hub reads HF_HUB_OFFLINE once
-    # The import too: Ctrl-C in the first seconds lands in it.
-    return exit_status(lambda: importlib.import_module(COMMANDS[name][0]).main(rest), f"gorgon {name}")
+    return importlib.import_module(COMMANDS[name][0]).main(argv)
 
 
 if __name__ == "__main__":

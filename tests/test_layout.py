@@ -86,6 +86,20 @@ def test_decoding_reaches_the_drafting_methods_through_the_heads_package_only():
                 if b.startswith(methods)]
 
 
+def test_the_command_starts_before_torch_loads_and_every_export_resolves():
+    """`gorgon --help` took a second (gorgon.heads imported torch for its exports), and Ctrl-C in that second
+    ended in a traceback: its names now load on first use."""
+    code = "import sys, gorgon.heads.cli; print('torch' in sys.modules)"
+    run = subprocess.run([sys.executable, "-c", code], env=env(), capture_output=True, text=True, timeout=60)
+    assert run.stdout.strip() == "False", run.stderr
+    import gorgon.heads
+
+    for name in gorgon.heads.__all__:
+        assert getattr(gorgon.heads, name) is not None
+    with pytest.raises(AttributeError, match="has no attribute 'Nothing'"):
+        gorgon.heads.Nothing  # noqa: B018
+
+
 def test_nothing_imports_a_command_line_module():
     assert not [(a, b) for a, bs in imports().items() for b in bs if b in CLI_MODULES]
 
