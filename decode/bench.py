@@ -149,7 +149,7 @@ def timed_methods(model, drafter, baselines: tuple[str, ...], assistant, samplin
     if "prompt-lookup" in baselines:
         methods["prompt-lookup"] = plain(prompt_lookup_num_tokens=10)
     if "no-context" in baselines:
-        check_no_context(isinstance(drafter, MergedDrafter))
+        check_no_context(isinstance(drafter, MergedDrafter))  # for Python callers: `main` checked its options
         methods["no-context"] = speculative(drafter.drafter)
     if compare is not None:
         methods["compare"] = speculative(compare)

@@ -150,16 +150,25 @@ def exit_status(main, name: str) -> int:
 
 def one_line_warnings(name: str) -> None:
     """Print gorgon's warnings (their text starts "gorgon: ") as `name: warning: ...` on one line: Python adds
-    the file, the line number and the source line, which tell a command-line user nothing."""
+    the file, the line number and the source line, which tell a command-line user nothing. Installed once;
+    `name` is the latest command's."""
+    global _command
+    _command = name
+    if getattr(warnings.formatwarning, "one_line", False):
+        return
     default = warnings.formatwarning
 
     def formatted(message, category, filename, lineno, line=None):
         text = str(message)
         if text.startswith("gorgon: "):
-            return f"{name}: warning: {text.removeprefix('gorgon: ')}\n"
+            return f"{_command}: warning: {text.removeprefix('gorgon: ')}\n"
         return default(message, category, filename, lineno, line)
 
+    formatted.one_line = True
     warnings.formatwarning = formatted
+
+
+_command = "gorgon"  # the command whose warnings `one_line_warnings` prints
 
 
 def run_script(main, name: str) -> None:

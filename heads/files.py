@@ -117,9 +117,11 @@ def take_lock(lock: Path) -> None:
 
 
 def holds_lock(lock: Path) -> bool:
-    """Whether this process holds `lock` (`take_lock`)."""
-    with contextlib.suppress(OSError, ValueError, IndexError):
-        return int(lock.read_text().split()[1]) == os.getpid()
+    """Whether this process, on this machine, holds `lock` (`take_lock`): on a shared disk another machine's
+    process may have the same id."""
+    with contextlib.suppress(OSError, ValueError):
+        host, pid, *_ = lock.read_text().split()
+        return host == host_name() and int(pid) == os.getpid()
     return False
 
 

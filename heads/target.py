@@ -317,16 +317,17 @@ def gorgon_name(base_model: str | None) -> str | None:
 
 
 def recorded_target(config: dict) -> str | None:
-    """The target a heads folder's config.json names: gorgon's `target_name`, else an engine layout's base model
-    (Medusa's and EAGLE-3's `base_model_name_or_path`, the speculators verifier's `name_or_path`), the embedded
-    target's Hub id read as the embedded target (`gorgon_name`)."""
+    """The target a heads folder's config.json names: gorgon's `target_name` as it is, else an engine layout's base
+    model (Medusa's and EAGLE-3's `base_model_name_or_path`, the speculators verifier's `name_or_path`), where the
+    embedded target's Hub id means the embedded target (`gorgon_name`: gorgon exported it so)."""
     if not isinstance(config, dict):
         return None
     verifier = config.get("speculators_config")
     verifier = verifier.get("verifier") if isinstance(verifier, dict) else None
-    name = config.get("target_name") or config.get("base_model_name_or_path") or \
+    base = config.get("base_model_name_or_path") or \
         (verifier.get("name_or_path") if isinstance(verifier, dict) else None)
-    return gorgon_name(name) if isinstance(name, str) and name else None
+    name = config.get("target_name") or (gorgon_name(base) if isinstance(base, str) else None)
+    return name if isinstance(name, str) and name else None
 
 
 def target_for_heads(config: dict, target: str | os.PathLike | None) -> str | os.PathLike | None:

@@ -44,7 +44,7 @@ def main():
                    help="the target's dtype for the batched side, each timed in every round (default float32); the "
                         "single-stream side takes the first")
     args = p.parse_args()
-    targets = {dtype: load_target(args.target, device="cpu", dtype=dtype) for dtype in args.dtypes}
+    targets = {dtype: load_target(args.target, dtype=dtype) for dtype in args.dtypes}
     target = targets[args.dtypes[0]]
     convs = load_conversations(args.prompts, args.limit)
     prompts = [chat_ids(target.tokenizer, [{"role": "user", "content": c["turns"][0]}], None) for c in convs]

@@ -363,11 +363,18 @@ def test_overwrite_refuses_a_file_of_the_users_inside_gorgons_output(tmp_path):
         assert snapshot(out) == before
         shutil.rmtree(out / "serving")
         make()
-    # A tokenizer's files are a draft model's own, but not in a heads folder (they were removed with no word).
+    # A tokenizer's files are a draft model's own, but not in a heads folder (they were removed with no word),
+    # and a draft run's from the moment its config.json is written (a run cut short before metrics.json).
     (tmp_path / "run" / "tokenizer.json").write_text("mine")
     with pytest.raises(GorgonError, match="holds tokenizer.json, which gorgon did not write"):
         train(run)
     assert (tmp_path / "run" / "tokenizer.json").read_text() == "mine"
+    from gorgon.train.run_folder import in_run_folder
+
+    draft = tmp_path / "draft-run"
+    draft.mkdir()
+    (draft / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"], "model_type": "llama"}))
+    assert in_run_folder(draft / "tokenizer.json") and not in_run_folder(tmp_path / "run" / "tokenizer.json")
 
 
 def test_training_step_counts(tmp_path):
@@ -752,10 +759,10 @@ def test_a_mistaken_command_names_the_command_that_takes_it(tmp_path, capsys):
     malformed --repo-id asked the user to connect to the Hub; the scripts' counts of 0 and a missing file ended
     in tracebacks."""
     assert gorgon(["train", "--config", str(ROOT / "configs" / "draft" / "smollm2-135m.yaml")]) == 2
-    assert "is not a recipe for this script (it has student_layers, beta, lmbda, ...): heads train from " \
-           "configs/heads with gorgon train" in capsys.readouterr().err
+    assert "has keys this script does not take (student_layers, beta, lmbda, ...): a heads recipe (configs/heads) " \
+           "trains with gorgon train" in capsys.readouterr().err
     assert gorgon(["draft", "--config", str(ROOT / "configs" / "heads" / "smollm2-135m-eagle.yaml")]) == 2
-    assert "draft models from configs/draft with gorgon draft" in capsys.readouterr().err
+    assert "a draft model's (configs/draft) with gorgon draft" in capsys.readouterr().err
     assert gorgon(["push", "--heads", str(tmp_path), "--repo-id", "bad id"]) == 2
     assert capsys.readouterr().err == ("gorgon push: error: --repo-id 'bad id' is not a Hub repo id: pass user/name "
                                        "(or org/name) of letters, digits, -, _ and .\n")

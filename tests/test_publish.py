@@ -305,7 +305,7 @@ def test_failed_upload_leaves_the_folder_and_says_why(tmp_path, hub):
     closed = socket.socket()
     closed.bind(("127.0.0.1", 0))
     unreachable = f"http://127.0.0.1:{closed.getsockname()[1]}"
-    for endpoint, repo_id, fix in ((hub, "not a/valid/id", "pass the repo id as user/name"),
+    for endpoint, repo_id, fix in ((hub, "not a/valid/id", "is not a Hub repo id: pass user/name"),
                                    (unreachable, "someone/tiny-heads", "check the connection to the Hub")):
         run = push(endpoint, folder, repo_id)
         last = run.stderr.strip().splitlines()[-1]
@@ -420,23 +420,29 @@ def test_a_card_names_the_base_model_and_license_the_hub_can_take(tmp_path, monk
     assert other["base_model"] == "someone/model" and "license" not in other
 
 
-def test_a_card_lists_the_hub_datasets_the_heads_learnt_from(tmp_path):
+def test_a_card_lists_the_hub_datasets_the_heads_learnt_from(tmp_path, monkeypatch):
     """The Hub links a model to the datasets its card lists: training data read from the Hub, and the Hub
     prompts `gorgon data` answered; local files, folders and the target's own prompts are not listed."""
     from gorgon.heads.card import card_text
-    from gorgon.train.data import METADATA_NAME, hub_datasets
+    from gorgon.train.data import METADATA_NAME, DataSettings, hub_datasets, make_dataset
 
-    def data_folder(name: str, prompts: str) -> str:
+    def data_folder(name: str, prompts: str, from_hub: bool) -> str:  # as `gorgon data` records them
         (tmp_path / name).mkdir()
-        (tmp_path / name / METADATA_NAME).write_text(json.dumps({"settings": {"prompts": prompts}}))
+        (tmp_path / name / METADATA_NAME).write_text(json.dumps({"settings": {"prompts": prompts},
+                                                                  "prompts_from_hub": from_hub}))
         return str(tmp_path / name)
 
-    assert hub_datasets(data_folder("hub", "anon8231489123/ShareGPT_Vicuna_unfiltered")) == [
+    assert hub_datasets(data_folder("hub", "anon8231489123/ShareGPT_Vicuna_unfiltered", True)) == [
         "anon8231489123/ShareGPT_Vicuna_unfiltered"]
-    assert hub_datasets(data_folder("self", "self")) == []
-    assert hub_datasets(data_folder("file", str(tmp_path / "prompts.jsonl"))) == []
+    assert hub_datasets(data_folder("older", "someone/prompts", False)) == []  # recorded before it was recorded
     assert hub_datasets("someone/distilled-data") == ["someone/distilled-data"]
-    assert hub_datasets(str(tmp_path / "file")) == []
+    # A local prompts file, named relative to where `gorgon data` ran (it looks like a Hub id from elsewhere).
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "prompts.jsonl").write_text(json.dumps({"prompt": "hi"}) + "\n")
+    local = make_dataset(DataSettings(prompts="data/prompts.jsonl", target=str(tiny_chat_target(tmp_path)),
+                                      max_new_tokens=2), tmp_path / "local", progress=False)
+    assert hub_datasets(str(local)) == []
     card = card_text(tmp_path, MEDUSA_RECIPE, {**MEDUSA_METRICS, "target_name": "SmolLM2-135M-Instruct",
                                                "datasets": ["someone/distilled-data"]})
     assert front_matter(card)["datasets"] == ["someone/distilled-data"]
@@ -520,6 +526,8 @@ def test_an_engine_layout_loads_onto_the_target_it_names(tmp_path, capsys):
     assert target_for_heads({"base_model_name_or_path": EMBEDDED_HUB_ID}, None) is None
     assert f"target {EMBEDDED_HUB_ID}, which the heads name, as the embedded build of it" in capsys.readouterr().err
     assert target_for_heads({"target_name": EMBEDDED_NAME}, None) is None and not capsys.readouterr().err
+    # gorgon's own heads trained on the Hub model load onto it, not onto the embedded (quantised) build.
+    assert target_for_heads({"target_name": EMBEDDED_HUB_ID}, None) == EMBEDDED_HUB_ID
 
 
 def test_an_export_names_the_embedded_target_by_its_hub_id_and_imports_back_to_it(tmp_path, capsys,

@@ -43,11 +43,10 @@ from gorgon.heads.files import (
     remove_stale_temps,
     take_lock,
 )
-from gorgon.heads.hub import is_hub_id
 from gorgon.heads.target import Target, context_length, fits_context, load_target, resolve_device, resolve_dtype
 
 from .batching import continuous_generate
-from .records import load_conversations
+from .records import from_hub, load_conversations
 from .run_folder import changed_settings
 
 METADATA_NAME = "gorgon_data.json"
@@ -118,7 +117,8 @@ class VllmEngine(Engine):
     """
 
     def __init__(self, target: Target, settings: DataSettings):
-        import vllm  # there: checked with the settings
+        check_vllm()
+        import vllm
 
         super().__init__(target, settings, cpu_kernels="stock")  # vLLM runs its own copy of the weights
         target.fingerprint  # noqa: B018 -- computed from the weights before they are released
@@ -300,11 +300,11 @@ def describe(folder: str | os.PathLike) -> str:
 
 def hub_datasets(source: str) -> list[str]:
     """The Hub datasets training data came from, for a model card's `datasets:` metadata (the Hub links the
-    model to them): the data itself when read from the Hub, and the prompts `gorgon data` answered when
-    those were a Hub dataset."""
-    meta = read_metadata(source)
-    prompts = meta["settings"]["prompts"] if meta is not None else None
-    return [name for name in (source, prompts) if name and name != "self" and is_hub_id(name)]
+    model to them): the data itself when read from the Hub (it was read, so it is one), and the prompts `gorgon
+    data` answered when it recorded them as a Hub dataset."""
+    meta = read_metadata(source) or {}
+    return ([source] if from_hub(source) else []) + ([meta["settings"]["prompts"]] if meta.get("prompts_from_hub")
+                                                    else [])
 
 
 @contextlib.contextmanager
@@ -328,6 +328,11 @@ def holding(partial: Path):
         raise
 
 
+def check_vllm() -> None:
+    if importlib.util.find_spec("vllm") is None:
+        raise GorgonError("--engine vllm needs vLLM: `pip install vllm`, or use --engine transformers")
+
+
 def check_data_settings(settings: DataSettings, out: Path) -> None:
     """The settings' ranges and combinations, before anything is read or loaded."""
     from gorgon.decode.acceptance import Sampling
@@ -341,8 +346,8 @@ def check_data_settings(settings: DataSettings, out: Path) -> None:
     if settings.top_p != 1.0 and settings.temperature == 0 and settings.prompts != "self":
         raise GorgonError(f"--top-p {settings.top_p} samples, and --temperature 0 answers greedily: pass a "
                           "--temperature above 0 too, or drop --top-p")
-    if settings.engine == "vllm" and importlib.util.find_spec("vllm") is None:
-        raise GorgonError("--engine vllm needs vLLM: `pip install vllm`, or use --engine transformers")
+    if settings.engine == "vllm":
+        check_vllm()
     if settings.prompts == "self" and not settings.limit:
         raise GorgonError("--prompts self needs --limit N: how many prompts the target should write")
     if os.path.exists(settings.prompts) and os.path.realpath(out) == os.path.realpath(settings.prompts):
@@ -361,12 +366,13 @@ def make_dataset(settings: DataSettings, out: str | os.PathLike, target: Target 
 
     out = Path(os.path.abspath(out))  # `.` has no name to put OUT.partial beside it under
     check_data_settings(settings, out)
+    dtype = target.model.dtype if target else resolve_dtype(settings.dtype, resolve_device(device))
+    settings = DataSettings(**{**asdict(settings), "dtype": str(dtype).removeprefix("torch.")})  # auto: by device
     convs = None if settings.prompts == "self" else load_conversations(settings.prompts, settings.limit)
     # The CPU kernels round differently, which can resolve a near-tie the other way: a resume keeps them too.
     kernels = cpu_kernels if settings.engine == "transformers" else None
-    dtype = target.model.dtype if target else resolve_dtype(settings.dtype, resolve_device(device))
-    settings = DataSettings(**{**asdict(settings), "dtype": str(dtype).removeprefix("torch.")})  # auto: by device
-    record = {"settings": {**asdict(settings), "cpu_kernels": kernels}, "prompts_sha256": prompts_hash(convs)}
+    record = {"settings": {**asdict(settings), "cpu_kernels": kernels}, "prompts_sha256": prompts_hash(convs),
+              "prompts_from_hub": convs is not None and from_hub(settings.prompts)}
     partial = out.parent / f"{out.name}.partial"  # the unfinished run, resumed from here
     cut_short = is_dataset(out) and not is_complete(out)  # killed while moving in: made again from the shards
     if is_dataset(out) and not overwrite and not cut_short:
@@ -535,8 +541,9 @@ def parser() -> argparse.ArgumentParser:
                    "cuda:N")
     p.add_argument("--dtype", default=d.dtype,
                    help="the target's dtype: auto (default: bfloat16 on CUDA, float32 on a CPU), float32, bfloat16, "
-                        "float16. bfloat16 on a CPU with AMX generated 2.3x the tokens per second of float32 (the "
-                        "answers of the target in bfloat16; a resume keeps the dtype)")
+                        "float16. bfloat16 on a CPU with AMX generated 1.77x the tokens per second of float32 at the "
+                        "recipe's settings (the answers of the target in bfloat16; a resume in another dtype is "
+                        "refused)")
     p.add_argument("--overwrite", action="store_true", help="regenerate a dataset gorgon data already wrote at --out")
     return p
 

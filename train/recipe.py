@@ -208,11 +208,11 @@ def load_recipe(cls, config_path: str | None, overrides: dict[str, str]):
         if not isinstance(data, dict):
             raise GorgonError(f"config {config_path} must be a mapping of key: value")
         unknown = [key for key in data if key not in fields]
-        if len(unknown) > 1:  # not a misspelt key: the other script's recipe
-            raise GorgonError(f"config {config_path} is not a recipe for this script (it has {', '.join(unknown[:3])}"
-                              f"{', ...' if len(unknown) > 3 else ''}): heads train from configs/heads with gorgon "
-                              "train (train/heads.py), draft models from configs/draft with gorgon draft "
-                              "(train/draft.py)")
+        if len(unknown) > 1:  # most likely the other script's recipe, else more than one typo
+            raise GorgonError(f"config {config_path} has keys this script does not take ({', '.join(unknown[:3])}"
+                              f"{', ...' if len(unknown) > 3 else ''}): a heads recipe (configs/heads) trains with "
+                              "gorgon train (train/heads.py), a draft model's (configs/draft) with gorgon draft "
+                              "(train/draft.py); otherwise correct them (--help lists the keys)")
         check_keys(data, set(fields), f"in {config_path}")
         values.update({key: _convert(value, types_[key], key, f" in {config_path}") for key, value in data.items()})
     check_keys(overrides, set(fields), "on the command line")

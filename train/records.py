@@ -52,6 +52,11 @@ def conversation(record: dict, index: int) -> dict | None:
     return {"id": str(ident), "system": system, "turns": turns}
 
 
+def from_hub(source: str) -> bool:
+    """Whether `read_records` reads `source` from the Hub: a name that is no file or folder here."""
+    return not Path(source).exists()
+
+
 def read_records(source: str) -> list[dict]:
     """Records from a .jsonl/.json file, a `datasets` folder, or a hub dataset name."""
     path = Path(source)

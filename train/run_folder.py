@@ -147,11 +147,13 @@ def in_run_folder(path: Path) -> bool:
 
 
 def holds_draft(folder: Path) -> bool:
-    """Whether a training --out holds a finished draft model run (its metrics.json says so)."""
+    """Whether a training --out holds a draft model: its config.json is a transformers model's (heads' name their
+    target), which the draft's save writes first, before its tokenizer, evaluation and metrics.json."""
     try:
-        return json.loads((folder / "metrics.json").read_text()).get("kind") == "draft"
-    except (OSError, ValueError, AttributeError):
+        config = json.loads((folder / "config.json").read_text())
+    except (OSError, ValueError):
         return False
+    return isinstance(config, dict) and "architectures" in config and "target_name" not in config
 
 
 def prepare_output(out: Path, latest_checkpoint, cfg) -> Path | None:
