@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
-from .card import card_for_run
+from .card import card_as_written, card_for_run
 from .errors import ArgumentParser, GorgonError, user_path
 from .hub import CONFIG_NAME, check_repo_id, upload_folder
 
@@ -47,11 +46,8 @@ def card_for_the_repo(folder: Path, repo_id: str) -> dict[str, str] | None:
     if card is not None:
         return {"README.md": card}
     if (folder / "README.md").is_file() and (folder / "recipe.json").is_file():
-        try:
-            older = "card" not in json.loads((folder / "metrics.json").read_text(encoding="utf-8"))
-        except (OSError, ValueError):
-            older = False
-        why = "was written by an earlier gorgon" if older else "is not the card training wrote (edited?)"
+        why = "was written by an earlier gorgon" if card_as_written(folder) is None else \
+            "is not the card training wrote (edited?)"
         print(f"gorgon push: {folder / 'README.md'} {why}: it goes up as it is, naming what it names",
               file=sys.stderr)
     return None
