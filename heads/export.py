@@ -24,7 +24,7 @@ from .hub import is_hub_id, resolve_heads_folder
 from .loading import is_eagle, load_heads
 from .medusa import formats as medusa_formats
 from .medusa.model import ADAPTER_DIR
-from .target import EMBEDDED_HUB_ID, hub_name
+from .target import EMBEDDED_HUB_ID, hub_name, resolve_dtype
 
 EXPORT_MARKER = ".gorgon-export"  # written into a complete export: the files it wrote, which --overwrite replaces
 
@@ -51,12 +51,22 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--base-model", default=None,
                    help="the target's name to record, which engines load (default: the target's; the embedded "
                         f"target's is {EMBEDDED_HUB_ID})")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
-                   help="the dtype the target loads in for the export and the weights are written in (default: "
-                        "float32, as trained; bfloat16, what engines serve in, halves the memory and the files)")
+    p.add_argument("--dtype", default="float32", type=dtype_option,
+                   help="the dtype the target loads in for the export and the weights are written in: float32 "
+                        "(default, as trained; auto is the same here, on the CPU), bfloat16 (bf16: what engines "
+                        "serve in, half the memory and the files) or float16 (fp16)")
     p.add_argument("--overwrite", action="store_true",
                    help="replace the files of an earlier export at --out (other files there stay)")
     return p
+
+
+def dtype_option(text: str) -> str:
+    """--dtype: any name `resolve_dtype` takes (bf16, fp16 ... as the other commands do), checked as it is parsed."""
+    try:
+        resolve_dtype(text)
+    except GorgonError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+    return text
 
 
 def main(argv=None) -> int:

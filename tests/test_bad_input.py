@@ -740,7 +740,7 @@ def test_accelerate_launch_quiet_prints_the_message_alone(tmp_path):
     (["export", "--heads", "h", "--out", "o", "--format", "onnx"], "gorgon export: error: argument --format: invalid "
      "choice: 'onnx'"),
     (["export", "--heads", "h", "--out", "o", "--format", "vllm", "--dtype", "fp8"], "gorgon export: error: argument "
-     "--dtype: invalid choice: 'fp8'"),
+     "--dtype: unknown dtype 'fp8': use one of auto, float32, fp32, bfloat16, bf16, float16, fp16"),
     # The training scripts' spelling, and a typo that argparse hid behind the missing --prompt it made.
     (["generate", "--context-draft", "--prompt", "hi", "--max_new_tokens", "4"], "gorgon generate: error: "
      "unrecognized option --max_new_tokens (did you mean --max-new-tokens?) (see gorgon generate --help)"),
