@@ -51,10 +51,12 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--base-model", default=None,
                    help="the target's name to record, which engines load (default: the target's; the embedded "
                         f"target's is {EMBEDDED_HUB_ID})")
-    p.add_argument("--dtype", default="float32", type=dtype_option,
+    p.add_argument("--dtype", default=None, type=dtype_option,
                    help="the dtype the target loads in for the export and the weights are written in: float32 "
                         "(default, as trained; auto is the same here, on the CPU), bfloat16 (bf16: what engines "
-                        "serve in, half the memory and the files) or float16 (fp16)")
+                        "serve in, half the memory and the files) or float16 (fp16). A feature-level head's config "
+                        "records it as the draft's dtype, which SGLang runs the draft in and needs equal to the "
+                        "served target's (default: the target's when the head trained)")
     p.add_argument("--overwrite", action="store_true",
                    help="replace the files of an earlier export at --out (other files there stay)")
     return p
@@ -81,16 +83,19 @@ def main(argv=None) -> int:
         kind, formats = ("a feature-level head", eagle_formats.FORMATS) if eagle else \
             ("Medusa heads", medusa_formats.FORMATS)
         raise GorgonError(f"{args.heads} holds {kind}, which export as {' or '.join(formats)}, not {args.format}")
-    target, heads = load_heads(folder, args.target, device="cpu", dtype=args.dtype)
+    target, heads = load_heads(folder, args.target, device="cpu", dtype=args.dtype or "float32")
     # Written whole beside --out first, so a killed export leaves no half-written folder behind.
     made = missing_folders(out.parent)
     out.parent.mkdir(parents=True, exist_ok=True)
     remove_stale_temps(out.parent, f".{out.name}.exporting-")  # a killed export's own
     staging = new_temp(out.parent, f".{out.name}.exporting-", is_dir=True)
-    write = eagle_formats.export_head if eagle else medusa_formats.export_heads
     base_model = args.base_model or hub_name(target.name)  # what an engine loads as the target
     try:
-        write(heads, args.format, staging, base_model)
+        if eagle:
+            dtype = args.dtype and str(resolve_dtype(args.dtype)).removeprefix("torch.")
+            eagle_formats.export_head(heads, args.format, staging, base_model, dtype)
+        else:
+            medusa_formats.export_heads(heads, args.format, staging, base_model)
         written = sorted(str(f.relative_to(staging)) for f in staging.rglob("*") if f.is_file())
         atomic_write_text(staging / EXPORT_MARKER, json.dumps(written))
     except BaseException:  # an error or Ctrl-C: nothing half-written is left, nor the folders made for it (a

@@ -504,6 +504,25 @@ def test_an_export_to_out_dot_writes_into_the_current_folder(tmp_path, monkeypat
     assert (tmp_path / "here" / "config.json").is_file() and not list((tmp_path / "here").glob(".*.tmp"))
 
 
+def test_an_eagle_export_records_the_dtype_it_writes(tmp_path):
+    """`--dtype bfloat16` wrote bfloat16 weights under a config saying float32 (the target's when the head
+    trained): SGLang runs the draft in its config's dtype and fails when it differs from the served target's."""
+    from safetensors import safe_open
+
+    from gorgon.heads import EagleHead
+    from gorgon.heads.cli import main as gorgon
+
+    target = tiny_chat_target(tmp_path, layers=6)
+    EagleHead.for_target(load_target(str(target), device="cpu").model).save_pretrained(tmp_path / "head")
+    for dtype, expected in ((None, "float32"), ("bf16", "bfloat16")):
+        out = tmp_path / f"e3-{dtype}"
+        assert gorgon(["export", "--heads", str(tmp_path / "head"), "--target", str(target), "--format", "eagle3",
+                       "--out", str(out)] + (["--dtype", dtype] if dtype else [])) == 0
+        with safe_open(out / "model.safetensors", "pt") as weights:
+            assert str(weights.get_tensor("fc.weight").dtype) == f"torch.{expected}"
+        assert json.loads((out / "config.json").read_text())["dtype"] == expected
+
+
 def test_an_engine_layout_loads_onto_the_target_it_names(tmp_path, capsys):
     """Heads in an engine's layout (vLLM's Medusa, EAGLE-3, speculators) named their target only there
     (base_model_name_or_path, the verifier): without --target the embedded target loaded, and the heads

@@ -35,8 +35,9 @@ The head's computation is the engines' (model.py), so an exported head drafts as
 only a Llama or Qwen3 layer's weights export (vLLM fails on any other weight, SGLang skips it); a
 family whose attention has q/k/v biases (Qwen2) exports as Llama with `attention_bias`, which vLLM
 reads and SGLang ignores. A head over the whole vocabulary has no `d2t`/`t2d` (vLLM then has no
-parameter to load them into). `dtype` is the target's: SGLang runs the draft in its config's
-dtype, not the target's.
+parameter to load them into). `dtype` is the target's when the head trained, or the one `gorgon
+export --dtype` writes the weights in: SGLang runs the draft in its config's dtype, not the
+target's, and fails when they differ.
 """
 
 from __future__ import annotations
@@ -75,8 +76,9 @@ def engine_layer_config(head, model_type: str) -> dict:
     return config
 
 
-def export_head(head, fmt: str, out: str | Path, base_model: str | None = None) -> Path:
-    """Write `head` in a serving engine's layout to the folder `out`."""
+def export_head(head, fmt: str, out: str | Path, base_model: str | None = None, dtype: str | None = None) -> Path:
+    """Write `head` in a serving engine's layout to the folder `out`. `dtype`: the draft's dtype its config
+    records (default: the target's when the head trained), which should be the served target's."""
 
     if fmt not in FORMATS:
         raise GorgonError(f"unknown format {fmt!r} for a feature-level head: use one of {', '.join(FORMATS)}")
@@ -90,6 +92,8 @@ def export_head(head, fmt: str, out: str | Path, base_model: str | None = None) 
               "but SGLang's EAGLE-3 loader builds its attention without biases and leaves them out, so the head "
               "drafts worse there", file=sys.stderr)
     layer = with_top_level_rope(engine_layer(head, state))
+    if dtype is not None:
+        layer["dtype"] = dtype
     vocab, draft = head.config.vocab_size, head.config.draft_vocab_size or head.config.vocab_size
     if head.token_map is not None:
         state["d2t"] = (head.token_map.cpu() - torch.arange(draft)).long()
