@@ -150,25 +150,21 @@ def exit_status(main, name: str) -> int:
 
 def one_line_warnings(name: str) -> None:
     """Print gorgon's warnings (their text starts "gorgon: ") as `name: warning: ...` on one line: Python adds
-    the file, the line number and the source line, which tell a command-line user nothing. Installed once;
-    `name` is the latest command's."""
+    the file, the line number and the source line, which tell a command-line user nothing."""
     global _command
     _command = name
-    if getattr(warnings.formatwarning, "one_line", False):
-        return
-    default = warnings.formatwarning
-
-    def formatted(message, category, filename, lineno, line=None):
-        text = str(message)
-        if text.startswith("gorgon: "):
-            return f"{_command}: warning: {text.removeprefix('gorgon: ')}\n"
-        return default(message, category, filename, lineno, line)
-
-    formatted.one_line = True
-    warnings.formatwarning = formatted
+    warnings.formatwarning = _one_line
 
 
-_command = "gorgon"  # the command whose warnings `one_line_warnings` prints
+def _one_line(message, category, filename, lineno, line=None) -> str:
+    text = str(message)
+    if text.startswith("gorgon: "):
+        return f"{_command}: warning: {text.removeprefix('gorgon: ')}\n"
+    return _python_format(message, category, filename, lineno, line)
+
+
+_command = "gorgon"  # the command whose warnings `_one_line` prints
+_python_format = warnings.formatwarning
 
 
 def run_script(main, name: str) -> None:

@@ -9,6 +9,7 @@ import shutil
 import sys
 from pathlib import Path
 
+from .drafter import dtype_name
 from .eagle import formats as eagle_formats
 from .errors import ArgumentParser, GorgonError, user_path
 from .files import (
@@ -92,8 +93,7 @@ def main(argv=None) -> int:
     base_model = args.base_model or hub_name(target.name)  # what an engine loads as the target
     try:
         if eagle:
-            dtype = args.dtype and str(resolve_dtype(args.dtype)).removeprefix("torch.")
-            eagle_formats.export_head(heads, args.format, staging, base_model, dtype)
+            eagle_formats.export_head(heads, args.format, staging, base_model, args.dtype and dtype_name(heads))
         else:
             medusa_formats.export_heads(heads, args.format, staging, base_model)
         written = sorted(str(f.relative_to(staging)) for f in staging.rglob("*") if f.is_file())
