@@ -17,8 +17,8 @@ from .eagle.model import ARCH
 from .errors import GorgonError
 from .files import read_config
 from .hub import CONFIG_NAME, resolve_heads_folder
-from .medusa import HeadsDrafter, MedusaHeads, load_with_heads
-from .medusa.model import ADAPTER_DIR
+from .medusa import HeadsDrafter, MedusaHeads
+from .medusa.model import ADAPTER_DIR, check_not_a_model
 from .target import Target, check_config_fits, load_target, target_for_heads
 
 
@@ -33,16 +33,18 @@ def is_eagle(folder) -> bool:
 
 def load_heads(heads: str | os.PathLike, target: str | os.PathLike | None = None, device: str = "auto",
                dtype: str | torch.dtype = "auto") -> tuple[Target, object]:
-    """The target and the heads in a folder or hub repo (a Medusa-2 folder's LoRA adapter merged in). `target`
-    None: the one the heads were trained for (`target_for_heads`)."""
+    """The target and the heads in a folder or hub repo, whichever method wrote them (a Medusa-2 folder's LoRA
+    adapter merged into the target). `target` None: the one the heads were trained for (`target_for_heads`)."""
     folder = resolve_heads_folder(heads)  # fail before the slower target load
-    if not is_eagle(folder):
-        return load_with_heads(folder, target, device=device, dtype=dtype)
-    config = read_config(folder / CONFIG_NAME, "head")
+    feature_level = is_eagle(folder)
+    config = read_config(folder / CONFIG_NAME, "head" if feature_level else "heads")
+    if not feature_level:
+        check_not_a_model(folder, config)
     target = target_for_heads(config, target)
     check_config_fits(config, target)
-    loaded = load_target(target, device=device, dtype=dtype)
-    return loaded, EagleHead.from_pretrained(folder, target=loaded)
+    adapter = folder / ADAPTER_DIR if (folder / ADAPTER_DIR).is_dir() and not feature_level else None
+    loaded = load_target(target, device=device, dtype=dtype, adapter=adapter)
+    return loaded, (EagleHead if feature_level else MedusaHeads).from_pretrained(folder, target=loaded)
 
 
 def load_heads_for(heads: str | os.PathLike, target: Target):

@@ -15,7 +15,7 @@ from helpers import ROOT, env, kill_after_a_checkpoint, resume_equals_a_whole_ru
 from safetensors.torch import load_file
 
 from gorgon.decode import speculative_generate
-from gorgon.heads import GorgonError, MedusaHeads, drafter_for, load_heads, load_target, load_with_heads
+from gorgon.heads import GorgonError, MedusaHeads, drafter_for, load_heads, load_target
 from gorgon.train.draft import DraftTrainConfig
 from gorgon.train.draft import train as train_draft
 from gorgon.train.heads import HeadsTrainConfig, train
@@ -151,12 +151,12 @@ def test_medusa2_keeps_the_base_models_greedy_outputs(tmp_path):
     out = medusa2(tmp_path, target_path, data, base_kl_weight=1000.0, name="kl")
     adapter = load_file(out / "adapter" / "adapter_model.safetensors")
     assert any(k.endswith("lora_B.weight") and v.abs().max() > 0 for k, v in adapter.items()), "LoRA never trained"
-    merged, heads = load_with_heads(out, str(target_path), device="cpu")
+    merged, heads = load_heads(out, str(target_path), device="cpu")
     assert merged.fingerprint == base.fingerprint and heads.config.num_heads == 4
     assert any(not torch.equal(a, b) for a, b in zip(base.model.parameters(), merged.model.parameters()))
     assert all(torch.equal(a, b) for a, b in zip(greedy_answers(merged.model, base.tokenizer), expected))
     # Without the KL term the same training moves the base model's outputs: the test can fail.
-    drifted, _ = load_with_heads(medusa2(tmp_path, target_path, data, base_kl_weight=0.0, name="nokl"),
+    drifted, _ = load_heads(medusa2(tmp_path, target_path, data, base_kl_weight=0.0, name="nokl"),
                                  str(target_path), device="cpu")
     assert not all(torch.equal(a, b) for a, b in zip(greedy_answers(drifted.model, base.tokenizer), expected))
 

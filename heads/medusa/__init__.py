@@ -6,6 +6,6 @@ FasterDecoding Medusa's checkpoint layouts.
 """
 
 from .drafter import HeadsDrafter
-from .model import MedusaConfig, MedusaHeads, load_with_heads
+from .model import MedusaConfig, MedusaHeads
 
-__all__ = ["HeadsDrafter", "MedusaConfig", "MedusaHeads", "load_with_heads"]
+__all__ = ["HeadsDrafter", "MedusaConfig", "MedusaHeads"]

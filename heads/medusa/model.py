@@ -20,7 +20,7 @@ from ..card import short_card
 from ..errors import GorgonError, config_from_dict
 from ..files import atomic_write_text, check_heads_destination, read_config, reading_weights, write_weights
 from ..hub import CONFIG_NAME, PushToHubMixin, resolve_heads_folder
-from ..target import Target, attach_to_target, check_fits, lm_logits
+from ..target import attach_to_target, check_fits, lm_logits
 from ..tree import expected_accepted, tree_from_accuracies
 from ..vocab import is_draft_vocab
 from .formats import foreign_format, import_heads
@@ -260,21 +260,6 @@ def check_not_a_model(folder: Path, data) -> None:
         raise GorgonError(f"{folder} holds a model ({', '.join(map(str, data['architectures']))}), not heads: a draft "
                           "model goes to generate and bench as --draft (engines load its folder as it is, with no "
                           "export), a target as --target")
-
-
-def load_with_heads(heads: str | os.PathLike, target: str | None = None, device: str = "auto",
-                    dtype: str | torch.dtype = "auto") -> tuple[Target, "MedusaHeads"]:
-    """The target and its heads as one: a Medusa-2 heads folder's LoRA adapter is merged into the target."""
-    from ..target import check_config_fits, load_target, target_for_heads
-
-    folder = resolve_heads_folder(heads)  # fail before the slower target load
-    config = read_config(folder / CONFIG_NAME)
-    check_not_a_model(folder, config)
-    target = target_for_heads(config, target)
-    check_config_fits(config, target)
-    adapter = folder / ADAPTER_DIR if (folder / ADAPTER_DIR).is_dir() else None
-    loaded = load_target(target, device=device, dtype=dtype, adapter=adapter)
-    return loaded, MedusaHeads.from_pretrained(folder, target=loaded)
 
 
 def read_trees(path: Path) -> dict:
