@@ -24,7 +24,7 @@ from gorgon.heads import (
 from gorgon.heads.errors import ArgumentParser, int_at_least, user_path
 from gorgon.heads.files import read_text
 from gorgon.heads.hub import resolve_heads_folder
-from gorgon.heads.loading import check_search_options, drafter_for, is_eagle, load_heads, load_heads_for
+from gorgon.heads.loading import check_heads_options, drafter_for, load_heads, load_heads_for
 from gorgon.heads.target import check_model_source
 from gorgon.heads.tree import MAX_TREE_NODES, best_tree_size
 
@@ -200,7 +200,8 @@ def load_model_drafter(args, tree):
                           "not rank paths")
     if args.heads:
         folder = resolve_heads_folder(args.heads)  # a hub id downloaded once
-        check_heads_options(args, is_eagle(folder), args.heads)  # before the target loads
+        check_heads_options(folder, args.heads, args.draft_depth, args.draft_topk, args.draft_dtype,
+                            args.draft_level_cost)  # before the target loads
         target, heads = load_heads(folder, args.target, device=args.device, dtype=args.dtype)
         use_cpu_kernels(target.model, args.cpu_kernels)
         return target, heads_drafter(heads, target, args, tree, args.heads)
@@ -247,26 +248,12 @@ def heads_drafter(heads, target, args, tree, folder: str):
     return drafter
 
 
-def check_heads_options(args, feature_level: bool, folder: str) -> None:
-    """--draft-dtype and --draft-level-cost shape a feature-level head (or a --draft model); Medusa heads take
-    neither, nor --draft-depth and --draft-topk. Read from the folder's config.json, so a command line is
-    refused before the target loads."""
-    check_search_options(feature_level, args.draft_depth, args.draft_topk)
-    if feature_level:
-        return
-    if args.draft_dtype != "auto":
-        raise GorgonError(f"the heads in {folder} keep the target's dtype (they read its hidden states): drop "
-                          "--draft-dtype, which sets a feature-level head's or a --draft model's")
-    if args.draft_level_cost not in (None, "auto"):
-        raise GorgonError(f"the heads in {folder} draft every level in one forward: --draft-level-cost has nothing "
-                          "to stop (it applies to --draft and feature-level heads)")
-
-
 def compared_drafter(args, target, tree, drafter):
     """`gorgon bench --compare-heads`: the other heads, loaded onto the same target and drafted as the
     --heads are (the same tree option, merged with their own context drafter when --context-draft is on)."""
     folder = resolve_heads_folder(args.compare_heads)
-    check_heads_options(args, is_eagle(folder), args.compare_heads)
+    check_heads_options(folder, args.compare_heads, args.draft_depth, args.draft_topk, args.draft_dtype,
+                        args.draft_level_cost)
     other = heads_drafter(load_heads_for(folder, target), target, args, tree, args.compare_heads)
     if not isinstance(drafter, MergedDrafter):
         return other

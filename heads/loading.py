@@ -77,3 +77,20 @@ def check_search_options(feature_level: bool, depth: int | None, topk: int | Non
     if not feature_level and (depth is not None or topk is not None):
         raise GorgonError("--draft-depth and --draft-topk shape a feature-level head's search; Medusa heads "
                           "draft one level per head: choose their tree with --tree")
+
+
+def check_heads_options(folder, name: str, depth: int | None, topk: int | None, draft_dtype: str = "auto",
+                        level_cost: float | str | None = None) -> None:
+    """The drafting options the heads in `folder` (given as `name`) take, read from its config.json so that a
+    command line is refused before the target loads: a search's depth and top-k, a dtype of its own and a
+    level cost shape a feature-level head (or a --draft model); Medusa heads take none of them."""
+    feature_level = is_eagle(folder)
+    check_search_options(feature_level, depth, topk)
+    if feature_level:
+        return
+    if draft_dtype != "auto":
+        raise GorgonError(f"the heads in {name} keep the target's dtype (they read its hidden states): drop "
+                          "--draft-dtype, which sets a feature-level head's or a --draft model's")
+    if level_cost not in (None, "auto"):
+        raise GorgonError(f"the heads in {name} draft every level in one forward: --draft-level-cost has nothing "
+                          "to stop (it applies to --draft and feature-level heads)")
