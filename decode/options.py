@@ -33,9 +33,10 @@ from .calibrate import drafted_level_cost, verify_costs
 from .kernels import DRAFT_DTYPES, KERNELS, draft_dtype, stock_rows, use_cpu_kernels
 
 
-def add_model_arguments(p: argparse.ArgumentParser, sampling: bool = True) -> None:
+def add_model_arguments(p: argparse.ArgumentParser, sampling: bool = True, generates: bool = True) -> None:
     """What `gorgon generate` and `gorgon bench` share: the target, the drafter, the tree, sampling, device.
-    Tools that decode greedily only (tau, step profiles, revision A/B) leave the sampling options out.
+    Tools that decode greedily only (tau, step profiles) leave the sampling options out, and those that time
+    a step rather than answers (step profiles) the answers' length.
 
     The drafter: --heads (Medusa or feature-level heads) or --draft (a small model with the target's
     tokenizer), and/or --context-draft (prompt lookup, merged into the other's tree when both are given).
@@ -84,8 +85,9 @@ def add_model_arguments(p: argparse.ArgumentParser, sampling: bool = True) -> No
                         "widened so that the levels' candidates can fill the tree, as a GPU's larger tree needs), or "
                         "a --draft model's (default 1, a greedy chain; more grows a tree of its likeliest "
                         "continuations, --draft-tokens levels deep)")
-    p.add_argument("--max-new-tokens", type=int_at_least(1), default=256,
-                   help="most tokens generated per answer (default 256)")
+    if generates:
+        p.add_argument("--max-new-tokens", type=int_at_least(1), default=256,
+                       help="most tokens generated per answer (default 256)")
     if sampling:
         p.add_argument("--temperature", type=float, default=0.0, help="0 (default) is greedy")
         p.add_argument("--top-k", type=int_at_least(0), default=None,
@@ -95,7 +97,7 @@ def add_model_arguments(p: argparse.ArgumentParser, sampling: bool = True) -> No
                        help="when sampling, keep the likeliest tokens whose chances sum to p; 1 is off (default: "
                             "the target's generation_config, as `generate` takes it: 1 where it sets none)")
         p.add_argument("--seed", type=int, default=None, help="seed for sampling (default: generate draws a fresh "
-                       "one each run; bench uses 0, so its runs repeat)")
+                       "one each run; bench and the scripts use 0, so their runs repeat)")
     p.add_argument("--device", default="auto", help="auto (default: cuda when there is a GPU, else cpu), cpu, "
                    "cuda or cuda:N")
     p.add_argument("--dtype", default="auto", help="auto (bf16 on CUDA, fp32 on CPU), float32, bfloat16, float16")
@@ -162,8 +164,8 @@ def from_options(**options):
     refused in one line."""
     paths = options.pop("tree") if isinstance(options.get("tree"), list) else None
     parser = _PythonOptions(prog="from_options", add_help=False)
-    add_model_arguments(parser, sampling=False)
-    known = set(vars(parser.parse_args([]))) - {"max_new_tokens"}  # that one is speculative_generate's
+    add_model_arguments(parser, sampling=False, generates=False)  # max_new_tokens is speculative_generate's
+    known = set(vars(parser.parse_args([])))
     argv = []
     for key, value in options.items():
         if key not in known:

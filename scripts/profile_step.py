@@ -114,7 +114,7 @@ def conversation(target, questions: str, length: int) -> torch.Tensor:
 
 def main():
     p = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_model_arguments(p, sampling=False)
+    add_model_arguments(p, sampling=False, generates=False)
     p.add_argument("--random-target", metavar="CONFIG",
                    help="instead of --heads/--draft: build the target from this config.json with random weights, "
                         "with 4 random Medusa heads (costs need no real weights, e.g. an 8B-shaped Llama)")

@@ -109,7 +109,7 @@ def main():
     model, sampling = target.model, Sampling.like_generate(target.model, args.temperature, args.top_k, args.top_p)
     prompts = [target.chat_ids([{"role": "user", "content": q["turns"][0]}])
                for q in load_questions(args.questions, args.limit)]
-    gen = torch.Generator(device=model.device).manual_seed(0)
+    gen = torch.Generator(device=model.device).manual_seed(args.seed or 0)
 
     def gorgon(ids):
         result = timed_speculative(model, drafter, ids, args.max_new_tokens, sampling, gen)

@@ -1,4 +1,5 @@
-"""Distil a small draft model from the target: `accelerate launch -q train/draft.py --config configs/draft/RECIPE.yaml`.
+"""Distil a small draft model from the target: `accelerate launch -q train/draft.py --config configs/draft/RECIPE.yaml
+--data DATA --out OUT`.
 
 The other way to draft (besides heads): a small causal LM with the target's tokenizer proposes
 a few tokens and the target verifies them in one forward (`gorgon generate --draft OUT`, or
