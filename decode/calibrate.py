@@ -126,16 +126,16 @@ def drafted_level_cost(drafter, target_model, repeat: int = 20) -> float:
     """One level of a drafter's search (its `level_trial`: a level of `topk` rows on a cache of TIMED_CONTEXT)
     in plain target steps: `level_cost`."""
     level, reset = drafter.level_trial(TIMED_CONTEXT)
-    return level_cost(level, reset, target_model, target_model.device, repeat)
+    return level_cost(level, reset, target_model, repeat)
 
 
-def level_cost(level, reset, target_model, device: torch.device, repeat: int = 20) -> float:
+def level_cost(level, reset, target_model, repeat: int = 20) -> float:
     """A drafted level's time (`level()`, after which `reset()` restores the drafter's cache) in plain target
     steps (`verify_costs`' one-token cost): what a level must bring in expected tokens to pay. Timed anew
     each time (a fraction of a second), not cached: the drafter is whatever the user passes. The plain step is
     the cached verify costs' where they were measured, else timed alone (all sizes take tens of seconds)."""
-    with decoding_attention(device):
-        ms = median_ms(level, repeat, reset, device)
+    with decoding_attention(target_model.device):
+        ms = median_ms(level, repeat, reset, target_model.device)
     step = (cached_verify_costs(calibration_entry(target_model))
             or measure_verify_costs(target_model, sizes=(1,), repeat=repeat))[1]
     return ms / step

@@ -22,7 +22,7 @@ import torch
 
 from .errors import GorgonError
 from .masks import additive_mask
-from .tree import MAX_TREE_NODES, best_first
+from .tree import MAX_TREE_NODES, best_first, tree_from_token_paths
 
 # expand(level, parent, tokens, sees) -> (k, V) log-probabilities: see grow_tree
 Expand = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -44,10 +44,32 @@ def check_search(depth: int, topk: int, nodes: int) -> None:
         raise GorgonError(f"a tree needs 2 (the root and one candidate) to {MAX_TREE_NODES} nodes, not {nodes!r}")
 
 
-def check_level_cost(level_cost: float) -> None:
-    """A drafted level's cost in target steps (`can_grow`), checked where a drafter takes it."""
-    if not (isinstance(level_cost, (int, float)) and 0 <= level_cost < math.inf):
-        raise GorgonError(f"a draft level's cost is a finite number of target steps >= 0, not {level_cost!r}")
+class SearchDrafter:
+    """What the drafters that grow their tree with this search share (a feature-level head, a draft model):
+    the tree's size, the proposal made from their `scored_paths`, and the level cost, checked wherever it is
+    set (the options set it after the drafter is built, once it has been timed)."""
+
+    nodes: int
+    _level_cost = 0.0
+
+    @property
+    def max_nodes(self) -> int:
+        return self.nodes
+
+    @property
+    def level_cost(self) -> float:
+        """A drafted level's time in plain target steps (measured: `level_trial`): a step drafts no deeper once its
+        frontier's chances sum below it (`can_grow`). 0 drafts every level the tree could use."""
+        return self._level_cost
+
+    @level_cost.setter
+    def level_cost(self, value: float) -> None:
+        if not (isinstance(value, (int, float)) and 0 <= value < math.inf):
+            raise GorgonError(f"a draft level's cost is a finite number of target steps >= 0, not {value!r}")
+        self._level_cost = value
+
+    def propose(self, root: torch.Tensor, features: torch.Tensor, context: torch.Tensor):
+        return tree_from_token_paths(root, [path for path, _ in self.scored_paths(root, features, context)])
 
 
 def grow_tree(first: torch.Tensor, expand: Expand, committed: int, depth: int, topk: int, nodes: int,

@@ -463,7 +463,7 @@ def test_a_draft_model_gives_exact_greedy_output(arch, topk):
     model = tiny_model(arch)
     gen = torch.Generator().manual_seed(5)
     for draft, k in [(tiny_model(arch, seed=7), 3), (model, 4)]:   # another model, and the target itself
-        drafter = DraftModelDrafter(draft, k=k, topk=topk).check_target(model)
+        drafter = DraftModelDrafter(draft, k=k, topk=topk)
         taus = []
         for _ in range(4):
             ids = torch.randint(0, VOCAB, (1, int(torch.randint(2, 12, (1,), generator=gen))), generator=gen)
@@ -513,7 +513,7 @@ def test_a_draft_cut_to_a_draft_vocabulary_drafts_its_best_tokens_there_and_stay
     whole = tiny_model("llama", seed=7)
     cut = cut_to_draft_vocab(tiny_model("llama", seed=7), token_map)
     ids = torch.randint(0, VOCAB, (1, 9), generator=torch.Generator().manual_seed(1))
-    drafter = DraftModelDrafter(cut, k=4, topk=topk, token_map=token_map).check_target(model)
+    drafter = DraftModelDrafter(cut, k=4, topk=topk, token_map=token_map)
     with torch.no_grad():
         scored = drafter.scored_paths(ids[0, -1], None, ids[0, :-1])
         text, chain = ids[0], []
@@ -561,6 +561,8 @@ def test_a_level_that_cannot_pay_is_not_drafted():
             assert result.tokens == reference(model, ids[None], 20)
     with pytest.raises(GorgonError, match="a draft level's cost is a finite number of target steps >= 0, not -1"):
         DraftModelDrafter(draft, level_cost=-1)
+    with pytest.raises(GorgonError, match="a draft level's cost is a finite number of target steps >= 0, not inf"):
+        DraftModelDrafter(draft).level_cost = float("inf")  # as the options set it, once it is timed
     from gorgon.decode.calibrate import drafted_level_cost
 
     levels.clear()  # timed as a level runs: one forward over top-k new tokens (and the cache's prefill)

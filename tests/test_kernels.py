@@ -381,7 +381,7 @@ def test_a_drafted_levels_cost_times_only_a_plain_step_where_none_is_cached(monk
     monkeypatch.setattr(calibrate, "measure_verify_costs",
                         lambda model, sizes=None, **kw: timed.append(sizes) or measure(model, sizes=sizes, **kw))
     model = tiny_model("llama")
-    assert calibrate.level_cost(lambda: None, lambda: None, model, model.device, repeat=2) > 0
+    assert calibrate.level_cost(lambda: None, lambda: None, model, repeat=2) > 0
     assert timed == [(1,)] and capsys.readouterr().err == ""
 
 

@@ -8,8 +8,8 @@ from ..cache import crop_cache, growing_cache, with_cache
 from ..drafter import check_same_device, dtype_name
 from ..errors import GorgonError
 from ..masks import layer_masks
-from ..search import check_level_cost, check_search, grow_tree, search_settings
-from ..tree import MAX_TREE_NODES, tree_from_token_paths
+from ..search import SearchDrafter, check_search, grow_tree, search_settings
+from ..tree import MAX_TREE_NODES
 from .model import check_draft_vocab
 
 # A longer chain is all but never accepted whole, and each drafted level costs a draft forward.
@@ -17,7 +17,7 @@ MAX_DRAFT_TOKENS = 64
 DRAFT_TOKENS = 4  # levels drafted per step unless chosen
 
 
-class DraftModelDrafter:
+class DraftModelDrafter(SearchDrafter):
     """A small causal LM with the target's tokenizer drafts `k` levels a step with its own KV cache: with
     `topk` 1 a greedy chain of k tokens (classic draft-then-verify); with a larger `topk`, a tree of the
     draft's likeliest continuations, each level one forward over its `topk` best nodes (EAGLE-2's search,
@@ -29,10 +29,8 @@ class DraftModelDrafter:
     cut off after each step.
 
     `token_map`: the target ids of the draft's output rows when its output layer was cut to a draft
-    vocabulary (`cut_to_draft_vocab`); None when it outputs the whole vocabulary. `level_cost`: a
-    drafted level's time in plain target steps (measured: `level_trial`);
-    a step drafts no deeper once its frontier's chances sum below it (`search.can_grow`), so an unsure
-    draft does not spend forwards on levels the target would reject. 0 drafts all `k` levels.
+    vocabulary (`cut_to_draft_vocab`); None when it outputs the whole vocabulary. `level_cost`:
+    `SearchDrafter.level_cost` (an unsure draft then spends no forwards on levels the target would reject).
     """
 
     feature_layers = None  # unused: the draft reads tokens only
@@ -51,27 +49,18 @@ class DraftModelDrafter:
             raise GorgonError(f"the draft's output layer has {rows} rows but token_map names {len(token_map)} "
                               "tokens: cut it with cut_to_draft_vocab(draft, token_map)")
         self.token_map = None if token_map is None else torch.as_tensor(token_map, device=draft_model.device)
-        check_level_cost(level_cost)
         self.model, self.depth, self.topk, self.level_cost = draft_model, k, topk, level_cost
         self.cache = None
         self.seen = torch.empty(0, dtype=torch.long, device=draft_model.device)  # tokens in self.cache
 
-    def check_target(self, target_model) -> "DraftModelDrafter":
+    def check_target(self, target_model) -> None:
         """Refuse a draft whose vocabulary differs from the target's (its token ids would mean other text), or on
         another device than the target (it takes the target's tokens where they are)."""
         check_draft_vocab(self.model, target_model)
         check_same_device(self.model, target_model, "the draft model")
-        return self
-
-    @property
-    def max_nodes(self) -> int:
-        return self.nodes
 
     def settings(self) -> dict:
         return {"tree": search_settings(self.depth, self.topk, self.level_cost), "draft_dtype": dtype_name(self.model)}
-
-    def propose(self, root: torch.Tensor, features: torch.Tensor, context: torch.Tensor):
-        return tree_from_token_paths(root, [path for path, _ in self.scored_paths(root, features, context)])
 
     @torch.no_grad()
     def scored_paths(self, root: torch.Tensor, features: torch.Tensor,

@@ -21,17 +21,14 @@ from ..cache import crop_cache, growing_cache
 from ..drafter import check_same_device, dtype_name
 from ..errors import GorgonError
 from ..masks import additive_mask
-from ..search import check_level_cost, check_search, grow_tree, search_settings
+from ..search import SearchDrafter, check_search, grow_tree, search_settings
 from ..target import check_fits
-from ..tree import tree_from_token_paths
 from .model import EagleHead
 
 
-class EagleDrafter:
+class EagleDrafter(SearchDrafter):
     """`nodes`, `depth`, `topk`: the search's (None: those saved with the head, top-k widened to fill the
-    tree). `level_cost`: a drafted level's time in plain target steps (measured:
-    `level_trial`); a step drafts no deeper once its frontier's chances sum
-    below it (`search.can_grow`). 0 drafts every level the tree could use."""
+    tree); `level_cost`: `SearchDrafter.level_cost`."""
 
     def __init__(self, head: EagleHead, nodes: int | None = None, depth: int | None = None, topk: int | None = None,
                  level_cost: float = 0.0):
@@ -40,15 +37,10 @@ class EagleDrafter:
         self.nodes = nodes if nodes is not None else head.saved_nodes(device_type)
         self.depth = depth if depth is not None else head.config.depth
         check_search(self.depth, head.config.topk if topk is None else topk, self.nodes)  # before any widening
-        check_level_cost(level_cost)
         self.topk = topk if topk is not None else filling_topk(head.config.topk, self.depth, self.nodes)
         self.level_cost = level_cost
         self.feature_layers = head.feature_layers
         self.cache, self.committed = None, 0
-
-    @property
-    def max_nodes(self) -> int:
-        return self.nodes
 
     def check_target(self, model) -> None:
         """The head reads the target's hidden states: other shapes or another device would fail inside torch
@@ -58,9 +50,6 @@ class EagleDrafter:
 
     def settings(self) -> dict:
         return {"tree": search_settings(self.depth, self.topk, self.level_cost), "draft_dtype": dtype_name(self.head)}
-
-    def propose(self, root: torch.Tensor, features: torch.Tensor, context: torch.Tensor):
-        return tree_from_token_paths(root, [path for path, _ in self.scored_paths(root, features, context)])
 
     @torch.no_grad()
     def scored_paths(self, root: torch.Tensor, features: torch.Tensor,
