@@ -16,8 +16,7 @@ from collections.abc import Sequence
 import torch
 
 from gorgon.heads.cache import crop_cache, growing_cache, with_cache
-from gorgon.heads.errors import GorgonError
-from gorgon.heads.files import first_problem
+from gorgon.heads.errors import GorgonError, first_problem
 from gorgon.heads.masks import additive_mask, layer_kinds, layer_masks
 from gorgon.heads.target import base_model
 from gorgon.heads.tree import Tree, host_to_device, tree_from_token_paths

@@ -93,6 +93,15 @@ def check_keys(keys, known, where: str) -> None:
             raise GorgonError(f"unknown key {key!r} {where}: {hint}")
 
 
+def first_problem(err: Exception, most: int = 240) -> str:
+    """One line for a load error: torch's state-dict error lists each mismatch on a line of its own under a
+    header; the first mismatch (the tensor and both shapes) is the one to show."""
+    lines = [" ".join(line.split()) for line in str(err).splitlines() if line.strip()]
+    listed = [line for line in lines[1:] if line.startswith(("size mismatch", "Missing key", "Unexpected key"))]
+    text = (listed or lines or [err.__class__.__name__])[0]
+    return text if len(text) <= most else text[: most - 3] + "..."
+
+
 def config_from_dict(cls, data: dict, source: str, what: str):
     """A dataclass config from a config.json's fields. A hand-edited or foreign file fails here in one line
     naming the field (unknown, missing, or of the wrong JSON type), not in a TypeError while the model is

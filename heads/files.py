@@ -14,7 +14,7 @@ import socket
 import tempfile
 from pathlib import Path
 
-from .errors import GorgonError
+from .errors import GorgonError, first_problem
 
 
 def looks_like_path(text: str) -> bool:
@@ -357,15 +357,6 @@ def reading_weights(folder: Path, weights_name: str):
     except (RuntimeError, KeyError) as err:
         raise GorgonError(f"the weights in {folder} do not match its config.json ({first_problem(err)}): re-save "
                           "the heads") from err
-
-
-def first_problem(err: Exception, most: int = 240) -> str:
-    """One line for a load error: torch's state-dict error lists each mismatch on a line of its own under a
-    header; the first mismatch (the tensor and both shapes) is the one to show."""
-    lines = [" ".join(line.split()) for line in str(err).splitlines() if line.strip()]
-    listed = [line for line in lines[1:] if line.startswith(("size mismatch", "Missing key", "Unexpected key"))]
-    text = (listed or lines or [err.__class__.__name__])[0]
-    return text if len(text) <= most else text[: most - 3] + "..."
 
 
 def read_safetensors_folder(folder: Path, what: str) -> dict:

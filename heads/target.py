@@ -195,15 +195,14 @@ def target_text_config(name_or_path: str | os.PathLike | None):
 
 
 def load_target(name_or_path: str | os.PathLike | None = None, device: str = "auto", dtype: str | torch.dtype = "auto",
-                attn_implementation: str | None = None, adapter: str | os.PathLike | None = None) -> Target:
+                adapter: str | os.PathLike | None = None) -> Target:
     """Load a causal LM and its tokenizer: None means the embedded SmolLM2-135M-Instruct.
 
     `adapter`: a LoRA adapter folder (Medusa-2 training writes one beside its heads), merged into
     the weights. The fingerprint stays the base model's, which is what the heads record.
     """
     dev = resolve_device(device)
-    kwargs = {"attn_implementation": attn_implementation} if attn_implementation else {}
-    model, tokenizer = load_causal_lm(target_source(name_or_path), "target", dtype=resolve_dtype(dtype, dev), **kwargs)
+    model, tokenizer = load_causal_lm(target_source(name_or_path), "target", dtype=resolve_dtype(dtype, dev))
     model.to(dev).eval()
     target = Target(model=model, tokenizer=tokenizer, name=os.fspath(name_or_path) if name_or_path else EMBEDDED_NAME)
     if adapter is not None:
@@ -245,7 +244,7 @@ def what_folder_holds(folder: Path) -> str:
     return "check that it holds a model's config.json and weights (save_pretrained writes both)"
 
 
-def load_causal_lm(name: str, what: str, dtype: torch.dtype | None = None, tokenizer: str = "required", **kwargs):
+def load_causal_lm(name: str, what: str, dtype: torch.dtype | None = None, tokenizer: str = "required"):
     """A transformers causal LM and its tokenizer by hub id or local path (the target, a draft, a student).
 
     Not finding it is one line naming `what`. tokenizer: "required", "optional" (None when the
@@ -253,7 +252,7 @@ def load_causal_lm(name: str, what: str, dtype: torch.dtype | None = None, token
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     try:
-        model = AutoModelForCausalLM.from_pretrained(name, **({"dtype": dtype} if dtype else {}), **kwargs)
+        model = AutoModelForCausalLM.from_pretrained(name, **({"dtype": dtype} if dtype else {}))
     except (OSError, ValueError) as err:  # ValueError: a malformed hub id, or a folder of something else
         raise cannot_load(what, name, err) from err
     tok = None
@@ -382,8 +381,7 @@ def legacy_fingerprint(model: torch.nn.Module) -> str:
 
 def _fingerprint_sample(model: torch.nn.Module) -> tuple[dict, torch.Tensor]:
     """The shapes heads depend on, and an evenly spaced sample of the output embedding (float32, on the CPU)."""
-    cfg = model.config
-    text_cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+    text_cfg = model.config.get_text_config()
     shape = {k: getattr(text_cfg, k, None) for k in ("model_type", "vocab_size", "hidden_size", "num_hidden_layers")}
     flat = model.get_output_embeddings().weight.detach().reshape(-1)
     step = max(1, flat.numel() // _FINGERPRINT_SAMPLES)
