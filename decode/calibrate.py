@@ -22,7 +22,7 @@ import torch
 
 from gorgon.heads.cache import crop_cache, growing_cache, with_cache
 from gorgon.heads.files import atomic_write_text
-from gorgon.heads.target import base_model, cache_dir
+from gorgon.heads.target import cache_dir
 from gorgon.heads.tree import build_tree
 
 from .argmax import argmax_in_use, target_argmax
@@ -95,7 +95,7 @@ def measure_verify_costs(model, sizes=None, context: int = TIMED_CONTEXT, repeat
     sizes = sizes or measured_sizes(device)
     prompt = torch.randint(0, model.config.get_text_config().vocab_size, (1, context), device=device)
     cache = growing_cache()
-    decoder = base_model(model)
+    decoder = model.get_decoder()
     decoder(input_ids=prompt, **with_cache(decoder, cache), use_cache=True)
     chains = {n: build_tree([[0] * d for d in range(1, n)]).to(device) for n in sizes if n > 1}
 

@@ -20,7 +20,7 @@ import torch
 from gorgon.heads.cache import growing_cache, with_cache
 from gorgon.heads.drafter import Drafter
 from gorgon.heads.errors import GorgonError
-from gorgon.heads.target import Target, base_model, context_length, fits_context, lm_logits
+from gorgon.heads.target import Target, context_length, fits_context, lm_logits
 from gorgon.heads.tree import cut_tree, host_to_device
 
 from .acceptance import Sampling, accept_greedy, accept_sampled, accept_typical, target_probs
@@ -337,7 +337,7 @@ def speculative_generate(model, drafter: Drafter, input_ids: torch.Tensor, max_n
         check_verifies_trees(model)  # once per model: a family whose forward cannot verify trees is refused
         start = time.perf_counter()  # after that one-time probe, which --stats' tokens/s once included
         cache = growing_cache()
-        decoder = base_model(model)
+        decoder = model.get_decoder()
         out = decoder(input_ids=input_ids, **with_cache(decoder, cache), use_cache=True,
                       output_hidden_states=layers is not None)
         fresh = features(out, layers)

@@ -18,7 +18,6 @@ import torch
 from gorgon.heads.cache import crop_cache, growing_cache, with_cache
 from gorgon.heads.errors import GorgonError, first_problem
 from gorgon.heads.masks import additive_mask, layer_kinds, layer_masks
-from gorgon.heads.target import base_model
 from gorgon.heads.tree import Tree, host_to_device, tree_from_token_paths
 
 
@@ -40,7 +39,7 @@ def verify(model, cache, tokens: torch.Tensor, tree: Tree, hidden_states: bool =
     every layer's hidden states included when asked for (a drafter reading several layers needs them)."""
     past_len = cache.get_seq_length()
     positions = past_len + tree.depth
-    decoder = base_model(model)
+    decoder = model.get_decoder()
     return decoder(
         input_ids=tokens[None],
         attention_mask=verify_mask(model.config, tree, past_len, positions, model.dtype),
@@ -96,7 +95,7 @@ def check_verifies_trees(model) -> None:
     cfg = model.config.get_text_config()
     kind = getattr(cfg, "model_type", type(model).__name__)
     layer_kinds(model.config)
-    decoder = base_model(model)
+    decoder = model.get_decoder()
     if "position_ids" not in inspect.signature(decoder.forward).parameters:
         raise GorgonError(f"{kind} places each token by its order in the input (its forward takes no position_ids), "
                           "so the nodes of a tree would sit at wrong positions: use a model with rotary or learned "

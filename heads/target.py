@@ -443,7 +443,7 @@ def logit_scale(model: torch.nn.Module) -> float:
     model.eval()
     try:
         theirs = model(input_ids=ids, use_cache=False).logits[0].float()
-        ours = head_logits(model, base_model(model)(input_ids=ids, use_cache=False).last_hidden_state)[0].float()
+        ours = head_logits(model, model.get_decoder()(input_ids=ids, use_cache=False).last_hidden_state)[0].float()
     finally:
         model.train(training)
     theirs, ours = theirs - theirs.mean(-1, keepdim=True), ours - ours.mean(-1, keepdim=True)
@@ -462,11 +462,6 @@ def logit_softcap(model: torch.nn.Module) -> float | None:
     """The model's final logit soft-capping (Gemma 2), on its config or a composite config's text config."""
     return (getattr(model.config, "final_logit_softcapping", None)
             or getattr(model.config.get_text_config(), "final_logit_softcapping", None))
-
-
-def base_model(model: torch.nn.Module) -> torch.nn.Module:
-    """The decoder stack without the LM head, which returns the last (normed) hidden state."""
-    return model.get_decoder()
 
 
 def attach_to_target(module: torch.nn.Module, target, device=None, dtype=None) -> torch.nn.Module:

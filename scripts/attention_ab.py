@@ -23,7 +23,7 @@ from gorgon.heads import load_target
 from gorgon.heads.cache import crop_cache, with_cache
 from gorgon.heads.errors import ArgumentParser, int_at_least, run_script
 from gorgon.heads.medusa.drafter import REFERENCE_ACCURACIES
-from gorgon.heads.target import base_model, lm_logits
+from gorgon.heads.target import lm_logits
 from gorgon.heads.tree import MAX_TREE_NODES, build_tree, tree_from_accuracies
 
 
@@ -39,7 +39,7 @@ def main() -> None:
                    help="timed rounds per cache size (default 40)")
     args = p.parse_args()
     target = load_target(args.target, device="cpu", dtype="float32")
-    model, decoder = target.model, base_model(target.model)
+    model, decoder = target.model, target.model.get_decoder()
     use_cpu_kernels(model, "fast")
     tree = build_tree(tree_from_accuracies(REFERENCE_ACCURACIES, args.nodes))
     tokens = torch.arange(10, 10 + tree.size)

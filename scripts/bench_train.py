@@ -17,7 +17,6 @@ import torch
 from gorgon.heads import MedusaHeads, load_target
 from gorgon.heads.errors import ArgumentParser, int_at_least, run_script
 from gorgon.heads.medusa.objective import medusa_loss
-from gorgon.heads.target import base_model
 from gorgon.train.examples import collate, load_examples
 from gorgon.train.heads import set_draft_vocab
 
@@ -56,11 +55,11 @@ def main():
 
     def forward_only(batch):
         with torch.inference_mode():
-            base_model(model)(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
+            model.get_decoder()(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
 
     def medusa1_step(batch):
         with torch.inference_mode():
-            hidden = base_model(model)(input_ids=batch["input_ids"],
+            hidden = model.get_decoder()(input_ids=batch["input_ids"],
                                        attention_mask=batch["attention_mask"]).last_hidden_state
         loss, _ = medusa_loss(heads, hidden.clone(), batch["input_ids"], batch["loss_mask"])
         loss.backward()

@@ -34,7 +34,7 @@ from gorgon.decode.verify import accepted_rows, features, keep_path, verify
 from gorgon.heads import HeadsDrafter, MedusaHeads
 from gorgon.heads.cache import crop_cache, growing_cache, with_cache
 from gorgon.heads.errors import ArgumentParser, GorgonError, int_at_least, run_script
-from gorgon.heads.target import base_model, lm_logits, resolve_device, resolve_dtype
+from gorgon.heads.target import lm_logits, resolve_device, resolve_dtype
 
 
 def profile(model, drafter, context: int, repeat: int, prompt: torch.Tensor | None = None) -> dict[str, float]:
@@ -45,7 +45,7 @@ def profile(model, drafter, context: int, repeat: int, prompt: torch.Tensor | No
         prompt = torch.randint(0, model.config.get_text_config().vocab_size, (1, context), device=device)
     parts = {}
     cache = growing_cache()
-    decoder = base_model(model)
+    decoder = model.get_decoder()
     out = decoder(input_ids=prompt, **with_cache(decoder, cache), use_cache=True,
                   output_hidden_states=layers is not None)
     fresh = features(out, layers)

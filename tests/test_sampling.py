@@ -112,12 +112,12 @@ def test_a_broken_acceptance_rule_fails_the_test(peaky_model, monkeypatch):
 def test_the_target_logits_are_its_forwards_also_where_it_scales_them(arch):
     """Granite divides its LM head's output by logits_scaling, Cohere multiplies it by logit_scale: gorgon's
     logits (decoder, then LM head) took neither, so it sampled from another temperature than the model's."""
-    from gorgon.heads.target import base_model, lm_logits, logit_scale
+    from gorgon.heads.target import lm_logits, logit_scale
 
     model = tiny_model(arch)
     ids = torch.tensor([[5, 7, 9, 11]])
     with torch.no_grad():
-        assert torch.allclose(lm_logits(model, base_model(model)(ids).last_hidden_state), model(ids).logits,
+        assert torch.allclose(lm_logits(model, model.get_decoder()(ids).last_hidden_state), model(ids).logits,
                               atol=1e-6)
     assert logit_scale(model) == {"granite": 0.25, "cohere": 0.25, "llama": 1.0}[arch]
 

@@ -36,7 +36,7 @@ from transformers import DynamicCache
 
 from ..feature_cache import FeatureCache
 from ..masks import additive_mask
-from ..target import base_model, lm_logits, logit_scale
+from ..target import lm_logits, logit_scale
 from ..vocab import draft_index
 
 
@@ -76,7 +76,7 @@ class EagleObjective(torch.nn.Module):
         if cached is not None:
             features, last_hidden, labels = cached
             return features, lm_logits(self.target, last_hidden, token_map), labels
-        out = base_model(self.target)(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True)
+        out = self.target.get_decoder()(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True)
         features = torch.cat([out.hidden_states[i] for i in self.heads.feature_layers], dim=-1)
         logits = lm_logits(self.target, out.last_hidden_state)
         labels = self.draft_labels(logits.argmax(-1))

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from ..feature_cache import FeatureCache
-from ..target import base_model, lm_logits, logit_scale
+from ..target import lm_logits, logit_scale
 from ..vocab import draft_index
 
 
@@ -122,7 +122,7 @@ class MedusaObjective(torch.nn.Module):
     def forward(self, input_ids, attention_mask, loss_mask, train_backbone: bool = True):
         def run(grad: bool):
             with torch.set_grad_enabled(grad):
-                hidden = base_model(self.target)(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+                hidden = self.target.get_decoder()(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
             return hidden
 
         teacher_logits = None
