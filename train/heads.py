@@ -480,9 +480,9 @@ def evaluate(run: Run) -> tuple[float, torch.Tensor, int]:
     model.heads.eval()  # no training noise on held-out data
     with torch.no_grad():
         for batch in run.eval_loader:
-            loss, _, hidden = model(**batch, train_backbone=False)
+            loss, _, for_ranks = model(**batch, train_backbone=False)  # what the objective counts ranks from
             totals += torch.tensor([float(loss), 1, len(batch["input_ids"])], dtype=torch.float64)
-            counts += model.rank_counts(hidden, batch, run.cfg.tree_topk)
+            counts += model.rank_counts(for_ranks, batch, run.cfg.tree_topk)
     model.heads.train()
     counts = accelerator.reduce(counts.to(accelerator.device), reduction="sum").cpu()
     loss_sum, batches, conversations = accelerator.reduce(totals.to(accelerator.device), reduction="sum").tolist()
