@@ -277,13 +277,6 @@ def fits_context(context: int | None, prompt_tokens: int, max_new_tokens: int) -
     return context is None or prompt_tokens + max_new_tokens - 1 <= context
 
 
-def check_vocab(mine: int, theirs: int, what: str) -> None:
-    """Drafts are token ids of the target's vocabulary: refuse a drafter built for another size."""
-    if mine != theirs:
-        raise GorgonError(f"{what}: a vocabulary of {mine}, but the target has {theirs}: use one made for this "
-                          "target (the same tokenizer)")
-
-
 def check_fits(config, cfg, fingerprints: tuple[str, ...] = ()) -> None:
     """Refuse a target (its text config `cfg`) that a drafter's `config` (hidden_size, vocab_size, target_name,
     target_fingerprint) was not trained for: its shapes, and its fingerprint when both sides have one
@@ -392,18 +385,6 @@ def _digest(shape: dict, values: torch.Tensor) -> str:
     digest = hashlib.sha256(json.dumps(shape, sort_keys=True).encode())
     digest.update(values.numpy().tobytes())
     return digest.hexdigest()[:16]
-
-
-def check_same_tokenizer(target_tokenizer, draft_tokenizer, draft_name: str) -> None:
-    """Refuse a draft whose token ids mean other text than the target's: speculation compares ids,
-    so a draft from another tokenizer would be verified against the wrong tokens."""
-    mine, theirs = target_tokenizer.get_vocab(), draft_tokenizer.get_vocab()
-    differ = sorted(tok for tok in mine.keys() | theirs.keys() if mine.get(tok) != theirs.get(tok))
-    if differ:
-        examples = ", ".join(repr(t) for t in differ[:3])
-        raise GorgonError(f"{draft_name}'s tokenizer differs from the target's ({len(differ)} tokens are missing or "
-                          f"have other ids, e.g. {examples}): use a draft from the target's own model family, or a "
-                          "truncated copy of the target (student_layers)")
 
 
 def lm_logits(model: torch.nn.Module, hidden: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:

@@ -20,7 +20,7 @@ import torch
 
 from ..errors import GorgonError
 from ..files import follow_umask, new_temp, remove_stale_temps
-from ..target import check_same_tokenizer, check_vocab, load_causal_lm
+from ..target import load_causal_lm
 from ..vocab import is_draft_vocab
 
 DRAFT_VOCAB_NAME = "draft_vocab.safetensors"
@@ -67,8 +67,22 @@ def load_student(target, student: str | None, student_layers: int) -> tuple[torc
 def check_draft_vocab(draft, target_model) -> None:
     """A draft's token ids must mean the target's tokens, and distillation compares whole distributions:
     the vocabulary sizes must agree."""
-    check_vocab(draft.config.get_text_config().vocab_size, target_model.config.get_text_config().vocab_size,
-                "the draft model")
+    mine, theirs = draft.config.get_text_config().vocab_size, target_model.config.get_text_config().vocab_size
+    if mine != theirs:
+        raise GorgonError(f"the draft model: a vocabulary of {mine}, but the target has {theirs}: use one made for "
+                          "this target (the same tokenizer)")
+
+
+def check_same_tokenizer(target_tokenizer, draft_tokenizer, draft_name: str) -> None:
+    """Refuse a draft whose token ids mean other text than the target's: speculation compares ids,
+    so a draft from another tokenizer would be verified against the wrong tokens."""
+    mine, theirs = target_tokenizer.get_vocab(), draft_tokenizer.get_vocab()
+    differ = sorted(tok for tok in mine.keys() | theirs.keys() if mine.get(tok) != theirs.get(tok))
+    if differ:
+        examples = ", ".join(repr(t) for t in differ[:3])
+        raise GorgonError(f"{draft_name}'s tokenizer differs from the target's ({len(differ)} tokens are missing or "
+                          f"have other ids, e.g. {examples}): use a draft from the target's own model family, or a "
+                          "truncated copy of the target (student_layers)")
 
 
 def save_draft(student, tokenizer, out: Path, state_dict: dict | None = None,
