@@ -330,8 +330,8 @@ def test_settings_that_count_the_targets_tokens_or_name_its_layers_fail_before_t
             (train, HeadsTrainConfig(data=data, arch="eagle", feature_layers=[1, 3], **early),
              "feature_layers must lie between 1 and 2 (the target's layers), not [1, 3]"),
             (train_draft, DraftTrainConfig(data=data, draft_vocab_size=1000, **early),
-             "draft_vocab_size 1000 is larger than the target's vocabulary (128): use a smaller one, or unset it to "
-             "draft from every token"),
+             "draft_vocab_size must be at most the target's vocabulary of 128 tokens, not 1000: lower it, or set it to "
+             "null to draft from every token"),
             (train, HeadsTrainConfig(data=data, mode="medusa2", lora_target_modules=["q_proj", "v_prj"], **common),
              f"lora_target_modules: the target has no layer 'v_prj'; {layers}"),
             (train_draft, DraftTrainConfig(data=data, student_layers=1, lora=True,

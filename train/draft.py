@@ -89,6 +89,20 @@ class DraftTrainConfig(TrainingSettings):
             raise GorgonError(f"max_steps must be at least 0 (0 saves the untrained draft), not {self.max_steps}")
 
 
+    def check_target(self, config) -> None:
+        """The settings that count the target's layers or tokens, checked against its text config before its
+        weights load; a student of its own is looked for."""
+        from gorgon.heads.draft_model.model import check_student_layers
+        from gorgon.heads.target import check_model_source
+        from gorgon.train.recipe import check_draft_vocab_size
+
+        check_draft_vocab_size(self.draft_vocab_size, config.vocab_size)
+        if self.student is None:
+            check_student_layers(self.student_layers, config.num_hidden_layers)
+        else:
+            check_model_source(self.student, "student")
+
+
 def gkd_trainer(cfg: DraftTrainConfig, student, target, train_ex: list[dict], ckpt_dir: Path, device: torch.device,
                 settings: dict, resume_from: Path | None = None):
     """trl's GKD trainer set up from the recipe: the draft as student, the frozen target as teacher;
@@ -210,9 +224,9 @@ def distil(cfg: DraftTrainConfig) -> Path:
     from transformers import AutoModelForCausalLM
 
     from gorgon.heads.card import write_model_card
-    from gorgon.heads.draft_model.model import check_student_layers, load_student, save_draft
+    from gorgon.heads.draft_model.model import load_student, save_draft
     from gorgon.heads.draft_model.objective import agreement
-    from gorgon.heads.target import check_model_source, load_target, target_text_config
+    from gorgon.heads.target import load_target, target_text_config
     from gorgon.heads.tree import chain_tau
     from gorgon.train.data import describe, hub_datasets
     from gorgon.train.examples import (
@@ -254,14 +268,8 @@ def distil(cfg: DraftTrainConfig) -> Path:
                           "DeepSpeed ZeRO-3 shard: train a LoRA draft with DDP (configs/accelerate/multi_gpu.yaml), "
                           "or set lora: false")
     conversations = read_conversations(cfg.data)  # a bad --data fails before the target loads
-    text_config = target_text_config(cfg.target)  # a draft vocabulary or a student that cannot fit it
-    if cfg.draft_vocab_size is not None and cfg.draft_vocab_size > text_config.vocab_size:
-        raise GorgonError(f"draft_vocab_size {cfg.draft_vocab_size} is larger than the target's vocabulary "
-                          f"({text_config.vocab_size}): use a smaller one, or unset it to draft from every token")
-    if cfg.student is None:
-        check_student_layers(cfg.student_layers, text_config.num_hidden_layers)
-    else:
-        check_model_source(cfg.student, "student")
+    text_config = target_text_config(cfg.target)
+    cfg.check_target(text_config)  # a draft vocabulary or a student that cannot fit it
     target = load_target(cfg.target, device=str(state.device), dtype=cfg.dtype)
     target.model.requires_grad_(False)
     tokenizer = target.tokenizer

@@ -170,12 +170,12 @@ class HeadsTrainConfig(TrainingSettings):
         """The settings that count the target's layers or tokens, checked against its text config before its
         weights load (the held-out ranks would fail only after training)."""
         from gorgon.heads.eagle.model import check_feature_layers
+        from gorgon.train.recipe import check_draft_vocab_size
 
-        for key, fix in (("tree_topk", "lower it"),
-                         ("draft_vocab_size", "lower it, or set it to null to draft from every token")):
-            if (getattr(self, key) or 0) > config.vocab_size:
-                raise GorgonError(f"{key} must be at most the target's vocabulary of {config.vocab_size} tokens, not "
-                                  f"{getattr(self, key)}: {fix}")
+        if self.tree_topk > config.vocab_size:
+            raise GorgonError(f"tree_topk must be at most the target's vocabulary of {config.vocab_size} tokens, not "
+                              f"{self.tree_topk}: lower it")
+        check_draft_vocab_size(self.draft_vocab_size, config.vocab_size)
         if self.feature_layers:
             check_feature_layers(self.feature_layers, config.num_hidden_layers)
 

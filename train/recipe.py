@@ -148,10 +148,14 @@ def check_lora(cfg) -> None:
         raise GorgonError("lora_target_modules needs at least one layer name, e.g. q_proj,v_proj")
 
 
-def check_draft_vocab_size(size: int | None) -> None:
-    """draft_vocab_size, which both scripts take (heads train over it, a draft saves it): unset, or a count."""
+def check_draft_vocab_size(size: int | None, vocab_size: int | None = None) -> None:
+    """draft_vocab_size, which both scripts take (heads train over it, a draft saves it): unset, or a count;
+    with the target's `vocab_size` (its config read, its weights not yet loaded), at most that."""
     if size is not None and size < 1:
         raise GorgonError(f"draft_vocab_size must be at least 1 (or unset for the whole vocabulary), not {size}")
+    if size is not None and vocab_size is not None and size > vocab_size:
+        raise GorgonError(f"draft_vocab_size must be at most the target's vocabulary of {vocab_size} tokens, not "
+                          f"{size}: lower it, or set it to null to draft from every token")
 
 
 def check_lora_targets(model, modules: list[str], what: str) -> None:
