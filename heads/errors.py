@@ -1,11 +1,14 @@
 """The one exception type users see: a single line that names the problem and the fix."""
 
 import argparse
+import contextlib
 import dataclasses
 import difflib
 import errno
+import json
 import os
 import sys
+import time
 import types
 import typing
 import warnings
@@ -154,7 +157,20 @@ def exit_status(main, name: str) -> int:
         if line is None:
             raise
         write_error_line(f"{name}: error: {line}")
+        tell_launcher(f"{name}: error: {line}")
         return 2
+
+
+def tell_launcher(text: str) -> None:
+    """Under torch's launcher (`accelerate launch` with several processes), also leave the error line where it
+    reads a failed process's cause: its error file (torchelastic's, named by TORCHELASTIC_ERROR_FILE). The
+    report it prints after the processes end then gives the line as each failure's cause, where it would
+    point to its documentation."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if path:
+        with contextlib.suppress(OSError):
+            with open(path, "w", encoding="utf-8") as f:
+                json.dump({"message": text, "timestamp": int(time.time())}, f)
 
 
 def one_line_warnings(name: str) -> None:

@@ -792,6 +792,29 @@ def test_gorgons_warnings_are_one_line_on_the_command_line(monkeypatch):
     assert warnings.formatwarning("another library's", UserWarning, "x.py", 3).startswith("x.py:3: UserWarning:")
 
 
+def test_torchs_launcher_reports_the_error_line_as_the_failures_cause(tmp_path, monkeypatch, capsys):
+    """Under `accelerate launch` with several processes, torch's launcher ends with a report of the failed
+    processes whose cause read "To enable traceback see: https://pytorch.org/docs/...": the error file it names
+    each process now holds the line, which its own reader takes as the cause."""
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+    from gorgon.heads.errors import exit_status
+
+    error_file = tmp_path / "error.json"
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(error_file))
+
+    def refused():
+        raise GorgonError("data source x not found: pass a file")
+
+    assert exit_status(refused, "train/heads.py") == 2
+    line = "train/heads.py: error: data source x not found: pass a file"
+    assert capsys.readouterr().err == line + "\n"
+    assert ProcessFailure(local_rank=0, pid=1, exitcode=2, error_file=str(error_file)).message == line
+    monkeypatch.delenv("TORCHELASTIC_ERROR_FILE")
+    error_file.unlink()
+    assert exit_status(refused, "train/heads.py") == 2 and not error_file.exists()  # not launched by it: no file
+
+
 def test_help_into_a_pipe_closed_early_ends_without_a_traceback():
     """`python train/heads.py --help | head` ended in a BrokenPipeError traceback."""
     for argv in (["train/heads.py", "--help"], ["-m", "gorgon.heads.cli", "train", "--help"]):

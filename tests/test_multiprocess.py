@@ -195,8 +195,10 @@ def test_more_processes_than_conversations_is_a_one_line_error_under_accelerate(
                                    "--target", str(target), "--out", str(tmp_path / "o"), "--report-to", "none"],
                          env=env(), capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert run.returncode != 0
-    assert ("train/heads.py: error: too few training conversations for 2 processes (there are 1): add data, or "
-            "launch fewer processes (--num_processes)") in run.stderr.splitlines()
+    line = ("train/heads.py: error: too few training conversations for 2 processes (there are 1): add data, or "
+            "launch fewer processes (--num_processes)")
+    assert line in run.stderr.splitlines()
+    assert run.stderr.count(f"traceback : {line}") == 2, run.stderr[-3000:]  # torch's report names it as the cause
     assert not (tmp_path / "o").exists()
 
 
