@@ -1,4 +1,6 @@
-"""Candidate trees: pure functions from a list of paths to the tensors the decoder needs.
+"""Candidate trees: pure functions from a list of paths to the tensors the decoder needs, and from the
+drafts' chances and the measured verify costs to the tree that pays best (`best_tree_size`,
+`worth_verifying`).
 
 A tree is a list of paths of top-k ranks, one rank per head, as Medusa's `medusa_choices`:
 [[0], [1], [0, 0]] means "head 0's best token", "head 0's second token" and "head 0's best
