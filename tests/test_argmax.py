@@ -63,6 +63,25 @@ def test_the_screen_keeps_a_winner_that_bfloat16_rounding_puts_far_behind(packed
     assert target_argmax(model, h).tolist() == lm_logits(model, h).argmax(-1).tolist()
 
 
+@pytest.mark.parametrize("packed", PACKINGS)
+@torch.no_grad()
+def test_the_screens_bound_grows_with_the_whole_hidden_state(packed):
+    """Rounding errors add up over every element of a row, so the bound scales with the hidden state's norm:
+    here all 32 elements round against the float32 winner (row 3), which bfloat16 puts 30 steps behind; a
+    bound from the largest element alone (sqrt(32) times smaller) dropped it."""
+    model = tiny_model("llama")
+    use_bf16_screen(model, True, packed)
+    weight = model.get_output_embeddings().weight
+    u = 2 ** -7  # bfloat16's spacing at 1
+    weight.zero_()
+    weight[3], weight[5] = 1 + 0.49 * u, 1 + 0.51 * u  # round down to 1, up to 1 + u
+    weight[3, 0], weight[5, 0] = 1 + 0.45 * u + 31 * 0.02 * u, 1.0  # row 3 leads by 0.45u in float32
+    h = torch.ones(1, 32)
+    assert lm_logits(model, h).argmax(-1).item() == 3
+    assert (h @ weight.bfloat16().float().T).argmax(-1).item() == 5
+    assert target_argmax(model, h).item() == 3
+
+
 @pytest.mark.parametrize("arch", ARCHS)
 def test_greedy_output_is_identical_with_the_screen(arch):
     model = tiny_model(arch)

@@ -157,6 +157,26 @@ def test_a_token_two_siblings_propose_keeps_its_probability():
         assert chisquare(counts.tolist(), (probs[0] * 4000).tolist()).pvalue > 1e-3, (tokens, counts)
 
 
+def test_a_chains_drafts_are_tried_independently_and_the_bonus_comes_from_the_last_accepted():
+    """A chain root -> 1 -> 2, each draft with chance 0.5 under the target: reject the first (0.5), take the first
+    and reject the second (0.25), take both (0.25), each ending with a bonus drawn where the path stopped. One
+    draw shared by the depths took both drafts half the time; a bonus from the last node's parent is another
+    outcome. (The chi-square tests on tiny models find these too, in the slow suite.)"""
+    tree = build_tree([[0], [0, 0]])
+    probs = torch.zeros(3, 8)
+    probs[0, [1, 0]] = 0.5   # at the root: draft 1, or the residual's 0
+    probs[1, [2, 3]] = 0.5   # after 1: draft 2, or the residual's 3
+    probs[2, 7] = 1.0        # after 2: 7
+    expected = {(0,): 0.5, (1, 3): 0.25, (1, 2, 7): 0.25}
+    gen = torch.Generator().manual_seed(0)
+    counts = dict.fromkeys(expected, 0)
+    for _ in range(4000):
+        _, emitted = acceptance.accept_sampled(tree, torch.tensor([5, 1, 2]), probs, gen)
+        assert tuple(emitted) in counts, emitted
+        counts[tuple(emitted)] += 1
+    assert chisquare(list(counts.values()), [4000 * p for p in expected.values()]).pvalue > 1e-3, counts
+
+
 @pytest.mark.parametrize("temperature, top_k, top_p", [(1.0, 0, 1.0), (0.6, 10, 1.0), (1.3, 0, 0.8), (0.9, 7, 0.5)])
 def test_target_probs_match_transformers_warpers(temperature, top_k, top_p):
     from transformers import GenerationConfig

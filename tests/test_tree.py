@@ -100,3 +100,5 @@ def test_best_first_takes_a_parent_before_its_child_on_a_tie():
     from gorgon.heads.tree import best_first
 
     assert best_first({(1, 2): 0.5, (1,): 0.5, (3,): 0.4}, 2) == [(1,), (1, 2)]
+    # A child likelier than its parent (no search gives one; the promise holds for any chances) never comes first.
+    assert best_first({(1,): 0.1, (1, 2): 0.5, (3,): 0.3}, 2) == [(3,), (1,)]
