@@ -361,9 +361,6 @@ def make_dataset(settings: DataSettings, out: str | os.PathLike, target: Target 
 
     `out` must be new, an empty folder, or a dataset gorgon data wrote, which is replaced only
     with `overwrite`: the output is swapped in whole, so a folder of other files is refused."""
-    import datasets
-    from tqdm.auto import tqdm
-
     out = Path(os.path.abspath(out))  # `.` has no name to put OUT.partial beside it under
     check_data_settings(settings, out)
     dtype = target.model.dtype if target else resolve_dtype(settings.dtype, resolve_device(device))
@@ -387,15 +384,7 @@ def make_dataset(settings: DataSettings, out: str | os.PathLike, target: Target 
         print(f"gorgon data: {out} is already complete; pass --overwrite to regenerate it")
         return out
     replace = check_output(out, is_dataset, overwrite or cut_short, own_entry=in_dataset)
-    if os.path.lexists(partial) and not partial.is_dir():
-        raise GorgonError(f"{partial} is a file, where gorgon data keeps an unfinished run: move it away or choose "
-                          "another --out")
-    if partial.is_dir() and not (partial / "settings.json").is_file() \
-            and any(entry.name != LOCK for entry in partial.iterdir()):
-        raise GorgonError(f"{partial} holds files gorgon did not write, where it keeps an unfinished run: move them "
-                          "away or choose another --out")
-    check_unlocked(partial / LOCK, "gorgon data run")  # before --overwrite could start its shards over
-    check_settings(partial, record, restart=overwrite)
+    check_partial(partial, record, overwrite)
     template = None
     if settings.chat_template:
         if not Path(settings.chat_template).is_file():
@@ -422,49 +411,9 @@ def make_dataset(settings: DataSettings, out: str | os.PathLike, target: Target 
                 written = self_prompts(engine, engine_settings, settings.limit)
                 atomic_write_text(prompts_file, "".join(json.dumps(c) + "\n" for c in written))
             convs = read_jsonl(prompts_file)
-        n_shards = math.ceil(len(convs) / settings.shard_size)
-
-        def shard_positions(i: int) -> range:
-            return range(i * settings.shard_size, min((i + 1) * settings.shard_size, len(convs)))
-
-        done = {p.name for p in partial.glob("shard-*.jsonl")}
-        todo = [i for i in range(n_shards) if f"shard-{i:05d}.jsonl" not in done]
-        start, tokens, answered = time.perf_counter(), 0, 0
-        left = sum(len(shard_positions(i)) for i in todo)  # prompts not yet in a shard
-        bar = tqdm(total=len(convs), unit="prompt", desc="gorgon data", disable=not progress, dynamic_ncols=True,
-                   initial=len(convs) - left)
-
-        shown = {"saved": len(convs) - left}  # the bar's figures; saved: in shards, which a rerun keeps
-
-        def on_batch(n_prompts: int, n_tokens: int) -> None:
-            nonlocal tokens, answered
-            tokens, answered = tokens + n_tokens, answered + n_prompts
-            if settings.turns == "first":  # a finished answer is a finished conversation
-                bar.update(n_prompts)
-            else:  # turns: the bar moves per call
-                shown["answers"] = answered
-            shown["tok_per_s"] = f"{tokens / (time.perf_counter() - start):.1f}"
-            bar.set_postfix(**shown)
-
-        per_call = max(1, BATCHES_PER_CALL * settings.batch_size // settings.shard_size)
-        for shards in (todo[k: k + per_call] for k in range(0, len(todo), per_call)):
-            positions = [j for i in shards for j in shard_positions(i)]
-            answers = dict(zip(positions, answer_conversations(engine, [convs[j] for j in positions], positions,
-                                                               engine_settings, context, on_batch)))
-            for i in shards:
-                shard = [answers[j] for j in shard_positions(i)]
-                atomic_write_text(partial / f"shard-{i:05d}.jsonl",
-                                  json.dumps({"skipped": sum(n for _, n in shard)}) + "\n"
-                                  + "".join(json.dumps(r) + "\n" for r, _ in shard if r is not None))
-            left -= len(positions)
-            bar.n = shown["saved"] = len(convs) - left  # counts the skipped prompts too
-            bar.set_postfix(**shown)
-        bar.close()
-        rows, skipped = [], 0
-        for i in range(n_shards):
-            header, *records = read_jsonl(partial / f"shard-{i:05d}.jsonl")
-            skipped += header["skipped"]
-            rows += records
+        start = time.perf_counter()
+        tokens = answer_shards(engine, engine_settings, convs, partial, context, progress)
+        rows, skipped = read_shards(partial, math.ceil(len(convs) / settings.shard_size))
         if not rows:  # shards of skipped turns only: nothing for a corrected rerun to go on from
             shutil.rmtree(partial)
             if settings.max_prompt_tokens:
@@ -475,13 +424,7 @@ def make_dataset(settings: DataSettings, out: str | os.PathLike, target: Target 
                               f"{settings.max_new_tokens}: lower --max-new-tokens or use shorter prompts")
         metadata = {"target": target.name, "target_fingerprint": target.fingerprint, **record,
                     "conversations": len(rows), "skipped_turns_too_long": skipped}
-        remove_stale_temps(out.parent, f".{out.name}.writing-")  # a killed run's
-        tmp = new_temp(out.parent, f".{out.name}.writing-", is_dir=True)
-        datasets.Dataset.from_list(rows).save_to_disk(str(tmp))
-        atomic_write_text(tmp / METADATA_NAME, json.dumps(metadata, indent=1) + "\n")
-        if replace:
-            shutil.rmtree(out)
-        move_into_place(tmp, out, METADATA_NAME)
+        write_dataset(rows, metadata, out, replace)
         shutil.rmtree(partial)
         secs = time.perf_counter() - start
         turns = sum(sum(m["role"] == "assistant" for m in r["messages"]) for r in rows)
@@ -489,6 +432,88 @@ def make_dataset(settings: DataSettings, out: str | os.PathLike, target: Target 
               f"{tokens} tokens generated this run in {secs:.1f} s ({tokens / max(secs, 1e-9):.1f} tokens/s); "
               f"{skipped} turns skipped as too long for the context or --max-prompt-tokens")
     return out
+
+
+def check_partial(partial: Path, record: dict, overwrite: bool) -> None:
+    """The folder an unfinished run keeps its shards in (`out`.partial): gorgon's own or absent, not another
+    run's that is still going, and made with the same settings unless --overwrite starts it over."""
+    if os.path.lexists(partial) and not partial.is_dir():
+        raise GorgonError(f"{partial} is a file, where gorgon data keeps an unfinished run: move it away or choose "
+                          "another --out")
+    if partial.is_dir() and not (partial / "settings.json").is_file() \
+            and any(entry.name != LOCK for entry in partial.iterdir()):
+        raise GorgonError(f"{partial} holds files gorgon did not write, where it keeps an unfinished run: move them "
+                          "away or choose another --out")
+    check_unlocked(partial / LOCK, "gorgon data run")  # before --overwrite could start its shards over
+    check_settings(partial, record, restart=overwrite)
+
+
+def answer_shards(engine, settings: DataSettings, convs: list, partial: Path, context: int | None,
+                  progress: bool) -> int:
+    """Answer the conversations of every shard not yet in `partial`, a few shards per engine call, each shard
+    written whole (so a killed run loses at most the call under way); returns the tokens generated."""
+    from tqdm.auto import tqdm
+
+    def shard_positions(i: int) -> range:
+        return range(i * settings.shard_size, min((i + 1) * settings.shard_size, len(convs)))
+
+    done = {p.name for p in partial.glob("shard-*.jsonl")}
+    todo = [i for i in range(math.ceil(len(convs) / settings.shard_size)) if f"shard-{i:05d}.jsonl" not in done]
+    start, tokens, answered = time.perf_counter(), 0, 0
+    left = sum(len(shard_positions(i)) for i in todo)  # prompts not yet in a shard
+    bar = tqdm(total=len(convs), unit="prompt", desc="gorgon data", disable=not progress, dynamic_ncols=True,
+               initial=len(convs) - left)
+    shown = {"saved": len(convs) - left}  # the bar's figures; saved: in shards, which a rerun keeps
+
+    def on_batch(n_prompts: int, n_tokens: int) -> None:
+        nonlocal tokens, answered
+        tokens, answered = tokens + n_tokens, answered + n_prompts
+        if settings.turns == "first":  # a finished answer is a finished conversation
+            bar.update(n_prompts)
+        else:  # turns: the bar moves per call
+            shown["answers"] = answered
+        shown["tok_per_s"] = f"{tokens / (time.perf_counter() - start):.1f}"
+        bar.set_postfix(**shown)
+
+    per_call = max(1, BATCHES_PER_CALL * settings.batch_size // settings.shard_size)
+    for shards in (todo[k: k + per_call] for k in range(0, len(todo), per_call)):
+        positions = [j for i in shards for j in shard_positions(i)]
+        answers = dict(zip(positions, answer_conversations(engine, [convs[j] for j in positions], positions,
+                                                           settings, context, on_batch)))
+        for i in shards:
+            shard = [answers[j] for j in shard_positions(i)]
+            atomic_write_text(partial / f"shard-{i:05d}.jsonl",
+                              json.dumps({"skipped": sum(n for _, n in shard)}) + "\n"
+                              + "".join(json.dumps(r) + "\n" for r, _ in shard if r is not None))
+        left -= len(positions)
+        bar.n = shown["saved"] = len(convs) - left  # counts the skipped prompts too
+        bar.set_postfix(**shown)
+    bar.close()
+    return tokens
+
+
+def read_shards(partial: Path, n_shards: int) -> tuple[list[dict], int]:
+    """The conversations in a run's shards, in prompt order, and how many turns were skipped as too long."""
+    rows, skipped = [], 0
+    for i in range(n_shards):
+        header, *records = read_jsonl(partial / f"shard-{i:05d}.jsonl")
+        skipped += header["skipped"]
+        rows += records
+    return rows, skipped
+
+
+def write_dataset(rows: list[dict], metadata: dict, out: Path, replace: bool) -> None:
+    """The dataset and its metadata, written beside `out` and moved into place (the metadata last), replacing
+    the dataset there when `replace`: a killed run leaves either the old dataset or the new one."""
+    import datasets
+
+    remove_stale_temps(out.parent, f".{out.name}.writing-")  # a killed run's
+    tmp = new_temp(out.parent, f".{out.name}.writing-", is_dir=True)
+    datasets.Dataset.from_list(rows).save_to_disk(str(tmp))
+    atomic_write_text(tmp / METADATA_NAME, json.dumps(metadata, indent=1) + "\n")
+    if replace:
+        shutil.rmtree(out)
+    move_into_place(tmp, out, METADATA_NAME)
 
 
 def parser() -> argparse.ArgumentParser:
