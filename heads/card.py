@@ -436,6 +436,15 @@ the CPU tree ({tree_nodes(recipe, metrics)['cpu']} nodes); the ranked tree does 
 gorgon generate --heads {ref} --prompt "Hello"
 ```
 
+```python
+from gorgon.decode import from_options, speculative_generate
+
+target, drafter = from_options(heads="{ref}")  # its target; the tree sized for this machine
+ids = target.chat_ids([{{"role": "user", "content": "Hello"}}])
+result = speculative_generate(target.model, drafter, ids, max_new_tokens=128)
+print(target.tokenizer.decode(result.tokens), result.tau)
+```
+
 ### In vLLM or SGLang (EAGLE-3)
 
 ```bash

@@ -477,6 +477,28 @@ def test_a_card_names_its_folder_and_the_pushed_card_the_repo(tmp_path, hub):
     assert "README.md was written by an earlier gorgon: it goes up as it is" in push(hub, folder).stderr
 
 
+@pytest.mark.parametrize("arch", ["medusa", "eagle"])
+def test_the_python_on_a_card_runs(tmp_path, arch):
+    """What a card shows how to use the heads with in Python, run as written on the folder training wrote (with
+    fewer new tokens): gorgon's blocks, not the engines' (vLLM does not install here)."""
+    import re
+
+    from helpers import toy_data
+
+    from gorgon.train.heads import HeadsTrainConfig, train
+
+    out = tmp_path / "heads"
+    train(HeadsTrainConfig(data=toy_data(tmp_path / "toy.jsonl", n=8), out=str(out),
+                           target=str(tiny_chat_target(tmp_path)), arch=arch, max_steps=1, batch_size=4,
+                           report_to="none", save_every=0))
+    blocks = re.findall(r"```python\n(.*?)```", (out / "README.md").read_text(), re.S)
+    ours = [b for b in blocks if "import vllm" not in b and "from vllm" not in b]
+    assert len(ours) == 1, blocks
+    scope = {}
+    exec(ours[0].replace("max_new_tokens=128", "max_new_tokens=8"), scope)
+    assert 1 <= len(scope["result"].tokens) <= 8 and scope["result"].tau >= 1
+
+
 def test_a_draft_cards_base_model_is_the_model_it_was_distilled_from(tmp_path):
     from gorgon.heads.card import card_text
 
