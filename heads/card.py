@@ -254,6 +254,19 @@ def speed_section(bench: dict | None, flag: str, ref: str) -> str:
                     f"`{bench['command']}`")
 
 
+def python_use(ref: str) -> str:
+    """A card's Python: the heads at `ref` loaded as `gorgon generate --heads` loads them (onto their target, a
+    Medusa-2 adapter merged into it, the tree sized for the machine), then one answer."""
+    return f"""```python
+from gorgon.decode import from_options, speculative_generate
+
+target, drafter = from_options(heads="{ref}")
+ids = target.chat_ids([{{"role": "user", "content": "Hello"}}])
+result = speculative_generate(target.model, drafter, ids, max_new_tokens=128)
+print(target.tokenizer.decode(result.tokens), result.tau)
+```"""
+
+
 def medusa_card(ref: str, recipe: dict, metrics: dict, hub: dict) -> str:
     """Medusa heads' card."""
     target_name = metrics.get("target_name") or recipe.get("target") or EMBEDDED_NAME
@@ -291,17 +304,7 @@ Expected tokens per target forward from these accuracies: {tau['cpu']:.2f} with 
 gorgon generate --heads {ref} --prompt "Hello"
 ```
 
-```python
-from gorgon.heads import load_target, MedusaHeads, HeadsDrafter
-from gorgon.decode import speculative_generate
-
-target = load_target({('"' + recipe['target'] + '"') if recipe.get('target') else ''})
-heads = MedusaHeads.from_pretrained("{ref}", target=target)
-ids = target.tokenizer.apply_chat_template([{{"role": "user", "content": "Hello"}}], add_generation_prompt=True,
-                                           return_tensors="pt", return_dict=True)["input_ids"]
-result = speculative_generate(target.model, HeadsDrafter(heads), ids, max_new_tokens=128)
-print(target.tokenizer.decode(result.tokens), result.tau)
-```
+{python_use(ref)}
 
 ### In vLLM
 
@@ -436,14 +439,7 @@ the CPU tree ({tree_nodes(recipe, metrics)['cpu']} nodes); the ranked tree does 
 gorgon generate --heads {ref} --prompt "Hello"
 ```
 
-```python
-from gorgon.decode import from_options, speculative_generate
-
-target, drafter = from_options(heads="{ref}")  # its target; the tree sized for this machine
-ids = target.chat_ids([{{"role": "user", "content": "Hello"}}])
-result = speculative_generate(target.model, drafter, ids, max_new_tokens=128)
-print(target.tokenizer.decode(result.tokens), result.tau)
-```
+{python_use(ref)}
 
 ### In vLLM or SGLang (EAGLE-3)
 

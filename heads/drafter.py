@@ -1,7 +1,7 @@
 """The drafter interface: what every drafting method gives the decoder.
 
-Each step the decoder calls `propose(root, features, context)` and gets back the candidate
-tree for that step and one token per tree node, the root first. A static drafter (Medusa's
+Each step the decoder calls `propose(root, features, context)` and gets back one token per tree
+node, the root first, and the candidate tree for that step. A static drafter (Medusa's
 heads) returns the same tree every step; a dynamic one (EAGLE-2's confidence-ranked tree,
 `gorgon.heads.search`, which a feature-level head and a draft model grow) builds a new one.
 Verification and acceptance are written once, in `gorgon.decode`, for every drafter; each
@@ -60,6 +60,6 @@ class Drafter(Protocol):
 
     def propose(self, root: torch.Tensor, features: torch.Tensor,
                 context: torch.Tensor) -> tuple[torch.Tensor, Tree]:
-        """The step's tree and a token per node. root: the next token (scalar), not yet in the target's
+        """A token per node and the step's tree. root: the next token (scalar), not yet in the target's
         cache; features: (m, F) target hidden states of the last m tokens of `context`; context: every
         token in the target's cache (n,)."""

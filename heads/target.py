@@ -1,5 +1,5 @@
 """Loading the target model (the embedded default, a hub id or a local path) and its fingerprint, and what
-drafters take from it: its decoder stack, its logits, a check that a drafter fits it.
+drafters take from it: its logits, a check that a drafter fits it.
 
 Heads only make sense for the exact model they were trained on, so every target carries a
 fingerprint (a hash of its shape and a sample of its output-embedding weights) that heads

@@ -60,7 +60,7 @@ def main():
     def medusa1_step(batch):
         with torch.inference_mode():
             hidden = model.get_decoder()(input_ids=batch["input_ids"],
-                                       attention_mask=batch["attention_mask"]).last_hidden_state
+                                         attention_mask=batch["attention_mask"]).last_hidden_state
         loss, _ = medusa_loss(heads, hidden.clone(), batch["input_ids"], batch["loss_mask"])
         loss.backward()
         optimizer.step()

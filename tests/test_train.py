@@ -157,7 +157,7 @@ def test_medusa2_keeps_the_base_models_greedy_outputs(tmp_path):
     assert all(torch.equal(a, b) for a, b in zip(greedy_answers(merged.model, base.tokenizer), expected))
     # Without the KL term the same training moves the base model's outputs: the test can fail.
     drifted, _ = load_heads(medusa2(tmp_path, target_path, data, base_kl_weight=0.0, name="nokl"),
-                                 str(target_path), device="cpu")
+                            str(target_path), device="cpu")
     assert not all(torch.equal(a, b) for a, b in zip(greedy_answers(drifted.model, base.tokenizer), expected))
 
 

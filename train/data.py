@@ -504,7 +504,8 @@ def read_shards(partial: Path, n_shards: int) -> tuple[list[dict], int]:
 
 def write_dataset(rows: list[dict], metadata: dict, out: Path, replace: bool) -> None:
     """The dataset and its metadata, written beside `out` and moved into place (the metadata last), replacing
-    the dataset there when `replace`: a killed run leaves either the old dataset or the new one."""
+    the dataset there when `replace`. A run killed in between leaves the shards in `out`.partial, from which
+    the rerun writes it again."""
     import datasets
 
     remove_stale_temps(out.parent, f".{out.name}.writing-")  # a killed run's

@@ -88,7 +88,6 @@ class DraftTrainConfig(TrainingSettings):
         if self.max_steps is not None and self.max_steps < 0:
             raise GorgonError(f"max_steps must be at least 0 (0 saves the untrained draft), not {self.max_steps}")
 
-
     def check_target(self, config) -> None:
         """The settings that count the target's layers or tokens, checked against its text config before its
         weights load; a student of its own is looked for."""
