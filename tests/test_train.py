@@ -38,7 +38,9 @@ def test_accelerate_launch_trains_a_few_steps(tmp_path):
         assert (out / name).is_file(), name
     trees = json.loads((out / "trees.json").read_text())
     assert len(trees["cpu"]) == 15 and len(trees["cuda"]) == 63 and len(trees["accuracies"]) == 4
-    assert "step 4: loss/top-1 of draft 1: " in run.stderr + run.stdout
+    assert re.search(r"^step 4: loss (\d+\.\d\d ){4}\| top-1 (0\.\d{3} ){4}\(drafts 1-4\) \| \d+ tok/s", run.stderr,
+                     re.M), run.stderr[-2000:]
+    assert "step 4" not in run.stdout and "gorgon train: saved heads to" in run.stdout  # stdout: the result
     assert list((tmp_path / "wandb").glob("offline-run-*")), "wandb should log offline"
     logged = b"".join(f.read_bytes() for f in (tmp_path / "wandb").glob("offline-run-*/*.wandb"))
     assert b"train/loss_head1" in logged and b"loss_head0" not in logged  # numbered as the card and the log lines
@@ -297,7 +299,7 @@ def test_conversations_whose_answers_start_past_max_length_are_counted_or_named(
                             for n in (2, 2, 2, 2, 2, 2, 60, 60)))
     common = dict(data=str(data), target=target, report_to="none", max_steps=1, save_every=0)
     train(HeadsTrainConfig(out=str(tmp_path / "o"), max_length=48, **common))
-    said = capsys.readouterr().out
+    said = capsys.readouterr().err  # logs go to stderr, the result to stdout
     assert ("gorgon train: conversations left out: 2 (their answers start past max_length 48 tokens; raise "
             "max_length to train on them)") in said
     # And a run shorter than its warmup (20 steps) says why its learning rate stays low.
@@ -425,7 +427,7 @@ def test_a_resume_with_another_data_order_or_shape_is_refused(tmp_path, capsys):
                                     eval_every=1, tree_topk=5))
     assert json.loads((out / "metrics.json").read_text())["steps"] == 3
     said = "".join(capsys.readouterr())  # eval_every's figures went to wandb alone
-    assert re.search(r"step 3: held-out loss \d+\.\d{3}, top-1 of draft \d\.\d{3} / ", said), said[-1000:]
+    assert re.search(r"step 3: held-out loss \d+\.\d{3} \| top-1 \d\.\d{3} ", said), said[-1000:]
     assert re.search(r"; .*/h/checkpoints \(\d+ MiB\) lets --resume true train longer: remove it if that is not "
                      "needed", said)  # the checkpoints a finished run keeps (a draft model's: hundreds of MB)
 
@@ -546,3 +548,17 @@ def test_the_training_plot_shows_the_loss_curve_beside_the_accuracies(tmp_path):
     plot_head_accuracy(metrics, tmp_path / "alone.png")
     plot_head_accuracy({**metrics, "loss_curve": [[10, [3.0, 4.0]], [20, [2.5, 3.5]]]}, tmp_path / "both.png")
     assert plt.imread(tmp_path / "both.png").shape[1] > 1.5 * plt.imread(tmp_path / "alone.png").shape[1]
+
+
+def test_the_next_command_a_run_suggests_names_the_checkouts_files_from_anywhere(tmp_path, monkeypatch):
+    """`gorgon train` ended with `gorgon bench ... --questions scripts/data/mt_bench.jsonl`, a path that only
+    works from the repository's root."""
+    from helpers import ROOT
+
+    from gorgon.train.recipe import in_checkout
+
+    monkeypatch.chdir(tmp_path)
+    assert in_checkout("scripts/data/mt_bench.jsonl") == str(ROOT / "scripts/data/mt_bench.jsonl")
+    assert in_checkout("configs/heads/none.yaml") == "configs/heads/none.yaml"  # not in the checkout: as given
+    monkeypatch.chdir(ROOT)
+    assert in_checkout("scripts/data/mt_bench.jsonl") == "scripts/data/mt_bench.jsonl"

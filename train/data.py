@@ -46,6 +46,7 @@ from gorgon.heads.files import (
 from gorgon.heads.target import Target, context_length, fits_context, load_target, resolve_device, resolve_dtype
 
 from .batching import continuous_generate
+from .recipe import in_checkout
 from .records import from_hub, load_conversations
 from .run_folder import changed_settings
 
@@ -579,7 +580,8 @@ def main(argv=None) -> int:
     out, overwrite = args.pop("out"), args.pop("overwrite")
     kernels, device = args.pop("cpu_kernels"), args.pop("device")
     make_dataset(DataSettings(**args), out, overwrite=overwrite, cpu_kernels=kernels, device=device)
-    print(f"gorgon data: next, heads on it: accelerate launch -q --config_file configs/accelerate/cpu.yaml "
-          f"train/heads.py --data {out} --out HEADS (or gorgon train, one process; a recipe: --config "
-          "configs/heads/RECIPE.yaml)")
+    recipes = os.path.join(in_checkout("configs/heads"), "RECIPE.yaml")
+    print(f"gorgon data: next, heads on it: accelerate launch -q --config_file "
+          f"{in_checkout('configs/accelerate/cpu.yaml')} {in_checkout('train/heads.py')} --data {out} --out HEADS "
+          f"(or gorgon train, one process; a recipe: --config {recipes})")
     return 0

@@ -22,6 +22,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import sys
 import warnings
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -31,7 +32,7 @@ import torch
 from gorgon.heads.draft_model import DRAFT_TOKENS
 from gorgon.heads.errors import GorgonError
 from gorgon.heads.files import atomic_write_text, follow_umask
-from gorgon.train.recipe import TrainingSettings, setting
+from gorgon.train.recipe import TrainingSettings, in_checkout, setting
 from gorgon.train.run_folder import STATE_NAME, check_more_to_train, check_resume, data_sha256, resume_settings
 
 
@@ -137,9 +138,13 @@ def gkd_trainer(cfg: DraftTrainConfig, student, target, train_ex: list[dict], ck
 
         def on_log(self, args, state, control, logs=None, **kwargs):
             if state.is_world_process_zero and self.training_bar is not None and logs:
-                shown = (f"{key} {value:.4g}" if isinstance(value, float) else f"{key} {value}"
-                         for key, value in logs.items() if key != "total_flos")
-                self.training_bar.write(f"step {state.global_step}: {' | '.join(shown)}")
+                if "train_runtime" in logs:  # the Trainer's closing summary, not a step's
+                    text = f"trained {state.global_step} steps in {logs['train_runtime']:.1f} s"
+                else:
+                    text = f"step {state.global_step}: " + " | ".join(
+                        f"{key} {value:.4g}" if isinstance(value, float) else f"{key} {value}"
+                        for key, value in logs.items() if key != "total_flos")
+                self.training_bar.write(text, file=sys.stderr)
 
     class Trainer(GKDTrainer):
         """GKD with gorgon's split of the data over processes: every conversation once per epoch.
@@ -256,6 +261,9 @@ def distil(cfg: DraftTrainConfig) -> Path:
     ckpt_dir = out / "checkpoints"
     # The trainer writes trainer_state.json last into each checkpoint (after every process's part: Trainer above).
     resume_from = prepare_output(out, lambda: latest_checkpoint(ckpt_dir, "checkpoint", "trainer_state.json"), cfg)
+    # The Trainer's wandb integration prints "[INFO] Running in WANDB offline mode" when it is first imported with
+    # WANDB_MODE offline: imported before that is set, it says nothing.
+    import transformers.integrations.integration_utils  # noqa: F401
     wandb_offline_without_key(cfg.report_to)
     os.environ.setdefault("WANDB_PROJECT", cfg.project)
     state = PartialState()
@@ -276,7 +284,7 @@ def distil(cfg: DraftTrainConfig) -> Path:
         tokenizer.pad_token_id = 0  # trl's trainer insists on one; padded positions are masked anyway
     pad = tokenizer.pad_token_id
     examples = load_examples(cfg.data, tokenizer, cfg.max_length, target.fingerprints, conversations,
-                             lambda line: state.print(f"gorgon draft: {line}"))
+                             lambda line: state.print(f"gorgon draft: {line}", file=sys.stderr))
     settings = resume_settings(cfg, state.num_processes, data_sha256(examples))
     if resume_from is not None:  # again, now with the data's contents; then, for a finished run, the length
         check_resume(resume_from, settings)
@@ -300,12 +308,13 @@ def distil(cfg: DraftTrainConfig) -> Path:
 
     before = agreement(student.eval(), target.model, held_out())
     state.print(f"gorgon draft: {what} ({sum(p.numel() for p in student.parameters()) / 1e6:.1f}M parameters) "
-                f"before distillation: held-out KL {before['kl']:.3f}, top-1 agreement {before['top1']:.3f}")
+                f"before distillation: held-out KL {before['kl']:.3f}, top-1 agreement {before['top1']:.3f}",
+                file=sys.stderr)
     steps, trainer, weights = 0, None, None
     if cfg.max_steps != 0:
         trainer = gkd_trainer(cfg, student, target, train_ex, ckpt_dir, state.device, settings, resume_from)
         if resume_from is not None:
-            state.print(f"gorgon draft: resuming from {resume_from}")
+            state.print(f"gorgon draft: resuming from {resume_from}", file=sys.stderr)
             read_indexed_cpu_locations()
         trainer.train(resume_from_checkpoint=str(resume_from) if resume_from else None)
         steps = trainer.state.global_step
@@ -346,14 +355,15 @@ def distil(cfg: DraftTrainConfig) -> Path:
         import wandb
 
         wandb.finish()
-    print(f"gorgon draft: saved to {out} after {steps} steps: held-out KL {before['kl']:.3f} -> {after['kl']:.3f}, "
+    print(f"gorgon draft: saved to {out} after {steps} steps: over {after['tokens']} held-out answer tokens "
+          f"({len(eval_ex)} conversations), KL to the target {before['kl']:.3f} -> {after['kl']:.3f} nats a token, "
           f"top-1 agreement {before['top1']:.3f} -> {after['top1']:.3f}{kept_checkpoints(out)}")
     if cfg.push_to_hub:
         from gorgon.heads.hub import upload_folder
 
         print(f"gorgon draft: pushed to {upload_folder(out, cfg.push_to_hub)}")
-    print(f"gorgon draft: next, its speed: gorgon bench --draft {out} --questions scripts/data/mt_bench.jsonl "
-          "--update-card")
+    print(f"gorgon draft: next, its speed: gorgon bench --draft {out} --questions "
+          f"{in_checkout('scripts/data/mt_bench.jsonl')} --update-card")
     return out
 
 

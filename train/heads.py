@@ -17,6 +17,7 @@ import math
 import os
 import re
 import shutil
+import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -30,7 +31,7 @@ from gorgon.heads.files import follow_umask
 from gorgon.heads.medusa.model import ADAPTER_DIR
 from gorgon.heads.medusa.model import NODES as MEDUSA_NODES
 from gorgon.heads.tree import MAX_TREE_NODES
-from gorgon.train.recipe import TrainingSettings, setting
+from gorgon.train.recipe import TrainingSettings, in_checkout, setting
 from gorgon.train.run_folder import (
     STATE_NAME,
     check_more_to_train,
@@ -346,7 +347,7 @@ def setup(cfg: HeadsTrainConfig) -> Run:
         check_lora_targets(target.model, cfg.lora_target_modules, "the target")
     target.model.requires_grad_(False)
     examples = load_examples(cfg.data, target.tokenizer, cfg.max_length, target.fingerprints, conversations,
-                             lambda line: accelerator.print(f"gorgon train: {line}"))
+                             lambda line: accelerator.print(f"gorgon train: {line}", file=sys.stderr))
     world = accelerator.num_processes
     settings = resume_settings(cfg, world, data_sha256(examples))
     if resume_from is not None:  # again, now with the data's contents
@@ -394,16 +395,16 @@ def setup(cfg: HeadsTrainConfig) -> Run:
         run.trained = resumed if accelerator.is_main_process else 0
         run.loss_curve = progress.get("loss_curve", [])  # absent from checkpoints of older versions
         run.train_seconds = progress.get("train_seconds", 0.0)
-        accelerator.print(f"gorgon train: resumed from {resume_from} at step {run.step}")
+        accelerator.print(f"gorgon train: resumed from {resume_from} at step {run.step}", file=sys.stderr)
     accelerator.init_trackers(cfg.project, config=asdict(cfg))
     method = cfg.mode if cfg.arch == "medusa" else "eagle"
     devices = f"{world} processes on {accelerator.device.type}" if world > 1 else str(accelerator.device)
     accelerator.print(f"gorgon train: {method} on {target.name}, conversations: {len(train_ex)} to train on, "
-                      f"{len(eval_ex)} held out; {total} steps on {devices}")
+                      f"{len(eval_ex)} held out; {total} steps on {devices}", file=sys.stderr)
     if cfg.warmup_steps >= total:
         accelerator.print(f"gorgon train: warmup_steps {cfg.warmup_steps} is not shorter than the run (steps: "
                           f"{total}): the learning rate never reaches learning_rate {cfg.learning_rate} (lower "
-                          "warmup_steps)")
+                          "warmup_steps)", file=sys.stderr)
     return run
 
 
@@ -456,8 +457,8 @@ def train_steps(run: Run) -> None:
                 accelerator.log({"eval/loss": eval_loss, **{f"eval/top1_head{k}": a for k, a in enumerate(top1, 1)}},
                                 step=run.step)
                 if accelerator.is_main_process:
-                    bar.write(f"step {run.step}: held-out loss {eval_loss:.3f}, top-1 of draft "
-                              f"{' / '.join(f'{a:.3f}' for a in top1)}")
+                    bar.write(f"step {run.step}: held-out loss {eval_loss:.3f} | top-1 "
+                              f"{' '.join(f'{a:.3f}' for a in top1)} (drafts 1-{len(top1)})", file=sys.stderr)
             if cfg.save_every and run.step % cfg.save_every == 0 and run.step < run.total:
                 run.train_seconds = time.perf_counter() - started
                 progress = {"step": run.step, "examples": count_all(accelerator, run.trained),
@@ -557,8 +558,8 @@ def train(cfg: HeadsTrainConfig) -> Path:
             from gorgon.heads.hub import upload_folder
 
             print(f"gorgon train: pushed to {upload_folder(run.out, cfg.push_to_hub)}")
-        print(f"gorgon train: next, its speed: gorgon bench --heads {run.out} --questions scripts/data/mt_bench.jsonl "
-              "--update-card (--context-draft merges prompt lookup in)")
+        print(f"gorgon train: next, its speed: gorgon bench --heads {run.out} --questions "
+              f"{in_checkout('scripts/data/mt_bench.jsonl')} --update-card (--context-draft merges prompt lookup in)")
     return run.out
 
 
@@ -603,11 +604,12 @@ def log_window(accelerator, window: dict, step: int, scheduler, bar) -> list[flo
         logs[f"train/top1_head{k}"] = top1 / max(1, count)
         logs[f"train/top5_head{k}"] = top5 / max(1, count)
     accelerator.log(logs, step=step)
-    heads_text = " ".join(f"{k}: {logs[f'train/loss_head{k}']:.2f}/{logs[f'train/top1_head{k}']:.2f}"
-                          for k in range(1, len(losses) + 1))
+    drafts = range(1, len(losses) + 1)
+    loss_text = " ".join(f"{logs[f'train/loss_head{k}']:.2f}" for k in drafts)
+    top1_text = " ".join(f"{logs[f'train/top1_head{k}']:.3f}" for k in drafts)
     if accelerator.is_main_process:
-        bar.write(f"step {step}: loss/top-1 of draft {heads_text} | {logs['train/tokens_per_s']:.0f} tok/s | "
-                  f"lr {logs['train/lr']:.2e}")
+        bar.write(f"step {step}: loss {loss_text} | top-1 {top1_text} (drafts 1-{len(losses)}) | "
+                  f"{logs['train/tokens_per_s']:.0f} tok/s | lr {logs['train/lr']:.2e}", file=sys.stderr)
     return losses
 
 

@@ -231,6 +231,20 @@ def load_recipe(cls, config_path: str | None, overrides: dict[str, str]):
     return cls(**values)
 
 
+CHECKOUT = Path(__file__).resolve().parents[1]  # the repository: configs/ and scripts/ beside train/
+
+
+def in_checkout(path: str) -> str:
+    """A file of the repository (`configs/...`, `scripts/...`) as the next command a run suggests names it: from
+    the current folder, or in full from outside the checkout, so the command works where it is run. As given
+    where the checkout lacks it (an install from a wheel has neither folder)."""
+    full = CHECKOUT / path
+    if not full.exists():
+        return path
+    relative = os.path.relpath(full)
+    return str(full) if relative.startswith("..") else relative
+
+
 def wandb_offline_without_key(report_to: str) -> None:
     """wandb logs locally unless the user has a key (in the environment, or saved by `wandb login`) or chose a
     mode: a run never stops to ask for a login."""
