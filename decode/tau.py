@@ -27,11 +27,14 @@ class CountingDrafter:
         return tokens, tree
 
 
-def measure_tau(target, drafter, questions: list[dict], max_new_tokens: int) -> dict:
-    """{"tau", "nodes_per_step", "tokens", "per_category": {category: the same}} over the questions."""
+def measure_tau(target, drafter, questions: list[dict], max_new_tokens: int, progress: bool = True) -> dict:
+    """{"tau", "nodes_per_step", "tokens", "per_category": {category: the same}} over the questions, with a
+    progress bar on stderr (`progress`)."""
+    from tqdm.auto import tqdm
+
     counting = CountingDrafter(drafter)
     totals: dict[str, list[int]] = {}  # category -> [tokens, target forwards, verify steps, nodes]
-    for q in questions:
+    for q in tqdm(questions, desc="tau", unit="question", disable=not progress, dynamic_ncols=True, leave=False):
         row = totals.setdefault(q["category"], [0, 0, 0, 0])
 
         def run_turn(ids):

@@ -108,6 +108,7 @@ def main(argv=None) -> int:
     else:
         move_into_place(staging, out, EXPORT_MARKER)
     print(f"gorgon export: wrote {args.format} heads to {out}")
+    print(f"gorgon export: next, serve them: {serving_command(args.format, out, base_model, heads)}")
     if not is_hub_id(base_model):
         print(f"gorgon export: the export names its target by the local path {base_model}: an engine elsewhere "
               "needs a name it can load (--base-model user/name)", file=sys.stderr)
@@ -117,6 +118,18 @@ def main(argv=None) -> int:
               "draft from hidden states they were not trained on (the output stays the target's; fewer drafts are "
               "accepted)", file=sys.stderr)
     return 0
+
+
+def serving_command(fmt: str, out: Path, base_model: str, heads) -> str:
+    """How an engine serves the export (the commands of vLLM's and TGI's documentation), drafting as many tokens a
+    step as the heads are trained for: one per Medusa head, a feature-level head's search depth."""
+    if fmt == "speculators":  # the config names the verifier and the speculative settings
+        return f"vllm serve {out}"
+    if fmt == "medusa":
+        return f"text-generation-launcher --model-id {out} (TGI; its config names the target)"
+    method, tokens = ("eagle3", heads.config.depth) if fmt == "eagle3" else ("medusa", heads.config.num_heads)
+    spec = json.dumps({"method": method, "model": str(out), "num_speculative_tokens": tokens})
+    return f"vllm serve {base_model} --speculative-config '{spec}'"
 
 
 def replace_export(staging: Path, out: Path, written: list[str]) -> None:

@@ -46,12 +46,15 @@ def plot(points: list[dict], path: Path) -> None:
         left.plot(x, [p["tau"] for p in line], marker="o", label=arch)
         right.plot(x, [p["top1"] for p in line], marker="o", label=arch)
     left.set_title("tau on held-out questions")
+    left.set_ylabel("tokens per target forward")
     right.set_title("held-out top-1 of the first draft")
+    right.set_ylabel("share of tokens")
     shares = sorted({p["train_conversations"] for p in points})
     for ax in (left, right):
         ax.set_xscale("log", base=2)  # each share doubles the last
         ax.set_xticks(shares, [str(x) for x in shares])
         ax.minorticks_off()
+        ax.margins(x=0.15)  # one share alone sits mid-axis, not on its edge
         ax.set_xlabel("training conversations")
         ax.legend()
     save_figure(fig, path)

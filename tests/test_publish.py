@@ -550,6 +550,30 @@ def test_an_eagle_export_records_the_dtype_it_writes(tmp_path):
         assert json.loads((out / "config.json").read_text())["dtype"] == expected
 
 
+def test_an_export_ends_with_the_command_that_serves_it(tmp_path, capsys):
+    """Like data and training, an export says what to run next: the engine's command for its format, drafting
+    the tokens the heads are trained for (a feature-level head's depth, one per Medusa head)."""
+    from gorgon.heads import EagleHead
+    from gorgon.heads.cli import main as gorgon
+
+    target = tiny_chat_target(tmp_path, layers=6)
+    model = load_target(str(target), device="cpu").model
+    head = EagleHead.for_target(model)
+    head.save_pretrained(tmp_path / "head")
+    MedusaHeads.for_target(model, num_heads=3).save_pretrained(tmp_path / "medusa")
+    expected = {"eagle3": ("head", f"vllm serve {target} --speculative-config '{{\"method\": \"eagle3\", \"model\": "
+                                   f"\"{tmp_path / 'eagle3'}\", \"num_speculative_tokens\": {head.config.depth}}}'"),
+                "speculators": ("head", f"vllm serve {tmp_path / 'speculators'}"),
+                "vllm": ("medusa", f"vllm serve {target} --speculative-config '{{\"method\": \"medusa\", \"model\": "
+                                   f"\"{tmp_path / 'vllm'}\", \"num_speculative_tokens\": 3}}'"),
+                "medusa": ("medusa", f"text-generation-launcher --model-id {tmp_path / 'medusa-export'}")}
+    for fmt, (heads, command) in expected.items():
+        out = tmp_path / ("medusa-export" if fmt == "medusa" else fmt)
+        assert gorgon(["export", "--heads", str(tmp_path / heads), "--target", str(target), "--format", fmt,
+                       "--out", str(out)]) == 0
+        assert f"gorgon export: next, serve them: {command}" in capsys.readouterr().out, fmt
+
+
 def test_an_engine_layout_loads_onto_the_target_it_names(tmp_path, capsys):
     """Heads in an engine's layout (vLLM's Medusa, EAGLE-3, speculators) named their target only there
     (base_model_name_or_path, the verifier): without --target the embedded target loaded, and the heads
