@@ -43,8 +43,12 @@ def plot_head_accuracy(metrics: dict, path: Path) -> None:
     if curve:
         loss = axes[0][1]
         steps = [step for step, _ in curve]
+        few = len(curve) < 10  # a few logged windows show as points, at their steps (one alone drew no line)
         for k, row in enumerate(rows):
-            loss.plot(steps, [losses[k] for _, losses in curve], label=row, lw=1.2)
+            loss.plot(steps, [losses[k] for _, losses in curve], label=f"{row} (t+{k + 2})", lw=1.2,
+                      marker="o" if few else None, markersize=3)
+        if few:
+            loss.set_xticks(steps)
         loss.set_xlabel("training step")
         loss.set_ylabel("training loss")
         loss.set_title("training loss (over each logging window)")

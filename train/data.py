@@ -198,22 +198,31 @@ def user_prefix(tokenizer) -> str:
     return text[: text.index(marker)]
 
 
-def self_prompts(engine: Engine, settings: DataSettings, count: int) -> list[dict]:
-    """User turns written by the target itself from its template's user prefix (Magpie), deduplicated."""
+def self_prompts(engine: Engine, settings: DataSettings, count: int, progress: bool = True) -> list[dict]:
+    """User turns written by the target itself from its template's user prefix (Magpie), deduplicated; a
+    progress bar of their own (on stderr) while they are written, before the answers' bar."""
+    from tqdm.auto import tqdm
+
     prefix = engine.tok(user_prefix(engine.tok), add_special_tokens=False)["input_ids"]
     seen, convs = set(), []
+    bar = tqdm(total=count, unit="prompt", desc="gorgon data: writing prompts", disable=not progress,
+               dynamic_ncols=True)
     for attempt in range(1, 11):  # duplicates are dropped, so draw again for the shortfall
         need = count - len(convs)
         if need <= 0:
             break
         seeds = [row_seed(settings.seed, "self", attempt, j) for j in range(need)]
         for tokens in engine.generate([prefix] * need, seeds, temperature=settings.temperature or 1.0,
-                                      max_new_tokens=min(128, settings.max_new_tokens)):
+                                      max_new_tokens=min(128, settings.max_new_tokens),
+                                      on_batch=lambda n_prompts, _: bar.update(n_prompts)):
             text = engine.tok.decode(tokens, skip_special_tokens=True).strip()
             key = " ".join(text.lower().split())
             if len(key) >= 8 and key not in seen:
                 seen.add(key)
                 convs.append({"id": f"self-{len(convs)}", "system": None, "turns": [text]})
+        bar.n = len(convs)  # the distinct ones: a repeat is drawn again
+        bar.refresh()
+    bar.close()
     if len(convs) < count:
         print(f"gorgon data: the target wrote {len(convs)} distinct prompts of the {count} asked for (in 10 rounds of "
               "drawing, the others repeated one or were under 8 characters); raise --temperature for more variety")
@@ -409,7 +418,7 @@ def make_dataset(settings: DataSettings, out: str | os.PathLike, target: Target 
         if convs is None:
             prompts_file = partial / "self_prompts.jsonl"
             if not prompts_file.exists():
-                written = self_prompts(engine, engine_settings, settings.limit)
+                written = self_prompts(engine, engine_settings, settings.limit, progress)
                 atomic_write_text(prompts_file, "".join(json.dumps(c) + "\n" for c in written))
             convs = read_jsonl(prompts_file)
         start = time.perf_counter()
