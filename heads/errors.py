@@ -1,7 +1,6 @@
 """The one exception type users see: a single line that names the problem and the fix."""
 
 import argparse
-import contextlib
 import dataclasses
 import difflib
 import errno
@@ -156,21 +155,27 @@ def exit_status(main, name: str) -> int:
         line = user_error_line(err)
         if line is None:
             raise
-        write_error_line(f"{name}: error: {line}")
-        tell_launcher(f"{name}: error: {line}")
+        told = tell_launcher(f"{name}: error: {line}")
+        if not told or os.environ.get("LOCAL_RANK", "0") == "0":  # each process fails alike: one line, not N
+            write_error_line(f"{name}: error: {line}")
         return 2
 
 
-def tell_launcher(text: str) -> None:
+def tell_launcher(text: str) -> bool:
     """Under torch's launcher (`accelerate launch` with several processes), also leave the error line where it
     reads a failed process's cause: its error file (torchelastic's, named by TORCHELASTIC_ERROR_FILE). The
     report it prints after the processes end then gives the line as each failure's cause, where it would
-    point to its documentation."""
+    point to its documentation. Whether the line was left there: then each machine's first process alone
+    prints it too, since the report names every process's own."""
     path = os.environ.get("TORCHELASTIC_ERROR_FILE")
-    if path:
-        with contextlib.suppress(OSError):
-            with open(path, "w", encoding="utf-8") as f:
-                json.dump({"message": text, "timestamp": int(time.time())}, f)
+    if not path:
+        return False
+    try:
+        with open(path, "w", encoding="utf-8") as f:
+            json.dump({"message": text, "timestamp": int(time.time())}, f)
+    except OSError:
+        return False
+    return True
 
 
 def one_line_warnings(name: str) -> None:

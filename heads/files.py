@@ -239,6 +239,22 @@ def read_config(path: Path, what: str = "heads") -> dict:
         raise GorgonError(f"cannot read {path} ({err.__class__.__name__}): re-save or re-download the {what}") from err
 
 
+def config_or_none(folder: Path) -> dict | None:
+    """A folder's config.json as a dict, or None where it has none that parses to one: for telling what a
+    folder holds before choosing how to load it (`read_config` says why one cannot be read)."""
+    try:
+        config = json.loads((Path(folder) / "config.json").read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError):
+        return None
+    return config if isinstance(config, dict) else None
+
+
+def is_model_config(config: dict | None) -> bool:
+    """Whether a config.json is a transformers model's (a draft model, a target) rather than gorgon heads':
+    a model's names its architectures, heads' name their target (`target_name`)."""
+    return bool(config) and bool(config.get("architectures")) and "target_name" not in config
+
+
 def read_jsonl(path: Path) -> list:
     """One JSON value per line, blank lines skipped; a bad line is an error naming its number."""
     records = []

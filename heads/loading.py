@@ -6,7 +6,6 @@ head; anything else is Medusa heads (gorgon's own, vLLM's or FasterDecoding's la
 
 from __future__ import annotations
 
-import json
 import os
 
 import torch
@@ -15,7 +14,7 @@ from .eagle import EagleDrafter, EagleHead
 from .eagle.formats import foreign_format
 from .eagle.model import ARCH
 from .errors import GorgonError
-from .files import read_config
+from .files import config_or_none, read_config
 from .hub import CONFIG_NAME, resolve_heads_folder
 from .medusa import HeadsDrafter, MedusaHeads
 from .medusa.model import ADAPTER_DIR, check_not_a_model
@@ -24,11 +23,8 @@ from .target import Target, check_config_fits, load_target, target_for_heads
 
 def is_eagle(folder) -> bool:
     """Whether a heads folder holds a feature-level head."""
-    try:
-        config = json.loads((folder / CONFIG_NAME).read_text())
-    except (OSError, ValueError):
-        return False
-    return isinstance(config, dict) and (config.get("arch") == ARCH or foreign_format(config) is not None)
+    config = config_or_none(folder)
+    return config is not None and (config.get("arch") == ARCH or foreign_format(config) is not None)
 
 
 def load_heads(heads: str | os.PathLike, target: str | os.PathLike | None = None, device: str = "auto",

@@ -24,7 +24,9 @@ import torch
 
 from .errors import GorgonError
 from .files import (
+    config_or_none,
     follow_umask,
+    is_model_config,
     local_path_problem,
     looks_like_path,
     new_temp,
@@ -235,11 +237,10 @@ def cannot_load(what: str, name: str, err: Exception) -> GorgonError:
 
 def what_folder_holds(folder: Path) -> str:
     """What a folder passed as a model holds instead, and what to pass: heads given as --target, say."""
-    try:
-        config = json.loads((folder / "config.json").read_text())
-    except (OSError, ValueError):
+    config = config_or_none(folder)
+    if config is None:
         return "it has no readable config.json; pass a folder written by save_pretrained"
-    if isinstance(config, dict) and "target_name" in config and "model_type" not in config:
+    if "target_name" in config and not is_model_config(config):
         return "it holds draft heads; pass it as --heads, and their target as --target"
     return "check that it holds a model's config.json and weights (save_pretrained writes both)"
 

@@ -795,7 +795,8 @@ def test_gorgons_warnings_are_one_line_on_the_command_line(monkeypatch):
 def test_torchs_launcher_reports_the_error_line_as_the_failures_cause(tmp_path, monkeypatch, capsys):
     """Under `accelerate launch` with several processes, torch's launcher ends with a report of the failed
     processes whose cause read "To enable traceback see: https://pytorch.org/docs/...": the error file it names
-    each process now holds the line, which its own reader takes as the cause."""
+    each process now holds the line, which its own reader takes as the cause. Only each machine's first process
+    prints it as well: N processes that fail alike printed N lines before the report."""
     from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
     from gorgon.heads.errors import exit_status
@@ -810,9 +811,14 @@ def test_torchs_launcher_reports_the_error_line_as_the_failures_cause(tmp_path, 
     line = "train/heads.py: error: data source x not found: pass a file"
     assert capsys.readouterr().err == line + "\n"
     assert ProcessFailure(local_rank=0, pid=1, exitcode=2, error_file=str(error_file)).message == line
-    monkeypatch.delenv("TORCHELASTIC_ERROR_FILE")
     error_file.unlink()
-    assert exit_status(refused, "train/heads.py") == 2 and not error_file.exists()  # not launched by it: no file
+    monkeypatch.setenv("LOCAL_RANK", "1")  # another process on the machine: the report names its line, it prints none
+    assert exit_status(refused, "train/heads.py") == 2 and capsys.readouterr().err == ""
+    assert ProcessFailure(local_rank=1, pid=2, exitcode=2, error_file=str(error_file)).message == line
+    monkeypatch.delenv("TORCHELASTIC_ERROR_FILE")  # another launcher, with no report: every process prints it
+    error_file.unlink()
+    assert exit_status(refused, "train/heads.py") == 2 and capsys.readouterr().err == line + "\n"
+    assert not error_file.exists()
 
 
 def test_help_into_a_pipe_closed_early_ends_without_a_traceback():

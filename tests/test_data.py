@@ -110,6 +110,18 @@ def test_self_prompts_are_written_by_the_target_and_deduplicated(tmp_path):
         make_dataset(DataSettings(prompts="self", target=str(target)), tmp_path / "x", progress=False)
 
 
+def test_a_shortfall_of_self_prompts_is_a_warning_on_stderr(tmp_path, capsys):
+    """One-token prompts are under the 8 characters kept: the target writes fewer than asked, and says so
+    beside its progress bar, not in the command's result on stdout."""
+    from gorgon.heads.target import load_target
+    from gorgon.train.data import Engine, self_prompts
+
+    settings = DataSettings(prompts="self", max_new_tokens=1)
+    prompts = self_prompts(Engine(load_target(tiny_chat_target(tmp_path)), settings), settings, 3, progress=False)
+    out, err = capsys.readouterr()
+    assert len(prompts) < 3 and "distinct prompts of the 3 asked for" in err and "distinct" not in out
+
+
 def test_prompts_longer_than_the_context_are_skipped_and_counted(tmp_path):
     target = tiny_chat_target(tmp_path)  # context 512
     src = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "short"}, {"prompt": "y" * 60}, {"prompt": "x" * 600}])

@@ -225,7 +225,8 @@ def self_prompts(engine: Engine, settings: DataSettings, count: int, progress: b
     bar.close()
     if len(convs) < count:
         print(f"gorgon data: the target wrote {len(convs)} distinct prompts of the {count} asked for (in 10 rounds of "
-              "drawing, the others repeated one or were under 8 characters); raise --temperature for more variety")
+              "drawing, the others repeated one or were under 8 characters); raise --temperature for more variety",
+              file=sys.stderr)
     return convs[:count]
 
 

@@ -19,6 +19,19 @@ from pathlib import Path
 
 from gorgon.heads.draft_model.model import DRAFT_VOCAB_NAME
 from gorgon.heads.errors import GorgonError, user_error_line
+from gorgon.heads.files import (
+    atomic_write_text,
+    check_output,
+    check_unlocked,
+    config_or_none,
+    drop_lock,
+    holds_lock,
+    is_model_config,
+    is_plot,
+    missing_folders,
+    remove_empty_folders,
+    take_lock,
+)
 from gorgon.heads.medusa.model import ADAPTER_DIR, TREES_NAME
 
 
@@ -138,7 +151,6 @@ def in_run_folder(path: Path) -> bool:
     its plot) of the earlier heads. A tokenizer's files are a draft model's only where the folder holds one (in
     a heads folder they are the user's)."""
     from gorgon.decode.bench import is_report
-    from gorgon.heads.files import is_plot
 
     if any(fnmatch.fnmatch(path.name, name) for name in DRAFT_FILES):
         return holds_draft(path.parent)
@@ -149,11 +161,7 @@ def in_run_folder(path: Path) -> bool:
 def holds_draft(folder: Path) -> bool:
     """Whether a training --out holds a draft model: its config.json is a transformers model's (heads' name their
     target), which the draft's save writes first, before its tokenizer, evaluation and metrics.json."""
-    try:
-        config = json.loads((folder / "config.json").read_text())
-    except (OSError, ValueError):
-        return False
-    return isinstance(config, dict) and "architectures" in config and "target_name" not in config
+    return is_model_config(config_or_none(folder))
 
 
 def prepare_output(out: Path, latest_checkpoint, cfg) -> Path | None:
@@ -190,7 +198,6 @@ def prepare_output(out: Path, latest_checkpoint, cfg) -> Path | None:
 
 def prepare_own_output(out: Path, latest_checkpoint, cfg) -> Path | None:
     """prepare_output's work, on the main process."""
-    from gorgon.heads.files import atomic_write_text, check_output, check_unlocked, take_lock
 
     if os.path.realpath(out) == os.path.realpath(cfg.data):
         raise GorgonError(f"--out {out} is the --data path: choose another --out")
@@ -286,7 +293,6 @@ def finish_run_folder(out: Path, recipe: dict) -> None:
     """The last writes of a run's output (main process): the replaced run's files removed, then recipe.json,
     which marks the folder finished (so a folder with it holds everything else a run writes). An empty
     checkpoints/ (trl makes it before its first save) is not left behind."""
-    from gorgon.heads.files import atomic_write_text
 
     shutil.rmtree(out / EARLIER, ignore_errors=True)
     with contextlib.suppress(OSError):  # not there, or holding checkpoints
@@ -313,7 +319,6 @@ def lock_released_on_failure(out: Path, latest_checkpoint):
     with Ctrl-C after taking it says how to go on: from its newest checkpoint (`latest_checkpoint()`, which
     removes a checkpoint cut short), or from the start. One stopped before says nothing of the folder: it may
     be another run's, still writing its checkpoints."""
-    from gorgon.heads.files import drop_lock, holds_lock
 
     try:
         yield
@@ -335,7 +340,6 @@ def no_empty_output_left(out: Path):
     marker, or is locked (a failed run gives its own lock back first: the lock is another run's, which made
     the folder meanwhile and writes it now) is left as it is. The empty parent folders it made for --out go
     too."""
-    from gorgon.heads.files import missing_folders, remove_empty_folders
 
     made = missing_folders(out)
     try:

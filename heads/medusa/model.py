@@ -18,7 +18,14 @@ from torch import nn
 
 from ..card import short_card
 from ..errors import GorgonError, config_from_dict
-from ..files import atomic_write_text, check_heads_destination, read_config, reading_weights, write_weights
+from ..files import (
+    atomic_write_text,
+    check_heads_destination,
+    is_model_config,
+    read_config,
+    reading_weights,
+    write_weights,
+)
 from ..hub import CONFIG_NAME, PushToHubMixin, resolve_heads_folder
 from ..target import attach_to_target, check_fits, lm_logits
 from ..tree import expected_accepted, tree_from_accuracies
@@ -255,8 +262,7 @@ class MedusaHeads(PushToHubMixin, nn.Module):
 def check_not_a_model(folder: Path, data) -> None:
     """A model's folder (a draft model, the target) passed as heads: said as such, not as an unknown key of
     the heads' config."""
-    if isinstance(data, dict) and data.get("architectures") and "target_name" not in data \
-            and foreign_format(folder, data) is None:
+    if is_model_config(data) and foreign_format(folder, data) is None:
         raise GorgonError(f"{folder} holds a model ({', '.join(map(str, data['architectures']))}), not heads: a draft "
                           "model goes to generate and bench as --draft (engines load its folder as it is, with no "
                           "export), a target as --target")
