@@ -1,6 +1,7 @@
 """The one exception type users see: a single line that names the problem and the fix."""
 
 import argparse
+import contextlib
 import dataclasses
 import difflib
 import errno
@@ -11,6 +12,7 @@ import time
 import types
 import typing
 import warnings
+from pathlib import Path
 
 
 class GorgonError(Exception):
@@ -155,27 +157,38 @@ def exit_status(main, name: str) -> int:
         line = user_error_line(err)
         if line is None:
             raise
-        told = tell_launcher(f"{name}: error: {line}")
-        if not told or os.environ.get("LOCAL_RANK", "0") == "0":  # each process fails alike: one line, not N
-            write_error_line(f"{name}: error: {line}")
+        text = f"{name}: error: {line}"
+        if not printed_by_another_process(text):  # N processes that fail alike print one line, not N
+            write_error_line(text)
+        tell_launcher(text)
         return 2
 
 
-def tell_launcher(text: str) -> bool:
+def tell_launcher(text: str) -> None:
     """Under torch's launcher (`accelerate launch` with several processes), also leave the error line where it
     reads a failed process's cause: its error file (torchelastic's, named by TORCHELASTIC_ERROR_FILE). The
     report it prints after the processes end then gives the line as each failure's cause, where it would
-    point to its documentation. Whether the line was left there: then each machine's first process alone
-    prints it too, since the report names every process's own."""
+    point to its documentation."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if path:
+        with contextlib.suppress(OSError):
+            with open(path, "w", encoding="utf-8") as f:
+                json.dump({"message": text, "timestamp": int(time.time())}, f)
+
+
+def printed_by_another_process(text: str) -> bool:
+    """Whether another process of this launch, on this machine, already printed this error line: each leaves it
+    in its error file after printing it (`tell_launcher`), and torch's launcher gives every process's file a
+    folder of its own beside the others' (.../attempt_0/<local rank>/error.json). Not under that launcher, or
+    laid out otherwise, every process prints its line."""
     path = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if not path:
         return False
-    try:
-        with open(path, "w", encoding="utf-8") as f:
-            json.dump({"message": text, "timestamp": int(time.time())}, f)
-    except OSError:
-        return False
-    return True
+    for other in Path(path).parent.parent.glob("*/" + Path(path).name):
+        with contextlib.suppress(OSError, ValueError, AttributeError):
+            if json.loads(other.read_text(encoding="utf-8")).get("message") == text:
+                return True
+    return False
 
 
 def one_line_warnings(name: str) -> None:

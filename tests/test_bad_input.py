@@ -795,14 +795,16 @@ def test_gorgons_warnings_are_one_line_on_the_command_line(monkeypatch):
 def test_torchs_launcher_reports_the_error_line_as_the_failures_cause(tmp_path, monkeypatch, capsys):
     """Under `accelerate launch` with several processes, torch's launcher ends with a report of the failed
     processes whose cause read "To enable traceback see: https://pytorch.org/docs/...": the error file it names
-    each process now holds the line, which its own reader takes as the cause. Only each machine's first process
-    prints it as well: N processes that fail alike printed N lines before the report."""
+    each process now holds the line, which its own reader takes as the cause. N processes that fail alike print
+    the line once before the report, not N times."""
     from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
     from gorgon.heads.errors import exit_status
 
-    error_file = tmp_path / "error.json"
-    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(error_file))
+    first, second = (tmp_path / "attempt_0" / rank / "error.json" for rank in ("0", "1"))  # torch's layout
+    first.parent.mkdir(parents=True)
+    second.parent.mkdir()
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(first))
 
     def refused():
         raise GorgonError("data source x not found: pass a file")
@@ -810,15 +812,15 @@ def test_torchs_launcher_reports_the_error_line_as_the_failures_cause(tmp_path, 
     assert exit_status(refused, "train/heads.py") == 2
     line = "train/heads.py: error: data source x not found: pass a file"
     assert capsys.readouterr().err == line + "\n"
-    assert ProcessFailure(local_rank=0, pid=1, exitcode=2, error_file=str(error_file)).message == line
-    error_file.unlink()
-    monkeypatch.setenv("LOCAL_RANK", "1")  # another process on the machine: the report names its line, it prints none
+    assert ProcessFailure(local_rank=0, pid=1, exitcode=2, error_file=str(first)).message == line
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(second))  # the next process, failing alike, prints nothing
     assert exit_status(refused, "train/heads.py") == 2 and capsys.readouterr().err == ""
-    assert ProcessFailure(local_rank=1, pid=2, exitcode=2, error_file=str(error_file)).message == line
-    monkeypatch.delenv("TORCHELASTIC_ERROR_FILE")  # another launcher, with no report: every process prints it
-    error_file.unlink()
+    assert ProcessFailure(local_rank=1, pid=2, exitcode=2, error_file=str(second)).message == line
+    monkeypatch.delenv("TORCHELASTIC_ERROR_FILE")  # not launched by it: every process prints, and no file
+    first.unlink()
+    second.unlink()
     assert exit_status(refused, "train/heads.py") == 2 and capsys.readouterr().err == line + "\n"
-    assert not error_file.exists()
+    assert not first.exists() and not second.exists()
 
 
 def test_help_into_a_pipe_closed_early_ends_without_a_traceback():

@@ -215,9 +215,10 @@ def test_fsdp_on_cpu_processes_is_refused(tmp_path):
 
 
 @pytest.mark.slow
-def test_an_out_refused_on_the_main_process_is_one_line_on_every_process(tmp_path):
+def test_an_out_refused_on_the_main_process_is_every_process_one_line(tmp_path):
     """The main process checks --out alone while the others wait: when it refused the folder, the others stopped
-    with gloo's "Connection closed by peer" traceback; now each ends with the main process's line."""
+    with gloo's "Connection closed by peer" traceback; now each ends with the main process's line, which torch's
+    report names as each one's cause. The first to fail prints it (the second too, where both end at once)."""
     target = tiny_chat_target(tmp_path)
     out = tmp_path / "theirs"
     out.mkdir()
@@ -228,7 +229,8 @@ def test_an_out_refused_on_the_main_process_is_one_line_on_every_process(tmp_pat
     assert run.returncode != 0 and (out / "notes.txt").read_text() == "mine"
     line = (f"train/heads.py: error: --out {out} already holds files this command did not write: choose a new or "
             "empty folder")
-    assert run.stderr.splitlines().count(line) == 2 and "[rank1]" not in run.stderr, run.stderr[-3000:]
+    assert run.stderr.splitlines().count(line) in (1, 2) and "[rank1]" not in run.stderr, run.stderr[-3000:]
+    assert run.stderr.count(f"traceback : {line}") == 2, run.stderr[-3000:]
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="prctl's parent-death signal is Linux's")
