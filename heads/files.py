@@ -249,10 +249,10 @@ def config_or_none(folder: Path) -> dict | None:
     return config if isinstance(config, dict) else None
 
 
-def is_model_config(config: dict | None) -> bool:
-    """Whether a config.json is a transformers model's (a draft model, a target) rather than gorgon heads':
-    a model's names its architectures, heads' name their target (`target_name`)."""
-    return bool(config) and bool(config.get("architectures")) and "target_name" not in config
+def is_model_config(config) -> bool:
+    """Whether a parsed config.json is a transformers model's (a draft model, a target) rather than gorgon
+    heads': a model's names its architectures, heads' name their target (`target_name`)."""
+    return isinstance(config, dict) and bool(config.get("architectures")) and "target_name" not in config
 
 
 def read_jsonl(path: Path) -> list:
