@@ -198,7 +198,6 @@ def prepare_output(out: Path, latest_checkpoint, cfg) -> Path | None:
 
 def prepare_own_output(out: Path, latest_checkpoint, cfg) -> Path | None:
     """prepare_output's work, on the main process."""
-
     if os.path.realpath(out) == os.path.realpath(cfg.data):
         raise GorgonError(f"--out {out} is the --data path: choose another --out")
     if cfg.push_to_hub:  # the upload at the end must be possible before the work
@@ -293,7 +292,6 @@ def finish_run_folder(out: Path, recipe: dict) -> None:
     """The last writes of a run's output (main process): the replaced run's files removed, then recipe.json,
     which marks the folder finished (so a folder with it holds everything else a run writes). An empty
     checkpoints/ (trl makes it before its first save) is not left behind."""
-
     shutil.rmtree(out / EARLIER, ignore_errors=True)
     with contextlib.suppress(OSError):  # not there, or holding checkpoints
         (out / "checkpoints").rmdir()
@@ -319,7 +317,6 @@ def lock_released_on_failure(out: Path, latest_checkpoint):
     with Ctrl-C after taking it says how to go on: from its newest checkpoint (`latest_checkpoint()`, which
     removes a checkpoint cut short), or from the start. One stopped before says nothing of the folder: it may
     be another run's, still writing its checkpoints."""
-
     try:
         yield
     except BaseException as err:
@@ -340,7 +337,6 @@ def no_empty_output_left(out: Path):
     marker, or is locked (a failed run gives its own lock back first: the lock is another run's, which made
     the folder meanwhile and writes it now) is left as it is. The empty parent folders it made for --out go
     too."""
-
     made = missing_folders(out)
     try:
         yield
