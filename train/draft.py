@@ -24,7 +24,7 @@ import json
 import os
 import sys
 import warnings
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
@@ -213,54 +213,79 @@ def read_indexed_cpu_locations() -> None:
 
 
 def train(cfg: DraftTrainConfig) -> Path:
-    """The whole run: distil the draft, evaluate it, save it with its card (pushed when asked)."""
-    from gorgon.train.run_folder import latest_checkpoint, lock_released_on_failure
+    """The whole run: set up, distil the draft, then save it with its card (pushed when asked)."""
+    from gorgon.train.run_folder import kept_checkpoints, latest_checkpoint, lock_released_on_failure
 
     checkpoints = Path(cfg.out) / "checkpoints"
     with lock_released_on_failure(Path(cfg.out), lambda: latest_checkpoint(checkpoints, "checkpoint",
                                                                              "trainer_state.json")):
-        return distil(cfg)
+        run = setup(cfg)
+        trainer, weights = distil(run)
+        metrics = save(run, trainer, weights)
+    if metrics is None:  # not the main process
+        return run.out
+    if cfg.report_to == "wandb":  # wandb's closing lines first, so that the run's result ends the output
+        import wandb
+
+        wandb.finish()
+    before, after = metrics["before"], metrics["after"]
+    print(f"gorgon draft: saved to {run.out} after {metrics['steps']} steps: over {after['tokens']} held-out answer "
+          f"tokens ({len(run.eval_ex)} conversations), KL to the target {before['kl']:.3f} -> {after['kl']:.3f} nats "
+          f"a token, top-1 agreement {before['top1']:.3f} -> {after['top1']:.3f}{kept_checkpoints(run.out)}")
+    if cfg.push_to_hub:
+        from gorgon.heads.hub import upload_folder
+
+        print(f"gorgon draft: pushed to {upload_folder(run.out, cfg.push_to_hub)}")
+    print(f"gorgon draft: next, its speed: gorgon bench --draft {run.out} --questions "
+          f"{in_checkout('scripts/data/mt_bench.jsonl')} --update-card")
+    return run.out
 
 
-def distil(cfg: DraftTrainConfig) -> Path:
+@dataclass
+class Distillation:
+    """What the phases of one distillation share: set up once, then distilled and saved."""
+
+    cfg: DraftTrainConfig
+    out: Path
+    state: object                     # accelerate's PartialState
+    resume_from: Path | None          # the checkpoint a resume continues from
+    settings: dict                    # what each checkpoint records for a resume's check (resume_settings)
+    target: object
+    student: torch.nn.Module          # the draft; distil() puts the trained one here
+    what: str                         # the student, in words
+    train_ex: list[dict]
+    eval_ex: list[dict]
+    token_map: torch.Tensor | None    # the draft vocabulary (draft_vocab_size), else None
+    coverage: dict | None             # the draft vocabulary's share of the training and held-out answers' tokens
+    before: dict = field(default_factory=dict)  # held-out agreement with the target before distillation
+
+    def held_out(self):
+        """This process's share of the held-out conversations, in batches of 8."""
+        from gorgon.train.examples import collate
+
+        mine = self.eval_ex[self.state.process_index::self.state.num_processes]
+        return (collate(mine[i:i + 8], self.target.tokenizer.pad_token_id) for i in range(0, len(mine), 8))
+
+
+def setup(cfg: DraftTrainConfig) -> Distillation:
+    """Everything checked before the slow parts (the settings, a resume's, --out, the data), then the target, the
+    examples, the draft vocabulary and the student, measured against the target once before it trains."""
     from accelerate import PartialState
     from accelerate.utils import DistributedType
-    from transformers import AutoModelForCausalLM
 
-    from gorgon.heads.card import write_model_card
-    from gorgon.heads.draft_model.model import load_student, save_draft
+    from gorgon.heads.draft_model.model import load_student
     from gorgon.heads.draft_model.objective import agreement
     from gorgon.heads.target import load_target, target_text_config
-    from gorgon.heads.tree import chain_tau
-    from gorgon.train.data import describe, hub_datasets
-    from gorgon.train.examples import (
-        answer_tokens,
-        collate,
-        frequent_tokens,
-        load_examples,
-        read_conversations,
-        split,
-    )
-    from gorgon.train.recipe import (
-        check_lora_targets,
-        connect_cpu_processes,
-        full_state_dict,
-        wandb_offline_without_key,
-    )
-    from gorgon.train.run_folder import (
-        finish_run_folder,
-        kept_checkpoints,
-        latest_checkpoint,
-        prepare_output,
-        set_aside_earlier_run,
-    )
+    from gorgon.train.examples import answer_tokens, frequent_tokens, load_examples, read_conversations, split
+    from gorgon.train.recipe import check_lora_targets, connect_cpu_processes, wandb_offline_without_key
+    from gorgon.train.run_folder import latest_checkpoint, prepare_output
 
     cfg.check()
     connect_cpu_processes()  # before anything creates accelerate's process state
     out = Path(cfg.out)
-    ckpt_dir = out / "checkpoints"
     # The trainer writes trainer_state.json last into each checkpoint (after every process's part: Trainer above).
-    resume_from = prepare_output(out, lambda: latest_checkpoint(ckpt_dir, "checkpoint", "trainer_state.json"), cfg)
+    resume_from = prepare_output(out, lambda: latest_checkpoint(out / "checkpoints", "checkpoint",
+                                                                "trainer_state.json"), cfg)
     # The Trainer's wandb integration prints "[INFO] Running in WANDB offline mode" when it is first imported with
     # WANDB_MODE offline: imported before that is set, it says nothing.
     import transformers.integrations.integration_utils  # noqa: F401
@@ -279,11 +304,9 @@ def distil(cfg: DraftTrainConfig) -> Path:
     cfg.check_target(text_config)  # a draft vocabulary or a student that cannot fit it
     target = load_target(cfg.target, device=str(state.device), dtype=cfg.dtype)
     target.model.requires_grad_(False)
-    tokenizer = target.tokenizer
-    if tokenizer.pad_token_id is None:
-        tokenizer.pad_token_id = 0  # trl's trainer insists on one; padded positions are masked anyway
-    pad = tokenizer.pad_token_id
-    examples = load_examples(cfg.data, tokenizer, cfg.max_length, target.fingerprints, conversations,
+    if target.tokenizer.pad_token_id is None:
+        target.tokenizer.pad_token_id = 0  # trl's trainer insists on one; padded positions are masked anyway
+    examples = load_examples(cfg.data, target.tokenizer, cfg.max_length, target.fingerprints, conversations,
                              lambda line: state.print(f"gorgon draft: {line}", file=sys.stderr))
     settings = resume_settings(cfg, state.num_processes, data_sha256(examples))
     if resume_from is not None:  # again, now with the data's contents; then, for a finished run, the length
@@ -301,70 +324,80 @@ def distil(cfg: DraftTrainConfig) -> Path:
     student, what = load_student(target, cfg.student, cfg.student_layers)
     if cfg.lora:
         check_lora_targets(student, cfg.lora_target_modules, "the draft")
-
-    def held_out():  # this process's share of the held-out conversations, in batches of 8
-        mine = eval_ex[state.process_index::state.num_processes]
-        return (collate(mine[i:i + 8], pad) for i in range(0, len(mine), 8))
-
-    before = agreement(student.eval(), target.model, held_out())
+    run = Distillation(cfg, out, state, resume_from, settings, target, student, what, train_ex, eval_ex, token_map,
+                       coverage)
+    run.before = agreement(student.eval(), target.model, run.held_out())
     state.print(f"gorgon draft: {what} ({sum(p.numel() for p in student.parameters()) / 1e6:.1f}M parameters) "
-                f"before distillation: held-out KL {before['kl']:.3f}, top-1 agreement {before['top1']:.3f}",
+                f"before distillation: held-out KL {run.before['kl']:.3f}, top-1 agreement {run.before['top1']:.3f}",
                 file=sys.stderr)
-    steps, trainer, weights = 0, None, None
-    if cfg.max_steps != 0:
-        trainer = gkd_trainer(cfg, student, target, train_ex, ckpt_dir, state.device, settings, resume_from)
-        if resume_from is not None:
-            state.print(f"gorgon draft: resuming from {resume_from}", file=sys.stderr)
-            read_indexed_cpu_locations()
-        trainer.train(resume_from_checkpoint=str(resume_from) if resume_from else None)
-        steps = trainer.state.global_step
-        if cfg.lora:  # adapters merged into weights that are whole on every process (sharding is refused above)
-            student = trainer.accelerator.unwrap_model(trainer.model).merge_and_unload()
-        else:
-            weights = full_state_dict(trainer.accelerator, trainer.model)  # every process: it gathers shards
-            student = trainer.accelerator.unwrap_model(trainer.model)
+    return run
+
+
+def distil(run: Distillation) -> tuple[object | None, dict | None]:
+    """Train the student with trl's GKD trainer (from the checkpoint a resume continues): `run.student` becomes the
+    distilled draft. Returns the trainer (None with max_steps 0: the untrained draft is saved) and the draft's
+    weights gathered whole from every process's shards (None where the student's own are whole: LoRA's merged)."""
+    from gorgon.train.recipe import full_state_dict
+
+    if run.cfg.max_steps == 0:
+        return None, None
+    trainer = gkd_trainer(run.cfg, run.student, run.target, run.train_ex, run.out / "checkpoints", run.state.device,
+                          run.settings, run.resume_from)
+    if run.resume_from is not None:
+        run.state.print(f"gorgon draft: resuming from {run.resume_from}", file=sys.stderr)
+        read_indexed_cpu_locations()
+    trainer.train(resume_from_checkpoint=str(run.resume_from) if run.resume_from else None)
+    if run.cfg.lora:  # adapters merged into weights that are whole on every process (sharding is refused in setup)
+        run.student = trainer.accelerator.unwrap_model(trainer.model).merge_and_unload()
+        return trainer, None
+    weights = full_state_dict(trainer.accelerator, trainer.model)  # every process: it gathers shards
+    run.student = trainer.accelerator.unwrap_model(trainer.model)
+    return trainer, weights
+
+
+def save(run: Distillation, trainer, weights: dict | None) -> dict | None:
+    """The draft saved (main process) and measured again as users load it, from the saved folder; then its
+    metrics.json and card. Returns the metrics on the main process, None on the others."""
+    from transformers import AutoModelForCausalLM
+
+    from gorgon.heads.card import write_model_card
+    from gorgon.heads.draft_model.model import save_draft
+    from gorgon.heads.draft_model.objective import agreement
+    from gorgon.heads.tree import chain_tau
+    from gorgon.train.data import describe, hub_datasets
+    from gorgon.train.run_folder import finish_run_folder, set_aside_earlier_run
+
+    cfg, state, out, before = run.cfg, run.state, run.out, run.before
     if state.is_main_process:
         out.mkdir(parents=True, exist_ok=True)
         set_aside_earlier_run(out)
-        save_draft(student, tokenizer, out, weights, token_map)
+        save_draft(run.student, run.target.tokenizer, out, weights, run.token_map)
     state.wait_for_everyone()
+    steps = trainer.state.global_step if trainer is not None else 0
     draft = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).to(state.device).eval()  # as users load it
-    after = agreement(draft, target.model, held_out()) if steps else before
+    after = agreement(draft, run.target.model, run.held_out()) if steps else before
     if not state.is_main_process:
-        return out
+        return None
     if trainer is not None:  # into the trainer's log and wandb run, beside the training curves
         trainer.log({f"eval/{k}_{when}": v[k] for when, v in (("before", before), ("after", after))
                      for k in ("kl", "top1")})
     metrics = {
-        "kind": "draft", "target_name": target.name, "target_fingerprint": target.fingerprint, "student": what,
-        "student_parameters": sum(p.numel() for p in draft.parameters()),
-        "target_parameters": sum(p.numel() for p in target.model.parameters()),
-        "steps": steps, "train_conversations": len(train_ex), "eval_conversations": len(eval_ex),
+        "kind": "draft", "target_name": run.target.name, "target_fingerprint": run.target.fingerprint,
+        "student": run.what, "student_parameters": sum(p.numel() for p in draft.parameters()),
+        "target_parameters": sum(p.numel() for p in run.target.model.parameters()),
+        "steps": steps, "train_conversations": len(run.train_ex), "eval_conversations": len(run.eval_ex),
         "processes": state.num_processes,
         "eval_tokens": after["tokens"], "before": before, "after": after, "draft_tokens": cfg.draft_tokens,
-        "draft_vocab_size": cfg.draft_vocab_size, "draft_vocab_coverage": coverage,
+        "draft_vocab_size": cfg.draft_vocab_size, "draft_vocab_coverage": run.coverage,
         "data": describe(cfg.data), "datasets": hub_datasets(cfg.data),
-        "data_sha256": settings["data_sha256"],
+        "data_sha256": run.settings["data_sha256"],
         "expected_tau": {"before": chain_tau(before["top1"], cfg.draft_tokens),
                          "after": chain_tau(after["top1"], cfg.draft_tokens)},
     }
     recipe = asdict(cfg)
     write_model_card(out, recipe, metrics)  # and metrics.json, with what the card says
     finish_run_folder(out, recipe)
-    if cfg.report_to == "wandb":  # wandb's closing lines first, so that the run's result ends the output
-        import wandb
-
-        wandb.finish()
-    print(f"gorgon draft: saved to {out} after {steps} steps: over {after['tokens']} held-out answer tokens "
-          f"({len(eval_ex)} conversations), KL to the target {before['kl']:.3f} -> {after['kl']:.3f} nats a token, "
-          f"top-1 agreement {before['top1']:.3f} -> {after['top1']:.3f}{kept_checkpoints(out)}")
-    if cfg.push_to_hub:
-        from gorgon.heads.hub import upload_folder
-
-        print(f"gorgon draft: pushed to {upload_folder(out, cfg.push_to_hub)}")
-    print(f"gorgon draft: next, its speed: gorgon bench --draft {out} --questions "
-          f"{in_checkout('scripts/data/mt_bench.jsonl')} --update-card")
-    return out
+    return metrics
 
 
 def main(argv=None) -> int:
