@@ -193,39 +193,14 @@ def run_bench(target, drafter, questions: list[dict], max_new_tokens: int = 256,
     for qi, q in enumerate(questions):
         if q["question_id"] in done:
             continue
-        row = {"question_id": q["question_id"], "category": q["category"], "tokens": 0, "seconds": 0.0,
-               "target_forwards": 0, "baseline_tokens": 0, "baseline_seconds": 0.0, "identical": True}
-        if stock:
-            row.update({"stock_tokens": 0, "stock_seconds": 0.0, "identical_vs_stock": True})
-        for name in extra:
-            row.update({f"{name}_tokens": 0, f"{name}_seconds": 0.0})
-            if name in SPECULATIVE:
-                row.update({f"{name}_target_forwards": 0, f"{name}_identical": True})
+        row = empty_row(q, stock, extra)
 
         def run_turn(ids):
             """Every method on this turn, in this question's order; the baseline's reply continues it."""
             order = names[qi % len(names):] + names[:qi % len(names)]  # each goes first in turn
             runs = {name: methods[name](ids, max_new_tokens) for name in order}
-            base, spec = runs["baseline"], runs["gorgon"]
-            row["baseline_tokens"] += len(base.tokens)
-            row["baseline_seconds"] += base.seconds
-            row["tokens"] += len(spec.tokens)
-            row["seconds"] += spec.seconds
-            row["target_forwards"] += spec.target_forwards
-            row["identical"] &= spec.tokens == base.tokens
-            if stock:
-                row["stock_tokens"] += len(runs["stock"].tokens)
-                row["stock_seconds"] += runs["stock"].seconds
-                row["identical_vs_stock"] &= spec.tokens == runs["stock"].tokens
-            for n in spec.accepted[1:]:  # the prefill's single token is not a verify step
-                histogram[n] = histogram.get(n, 0) + 1
-            for name in extra:
-                row[f"{name}_tokens"] += len(runs[name].tokens)
-                row[f"{name}_seconds"] += runs[name].seconds
-                if name in SPECULATIVE:
-                    row[f"{name}_target_forwards"] += runs[name].target_forwards
-                    row[f"{name}_identical"] &= runs[name].tokens == base.tokens
-            return base.tokens
+            add_turn(row, histogram, runs, stock, extra)
+            return runs["baseline"].tokens
 
         if ask(target, q, max_new_tokens, run_turn):
             base_rate = row["baseline_tokens"] / max(row["baseline_seconds"], 1e-9)
@@ -245,6 +220,44 @@ def run_bench(target, drafter, questions: list[dict], max_new_tokens: int = 256,
         raise GorgonError(f"no question fits the context of {context} tokens with --max-new-tokens {max_new_tokens}: "
                           "lower --max-new-tokens or use shorter questions")
     return bench_report(rows, skipped, histogram, sampling.greedy, extra, stock)
+
+
+def empty_row(q: dict, stock: bool, extra: tuple[str, ...]) -> dict:
+    """A question's row of the report before its turns: gorgon's counts (tokens, seconds, target_forwards,
+    identical), the baseline's, and each other method's under its name."""
+    row = {"question_id": q["question_id"], "category": q["category"], "tokens": 0, "seconds": 0.0,
+           "target_forwards": 0, "baseline_tokens": 0, "baseline_seconds": 0.0, "identical": True}
+    if stock:
+        row.update({"stock_tokens": 0, "stock_seconds": 0.0, "identical_vs_stock": True})
+    for name in extra:
+        row.update({f"{name}_tokens": 0, f"{name}_seconds": 0.0})
+        if name in SPECULATIVE:
+            row.update({f"{name}_target_forwards": 0, f"{name}_identical": True})
+    return row
+
+
+def add_turn(row: dict, histogram: dict, runs: dict, stock: bool, extra: tuple[str, ...]) -> None:
+    """Add one turn's runs (method name -> its result) to the question's row, and gorgon's accepted lengths to
+    the histogram. Outputs are compared with the baseline's (stock `generate`'s too, where it ran)."""
+    base, spec = runs["baseline"], runs["gorgon"]
+    row["baseline_tokens"] += len(base.tokens)
+    row["baseline_seconds"] += base.seconds
+    row["tokens"] += len(spec.tokens)
+    row["seconds"] += spec.seconds
+    row["target_forwards"] += spec.target_forwards
+    row["identical"] &= spec.tokens == base.tokens
+    if stock:
+        row["stock_tokens"] += len(runs["stock"].tokens)
+        row["stock_seconds"] += runs["stock"].seconds
+        row["identical_vs_stock"] &= spec.tokens == runs["stock"].tokens
+    for n in spec.accepted[1:]:  # the prefill's single token is not a verify step
+        histogram[n] = histogram.get(n, 0) + 1
+    for name in extra:
+        row[f"{name}_tokens"] += len(runs[name].tokens)
+        row[f"{name}_seconds"] += runs[name].seconds
+        if name in SPECULATIVE:
+            row[f"{name}_target_forwards"] += runs[name].target_forwards
+            row[f"{name}_identical"] &= runs[name].tokens == base.tokens
 
 
 def bench_report(rows: list[dict], skipped: list[dict], histogram: dict, greedy: bool, extra: tuple[str, ...],
