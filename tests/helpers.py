@@ -221,7 +221,7 @@ def resume_equals_a_whole_run(common: list[str], killed: Path, whole: Path, says
     launcher turns the script's 2 into 1), then resumed to the same weights as an uninterrupted run."""
     assert not (killed / "model.safetensors").exists(), "training finished before it could be killed"
     again = subprocess.run(common + ["--out", str(killed)], env=env(), capture_output=True, text=True)
-    assert again.returncode == refused and "already has checkpoints: pass --resume true" in again.stderr
+    assert again.returncode == refused and "already has checkpoints: pass --resume true" in again.stderr, again.stderr
     resumed = subprocess.run(common + ["--out", str(killed), "--resume", "true"], env=env(), capture_output=True,
                              text=True)
     # A multi-process launch ends its stderr with the launcher's own traceback: show the workers' lines above it.

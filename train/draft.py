@@ -214,7 +214,7 @@ def read_indexed_cpu_locations() -> None:
 
 def train(cfg: DraftTrainConfig) -> Path:
     """The whole run: set up, distil the draft, then save it with its card (pushed when asked)."""
-    from gorgon.train.run_folder import kept_checkpoints, latest_checkpoint, lock_released_on_failure
+    from gorgon.train.run_folder import announce_result, latest_checkpoint, lock_released_on_failure
 
     checkpoints = Path(cfg.out) / "checkpoints"
     with lock_released_on_failure(Path(cfg.out), lambda: latest_checkpoint(checkpoints, "checkpoint",
@@ -229,15 +229,12 @@ def train(cfg: DraftTrainConfig) -> Path:
 
         wandb.finish()
     before, after = metrics["before"], metrics["after"]
-    print(f"gorgon draft: saved to {run.out} after {metrics['steps']} steps: over {after['tokens']} held-out answer "
-          f"tokens ({len(run.eval_ex)} conversations), KL to the target {before['kl']:.3f} -> {after['kl']:.3f} nats "
-          f"a token, top-1 agreement {before['top1']:.3f} -> {after['top1']:.3f}{kept_checkpoints(run.out)}")
-    if cfg.push_to_hub:
-        from gorgon.heads.hub import upload_folder
-
-        print(f"gorgon draft: pushed to {upload_folder(run.out, cfg.push_to_hub)}")
-    print(f"gorgon draft: next, its speed: gorgon bench --draft {run.out} --questions "
-          f"{in_checkout('scripts/data/mt_bench.jsonl')} --update-card")
+    announce_result("gorgon draft", run.out, f"saved to {run.out} after {metrics['steps']} steps: over "
+                    f"{after['tokens']} held-out answer tokens ({len(run.eval_ex)} conversations), KL to the target "
+                    f"{before['kl']:.3f} -> {after['kl']:.3f} nats a token, top-1 agreement {before['top1']:.3f} -> "
+                    f"{after['top1']:.3f}", cfg.push_to_hub,
+                    f"gorgon bench --draft {run.out} --questions {in_checkout('scripts/data/mt_bench.jsonl')} "
+                    "--update-card")
     return run.out
 
 

@@ -539,7 +539,7 @@ def save(run: Run) -> dict:
 
 def train(cfg: HeadsTrainConfig) -> Path:
     """The whole run: setup, the steps, then evaluation and the saved heads folder (pushed when asked)."""
-    from gorgon.train.run_folder import kept_checkpoints, lock_released_on_failure
+    from gorgon.train.run_folder import announce_result, lock_released_on_failure
 
     with lock_released_on_failure(Path(cfg.out), lambda: latest_heads_checkpoint(Path(cfg.out))):
         run = setup(cfg)
@@ -551,15 +551,12 @@ def train(cfg: HeadsTrainConfig) -> Path:
                 for k in range(len(metrics["top1"]))]  # as the card numbers them
         summary = ", ".join(f"{row}: top-1 {a:.3f} top-5 {b:.3f}"
                             for row, a, b in zip(rows, metrics["top1"], metrics["top5"]))
-        print(f"gorgon train: saved heads to {run.out} (held-out {summary}; expected tau, tokens per target "
-              f"forward: {metrics['expected_tau']['cpu']:.2f} on a CPU's tree, {metrics['expected_tau']['cuda']:.2f} "
-              f"on a GPU's){kept_checkpoints(run.out)}")
-        if cfg.push_to_hub:
-            from gorgon.heads.hub import upload_folder
-
-            print(f"gorgon train: pushed to {upload_folder(run.out, cfg.push_to_hub)}")
-        print(f"gorgon train: next, its speed: gorgon bench --heads {run.out} --questions "
-              f"{in_checkout('scripts/data/mt_bench.jsonl')} --update-card (--context-draft merges prompt lookup in)")
+        tau = metrics["expected_tau"]
+        announce_result("gorgon train", run.out, f"saved heads to {run.out} (held-out {summary}; expected tau, tokens "
+                        f"per target forward: {tau['cpu']:.2f} on a CPU's tree, {tau['cuda']:.2f} on a GPU's)",
+                        cfg.push_to_hub, f"gorgon bench --heads {run.out} --questions "
+                        f"{in_checkout('scripts/data/mt_bench.jsonl')} --update-card (--context-draft merges prompt "
+                        "lookup in)")
     return run.out
 
 

@@ -310,6 +310,17 @@ def kept_checkpoints(out: Path) -> str:
     return f"; {out / 'checkpoints'} ({size:.0f} MiB) lets --resume true train longer: remove it if that is not needed"
 
 
+def announce_result(command: str, out: Path, saved: str, push_to_hub: str | None, measure: str) -> None:
+    """A finished run's result, on stdout (main process): what it saved and the checkpoints it kept, the upload
+    where one was asked for, then the command that measures it next."""
+    print(f"{command}: {saved}{kept_checkpoints(out)}")
+    if push_to_hub:
+        from gorgon.heads.hub import upload_folder
+
+        print(f"{command}: pushed to {upload_folder(out, push_to_hub)}")
+    print(f"{command}: next, its speed: {measure}")
+
+
 @contextlib.contextmanager
 def lock_released_on_failure(out: Path, latest_checkpoint):
     """A run that fails or is refused after taking the folder's LOCK gives it back, so the folder is as it was
