@@ -177,10 +177,10 @@ def tell_launcher(text: str) -> None:
 
 
 def printed_by_another_process(text: str) -> bool:
-    """Whether another process of this launch, on this machine, already printed this error line: each leaves it
-    in its error file after printing it (`tell_launcher`), and torch's launcher gives every process's file a
-    folder of its own beside the others' (.../attempt_0/<local rank>/error.json). Not under that launcher, or
-    laid out otherwise, every process prints its line."""
+    """Whether another process of this launch, on this machine, already printed this error line: the first to
+    fail prints it, then every process leaves it in its error file (`tell_launcher`), and torch's launcher gives
+    each process's file a folder of its own beside the others' (.../attempt_0/<local rank>/error.json). Not under
+    that launcher, or laid out otherwise, every process prints its line."""
     path = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if not path:
         return False

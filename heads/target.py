@@ -26,7 +26,6 @@ from .errors import GorgonError
 from .files import (
     config_or_none,
     follow_umask,
-    is_model_config,
     local_path_problem,
     looks_like_path,
     new_temp,
@@ -240,7 +239,7 @@ def what_folder_holds(folder: Path) -> str:
     config = config_or_none(folder)
     if config is None:
         return "it has no readable config.json; pass a folder written by save_pretrained"
-    if "target_name" in config and not is_model_config(config):
+    if "target_name" in config and "model_type" not in config:
         return "it holds draft heads; pass it as --heads, and their target as --target"
     return "check that it holds a model's config.json and weights (save_pretrained writes both)"
 

@@ -212,13 +212,19 @@ def read_indexed_cpu_locations() -> None:
         100, lambda storage: None, lambda storage, location: storage if location.startswith("cpu:") else None)
 
 
+def latest_draft_checkpoint(out: Path) -> Path | None:
+    """The newest complete checkpoint in a run's own --out: the trainer writes trainer_state.json last into each
+    (after every process's part: Trainer above)."""
+    from gorgon.train.run_folder import latest_checkpoint
+
+    return latest_checkpoint(out / "checkpoints", "checkpoint", "trainer_state.json")
+
+
 def train(cfg: DraftTrainConfig) -> Path:
     """The whole run: set up, distil the draft, then save it with its card (pushed when asked)."""
-    from gorgon.train.run_folder import announce_result, latest_checkpoint, lock_released_on_failure
+    from gorgon.train.run_folder import announce_result, lock_released_on_failure
 
-    checkpoints = Path(cfg.out) / "checkpoints"
-    with lock_released_on_failure(Path(cfg.out), lambda: latest_checkpoint(checkpoints, "checkpoint",
-                                                                             "trainer_state.json")):
+    with lock_released_on_failure(Path(cfg.out), lambda: latest_draft_checkpoint(Path(cfg.out))):
         run = setup(cfg)
         trainer, weights = distil(run)
         metrics = save(run, trainer, weights)
@@ -275,14 +281,12 @@ def setup(cfg: DraftTrainConfig) -> Distillation:
     from gorgon.heads.target import load_target, target_text_config
     from gorgon.train.examples import answer_tokens, frequent_tokens, load_examples, read_conversations, split
     from gorgon.train.recipe import check_lora_targets, connect_cpu_processes, wandb_offline_without_key
-    from gorgon.train.run_folder import latest_checkpoint, prepare_output
+    from gorgon.train.run_folder import prepare_output
 
     cfg.check()
     connect_cpu_processes()  # before anything creates accelerate's process state
     out = Path(cfg.out)
-    # The trainer writes trainer_state.json last into each checkpoint (after every process's part: Trainer above).
-    resume_from = prepare_output(out, lambda: latest_checkpoint(out / "checkpoints", "checkpoint",
-                                                                "trainer_state.json"), cfg)
+    resume_from = prepare_output(out, lambda: latest_draft_checkpoint(out), cfg)
     # The Trainer's wandb integration prints "[INFO] Running in WANDB offline mode" when it is first imported with
     # WANDB_MODE offline: imported before that is set, it says nothing.
     import transformers.integrations.integration_utils  # noqa: F401
