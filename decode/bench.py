@@ -19,7 +19,6 @@ from pathlib import Path
 
 import torch
 
-from gorgon.heads import MergedDrafter
 from gorgon.heads.card import check_card_folder, refresh_model_card
 from gorgon.heads.errors import ArgumentParser, GorgonError, int_at_least, user_path
 from gorgon.heads.files import (
@@ -149,7 +148,7 @@ def timed_methods(model, drafter, baselines: tuple[str, ...], assistant, samplin
     if "prompt-lookup" in baselines:
         methods["prompt-lookup"] = plain(prompt_lookup_num_tokens=10)
     if "no-context" in baselines:
-        check_no_context(isinstance(drafter, MergedDrafter))  # for Python callers: `main` checked its options
+        check_no_context(hasattr(drafter, "drafter"))  # a merged drafter's own (heads/drafter.py); `main` checked
         methods["no-context"] = speculative(drafter.drafter)
     if compare is not None:
         methods["compare"] = speculative(compare)

@@ -23,7 +23,7 @@ _EXPORTS = {
     "EagleConfig": ".eagle", "EagleDrafter": ".eagle", "EagleHead": ".eagle",
     "GorgonError": ".errors",
     "drafter_for": ".loading", "load_heads": ".loading", "load_heads_for": ".loading",
-    "HeadsDrafter": ".medusa", "MedusaConfig": ".medusa", "MedusaHeads": ".medusa",
+    "MedusaDrafter": ".medusa", "MedusaConfig": ".medusa", "MedusaHeads": ".medusa",
     "Target": ".target", "fingerprint": ".target", "load_target": ".target",
     "Tree": ".tree", "build_tree": ".tree", "tree_from_accuracies": ".tree",
 }
@@ -45,6 +45,6 @@ if TYPE_CHECKING:  # what editors and type checkers read
     from .eagle import EagleConfig, EagleDrafter, EagleHead
     from .errors import GorgonError
     from .loading import drafter_for, load_heads, load_heads_for
-    from .medusa import HeadsDrafter, MedusaConfig, MedusaHeads
+    from .medusa import MedusaDrafter, MedusaConfig, MedusaHeads
     from .target import Target, fingerprint, load_target
     from .tree import Tree, build_tree, tree_from_accuracies

@@ -12,6 +12,7 @@ import yaml
 from .errors import GorgonError
 from .files import atomic_write_text, check_writable, save_figure
 from .hub import is_hub_id
+from .methods import recorded_method
 from .target import EMBEDDED_HUB_ID, EMBEDDED_LICENSE, EMBEDDED_NAME, hub_name
 
 
@@ -23,8 +24,8 @@ def plot_head_accuracy(metrics: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    eagle = metrics.get("arch") == "eagle"
-    rows = [f"step {h}" if eagle else f"head {h}" for h in range(1, len(metrics["top1"]) + 1)]
+    method = recorded_method(metrics)
+    rows = [method.rows(h) for h in range(1, len(metrics["top1"]) + 1)]
     curve = metrics.get("loss_curve") or []
     fig, axes = plt.subplots(1, 2 if curve else 1, figsize=(9.5 if curve else 5, 3.2), dpi=120, squeeze=False)
     ax = axes[0][0]
@@ -38,7 +39,7 @@ def plot_head_accuracy(metrics: dict, path: Path) -> None:
     ax.set_xticks(heads, [f"{row}\n(t+{h + 1})" for h, row in zip(heads, rows)])
     ax.set_ylim(0, 1)
     ax.set_ylabel("held-out accuracy")
-    ax.set_title("feature-level head accuracy" if eagle else "Medusa head accuracy")
+    ax.set_title(f"{method.title}: held-out accuracy")
     ax.legend(loc="upper right", fontsize=8)
     if curve:
         loss = axes[0][1]
@@ -134,12 +135,7 @@ def card_text(folder: Path, recipe: dict, metrics: dict, ref: str | None = None)
     card = metrics.get("card") or {}
     ref = ref or card.get("ref") or recipe.get("push_to_hub") or os.fspath(folder)
     hub = card.get("hub") or hub_fields(recipe, metrics)
-    if metrics.get("kind") == "draft":
-        return draft_card(ref, recipe, metrics, hub)
-    if recipe.get("arch") == "eagle":
-        layers = json.loads((folder / "config.json").read_text())["feature_layers"]  # as saved
-        return eagle_card(ref, recipe, metrics, hub, layers)
-    return medusa_card(ref, recipe, metrics, hub)
+    return recorded_method(metrics).card(folder, ref, recipe, metrics, hub)
 
 
 def hub_fields(recipe: dict, metrics: dict) -> dict:
@@ -148,7 +144,7 @@ def hub_fields(recipe: dict, metrics: dict) -> dict:
     it the whole push; and the target's license keys where its own card says them: the heads learn from its
     outputs, so its terms are theirs; and the Hub datasets they learnt from (`datasets` in its metrics)."""
     target = metrics.get("target_name") or recipe.get("target") or EMBEDDED_NAME
-    base = hub_name((recipe.get("student") if metrics.get("kind") == "draft" else None) or target)
+    base = hub_name(recipe.get("student") or target)  # a distilled draft's recipe names the model it started from
     return {"base_model": base if is_hub_id(base) else None, "datasets": metrics.get("datasets", []),
             "license": target_license(target)}
 
@@ -269,191 +265,3 @@ ids = target.chat_ids([{{"role": "user", "content": "Hello"}}])
 result = speculative_generate(target.model, drafter, ids, max_new_tokens=128)
 print(target.tokenizer.decode(result.tokens), result.tau)
 ```"""
-
-
-def medusa_card(ref: str, recipe: dict, metrics: dict, hub: dict) -> str:
-    """Medusa heads' card."""
-    target_name = metrics.get("target_name") or recipe.get("target") or EMBEDDED_NAME
-    rows = "\n".join(f"| {k + 1} | t+{k + 2} | {a:.3f} | {b:.3f} |"
-                     for k, (a, b) in enumerate(zip(metrics["top1"], metrics["top5"])))
-    lm_head = "the target's shared" if recipe["shared_lm_head"] else "their own"
-    tau, nodes = metrics["expected_tau"], tree_nodes(recipe, metrics)
-    base = hub_name(target_name)
-    return f"""{card_metadata(hub, "gorgon", ["medusa", "speculative-decoding"])}
-
-# Medusa heads for {target_name}
-
-{recipe['num_heads']} draft heads ({recipe['num_layers']} residual block(s) each, {lm_head} LM head), trained
-with gorgon ({recipe['mode']}, {recipe['loss']} loss, {metrics['steps']} steps) on {data_line(recipe, metrics)}.
-Greedy decoding with these heads gives exactly the target's own output, only faster.
-
-## Held-out accuracy
-
-| head | predicts | top-1 | top-5 |
-|---|---|---|---|
-{rows}
-
-![held-out accuracy per head, and the training loss](head_accuracy.png)
-
-Expected tokens per target forward from these accuracies: {tau['cpu']:.2f} with the CPU tree
-({nodes['cpu']} nodes), {tau['cuda']:.2f} with the GPU tree ({nodes['cuda']} nodes).
-
-## Speed
-
-{speed_section(metrics.get('bench'), '--heads', ref)}
-
-## Use
-
-```bash
-gorgon generate --heads {ref} --prompt "Hello"
-```
-
-{python_use(ref)}
-
-### In vLLM
-
-```bash
-gorgon export --heads {ref} --format vllm --out medusa-vllm
-```
-```python
-from vllm import LLM
-llm = LLM(model="{base}", speculative_config={{"method": "medusa", "model": "medusa-vllm",
-                                                "num_speculative_tokens": {recipe['num_heads']}}})
-```
-
-### In TGI or TensorRT-LLM (FasterDecoding Medusa format)
-
-```bash
-gorgon export --heads {ref} --format medusa --out medusa-heads
-```
-TGI: point `--model-id` at `medusa-heads` (its config names the base model in `base_model_name_or_path`).
-TensorRT-LLM: pass `--medusa_model_dir medusa-heads` to its Medusa checkpoint converter.
-"""
-
-
-def draft_vocab_line(metrics: dict) -> str:
-    """The card's sentence on the saved draft vocabulary, if the draft has one (older metrics lack the keys)."""
-    size = metrics.get("draft_vocab_size")
-    if not size:
-        return ""
-    share = metrics["draft_vocab_coverage"]
-    return (f"\nIn gorgon it drafts from its {size} most frequent answer tokens (`draft_vocab.safetensors`), through "
-            f"an output layer cut to them: they are {share['train']:.1%} of the training answers' tokens and "
-            f"{share['held_out']:.1%} of the held-out ones.\n")
-
-
-def draft_card(ref: str, recipe: dict, metrics: dict, hub: dict) -> str:
-    """A distilled draft model's card: what it started from, how close it follows the target, usage. Its
-    base_model is the model it was distilled from (the target, when cut from the target's own layers)."""
-    target_name = metrics["target_name"]
-    base = hub_name(target_name)
-    before, after, tau = metrics["before"], metrics["after"], metrics["expected_tau"]
-    beta, lmbda = recipe["beta"], recipe["lmbda"]
-    divergence = {0.0: "forward KL", 1.0: "reverse KL"}.get(beta, f"generalised JSD (beta {beta})")
-    policy = f", {lmbda:.0%} of batches answered by the draft itself" if lmbda else ""
-    how = (f"It was distilled with gorgon (trl GKD, {divergence}{policy}{', LoRA merged' if recipe['lora'] else ''},\n"
-           f"{metrics['steps']} steps) on {data_line(recipe, metrics)}." if metrics["steps"] else
-           "It is not distilled: saved with `--max_steps 0`, as the baseline that distillation is measured against.")
-    tags = ["speculative-decoding", "draft-model", "distillation"]
-    return f"""{card_metadata(hub, "transformers", tags)}
-
-# Draft model for {target_name}
-
-A {metrics['student_parameters'] / 1e6:.1f}M-parameter draft model for speculative decoding with {target_name}
-({metrics['target_parameters'] / 1e6:.1f}M). It started from {metrics['student']}.
-{how}
-
-Speculative decoding with it gives exactly the target's own output; the draft only sets the speed.
-{draft_vocab_line(metrics)}
-## How closely it follows the target
-
-On {metrics['eval_conversations']} held-out conversations ({metrics['eval_tokens']} answer tokens):
-
-| | KL(target \\|\\| draft) | top-1 agreement | expected tokens per step ({metrics['draft_tokens']} drafted) |
-|---|---|---|---|
-| before distillation | {before['kl']:.3f} | {before['top1']:.3f} | {tau['before']:.2f} |
-| after distillation | {after['kl']:.3f} | {after['top1']:.3f} | {tau['after']:.2f} |
-
-Expected tokens per step assume each drafted token matches independently with the top-1 agreement.
-
-## Speed
-
-{speed_section(metrics.get('bench'), '--draft', ref)}
-
-## Use
-
-```bash
-gorgon generate --draft {ref} --draft-tokens {metrics['draft_tokens']} --prompt "Hello"
-```
-
-In transformers' own assisted generation:
-```python
-from transformers import AutoModelForCausalLM, AutoTokenizer
-target = AutoModelForCausalLM.from_pretrained("{base}")
-draft = AutoModelForCausalLM.from_pretrained("{ref}")
-tok = AutoTokenizer.from_pretrained("{ref}")
-ids = tok.apply_chat_template([{{"role": "user", "content": "Hello"}}], add_generation_prompt=True,
-                              return_tensors="pt", return_dict=True)
-out = target.generate(**ids, assistant_model=draft, do_sample=False, max_new_tokens=128)
-```
-
-In vLLM:
-```python
-from vllm import LLM
-llm = LLM(model="{base}", speculative_config={{"model": "{ref}",
-                                                "num_speculative_tokens": {metrics['draft_tokens']}}})
-```
-"""
-
-
-def eagle_card(ref: str, recipe: dict, metrics: dict, hub: dict, feature_layers: list[int]) -> str:
-    """A feature-level head's card: what it reads, how it was trained, its accuracy, and usage."""
-    target_name = metrics.get("target_name") or recipe.get("target") or EMBEDDED_NAME
-    base = hub_name(target_name)
-    pairs = zip(metrics["top1"], metrics["top5"])
-    rows = "\n".join(f"| {k + 1} | {a:.3f} | {b:.3f} |" for k, (a, b) in enumerate(pairs))
-    layers = ", ".join(map(str, feature_layers))
-    return f"""{card_metadata(hub, "gorgon", ["eagle", "speculative-decoding"])}
-
-# A feature-level draft head for {target_name}
-
-An EAGLE-3-style head: the target's hidden states at layers {layers} and the next token's embedding go
-through one decoder layer of the target's architecture, and it drafts a tree ranked by its confidence
-each step (EAGLE-2). Trained with gorgon ({metrics['steps']} steps, {recipe['ttt_steps']} unrolled step(s))
-on {data_line(recipe, metrics)}. Greedy decoding with it gives exactly the target's own output.
-
-## Held-out accuracy (teacher-forced)
-
-| step | top-1 | top-5 |
-|---|---|---|
-{rows}
-
-![held-out accuracy per unrolled step, and the training loss](head_accuracy.png)
-
-A greedy chain with this top-1 would give {metrics['expected_tau']['cpu']:.2f} tokens per target forward with
-the CPU tree ({tree_nodes(recipe, metrics)['cpu']} nodes); the ranked tree does better, as the bench below measures.
-
-## Speed
-
-{speed_section(metrics.get('bench'), '--heads', ref)}
-
-## Use
-
-```bash
-gorgon generate --heads {ref} --prompt "Hello"
-```
-
-{python_use(ref)}
-
-### In vLLM or SGLang (EAGLE-3)
-
-```bash
-gorgon export --heads {ref} --format eagle3 --out eagle3-head
-```
-```python
-from vllm import LLM
-llm = LLM(model="{base}", speculative_config={{"method": "eagle3", "model": "eagle3-head",
-                                                "num_speculative_tokens": {recipe['draft_depth']}}})
-```
-`gorgon export --format speculators` writes the speculators format, which vLLM also reads.
-"""

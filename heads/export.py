@@ -10,7 +10,6 @@ import sys
 from pathlib import Path
 
 from .drafter import dtype_name
-from .eagle import formats as eagle_formats
 from .errors import ArgumentParser, GorgonError, user_path
 from .files import (
     atomic_write_text,
@@ -22,9 +21,8 @@ from .files import (
     remove_stale_temps,
 )
 from .hub import is_hub_id, resolve_heads_folder
-from .loading import is_eagle, load_heads
-from .medusa import formats as medusa_formats
-from .medusa.model import ADAPTER_DIR
+from .loading import heads_method, load_heads
+from .methods import methods
 from .target import EMBEDDED_HUB_ID, hub_name, resolve_dtype
 
 EXPORT_MARKER = ".gorgon-export"  # written into a complete export: the files it wrote, which --overwrite replaces
@@ -37,14 +35,13 @@ def is_export(folder: Path) -> bool:
 
 
 def parser() -> argparse.ArgumentParser:
-    p = ArgumentParser(prog="gorgon export", description="Export heads for a serving engine. Medusa heads: "
-                                "'vllm' (vLLM's Medusa model) or 'medusa' (FasterDecoding Medusa, which TGI and "
-                                "TensorRT-LLM read). A feature-level head: 'eagle3' (vLLM's and SGLang's EAGLE-3) or "
-                                "'speculators' (the speculators library's format, which vLLM reads).")
+    exporting = [m for m in methods() if m.export is not None]
+    p = ArgumentParser(prog="gorgon export", description="Export heads for a serving engine. " + " ".join(
+        f"{m.title[0].upper() + m.title[1:]}: {m.export_help}." for m in exporting))
     p.add_argument("--heads", type=user_path, required=True, help="heads folder or hub id")
-    p.add_argument("--format", required=True, choices=medusa_formats.FORMATS + eagle_formats.FORMATS,
-                   help="the serving engine's layout: vllm or medusa for Medusa heads, eagle3 or speculators for a "
-                        "feature-level head")
+    p.add_argument("--format", required=True, choices=[f for m in exporting for f in m.export_formats],
+                   help="the serving engine's layout: " + ", ".join(
+                       f"{' or '.join(m.export_formats)} for {m.title}" for m in exporting))
     p.add_argument("--out", type=user_path, required=True, help="output folder")
     p.add_argument("--target", type=user_path, default=None,
                    help="the target (default: the one the heads' config.json records, "
@@ -79,11 +76,11 @@ def main(argv=None) -> int:
         raise GorgonError(f"--out {out} is the heads folder itself: choose another folder for the export")
     replace = check_output(out, is_export, args.overwrite)
     folder = resolve_heads_folder(args.heads)
-    eagle = is_eagle(folder)  # read from its config.json: a wrong --format fails before the target loads
-    if (args.format in eagle_formats.FORMATS) != eagle:
-        kind, formats = ("a feature-level head", eagle_formats.FORMATS) if eagle else \
-            ("Medusa heads", medusa_formats.FORMATS)
-        raise GorgonError(f"{args.heads} holds {kind}, which export as {' or '.join(formats)}, not {args.format}")
+    method = heads_method(folder)  # read from its config.json: a wrong --format fails before the target loads
+    if args.format not in method.export_formats:
+        exports = f"which export as {' or '.join(method.export_formats)}" if method.export_formats else \
+            "which no engine format holds"
+        raise GorgonError(f"{args.heads} holds {method.title}, {exports}, not {args.format}")
     target, heads = load_heads(folder, args.target, device="cpu", dtype=args.dtype or "float32")
     # Written whole beside --out first, so a killed export leaves no half-written folder behind.
     made = missing_folders(out.parent)
@@ -92,10 +89,7 @@ def main(argv=None) -> int:
     staging = new_temp(out.parent, f".{out.name}.exporting-", is_dir=True)
     base_model = args.base_model or hub_name(target.name)  # what an engine loads as the target
     try:
-        if eagle:
-            eagle_formats.export_head(heads, args.format, staging, base_model, args.dtype and dtype_name(heads))
-        else:
-            medusa_formats.export_heads(heads, args.format, staging, base_model)
+        method.export(heads, args.format, staging, base_model, args.dtype and dtype_name(heads))
         written = sorted(str(f.relative_to(staging)) for f in staging.rglob("*") if f.is_file())
         atomic_write_text(staging / EXPORT_MARKER, json.dumps(written))
     except BaseException:  # an error or Ctrl-C: nothing half-written is left, nor the folders made for it (a
@@ -108,28 +102,13 @@ def main(argv=None) -> int:
     else:
         move_into_place(staging, out, EXPORT_MARKER)
     print(f"gorgon export: wrote {args.format} heads to {out}")
-    print(f"gorgon export: next, serve them: {serving_command(args.format, out, base_model, heads)}")
+    print(f"gorgon export: next, serve them: {method.serve(args.format, out, base_model, heads)}")
     if not is_hub_id(base_model):
         print(f"gorgon export: the export names its target by the local path {base_model}: an engine elsewhere "
               "needs a name it can load (--base-model user/name)", file=sys.stderr)
-    if (folder / ADAPTER_DIR).is_dir():  # Medusa-2: the export holds the heads, not the target's adapter
-        print(f"gorgon export: these Medusa-2 heads were trained on the target with the LoRA adapter in "
-              f"{folder / ADAPTER_DIR}: serve them on the target with it merged (peft's merge_and_unload), or they "
-              "draft from hidden states they were not trained on (the output stays the target's; fewer drafts are "
-              "accepted)", file=sys.stderr)
+    for note in method.export_notes(folder) if method.export_notes else ():
+        print(f"gorgon export: {note}", file=sys.stderr)
     return 0
-
-
-def serving_command(fmt: str, out: Path, base_model: str, heads) -> str:
-    """How an engine serves the export (the commands of vLLM's and TGI's documentation), drafting as many tokens a
-    step as the heads are trained for: one per Medusa head, a feature-level head's search depth."""
-    if fmt == "speculators":  # the config names the verifier and the speculative settings
-        return f"vllm serve {out}"
-    if fmt == "medusa":
-        return f"text-generation-launcher --model-id {out} (TGI; its config names the target)"
-    method, tokens = ("eagle3", heads.config.depth) if fmt == "eagle3" else ("medusa", heads.config.num_heads)
-    spec = json.dumps({"method": method, "model": str(out), "num_speculative_tokens": tokens})
-    return f"vllm serve {base_model} --speculative-config '{spec}'"
 
 
 def replace_export(staging: Path, out: Path, written: list[str]) -> None:

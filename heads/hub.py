@@ -10,14 +10,11 @@ import threading
 from pathlib import Path
 from urllib.parse import urlparse
 
+from .methods import loaded_files
 from .errors import GorgonError
 from .files import local_path_problem, looks_like_path
 
 CONFIG_NAME = "config.json"
-# Files a heads loader reads besides config.json (Medusa's and engines' weights, trees.json, Medusa-2's
-# adapter/): a download fetches them, and an upload deletes an earlier push's that it does not replace in
-# the same commit, so a stale one cannot change what loads. The repo's other files (the user's) stay.
-LOADED_FILES = ["*.safetensors", "*.safetensors.index.json", "medusa_lm_head.pt", "trees.json", "adapter/*"]
 UNREACHABLE = "GORGON_HUB_UNREACHABLE"  # the Hub's host, set beside HF_HUB_OFFLINE when it did not resolve
 PROXIES = ("HTTPS_PROXY", "https_proxy", "HTTP_PROXY", "http_proxy", "ALL_PROXY", "all_proxy")
 
@@ -95,7 +92,7 @@ def resolve_heads_folder(name_or_path: str | os.PathLike) -> Path:
     from huggingface_hub import snapshot_download
 
     try:
-        return Path(snapshot_download(text, allow_patterns=[CONFIG_NAME, "*.md", *LOADED_FILES]))
+        return Path(snapshot_download(text, allow_patterns=[CONFIG_NAME, "*.md", *loaded_files()]))
     except Exception as err:  # the hub client raises many types; all mean "not reachable or not there"
         raise not_found_locally_or_on_hub("heads", text, err) from err
 
@@ -131,7 +128,7 @@ def upload_folder(folder: str | os.PathLike, repo_id: str, private: bool = False
                   commit_message: str = "Upload gorgon heads", local: bool = True,
                   replacing: dict[str, str] | None = None, card_if_missing: str | None = None) -> str:
     """Create the repo if needed and upload a folder in one commit (training checkpoints left out),
-    removing the repo's `LOADED_FILES` that the folder does not have. `local`: the folder is the user's (a
+    removing the repo's `loaded_files()` that the folder does not have. `local`: the folder is the user's (a
     failure says it is unchanged), not a temporary one. `replacing`: texts uploaded in place of some of its
     files (a card made for the repo), which stay as they are in the folder. `card_if_missing`: a model card
     uploaded where the repo has none (one there, a training run's, is not replaced)."""
@@ -153,7 +150,7 @@ def upload_folder(folder: str | os.PathLike, repo_id: str, private: bool = False
                 folder = linked_copy(Path(folder), Path(staged), replacing)
             info = api.upload_folder(folder_path=str(folder), repo_id=repo_id, revision=revision,
                                      commit_message=commit_message, ignore_patterns=["checkpoints/*", ".*"],
-                                     delete_patterns=LOADED_FILES)
+                                     delete_patterns=loaded_files())
         except Exception as err:
             reason = str(err).strip().split("\n")[0] or err.__class__.__name__
             raise GorgonError(f"upload to {repo_id} failed ({reason}){kept}: {upload_fix(err)}") from err

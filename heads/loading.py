@@ -1,92 +1,81 @@
 """A heads folder, whichever drafting method wrote it: loaded with its target, and as a drafter.
 
-config.json says which: `"arch": "eagle"` (or an EAGLE-3 or speculators layout) is a feature-level
-head; anything else is Medusa heads (gorgon's own, vLLM's or FasterDecoding's layout).
+Which method wrote a folder is read from its config.json by the registry (`gorgon.heads.methods.method_of`):
+each method recognises its own layout and the engines' it imports.
 """
 
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import torch
 
-from .eagle import EagleDrafter, EagleHead
-from .eagle.formats import foreign_format
-from .eagle.model import ARCH
 from .errors import GorgonError
-from .files import config_or_none, read_config
+from .files import read_config
 from .hub import CONFIG_NAME, resolve_heads_folder
-from .medusa import HeadsDrafter, MedusaHeads
-from .medusa.model import ADAPTER_DIR, check_not_a_model
+from .methods import Method, method_of
 from .target import Target, check_config_fits, load_target, target_for_heads
 
 
-def is_eagle(folder) -> bool:
-    """Whether a heads folder holds a feature-level head."""
-    config = config_or_none(folder)
-    return config is not None and (config.get("arch") == ARCH or foreign_format(config) is not None)
+def heads_method(folder: Path) -> Method:
+    """The method that wrote a heads folder, refused in one line when it is not heads."""
+    config = read_config(folder / CONFIG_NAME, "heads")  # a missing or unreadable one is its own one-line error
+    found = method_of(folder)
+    if found is None:
+        raise GorgonError(f"{folder}'s config.json is not one a drafting method wrote (keys: "
+                          f"{', '.join(sorted(map(str, config))) or 'none'}): pass a folder gorgon's training or an "
+                          "engine export wrote")
+    if found.not_heads is not None:  # a folder of a method that does not draft as heads (a draft model)
+        raise found.not_heads(folder)
+    return found
 
 
 def load_heads(heads: str | os.PathLike, target: str | os.PathLike | None = None, device: str = "auto",
-               dtype: str | torch.dtype = "auto") -> tuple[Target, object]:
-    """The target and the heads in a folder or hub repo, whichever method wrote them (a Medusa-2 folder's LoRA
-    adapter merged into the target). `target` None: the one the heads were trained for (`target_for_heads`)."""
+               dtype: str | torch.dtype = "auto") -> tuple[Target, torch.nn.Module]:
+    """The target and the heads in a folder or hub repo, whichever method wrote them (with the method's adapter
+    on the target, e.g. Medusa-2's LoRA, merged). `target` None: the one the heads were trained for."""
     folder = resolve_heads_folder(heads)  # fail before the slower target load
-    feature_level = is_eagle(folder)
-    config = read_config(folder / CONFIG_NAME, "head" if feature_level else "heads")
-    if not feature_level:
-        check_not_a_model(folder, config)
+    method = heads_method(folder)
+    config = read_config(folder / CONFIG_NAME, "heads")
     target = target_for_heads(config, target)
     check_config_fits(config, target)
-    adapter = folder / ADAPTER_DIR if (folder / ADAPTER_DIR).is_dir() and not feature_level else None
-    loaded = load_target(target, device=device, dtype=dtype, adapter=adapter)
-    return loaded, (EagleHead if feature_level else MedusaHeads).from_pretrained(folder, target=loaded)
+    loaded = load_target(target, device=device, dtype=dtype, adapter=method.adapter(folder))
+    return loaded, method.load(folder, loaded)
 
 
-def load_heads_for(heads: str | os.PathLike, target: Target):
+def load_heads_for(heads: str | os.PathLike, target: Target) -> torch.nn.Module:
     """Heads for a target already loaded (to compare two heads on one target): checked against it by
-    fingerprint. A Medusa-2 folder is refused, since its adapter would change the target itself."""
+    fingerprint. Heads with an adapter are refused, since it would change the target itself."""
     folder = resolve_heads_folder(heads)
-    if is_eagle(folder):
-        return EagleHead.from_pretrained(folder, target=target)
-    if (folder / ADAPTER_DIR).is_dir():
-        raise GorgonError(f"{heads} holds Medusa-2 heads, whose LoRA adapter changes the target: compare them as "
-                          "--heads, or compare Medusa-1 or feature-level heads")
-    return MedusaHeads.from_pretrained(folder, target=target)
+    method = heads_method(folder)
+    adapter = method.adapter(folder)
+    if adapter is not None:
+        raise GorgonError(f"{heads} holds {method.title} with an adapter ({adapter.name}/) that changes the target: "
+                          "compare them as --heads, or compare heads that leave the target as it is")
+    return method.load(folder, target)
 
 
-def drafter_for(heads, tree=None, depth: int | None = None, topk: int | None = None):
-    """The drafter for loaded heads. tree: Medusa's rank paths, node count or 'auto'; for a feature-level
-    head a node count per step or 'auto' (the count saved for this device), and its search's depth and
-    top-k (None: those saved with it)."""
-    if isinstance(heads, EagleHead):
-        if isinstance(tree, list):
-            raise GorgonError("a feature-level head builds its tree each step: pass --tree N (nodes per step) "
-                              "or auto, not a list of rank paths")
-        return EagleDrafter(heads, nodes=tree if isinstance(tree, int) else None, depth=depth, topk=topk)
-    check_search_options(False, depth, topk)
-    return HeadsDrafter(heads, tree)
+def loaded_method(heads: torch.nn.Module) -> Method:
+    """The method of heads already loaded: the one whose folder's module class it is."""
+    from .methods import methods
+
+    for method in methods():
+        if method.module is not None and isinstance(heads, method.module):
+            return method
+    raise GorgonError(f"{type(heads).__name__} is no drafting method's heads: load them with load_heads")
 
 
-def check_search_options(feature_level: bool, depth: int | None, topk: int | None) -> None:
-    """A search's depth and top-k shape a feature-level head's tree; Medusa heads have no search."""
-    if not feature_level and (depth is not None or topk is not None):
-        raise GorgonError("--draft-depth and --draft-topk shape a feature-level head's search; Medusa heads "
-                          "draft one level per head: choose their tree with --tree")
+def drafter_for(heads: torch.nn.Module, tree=None, depth: int | None = None, topk: int | None = None):
+    """The drafter for loaded heads. tree: rank paths (Medusa), a node count or 'auto' (sized from what was saved
+    with them); a search's depth and top-k (None: those saved with it)."""
+    return loaded_method(heads).drafter(heads, tree, depth, topk)
 
 
-def check_heads_options(folder, name: str, depth: int | None, topk: int | None, draft_dtype: str = "auto",
+def check_heads_options(folder: Path, name: str, depth: int | None, topk: int | None, draft_dtype: str = "auto",
                         level_cost: float | str | None = None) -> None:
     """The drafting options the heads in `folder` (given as `name`) take, read from its config.json so that a
-    command line is refused before the target loads: a search's depth and top-k, a dtype of its own and a
-    level cost shape a feature-level head (or a --draft model); Medusa heads take none of them."""
-    feature_level = is_eagle(folder)
-    check_search_options(feature_level, depth, topk)
-    if feature_level:
-        return
-    if draft_dtype != "auto":
-        raise GorgonError(f"the heads in {name} keep the target's dtype (they read its hidden states): drop "
-                          "--draft-dtype, which sets a feature-level head's or a --draft model's")
-    if level_cost not in (None, "auto"):
-        raise GorgonError(f"the heads in {name} draft every level in one forward: --draft-level-cost has nothing "
-                          "to stop (it applies to --draft and feature-level heads)")
+    command line is refused before the target loads."""
+    method = heads_method(folder)
+    if method.check_options is not None:
+        method.check_options(name, depth, topk, draft_dtype, level_cost)

@@ -31,7 +31,7 @@ from gorgon.decode.kernels import kernels_in_use, stock_rows, use_cpu_kernels
 from gorgon.decode.options import add_model_arguments, load_drafter, read_tree
 from gorgon.decode.questions import load_questions
 from gorgon.decode.verify import accepted_rows, features, keep_path, verify
-from gorgon.heads import HeadsDrafter, MedusaHeads
+from gorgon.heads import MedusaDrafter, MedusaHeads
 from gorgon.heads.cache import crop_cache, growing_cache, with_cache
 from gorgon.heads.errors import ArgumentParser, GorgonError, int_at_least, run_script
 from gorgon.heads.target import lm_logits, resolve_device, resolve_dtype
@@ -99,7 +99,7 @@ def random_target(args):
         model = AutoModelForCausalLM.from_config(config, dtype=resolve_dtype(args.dtype, device)).eval()
     use_cpu_kernels(model, args.cpu_kernels)
     tree = read_tree(args.tree)
-    return model, HeadsDrafter(MedusaHeads.for_target(model, num_heads=4), None if tree == "auto" else tree)
+    return model, MedusaDrafter(MedusaHeads.for_target(model, num_heads=4), None if tree == "auto" else tree)
 
 
 def conversation(target, questions: str, length: int) -> torch.Tensor:

@@ -8,7 +8,7 @@ from helpers import ARCHS, VOCAB, tiny_model
 from gorgon.decode import speculative_generate
 from gorgon.decode.argmax import argmax_in_use, target_argmax, use_bf16_screen
 from gorgon.decode.kernels import fast_kernels_unavailable, stock_kernels, use_cpu_kernels
-from gorgon.heads import HeadsDrafter, MedusaHeads
+from gorgon.heads import MedusaDrafter, MedusaHeads
 from gorgon.heads.target import lm_logits
 
 BF16_ONEDNN = fast_kernels_unavailable(torch.bfloat16) is None
@@ -90,7 +90,7 @@ def test_greedy_output_is_identical_with_the_screen(arch):
     use_bf16_screen(model, True, packed=False)
     # Gemma 2 soft-caps its logits, so it keeps the full product
     assert argmax_in_use(model) == ("full" if arch == "gemma2" else "bf16 screen")
-    drafter = HeadsDrafter(MedusaHeads.for_target(model, num_heads=3), tree=[[0], [1], [0, 0], [0, 0, 0]])
+    drafter = MedusaDrafter(MedusaHeads.for_target(model, num_heads=3), tree=[[0], [1], [0, 0], [0, 0, 0]])
     assert speculative_generate(model, drafter, ids, max_new_tokens=24).tokens == expected[0, 12:].tolist()
 
 

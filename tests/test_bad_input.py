@@ -30,7 +30,7 @@ from gorgon.decode import Sampling, speculative_generate
 from gorgon.decode.bench import run_bench
 from gorgon.decode.options import read_tree
 from gorgon.decode.questions import load_questions
-from gorgon.heads import DraftModelDrafter, EagleHead, GorgonError, HeadsDrafter, MedusaHeads, load_heads, load_target
+from gorgon.heads import DraftModelDrafter, EagleHead, GorgonError, MedusaDrafter, MedusaHeads, load_heads, load_target
 from gorgon.heads.cli import main as gorgon
 from gorgon.heads.errors import run_script
 from gorgon.heads.files import atomic_write_text, check_output, new_temp
@@ -408,7 +408,7 @@ def test_a_report_another_live_bench_writes_is_refused(tmp_path, capsys):
 
 def test_bench_counts_only_the_questions_it_ran(tmp_path):
     target = load_target(str(tiny_chat_target(tmp_path)), device="cpu")  # context 512, one token per character
-    drafter = HeadsDrafter(MedusaHeads.for_target(target.model), tree=[[0], [1], [0, 0]])
+    drafter = MedusaDrafter(MedusaHeads.for_target(target.model), tree=[[0], [1], [0, 0]])
     too_long = {"question_id": 99, "category": "roleplay", "turns": ["x" * 600]}
     report = run_bench(target, drafter, [QUESTIONS[0], too_long], max_new_tokens=8, progress=False)
     assert report["prompts"] == 1 and report["identical"] == 1 and "roleplay" not in report["per_category"]
@@ -457,7 +457,7 @@ def test_arguments_are_range_checked(tmp_path, capsys):
         tree_from_accuracies([[0.5, 0.1]], 10000)
     heads = MedusaHeads.for_target(tiny_model(), num_heads=2)  # a vocabulary of 64
     with pytest.raises(GorgonError, match="asks for rank 64 but the heads draft from 64 tokens"):
-        HeadsDrafter(heads, tree=[[0], [64]])
+        MedusaDrafter(heads, tree=[[0], [64]])
     with pytest.raises(GorgonError, match="1 to 64 tokens per step, not 100000"):
         DraftModelDrafter(tiny_model(), 100000)
     # On the command line the same checks fail at once, before any model is loaded.
@@ -498,9 +498,9 @@ def test_arguments_are_range_checked(tmp_path, capsys):
                        *argv]) == 2
         assert says in capsys.readouterr().err
     with pytest.raises(GorgonError, match="from 2 .* to 256, not -3"):
-        HeadsDrafter(heads, tree=-3)
+        MedusaDrafter(heads, tree=-3)
     with pytest.raises(GorgonError, match="an empty stop string would end the output at its first token"):
-        speculative_generate(tiny_model(), HeadsDrafter(heads), torch.tensor([[1, 2, 3]]), stop_strings=["", "."],
+        speculative_generate(tiny_model(), MedusaDrafter(heads), torch.tensor([[1, 2, 3]]), stop_strings=["", "."],
                              tokenizer=tiny_tokenizer())
 
 
@@ -1068,8 +1068,8 @@ def test_the_python_api_takes_what_its_loaders_return_and_names_its_mistakes(tmp
     MedusaHeads.for_target(target.model).save_pretrained(tmp_path / "heads")
     ids = torch.randint(1, 50, (1, 5), generator=torch.Generator().manual_seed(0))
     heads = MedusaHeads.from_pretrained(tmp_path / "heads", target=target)
-    assert speculative_generate(target, HeadsDrafter(heads), ids, 6).tokens == \
-        speculative_generate(target.model, HeadsDrafter(heads), ids, 6).tokens
+    assert speculative_generate(target, MedusaDrafter(heads), ids, 6).tokens == \
+        speculative_generate(target.model, MedusaDrafter(heads), ids, 6).tokens
     with pytest.raises(GorgonError, match="^drafter must be a drafter, not a MedusaHeads: wrap loaded heads as "
                                           r"gorgon.heads.drafter_for\(heads\)$"):
         speculative_generate(target, heads, ids, 6)
@@ -1084,8 +1084,8 @@ def test_the_python_api_takes_what_its_loaders_return_and_names_its_mistakes(tmp
             MedusaHeads.from_pretrained(tmp_path / "heads", device="cuda")
     with pytest.raises(GorgonError, match=r"^unknown tree 'trees.json': pass a list of rank paths \(a JSON file of "
                                           r"them: json.load it\), a node count or 'auto'$"):
-        HeadsDrafter(heads, "trees.json")  # the command line reads such a file; Python is given the paths
-    drafter = HeadsDrafter(MedusaHeads.from_pretrained(tmp_path / "heads"))
+        MedusaDrafter(heads, "trees.json")  # the command line reads such a file; Python is given the paths
+    drafter = MedusaDrafter(MedusaHeads.from_pretrained(tmp_path / "heads"))
     with pytest.raises(GorgonError, match=r"^the heads are in torch.float32 on cpu but the target in torch.bfloat16 on "
                                           r"cpu: move them to the target's \(heads.to\('cpu', torch.bfloat16\)\)$"):
         speculative_generate(target.model.to(torch.bfloat16), drafter, ids, 6)
@@ -1098,7 +1098,7 @@ def test_a_generator_on_another_device_than_the_model_is_named():
     from gorgon.decode.generate import same_device
 
     model = tiny_model("llama")
-    drafter = HeadsDrafter(MedusaHeads.for_target(model, num_heads=2))
+    drafter = MedusaDrafter(MedusaHeads.for_target(model, num_heads=2))
     elsewhere = SimpleNamespace(device=torch.device("cuda", 0))  # only its device is read before a draw
     with pytest.raises(GorgonError, match=r"^the generator is on cuda:0 but the model on cpu: create it with "
                                           r"torch.Generator\(device='cpu'\)$"):
@@ -1114,7 +1114,7 @@ def test_python_arguments_of_the_wrong_kind_are_named(tmp_path):
     from gorgon.heads.draft_model import cut_to_draft_vocab
 
     model = tiny_model()
-    drafter = HeadsDrafter(MedusaHeads.for_target(model, num_heads=2), tree=[[0], [0, 0]])
+    drafter = MedusaDrafter(MedusaHeads.for_target(model, num_heads=2), tree=[[0], [0, 0]])
     ids = torch.randint(1, 50, (1, 5), generator=torch.Generator().manual_seed(0))
     for kwargs, says in [(dict(input_ids=ids.float()), r"^input_ids must be token ids \(an integer tensor\), not "
                                                        r"torch.float32: tokenizer\(text, return_tensors='pt'\)"),

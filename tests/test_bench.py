@@ -13,13 +13,13 @@ import gorgon.decode.bench as bench
 import gorgon.decode.generate as generate_module
 from gorgon.decode.bench import markdown_table, run_bench, summarize
 from gorgon.decode.questions import load_questions
-from gorgon.heads import GorgonError, HeadsDrafter, MedusaHeads, load_target
+from gorgon.heads import GorgonError, MedusaDrafter, MedusaHeads, load_target
 
 
 @pytest.fixture
 def setup(tmp_path):
     target = load_target(str(tiny_chat_target(tmp_path)), device="cpu")
-    drafter = HeadsDrafter(MedusaHeads.for_target(target.model), tree=[[0], [1], [0, 0]])
+    drafter = MedusaDrafter(MedusaHeads.for_target(target.model), tree=[[0], [1], [0, 0]])
     return target, drafter
 
 
@@ -236,9 +236,9 @@ def test_tau_without_timing_counts_every_step(setup):
     alone = speculative_generate(target.model, drafter, ids, 10)
     assert measure_tau(target, drafter, one, max_new_tokens=10)["tau"] == alone.tau
     # The drafter's check of its target is passed through too (skipped, heads for other shapes failed inside torch)
-    from gorgon.heads import GorgonError, HeadsDrafter, MedusaHeads
+    from gorgon.heads import GorgonError, MedusaDrafter, MedusaHeads
     with pytest.raises(GorgonError, match="trained for another target, of a vocabulary of 64, but the target has 128"):
-        measure_tau(target, HeadsDrafter(MedusaHeads.for_target(tiny_model("llama"))), one, max_new_tokens=10)
+        measure_tau(target, MedusaDrafter(MedusaHeads.for_target(tiny_model("llama"))), one, max_new_tokens=10)
 
 
 def test_tau_scripts_refuse_bad_input_in_one_line(tmp_path):
@@ -298,7 +298,7 @@ def test_compare_heads_are_timed_in_the_same_rotation_and_drafted_as_the_heads(t
     assert both["compare"] == {"heads": str(tmp_path / "medusa"), "tree": "built per step", "tree_size": 16}
     assert both["identical"] == both["compare_identical"] == both["compare-no-context_identical"] == 3
     assert both["compare_tau"] == alone["tau"] and both["compare-no-context_tau"] == alone["no-context_tau"]
-    assert timed == {("EagleDrafter", True), ("EagleDrafter", False), ("HeadsDrafter", True), ("HeadsDrafter", False)}
+    assert timed == {("EagleDrafter", True), ("EagleDrafter", False), ("MedusaDrafter", True), ("MedusaDrafter", False)}
     out = capsys.readouterr().out
     assert "compare-no-context tau" in out and "tree built per step, up to 16 nodes" in out  # a merged tree's budget
     assert f"compare: the heads in {tmp_path / 'medusa'}" in out  # the table and the plot name them
@@ -310,8 +310,8 @@ def test_compare_heads_are_timed_in_the_same_rotation_and_drafted_as_the_heads(t
     shutil.copytree(tmp_path / "medusa", tmp_path / "medusa2")
     (tmp_path / "medusa2" / "adapter").mkdir()
     for folder, extra, says in (("foreign", [], "fingerprint"),
-                                ("medusa2", [], "holds Medusa-2 heads, whose LoRA adapter changes the target: compare "
-                                                "them as --heads"),
+                                ("medusa2", [], "holds Medusa heads with an adapter (adapter/) that changes the "
+                                                "target: compare them as --heads"),
                                 ("medusa", ["--draft-dtype", "bfloat16"], "keep the target's dtype")):
         assert gorgon(["bench", "--heads", str(tmp_path / "eagle"), "--compare-heads", str(tmp_path / folder)]
                       + common + extra) == 2

@@ -11,7 +11,7 @@ from gorgon.heads import (
     EagleDrafter,
     EagleHead,
     GorgonError,
-    HeadsDrafter,
+    MedusaDrafter,
     MedusaHeads,
     MergedDrafter,
 )
@@ -113,7 +113,7 @@ def test_greedy_equals_generate_with_context_and_merged_drafters(arch):
     ids = torch.randint(0, VOCAB, (1, 6)).repeat(1, 3)
     reference = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=30, do_sample=False)
     reference = reference[0, ids.shape[1]:].tolist()
-    heads = HeadsDrafter(MedusaHeads.for_target(model, num_heads=2), tree=[[0], [1], [0, 0]])
+    heads = MedusaDrafter(MedusaHeads.for_target(model, num_heads=2), tree=[[0], [1], [0, 0]])
     costs = {1: 1.0, 4: 1.1, 16: 2.0}  # as a CPU measures them: a few tokens cost about one
     drafters = [ContextDrafter(), ContextDrafter(1, 8, 3), ContextDrafter(3, 2, 2, max_length=9),
                 MergedDrafter(heads, ContextDrafter()), MergedDrafter(heads, ContextDrafter(3, 2, 2, 9)),

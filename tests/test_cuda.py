@@ -7,7 +7,7 @@ import torch
 from helpers import ARCHS, VOCAB, OracleDrafter, tiny_model
 
 from gorgon.decode import Sampling, speculative_generate
-from gorgon.heads import EagleDrafter, EagleHead, HeadsDrafter, MedusaHeads
+from gorgon.heads import EagleDrafter, EagleHead, MedusaDrafter, MedusaHeads
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 PATHS = [[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0]]
@@ -16,7 +16,7 @@ PATHS = [[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0]]
 @pytest.mark.parametrize("arch", ARCHS)
 def test_greedy_equals_generate_on_cuda_fp32(arch):
     model = tiny_model(arch).cuda()
-    drafter = HeadsDrafter(MedusaHeads.for_target(model, num_heads=3), tree=PATHS)
+    drafter = MedusaDrafter(MedusaHeads.for_target(model, num_heads=3), tree=PATHS)
     gen = torch.Generator().manual_seed(0)
     for _ in range(5):
         ids = torch.randint(0, VOCAB, (1, 9), generator=gen).cuda()
@@ -80,7 +80,7 @@ def test_level_stops_and_a_draft_vocabulary_keep_greedy_output_exact_on_cuda_fp3
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_half_precision_runs_and_samples_on_cuda(dtype):
     model = tiny_model("llama").to("cuda", dtype)
-    drafter = HeadsDrafter(MedusaHeads.for_target(model, num_heads=3), tree=PATHS)
+    drafter = MedusaDrafter(MedusaHeads.for_target(model, num_heads=3), tree=PATHS)
     ids = torch.randint(0, VOCAB, (1, 7), device="cuda")
     greedy = speculative_generate(model, drafter, ids, max_new_tokens=24)
     assert len(greedy.tokens) == 24 and greedy.tau >= 1
@@ -93,7 +93,7 @@ def test_half_precision_runs_and_samples_on_cuda(dtype):
 def test_one_host_sync_per_step():
     """Each verify step reads back to the host once (the acceptance result); nothing else waits."""
     model = tiny_model("llama").cuda()
-    drafter = HeadsDrafter(MedusaHeads.for_target(model, num_heads=3), tree=PATHS)
+    drafter = MedusaDrafter(MedusaHeads.for_target(model, num_heads=3), tree=PATHS)
     ids = torch.randint(0, VOCAB, (1, 7), device="cuda")
     speculative_generate(model, drafter, ids, max_new_tokens=8)  # warm-up
     torch.cuda.set_sync_debug_mode("warn")

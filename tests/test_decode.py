@@ -14,7 +14,7 @@ from gorgon.decode import speculative_generate
 from gorgon.decode.acceptance import Sampling
 from gorgon.decode.kernels import use_cpu_kernels
 from gorgon.decode.verify import accepted_rows, check_verifies_trees, keep_path, verify
-from gorgon.heads import GorgonError, HeadsDrafter, MedusaHeads
+from gorgon.heads import GorgonError, MedusaDrafter, MedusaHeads
 from gorgon.heads.cache import crop_cache, growing_cache, with_cache
 from gorgon.heads.target import logit_scale
 from gorgon.heads.tree import build_tree
@@ -37,7 +37,7 @@ KERNEL_SETTINGS = [("stock", 0), ("fast", 0), ("fast", 1), ("fast", 3)]
 def test_greedy_equals_generate_with_random_heads(arch, kernels, stock_rows):
     model = tiny_model(arch)
     use_cpu_kernels(model, kernels, stock_rows)
-    drafter = HeadsDrafter(MedusaHeads.for_target(model, num_heads=4), tree=PATHS)
+    drafter = MedusaDrafter(MedusaHeads.for_target(model, num_heads=4), tree=PATHS)
     gen = torch.Generator().manual_seed(1)
     for _ in range(8):
         ids = torch.randint(0, VOCAB, (1, int(torch.randint(1, 16, (1,), generator=gen))), generator=gen)
@@ -115,7 +115,7 @@ def test_a_growing_cache_holds_what_a_dynamic_cache_holds_and_appends_in_place()
 def test_heads_draft_from_the_last_accepted_token():
     """Greedy output is exact whatever the heads propose: drafting from another row would pass every test above."""
     heads = MedusaHeads.for_target(tiny_model("llama"), num_heads=3)
-    drafter = HeadsDrafter(heads, tree=PATHS[:7])
+    drafter = MedusaDrafter(heads, tree=PATHS[:7])
     root, features, context = torch.tensor(5), torch.randn(4, 32), torch.randint(0, VOCAB, (9,))
     tokens = drafter.propose(root, features, context)[0]
     assert torch.equal(tokens, drafter.propose(root, features[-1:], context)[0])
@@ -170,7 +170,7 @@ def test_verify_steps_read_no_single_values_from_the_device(sampling, acceptance
     top-k is known on the host, and the root's mark is made on the device."""
     model = tiny_model("llama")
     tree = [[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0]]
-    drafter = HeadsDrafter(MedusaHeads.for_target(model, num_heads=3), tree=tree)
+    drafter = MedusaDrafter(MedusaHeads.for_target(model, num_heads=3), tree=tree)
     ids = torch.randint(0, VOCAB, (1, 7), generator=torch.Generator().manual_seed(0))
     logit_scale(model)  # measured once per model, before its first decoding
     check_verifies_trees(model)  # probed once per model, likewise
@@ -198,7 +198,7 @@ def test_a_family_whose_forward_cannot_verify_trees_is_refused_in_one_line(famil
     model = tiny_family(family, **extra)
     ids = torch.randint(0, VOCAB, (1, 8))
     with pytest.raises(GorgonError, match=f"^{re.escape(refusal)}"):
-        speculative_generate(model, HeadsDrafter(MedusaHeads.for_target(model)), ids, 8, eos_token_id=None)
+        speculative_generate(model, MedusaDrafter(MedusaHeads.for_target(model)), ids, 8, eos_token_id=None)
 
 
 def test_an_attention_that_ignores_the_tree_mask_is_refused_by_the_probe():
@@ -230,7 +230,7 @@ def test_the_timed_seconds_leave_out_the_one_time_tree_probe(monkeypatch):
 
     monkeypatch.setattr(verify_module, "tree_probe_problem", slow_probe)
     model = tiny_model("llama")
-    result = speculative_generate(model, HeadsDrafter(MedusaHeads.for_target(model, num_heads=2)),
+    result = speculative_generate(model, MedusaDrafter(MedusaHeads.for_target(model, num_heads=2)),
                                   torch.ones(1, 4, dtype=torch.long), 4)
     assert model._gorgon_verifies_trees and 0 < result.seconds < 2.0
 
@@ -288,7 +288,7 @@ def test_sampled_verification_uses_the_targets_own_distribution(monkeypatch):
     monkeypatch.setattr(generate, "accept_sampled", lambda tree, tokens, probs, generator: seen.append(
         probs[0].clone()) or accept(tree, tokens, probs, generator))
     ids = torch.randint(0, VOCAB, (1, 6), generator=torch.Generator().manual_seed(0))
-    drafter = HeadsDrafter(MedusaHeads.for_target(model, num_heads=2), tree=[[0], [1], [0, 0]])
+    drafter = MedusaDrafter(MedusaHeads.for_target(model, num_heads=2), tree=[[0], [1], [0, 0]])
     result = speculative_generate(model, drafter, ids, 12, sampling=s, eos_token_id=None,
                                   generator=torch.Generator().manual_seed(0))
     done = result.accepted[0]
@@ -414,8 +414,8 @@ def test_bad_inputs():
     model = tiny_model("llama")
     heads = MedusaHeads.for_target(model, num_heads=2)
     with pytest.raises(GorgonError, match="2 heads"):
-        HeadsDrafter(heads, tree=[[0], [0, 0], [0, 0, 0]])
-    drafter = HeadsDrafter(heads, tree=[[0], [0, 0]])
+        MedusaDrafter(heads, tree=[[0], [0, 0], [0, 0, 0]])
+    drafter = MedusaDrafter(heads, tree=[[0], [0, 0]])
     with pytest.raises(GorgonError, match="empty"):
         speculative_generate(model, drafter, torch.zeros(1, 0, dtype=torch.long))
     with pytest.raises(GorgonError, match="context of 512"):
@@ -435,7 +435,7 @@ def test_bad_inputs():
                              attention_mask=torch.tensor([[1, 0, 1]]))
     with pytest.raises(GorgonError, match=r"heads are in torch.bfloat16 but the target's lm_head they share in "
                                           r"torch.float32: keep them in the target's dtype"):
-        HeadsDrafter(MedusaHeads.for_target(model, num_heads=2).to(torch.bfloat16))
+        MedusaDrafter(MedusaHeads.for_target(model, num_heads=2).to(torch.bfloat16))
     with pytest.raises(GorgonError, match="move the prompt there"):
         speculative_generate(model, drafter, torch.zeros(1, 3, dtype=torch.long, device="meta"))
     model.config._attn_implementation = "flash_attention_2"
@@ -450,7 +450,7 @@ def test_greedy_is_exact_with_a_draft_vocabulary():
     model = tiny_model("qwen2")
     heads = MedusaHeads.for_target(model, num_heads=3)
     heads.set_draft_vocab(torch.arange(0, VOCAB, 3))
-    drafter = HeadsDrafter(heads, tree=PATHS[:7])
+    drafter = MedusaDrafter(heads, tree=PATHS[:7])
     ids = torch.randint(0, VOCAB, (1, 6))
     assert speculative_generate(model, drafter, ids, max_new_tokens=30).tokens == reference(model, ids, 30)
 
@@ -619,7 +619,7 @@ def test_the_api_takes_what_generate_takes():
 
     model = tiny_model("llama")
     ids = torch.randint(1, VOCAB, (1, 6), generator=torch.Generator().manual_seed(0))
-    drafter = HeadsDrafter(MedusaHeads.for_target(model, num_heads=2), tree=[[0], [1], [0, 0]])
+    drafter = MedusaDrafter(MedusaHeads.for_target(model, num_heads=2), tree=[[0], [1], [0, 0]])
     plain = speculative_generate(model, drafter, ids, max_new_tokens=12, eos_token_id=None).tokens
     padded = torch.cat([torch.zeros(1, 3, dtype=torch.long), ids], 1)
     mask = torch.cat([torch.zeros(1, 3, dtype=torch.long), torch.ones_like(ids)], 1)
@@ -667,8 +667,8 @@ def test_a_drafter_for_a_model_of_other_shapes_is_refused_in_one_line():
 
     model, wider = tiny_model("llama"), tiny_model("llama", vocab=VOCAB + 16)
     ids = torch.ones(1, 3, dtype=torch.long)
-    for drafter in (HeadsDrafter(MedusaHeads.for_target(model)), EagleDrafter(EagleHead.for_target(model)),
-                    MergedDrafter(HeadsDrafter(MedusaHeads.for_target(model)), ContextDrafter())):
+    for drafter in (MedusaDrafter(MedusaHeads.for_target(model)), EagleDrafter(EagleHead.for_target(model)),
+                    MergedDrafter(MedusaDrafter(MedusaHeads.for_target(model)), ContextDrafter())):
         with pytest.raises(GorgonError, match=rf"of a vocabulary of {VOCAB}, but the target has {VOCAB + 16}"):
             speculative_generate(wider, drafter, ids, 4)
     with pytest.raises(GorgonError, match=rf"the draft model: a vocabulary of {VOCAB}, but the target has"):

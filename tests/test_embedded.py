@@ -11,7 +11,7 @@ from helpers import needs_embedded
 
 from gorgon.decode import speculative_generate
 from gorgon.decode.kernels import use_cpu_kernels
-from gorgon.heads import HeadsDrafter, MedusaHeads, load_target
+from gorgon.heads import MedusaDrafter, MedusaHeads, load_target
 
 PROMPTS = ["Write a haiku about the sea.", "What is 17 times 23? Explain step by step.",
            "List three uses of Python decorators.", "Translate 'good morning' into French and German."]
@@ -32,7 +32,7 @@ def test_embedded_target_loads_from_cache_fast(embedded_target):
 def test_greedy_equals_generate_on_the_embedded_target(embedded_target, kernels, stock_rows):
     model, tok = embedded_target.model, embedded_target.tokenizer
     heads = MedusaHeads.for_target(model, target_fingerprint=embedded_target.fingerprint)
-    drafter = HeadsDrafter(heads)
+    drafter = MedusaDrafter(heads)
     use_cpu_kernels(model, kernels, stock_rows)
     try:
         for prompt in PROMPTS:
@@ -48,7 +48,7 @@ def test_greedy_equals_generate_on_the_embedded_target(embedded_target, kernels,
 @needs_embedded
 def test_stop_strings_end_output_where_generate_does(embedded_target):
     model, tok = embedded_target.model, embedded_target.tokenizer
-    drafter = HeadsDrafter(MedusaHeads.for_target(model))
+    drafter = MedusaDrafter(MedusaHeads.for_target(model))
     ids = tok.apply_chat_template([{"role": "user", "content": PROMPTS[2]}], add_generation_prompt=True,
                                   return_tensors="pt", return_dict=True)["input_ids"]
     for stop in ["\n", "Python", "."]:

@@ -39,7 +39,7 @@ from gorgon.decode.kernels import (
     stock_rows,
     use_cpu_kernels,
 )
-from gorgon.heads import GorgonError, HeadsDrafter, MedusaHeads, load_target
+from gorgon.heads import GorgonError, MedusaDrafter, MedusaHeads, load_target
 from gorgon.heads.tree import best_tree_size, interpolate_cost
 
 needs_onednn = pytest.mark.skipif(fast_kernels_unavailable(torch.float32) is not None,
@@ -60,7 +60,7 @@ def test_fast_logits_match_stock_and_greedy_output_is_identical(arch):
         torch.testing.assert_close(model(ids).logits, stock_logits, atol=1e-4, rtol=1e-4)
         fast_out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=20, do_sample=False)
     assert fast_out.tolist() == stock_out.tolist()
-    drafter = HeadsDrafter(MedusaHeads.for_target(model, num_heads=3), tree=[[0], [1], [0, 0], [0, 0, 0]])
+    drafter = MedusaDrafter(MedusaHeads.for_target(model, num_heads=3), tree=[[0], [1], [0, 0], [0, 0, 0]])
     assert speculative_generate(model, drafter, ids, max_new_tokens=20).tokens == fast_out[0, 12:].tolist()
     assert list(model.state_dict()) == keys  # parameters and names untouched
 
@@ -271,7 +271,7 @@ def test_gorgon_and_generate_decode_on_the_same_attention_and_stock_on_torchs_ow
     monkeypatch.setattr(generate_module, "decoding_attention", recording)
     generate = model.generate
     monkeypatch.setattr(model, "generate", lambda *a, **k: seen.append(("generate", list(inside))) or generate(*a, **k))
-    drafter = HeadsDrafter(MedusaHeads.for_target(model), tree=[[0], [1], [0, 0]])
+    drafter = MedusaDrafter(MedusaHeads.for_target(model), tree=[[0], [1], [0, 0]])
     propose = drafter.propose
     monkeypatch.setattr(drafter, "propose", lambda *a: seen.append(("propose", list(inside))) or propose(*a))
     methods = bench.timed_methods(model, drafter, ("generate", "stock"), None, Sampling(), None)
@@ -289,7 +289,7 @@ def test_gorgon_and_generate_decode_on_the_same_attention_and_stock_on_torchs_ow
 def test_bench_reports_both_ratios(tmp_path):
     target = load_target(str(tiny_chat_target(tmp_path)), device="cpu")
     use_cpu_kernels(target.model, "fast")
-    drafter = HeadsDrafter(MedusaHeads.for_target(target.model), tree=[[0], [1], [0, 0]])
+    drafter = MedusaDrafter(MedusaHeads.for_target(target.model), tree=[[0], [1], [0, 0]])
     questions = [{"question_id": i, "category": c, "turns": [f"count from {i}"]} for i, c in enumerate("ab")]
     report = run_bench(target, drafter, questions, max_new_tokens=10, progress=False)
     for key in ("stock_tokens", "stock_seconds", "identical_vs_stock"):

@@ -47,7 +47,7 @@ def imports() -> dict[str, set[str]]:
                 elif isinstance(node, ast.Import):
                     found |= {a.name for a in node.names}
             graph[name] = {m for m in found if m.startswith("gorgon.")}
-    # "from .medusa import HeadsDrafter" names an attribute, not a module: keep the longest module prefix.
+    # "from .medusa import MedusaDrafter" names an attribute, not a module: keep the longest module prefix.
     for name, targets in graph.items():
         graph[name] = {next(t for t in (m, m.rpartition(".")[0]) if t in graph) for m in targets} - {name}
     return graph
@@ -169,3 +169,41 @@ def test_decoding_imports_no_training_stack():
             "print(sorted(m for m in ('trl', 'datasets', 'peft', 'wandb', 'accelerate') if m in sys.modules))")
     run = subprocess.run([sys.executable, "-c", code], env=env(), capture_output=True, text=True, timeout=120)
     assert run.returncode == 0 and run.stdout.strip() == "[]", run.stderr[-2000:]
+
+
+# Core modules that still name a method, and why: the draft model trains through its own script (trl's GKD
+# trainer), and --draft and --context-draft build those methods' drafters in the decoding options.
+NAMES_A_METHOD = {"gorgon.train.draft": "the draft model's training script",
+                  "gorgon.decode.options": "--draft and --context-draft build their methods' drafters"}
+
+
+def test_the_core_never_names_a_drafting_method():
+    """Each method lives in its folder and registers itself (gorgon.heads.methods): no core module imports from a
+    method's folder, compares a value with a method's name, or names a method's classes. The registry's list of
+    packages and the package's public exports are where methods are named; nowhere else."""
+    from gorgon.heads.methods import PACKAGES, methods
+
+    folders = tuple(f"gorgon.heads.{p}" for p in PACKAGES)
+    classes = set()
+    for m in methods():
+        package = importlib.import_module(f"gorgon.heads.{m.name}")
+        classes |= {name for name in getattr(package, "__all__", ()) if name[0].isupper()}
+    assert {"MedusaHeads", "EagleHead", "MedusaDrafter", "DraftModelDrafter"} <= classes
+    exempt = {"gorgon.heads", "gorgon.heads.methods", *NAMES_A_METHOD}
+    found = []
+    for path in sorted(p for folder in ("heads", "decode", "train") for p in (ROOT / folder).rglob("*.py")):
+        name = module_name(path)
+        if name.startswith(folders) or name in exempt:
+            continue
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.module and (
+                    node.module.startswith(folders) or (node.level and node.module.split(".")[0] in PACKAGES)):
+                found.append((name, f"imports {node.module}"))
+            elif isinstance(node, ast.Compare) and any(isinstance(c, ast.Constant) and c.value in PACKAGES
+                                                       for c in (node.left, *node.comparators)):
+                found.append((name, ast.unparse(node)))
+            elif isinstance(node, (ast.Name, ast.Attribute, ast.alias)) and (
+                    getattr(node, "id", None) or getattr(node, "attr", None) or getattr(node, "name", None)) in classes:
+                found.append((name, ast.unparse(node) if not isinstance(node, ast.alias) else node.name))
+    assert not found

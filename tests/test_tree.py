@@ -62,12 +62,12 @@ def test_tree_from_accuracies_is_best_first_and_valid():
 def test_a_node_count_builds_the_tree_from_the_heads_accuracies():
     from helpers import tiny_model
 
-    from gorgon.heads import HeadsDrafter, MedusaHeads
+    from gorgon.heads import MedusaDrafter, MedusaHeads
 
     heads = MedusaHeads.for_target(tiny_model("llama"), num_heads=2)
     heads.trees = {"accuracies": [[0.9, 0.05], [0.1, 0.8]]}
-    assert HeadsDrafter(heads, tree=3).tree.paths == ((0,), (0, 1))  # 0.9, then 0.9 * 0.8
-    assert HeadsDrafter(heads, tree=4).tree.size == 4
+    assert MedusaDrafter(heads, tree=3).tree.paths == ((0,), (0, 1))  # 0.9, then 0.9 * 0.8
+    assert MedusaDrafter(heads, tree=4).tree.size == 4
 
 
 def test_default_trees_fit_the_device_and_the_heads():

@@ -383,7 +383,7 @@ def save(run: Distillation, trainer, weights: dict | None) -> dict | None:
         trainer.log({f"eval/{k}_{when}": v[k] for when, v in (("before", before), ("after", after))
                      for k in ("kl", "top1")})
     metrics = {
-        "kind": "draft", "target_name": run.target.name, "target_fingerprint": run.target.fingerprint,
+        "arch": "draft_model", "target_name": run.target.name, "target_fingerprint": run.target.fingerprint,
         "student": run.what, "student_parameters": sum(p.numel() for p in draft.parameters()),
         "target_parameters": sum(p.numel() for p in run.target.model.parameters()),
         "steps": steps, "train_conversations": len(run.train_ex), "eval_conversations": len(run.eval_ex),

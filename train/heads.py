@@ -19,17 +19,15 @@ import re
 import shutil
 import sys
 import time
+import dataclasses
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
 
-from gorgon.heads.eagle.model import NODES as EAGLE_NODES
-from gorgon.heads.eagle.model import EagleConfig
 from gorgon.heads.errors import GorgonError
 from gorgon.heads.files import follow_umask
-from gorgon.heads.medusa.model import ADAPTER_DIR
-from gorgon.heads.medusa.model import NODES as MEDUSA_NODES
+from gorgon.heads.methods import Method, by_name, trainable
 from gorgon.heads.tree import MAX_TREE_NODES
 from gorgon.train.recipe import TrainingSettings, in_checkout, setting
 from gorgon.train.run_folder import (
@@ -43,83 +41,57 @@ from gorgon.train.run_folder import (
 
 
 @dataclass
-class HeadsTrainConfig(TrainingSettings):
-    """A heads training recipe: the shared keys, then the drafting method's. Every key can be set in the YAML
-    or as --key value."""
+class HeadsSettings(TrainingSettings):
+    """The keys every method trained here shares; `HeadsTrainConfig` adds each registered method's own."""
 
-    arch: str = setting("medusa", "medusa (Medusa heads on the last hidden state) | eagle (a feature-level head "
-                                  "in EAGLE-3's layout, drafting autoregressively)")
-    mode: str = setting("medusa1", "medusa: medusa1 (the target frozen) | medusa2 (LoRA on the target too)")
-    num_heads: int = setting(4, "medusa: heads; the k-th drafts the token k places after the next one")
-    num_layers: int = setting(1, "medusa: residual blocks per head")
-    shared_lm_head: bool = setting(True, "medusa: heads project through the target's lm_head (false: own copies)")
-    loss: str = setting("ce", "medusa: ce (the data's tokens) | kl (the target's own distribution)")
+    arch: str = setting(trainable()[0].name, "the drafting method: " + " | ".join(f"{m.name} ({m.title})"
+                                                                               for m in trainable()))
     loss_tokens: str = setting("answers", "answers | all: every position, prompts too (soft targets only: arch "
                                           "eagle or loss kl); held-out figures always count answers")
     head_decay: float = setting(0.8, "head k's (eagle: unrolled step k's) loss weight is head_decay ** k")
-    backbone_learning_rate: float = setting(5e-5, "medusa2: the LoRA adapters' peak learning rate")
-    heads_warmup_steps: int = setting(0, "medusa2: steps that train the heads alone before the adapters")
-    base_kl_weight: float = setting(1.0, "medusa2: weight of the KL that keeps the target's own outputs")
-    lora_r: int = setting(16, "medusa2: LoRA rank")
-    lora_alpha: int = setting(32, "medusa2: LoRA alpha")
-    lora_dropout: float = setting(0.0, "medusa2: LoRA dropout")
-    lora_target_modules: list[str] = setting(help="medusa2: the target's linear layers that get adapters",
-                                             factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
     train_conversations: int | None = setting(None, "train on the first N after the held-out split (a learning "
                                                     "curve); None: all")
     eval_every: int = setting(0, "held-out evaluation every N steps (0: only at the end)")
     tree_topk: int = setting(10, "ranks measured per head (eagle: per step) to choose the decoding trees")
-    feature_layers: list[int] | None = setting(None, "eagle: the target's hidden_states read, e.g. 2,15,27; "
-                                                     "None: EAGLE-3's low, middle and high layer")
-    ttt_steps: int = setting(1, "eagle: unrolled steps that feed the head its own outputs, as deeper drafts see "
-                                "them (EAGLE-3's training-time test; 1: off)")
-    hidden_weight: float = setting(0.0, "eagle: weight of EAGLE-1's regression onto the target's next feature")
-    feature_noise: float = setting(0.0, "eagle: uniform noise in [-a, a] times each feature layer's scale (root "
-                                        "mean square) on the target's features in training")
-    dropout: float = setting(0.0, "eagle: the share of the head layer's attention and MLP outputs dropped while "
-                                  "it trains (0.1 in the recipe; 0: off)")
-    train_lm_head: bool = setting(True, "eagle: train the head's LM head (false: it keeps the target's rows)")
     cache_features: bool = setting(False, "keep the frozen target's outputs in CPU memory after the first epoch, "
                                           "so later epochs skip its forward (medusa1: hidden_size floats per "
                                           "token; eagle: (len(feature_layers) + 1) x hidden_size)")
-    draft_depth: int = setting(EagleConfig.depth, "eagle: tree levels drafted per step")
-    draft_topk: int = setting(EagleConfig.topk, "eagle: tokens kept and expanded per level")
     draft_vocab_size: int | None = setting(None, "draft from, and train over, the N most frequent answer tokens "
                                                  "(EAGLE-3's d2t/t2d; then the lowest ids if the answers use fewer); "
                                                  "None: the whole vocabulary")
-    cpu_tree_size: int | None = setting(None, f"tree nodes per step saved for a CPU; None: "
-                                              f"{MEDUSA_NODES['cpu']} for Medusa heads, {EAGLE_NODES['cpu']} for a "
-                                              "feature-level head (decoding with --tree auto sizes the tree for the "
-                                              "machine at hand from the held-out accuracies and its verify costs)")
-    gpu_tree_size: int | None = setting(None, f"tree nodes per step saved for a GPU; None: "
-                                              f"{MEDUSA_NODES['cuda']} for Medusa heads, {EAGLE_NODES['cuda']} for a "
-                                              "feature-level head (likewise)")
+    cpu_tree_size: int | None = setting(None, "tree nodes per step saved for a CPU; None: the method's default ("
+                                              + ", ".join(f"{m.name} {m.nodes['cpu']}" for m in trainable())
+                                              + "; decoding with --tree auto sizes the tree for the machine at hand "
+                                              "from the held-out accuracies and its verify costs)")
+    gpu_tree_size: int | None = setting(None, "tree nodes per step saved for a GPU; None: the method's default ("
+                                              + ", ".join(f"{m.name} {m.nodes['cuda']}" for m in trainable())
+                                              + "; likewise)")
+
+    @property
+    def method(self) -> Method:
+        """The drafting method `arch` names."""
+        return by_name(self.arch)
+
+    def recipe(self):
+        """The chosen method's recipe, built from its keys (its own checks run as it is built)."""
+        keys = self.method.recipe
+        return keys(**{f.name: getattr(self, f.name) for f in dataclasses.fields(keys)})
 
     def tree_sizes(self) -> dict[str, int]:
         """Tree nodes per step saved for each device type: the recipe's, else the method's default."""
-        default = EAGLE_NODES if self.arch == "eagle" else MEDUSA_NODES
+        default = self.method.nodes
         return {"cpu": self.cpu_tree_size or default["cpu"], "cuda": self.gpu_tree_size or default["cuda"]}
 
-    @property
-    def rows(self) -> int:
-        """What the logs and accuracies count per row: Medusa's heads, or the eagle head's unrolled steps."""
-        return self.ttt_steps if self.arch == "eagle" else self.num_heads
-
     def check(self) -> None:
-        from gorgon.heads.search import check_search
-
-        choices = {"arch": ("medusa", "eagle"), "mode": ("medusa1", "medusa2"), "loss": ("ce", "kl"),
-                   "loss_tokens": ("answers", "all"), "report_to": ("wandb", "none")}
+        choices = {"arch": tuple(m.name for m in trainable()), "loss_tokens": ("answers", "all"),
+                   "report_to": ("wandb", "none")}
         for key, allowed in choices.items():
             if getattr(self, key) not in allowed:
                 raise GorgonError(f"{key} must be one of {', '.join(allowed)}, not {getattr(self, key)!r}")
-        if self.loss_tokens == "all" and self.arch == "medusa" and self.loss == "ce":
-            raise GorgonError("loss_tokens: all trains on the prompts' positions against the target's own "
-                              "distribution there: use loss: kl (or arch: eagle), or loss_tokens: answers")
         from gorgon.train.recipe import check_draft_vocab_size, check_lora, check_optimisation
 
         check_optimisation(self)
-        for name in ("num_heads", "num_layers", "batch_size", "grad_accum"):
+        for name in ("batch_size", "grad_accum"):
             if getattr(self, name) < 1:
                 raise GorgonError(f"{name} must be at least 1, not {getattr(self, name)}")
         if self.eval_every < 0:
@@ -128,9 +100,6 @@ class HeadsTrainConfig(TrainingSettings):
             raise GorgonError(f"tree_topk must be at least 1, not {self.tree_topk}")
         if not self.head_decay > 0:  # a weight of head_decay ** k: 0 or less drops or flips the later heads' losses
             raise GorgonError(f"head_decay must be above 0 (1 weighs every head alike), not {self.head_decay}")
-        for key in ("heads_warmup_steps", "base_kl_weight", "hidden_weight"):
-            if getattr(self, key) < 0:
-                raise GorgonError(f"{key} must be at least 0, not {getattr(self, key)}")
         check_draft_vocab_size(self.draft_vocab_size)
         if self.draft_vocab_size is not None and self.tree_topk > self.draft_vocab_size:
             raise GorgonError(f"tree_topk ranks tokens of the draft vocabulary: use at most draft_vocab_size "
@@ -144,41 +113,53 @@ class HeadsTrainConfig(TrainingSettings):
                               f"{self.train_conversations}")
         if self.max_steps is not None and self.max_steps < 0:
             raise GorgonError(f"max_steps must be at least 0 (0 saves the untrained heads), not {self.max_steps}")
-        if self.cache_features and self.arch == "medusa" and self.mode == "medusa2":
-            raise GorgonError("cache_features keeps a frozen target's outputs, but mode medusa2 trains the target "
-                              "(LoRA): use mode: medusa1, or cache_features: false")
-        if self.mode == "medusa2":
+        self.check_other_methods_keys()
+        recipe = self.recipe()
+        recipe.check_with(self)
+        if recipe.trains_target:
             check_lora(self)
-        if self.arch == "eagle":
-            if self.mode != "medusa1":
-                raise GorgonError("mode medusa2 trains LoRA on the target beside Medusa heads: use arch: medusa, or "
-                                  "mode: medusa1 with arch: eagle (the target stays frozen)")
-            if self.ttt_steps < 1:
-                raise GorgonError(f"ttt_steps must be at least 1 (1 is plain teacher forcing), not {self.ttt_steps}")
-            for nodes in self.tree_sizes().values():
-                check_search(self.draft_depth, self.draft_topk, nodes)
-        if self.feature_noise < 0 or (self.feature_noise and self.arch != "eagle"):
-            raise GorgonError(f"feature_noise is the width of the noise on a feature-level head's inputs: use 0 or "
-                              f"more with arch: eagle, not {self.feature_noise} with arch: {self.arch}")
-        if not (0 <= self.dropout < 1) or (self.dropout and self.arch != "eagle"):
-            raise GorgonError(f"dropout is the share of a feature-level head's layer outputs dropped in training: use "
-                              f"0 (off) to below 1 with arch: eagle, not {self.dropout} with arch: {self.arch}")
-        if not self.train_lm_head and self.arch != "eagle":
-            raise GorgonError("train_lm_head: false keeps a feature-level head's LM head at the target's rows: use it "
-                              "with arch: eagle (Medusa heads share the target's frozen one with shared_lm_head: true)")
+
+    def check_other_methods_keys(self) -> None:
+        """A key of another method than `arch`'s, set away from its default, would be ignored: refuse it."""
+        for other in trainable():
+            if other.name == self.arch:
+                continue
+            for f in dataclasses.fields(other.recipe):
+                default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+                if getattr(self, f.name) != default:
+                    raise GorgonError(f"{f.name} is a key of arch: {other.name} ({other.title}), not of arch: "
+                                      f"{self.arch}: remove it, or set arch: {other.name}")
 
     def check_target(self, config) -> None:
         """The settings that count the target's layers or tokens, checked against its text config before its
         weights load (the held-out ranks would fail only after training)."""
-        from gorgon.heads.eagle.model import check_feature_layers
         from gorgon.train.recipe import check_draft_vocab_size
 
         if self.tree_topk > config.vocab_size:
             raise GorgonError(f"tree_topk must be at most the target's vocabulary of {config.vocab_size} tokens, not "
                               f"{self.tree_topk}: lower it")
         check_draft_vocab_size(self.draft_vocab_size, config.vocab_size)
-        if self.feature_layers:
-            check_feature_layers(self.feature_layers, config.num_hidden_layers)
+        self.recipe().check_target(config)
+
+
+def method_keys() -> list[tuple[str, type, dataclasses.Field]]:
+    """Every trained method's recipe keys, as fields of one flat recipe (a key belongs to one method only)."""
+    keys, owner = [], {}
+    for m in trainable():
+        for f in dataclasses.fields(m.recipe):
+            if f.name in owner or f.name in {g.name for g in dataclasses.fields(HeadsSettings)}:
+                raise GorgonError(f"recipe key {f.name} of arch {m.name} is already a key of "
+                                  f"{owner.get(f.name, 'every recipe')}: rename it")
+            owner[f.name] = m.name
+            keys.append((f.name, f.type, f))
+    return keys
+
+
+# The recipe: the shared keys, then each method's (`--key value` or YAML set them, whichever method a run trains).
+HeadsTrainConfig = dataclasses.make_dataclass("HeadsTrainConfig", method_keys(), bases=(HeadsSettings,))
+HeadsTrainConfig.__doc__ = ("A heads training recipe: the shared keys, then the drafting methods'. Every key can be "
+                            "set in the YAML or as --key value.")
+HeadsTrainConfig.__module__ = __name__
 
 
 def schedule(warmup: int, total: int, delay: int = 0):
@@ -228,15 +209,6 @@ def latest_heads_checkpoint(out: Path) -> Path | None:
     return latest_checkpoint(out / "checkpoints", "step", STATE_NAME)
 
 
-def set_draft_vocab(heads, examples: list[dict], size: int) -> float:
-    """Let the heads draft from the `size` most frequent answer tokens; returns their share of answer tokens."""
-    from gorgon.train.examples import frequent_tokens
-
-    tokens, coverage = frequent_tokens(examples, size, heads.config.vocab_size)
-    heads.set_draft_vocab(tokens)
-    return coverage
-
-
 def accuracy_table(counts: torch.Tensor) -> list[list[float]]:
     """Per head, the chance that rank r is right, from rank counts (last column: total)."""
     totals = counts[:, -1].clamp(min=1).double()
@@ -251,6 +223,7 @@ class Run:
     out: Path
     accelerator: object
     target: object
+    recipe: object                    # the method's own keys (`gorgon.heads.methods.Recipe`)
     objective: torch.nn.Module        # the method's loss module; its `.heads` are what gets saved
     optimizer: torch.optim.Optimizer
     scheduler: object
@@ -268,52 +241,6 @@ class Run:
     draft_vocab_coverage: float | None = None
 
 
-def medusa_objective(cfg: HeadsTrainConfig, target, train_ex: list[dict]):
-    """Medusa heads for the target and their loss (Medusa-2: with LoRA adapters on the target);
-    returns the objective and the answer-token share of the draft vocabulary (None without one)."""
-    from gorgon.heads import MedusaHeads
-    from gorgon.heads.feature_cache import FeatureCache
-    from gorgon.heads.medusa.objective import MedusaObjective
-
-    heads = MedusaHeads.for_target(target.model, cfg.num_heads, cfg.num_layers, cfg.shared_lm_head,
-                                   target.name, target.fingerprint).float()
-    coverage = set_draft_vocab(heads, train_ex, cfg.draft_vocab_size) if cfg.draft_vocab_size else None
-    model = target.model
-    if cfg.mode == "medusa2":
-        from peft import LoraConfig, get_peft_model
-
-        from gorgon.heads.target import quiet_peft
-
-        with quiet_peft():
-            model = get_peft_model(model, LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha,
-                                                     lora_dropout=cfg.lora_dropout,
-                                                     target_modules=cfg.lora_target_modules, task_type="CAUSAL_LM"))
-        heads.attach(model)
-    cache = FeatureCache() if cfg.cache_features else None
-    return MedusaObjective(model, heads, cfg.mode, cfg.loss, cfg.head_decay, cfg.base_kl_weight, cache), coverage
-
-
-def eagle_objective(cfg: HeadsTrainConfig, target, train_ex: list[dict]):
-    """A feature-level head for the target and its loss; returns the objective and the answer-token share
-    of the draft vocabulary (None without one)."""
-    from gorgon.heads.eagle.model import EagleHead
-    from gorgon.heads.eagle.objective import EagleObjective
-    from gorgon.heads.feature_cache import FeatureCache
-    from gorgon.train.examples import frequent_tokens
-
-    vocab = target.model.config.get_text_config().vocab_size
-    tokens, coverage = frequent_tokens(train_ex, cfg.draft_vocab_size, vocab) if cfg.draft_vocab_size else (None, None)
-    head = EagleHead.for_target(target.model, cfg.feature_layers, tokens, target.name, target.fingerprint,
-                                depth=cfg.draft_depth, topk=cfg.draft_topk).float()
-    head.lm_head.requires_grad_(cfg.train_lm_head)
-    cache = FeatureCache() if cfg.cache_features else None
-    return EagleObjective(target.model, head, cfg.ttt_steps, cfg.head_decay, cfg.hidden_weight, cache,
-                          cfg.feature_noise, cfg.dropout), coverage
-
-
-OBJECTIVES = {"medusa": medusa_objective, "eagle": eagle_objective}
-
-
 def setup(cfg: HeadsTrainConfig) -> Run:
     """Check the output, start accelerate, load target and data, build the objective, optimizer and
     schedule, and restore a checkpoint when resuming."""
@@ -321,17 +248,25 @@ def setup(cfg: HeadsTrainConfig) -> Run:
     from accelerate.utils import DistributedDataParallelKwargs, set_seed
 
     from gorgon.heads.target import load_target, target_text_config
-    from gorgon.train.examples import EpochSampler, RankBatches, collate, load_examples, read_conversations, split
+    from gorgon.train.examples import (
+        EpochSampler,
+        RankBatches,
+        collate,
+        frequent_tokens,
+        load_examples,
+        read_conversations,
+        split,
+    )
     from gorgon.train.recipe import check_lora_targets, connect_cpu_processes, wandb_offline_without_key
     from gorgon.train.run_folder import prepare_output
 
     cfg.check()
+    recipe = cfg.recipe()
     connect_cpu_processes()  # before anything creates accelerate's process state
     out = Path(cfg.out)
     resume_from = prepare_output(out, lambda: latest_heads_checkpoint(out), cfg)
     wandb_offline_without_key(cfg.report_to)
-    # Medusa-2's heads-only warmup leaves the adapters out of the loss, which DDP must be told.
-    unused = DistributedDataParallelKwargs(find_unused_parameters=cfg.mode == "medusa2" and cfg.heads_warmup_steps > 0)
+    unused = DistributedDataParallelKwargs(find_unused_parameters=recipe.find_unused_parameters)
     # step_scheduler_with_optimizer: the schedule counts the run's optimizer steps; accelerate would
     # otherwise step it once per process at every step (it assumes a schedule written for one process).
     accelerator = Accelerator(gradient_accumulation_steps=cfg.grad_accum, project_dir=str(out),
@@ -343,7 +278,7 @@ def setup(cfg: HeadsTrainConfig) -> Run:
     conversations = read_conversations(cfg.data)  # a bad --data fails before the target loads
     cfg.check_target(target_text_config(cfg.target))
     target = load_target(cfg.target, device=str(accelerator.device), dtype=cfg.dtype)
-    if cfg.mode == "medusa2":  # its adapters go on the target's layers
+    if recipe.trains_target:  # its adapters go on the target's layers
         check_lora_targets(target.model, cfg.lora_target_modules, "the target")
     target.model.requires_grad_(False)
     examples = load_examples(cfg.data, target.tokenizer, cfg.max_length, target.fingerprints, conversations,
@@ -361,7 +296,10 @@ def setup(cfg: HeadsTrainConfig) -> Run:
     train_batches = RankBatches(sampler, cfg.batch_size, world, "training conversations")
     eval_batches = RankBatches(EpochSampler(len(eval_ex), None), cfg.batch_size, world, "held-out conversations",
                                "raise eval_fraction")
-    objective, coverage = OBJECTIVES[cfg.arch](cfg, target, train_ex)
+    vocab = target.model.config.get_text_config().vocab_size
+    draft_tokens, coverage = frequent_tokens(train_ex, cfg.draft_vocab_size, vocab) if cfg.draft_vocab_size else \
+        (None, None)
+    objective = cfg.method.objective(recipe, cfg, target, draft_tokens)
     groups = [{"params": [p for p in objective.heads.parameters() if p.requires_grad], "lr": cfg.learning_rate}]
     backbone = [p for p in objective.target.parameters() if p.requires_grad]
     if backbone:
@@ -384,7 +322,7 @@ def setup(cfg: HeadsTrainConfig) -> Run:
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambdas)
     objective, optimizer, loader, eval_loader, scheduler = accelerator.prepare(
         objective, optimizer, loader, eval_loader, scheduler)
-    run = Run(cfg, out, accelerator, target, objective, optimizer, scheduler, loader, eval_loader, sampler,
+    run = Run(cfg, out, accelerator, target, recipe, objective, optimizer, scheduler, loader, eval_loader, sampler,
               len(train_ex), len(eval_ex), total, settings, draft_vocab_coverage=coverage)
     if resume_from is not None:
         accelerator.load_state(str(resume_from))
@@ -397,9 +335,8 @@ def setup(cfg: HeadsTrainConfig) -> Run:
         run.train_seconds = progress.get("train_seconds", 0.0)
         accelerator.print(f"gorgon train: resumed from {resume_from} at step {run.step}", file=sys.stderr)
     accelerator.init_trackers(cfg.project, config=asdict(cfg))
-    method = cfg.mode if cfg.arch == "medusa" else "eagle"
     devices = f"{world} processes on {accelerator.device.type}" if world > 1 else str(accelerator.device)
-    accelerator.print(f"gorgon train: {method} on {target.name}, conversations: {len(train_ex)} to train on, "
+    accelerator.print(f"gorgon train: {recipe.label} on {target.name}, conversations: {len(train_ex)} to train on, "
                       f"{len(eval_ex)} held out; {total} steps on {devices}", file=sys.stderr)
     if cfg.warmup_steps >= total:
         accelerator.print(f"gorgon train: warmup_steps {cfg.warmup_steps} is not shorter than the run (steps: "
@@ -418,7 +355,7 @@ def train_steps(run: Run) -> None:
     started = time.perf_counter() - run.train_seconds
     bar = tqdm(total=run.total, initial=run.step, desc="gorgon train", unit="step",
                disable=not accelerator.is_main_process, dynamic_ncols=True)
-    window = new_window(cfg.rows)
+    window = new_window(run.recipe.rows)
     # accelerate ends an accumulation at the end of the data: an epoch is ceil(batches / grad_accum) steps
     steps_per_epoch = math.ceil(len(run.loader) / cfg.grad_accum)  # len: this process's share
     while run.step < run.total:
@@ -450,7 +387,7 @@ def train_steps(run: Run) -> None:
             bar.update(1)
             if run.step % cfg.log_every == 0 or run.step == run.total:
                 run.loss_curve.append([run.step, log_window(accelerator, window, run.step, run.scheduler, bar)])
-                window = new_window(cfg.rows)
+                window = new_window(run.recipe.rows)
             if cfg.eval_every and run.step % cfg.eval_every == 0:
                 eval_loss, counts, _ = evaluate(run)
                 top1 = [row[0] for row in accuracy_table(counts)]
@@ -476,7 +413,7 @@ def evaluate(run: Run) -> tuple[float, torch.Tensor, int]:
     conversations, summed over every process's share of the eval split."""
     accelerator = run.accelerator
     model = accelerator.unwrap_model(run.objective)
-    counts = torch.zeros(run.cfg.rows, run.cfg.tree_topk + 1, dtype=torch.long)
+    counts = torch.zeros(run.recipe.rows, run.cfg.tree_topk + 1, dtype=torch.long)
     totals = torch.zeros(3, dtype=torch.float64)  # loss sum, batches, conversations
     model.heads.eval()  # no training noise on held-out data
     with torch.no_grad():
@@ -526,10 +463,8 @@ def save(run: Run) -> dict:
         set_aside_earlier_run(out)
         # The heads' own buffers (the draft vocabulary) with the gathered trained weights.
         heads.save_pretrained(out, {**heads.state_dict(), **strip_prefix(trained_weights, "heads.")})
-        if cfg.mode == "medusa2":
-            unwrapped.target.save_pretrained(str(out / ADAPTER_DIR),
-                                             state_dict=strip_prefix(trained_weights, "target."))
-            follow_umask(out / ADAPTER_DIR)
+        if run.recipe.trains_target:
+            run.recipe.save_adapter(out, unwrapped.target, strip_prefix(trained_weights, "target."))
         recipe = asdict(cfg)
         plot_head_accuracy(metrics, out / "head_accuracy.png")
         write_model_card(out, recipe, metrics)  # and metrics.json, with what the card says
@@ -547,8 +482,7 @@ def train(cfg: HeadsTrainConfig) -> Path:
         metrics = save(run)
     run.accelerator.end_training()  # wandb's closing lines first, so that the run's result ends the output
     if run.accelerator.is_main_process:
-        rows = [f"draft step {k + 1}" if cfg.arch == "eagle" else f"head {k + 1} (t+{k + 2})"
-                for k in range(len(metrics["top1"]))]  # as the card numbers them
+        rows = [f"{cfg.method.rows(k)} (t+{k + 1})" for k in range(1, len(metrics["top1"]) + 1)]  # as the card
         summary = ", ".join(f"{row}: top-1 {a:.3f} top-5 {b:.3f}"
                             for row, a, b in zip(rows, metrics["top1"], metrics["top5"]))
         tau = metrics["expected_tau"]

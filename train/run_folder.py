@@ -17,22 +17,19 @@ import shutil
 import sys
 from pathlib import Path
 
-from gorgon.heads.draft_model.model import DRAFT_VOCAB_NAME
 from gorgon.heads.errors import GorgonError, user_error_line
 from gorgon.heads.files import (
     atomic_write_text,
     check_output,
     check_unlocked,
-    config_or_none,
     drop_lock,
     holds_lock,
-    is_model_config,
     is_plot,
     missing_folders,
     remove_empty_folders,
     take_lock,
 )
-from gorgon.heads.medusa.model import ADAPTER_DIR, TREES_NAME
+from gorgon.heads.methods import method_of, methods
 
 
 def numbered_checkpoints(folder: Path, prefix: str) -> list[Path]:
@@ -136,32 +133,26 @@ RUN_MARKER = ".gorgon-run"  # written into a training --out when the run starts:
 REPLACING = "replacing an earlier run\n"  # the marker's text while a run (--overwrite) replaces finished output
 EARLIER = ".earlier-run"  # where the replaced run's files wait while the new run writes its own
 LOCK = ".gorgon-run.lock"  # this machine and the main process's id while a run writes the folder
-# What a run writes in its --out (heads or a draft model, checkpoints, the temporary files of atomic writes):
-# --overwrite replaces a folder holding these only, and gorgon bench reports with their plots (and the lock a
-# killed bench left beside its report). A draft model's folder holds its tokenizer and generation config too.
-RUN_FILES = (RUN_MARKER, EARLIER, LOCK, "checkpoints", ADAPTER_DIR, ".*.tmp", "config.json", "model.safetensors",
-             "model-*-of-*.safetensors", "model.safetensors.index.json", TREES_NAME, DRAFT_VOCAB_NAME,
-             "metrics.json", "recipe.json", "head_accuracy.png", "README.md", ".*.json.lock")
-DRAFT_FILES = ("generation_config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
-               "added_tokens.json", "chat_template.jinja", "vocab.json", "merges.txt", "tokenizer.model")
+# What every run writes in its --out (checkpoints, the temporary files of atomic writes, the weights, metrics and
+# card), beside each drafting method's own `files`: --overwrite replaces a folder holding these only, and gorgon
+# bench reports with their plots (and the lock a killed bench left beside its report).
+RUN_FILES = (RUN_MARKER, EARLIER, LOCK, "checkpoints", ".*.tmp", "config.json", "model.safetensors",
+             "model-*-of-*.safetensors", "model.safetensors.index.json", "metrics.json", "recipe.json",
+             "head_accuracy.png", "README.md", ".*.json.lock")
 
 
 def in_run_folder(path: Path) -> bool:
     """An entry of a training --out that --overwrite may remove: what a run writes, or a gorgon bench report (and
-    its plot) of the earlier heads. A tokenizer's files are a draft model's only where the folder holds one (in
-    a heads folder they are the user's)."""
+    its plot) of the earlier heads. A method's `model_files` (a draft model's tokenizer) are its only where the
+    folder holds that method's output, whose config.json its save writes first (elsewhere they are the user's)."""
     from gorgon.decode.bench import is_report
 
-    if any(fnmatch.fnmatch(path.name, name) for name in DRAFT_FILES):
-        return holds_draft(path.parent)
-    return (any(fnmatch.fnmatch(path.name, name) for name in RUN_FILES) or is_report(path)
+    names = (*RUN_FILES, *(f.rstrip("/") for m in methods() for f in m.files))
+    if any(fnmatch.fnmatch(path.name, name) for m in methods() for name in m.model_files):
+        holder = method_of(path.parent)
+        return holder is not None and path.name in holder.model_files
+    return (any(fnmatch.fnmatch(path.name, name) for name in names) or is_report(path)
             or (path.suffix == ".png" and is_report(path.with_suffix(".json")) and is_plot(path)))
-
-
-def holds_draft(folder: Path) -> bool:
-    """Whether a training --out holds a draft model: its config.json is a transformers model's (heads' name their
-    target), which the draft's save writes first, before its tokenizer, evaluation and metrics.json."""
-    return is_model_config(config_or_none(folder))
 
 
 def prepare_output(out: Path, latest_checkpoint, cfg) -> Path | None:

@@ -5,5 +5,6 @@ two drafters' candidates under one root within a node budget. No model and no tr
 """
 
 from .drafter import ContextDrafter, MergedDrafter, lookup
+from . import method  # noqa: F401  (registers the method with gorgon.heads.methods)
 
 __all__ = ["ContextDrafter", "MergedDrafter", "lookup"]

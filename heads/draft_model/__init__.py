@@ -8,6 +8,7 @@ batches and the held-out agreement with the target.
 
 from .drafter import DRAFT_TOKENS, MAX_DRAFT_TOKENS, DraftModelDrafter
 from .model import cut_to_draft_vocab, load_draft, load_draft_vocab
+from . import method  # noqa: F401  (registers the method with gorgon.heads.methods)
 
 __all__ = ["DRAFT_TOKENS", "MAX_DRAFT_TOKENS", "DraftModelDrafter", "cut_to_draft_vocab", "load_draft",
            "load_draft_vocab"]

@@ -8,5 +8,6 @@ training loss; formats.py: the EAGLE-3 layout vLLM and SGLang load, and the spec
 
 from .drafter import EagleDrafter
 from .model import EagleConfig, EagleHead
+from . import method  # noqa: F401  (registers the method with gorgon.heads.methods)
 
 __all__ = ["EagleConfig", "EagleDrafter", "EagleHead"]

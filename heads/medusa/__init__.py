@@ -5,7 +5,8 @@ model.py: the heads, their config and checkpoint folder; drafter.py: the heads a
 FasterDecoding Medusa's checkpoint layouts.
 """
 
-from .drafter import HeadsDrafter
+from .drafter import MedusaDrafter
 from .model import MedusaConfig, MedusaHeads
+from . import method  # noqa: F401  (registers the method with gorgon.heads.methods)
 
-__all__ = ["HeadsDrafter", "MedusaConfig", "MedusaHeads"]
+__all__ = ["MedusaDrafter", "MedusaConfig", "MedusaHeads"]

@@ -23,7 +23,7 @@ REFERENCE_ACCURACIES = [
 ]
 
 
-class HeadsDrafter:
+class MedusaDrafter:
     """Proposes a fixed tree of rank paths from the heads' top-k. The heads never run on the other tree nodes."""
 
     feature_layers = None  # the target's last hidden state
