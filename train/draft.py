@@ -65,6 +65,13 @@ class DraftTrainConfig(TrainingSettings):
                                                  "drafts through its output layer cut to them (a smaller, cheaper "
                                                  "product); None: drafts from the whole vocabulary")
 
+    @property
+    def method(self):
+        """The drafting method this script trains."""
+        from gorgon.heads.methods import by_name
+
+        return by_name("draft_model")
+
     def check(self) -> None:
         if self.report_to not in ("wandb", "none"):
             raise GorgonError(f"report_to must be wandb or none, not {self.report_to!r}")

@@ -202,6 +202,8 @@ def prepare_own_output(out: Path, latest_checkpoint, cfg) -> Path | None:
 
         check_card_unedited(out, "this run would write its own card over it: keep your changes elsewhere and move "
                                  "it away first")
+    if finished and resume:
+        check_same_method(out, cfg.method)
     ours = finished or (out / RUN_MARKER).is_file()
     check_unlocked(out / LOCK, "training run")  # a run started by hand, or off Linux, may outlive its launcher
     if resume or not overwrite:  # checkpoints are looked for (and cut-short ones removed) in our folders only
@@ -224,6 +226,15 @@ def prepare_own_output(out: Path, latest_checkpoint, cfg) -> Path | None:
     take_lock(out / LOCK)  # first: a folder with our marker is locked (`no_empty_output_left`)
     atomic_write_text(out / RUN_MARKER, "")
     return None
+
+
+def check_same_method(out: Path, method) -> None:
+    """--resume into a finished run of another drafting method: its checkpoints cannot continue this recipe, and
+    --overwrite would replace what it trained, so say which it holds rather than suggest either."""
+    holder = method_of(out)
+    if holder is not None and holder is not method:
+        raise GorgonError(f"--out {out} holds a finished run of {holder.title}, but this recipe trains {method.title}: "
+                          f"choose another --out (--overwrite true would replace {holder.title})")
 
 
 def check_more_to_train(out: Path, cfg, steps: int | None = None) -> None:
