@@ -411,12 +411,15 @@ def test_a_resume_with_another_data_order_or_shape_is_refused(tmp_path, capsys):
                ({"eval_fraction": 0.1, "max_length": 64}, "eval_fraction 0.05 -> 0.1, max_length 1024 -> 64"),
                ({"target": str(tmp_path / "elsewhere")}, "target "), ({"num_heads": 2}, "num_heads 4 -> 2"),
                ({"num_layers": 2}, "num_layers 1 -> 2"), ({"draft_vocab_size": 32}, "draft_vocab_size None -> 32"),
-               ({"lora_r": 8}, "lora_r 16 -> 8"), ({"arch": "eagle"}, "arch medusa -> eagle")]
+               ({"lora_r": 8}, "lora_r 16 -> 8")]
     for change, named in changes:
         with pytest.raises(GorgonError, match=rf"^{re.escape(str(checkpoint))} was trained with other settings "
                                               rf"\({named}.*\): resume with the same ones, or train into a new "
                                               r"--out$"):
             train(dataclasses.replace(cfg, resume=True, **change))
+    with pytest.raises(GorgonError, match=r"holds a finished run of Medusa heads, but this recipe trains a "
+                                          r"feature-level head: choose another --out"):
+        train(dataclasses.replace(cfg, resume=True, arch="eagle"))
     state = checkpoint / "gorgon_state.json"
     recorded = json.loads(state.read_text())
     state.write_text(json.dumps({**recorded, "settings": {**recorded["settings"], "processes": 2}}))
