@@ -16,7 +16,7 @@ import torch
 
 from gorgon.heads import MedusaHeads, load_target
 from gorgon.heads.errors import ArgumentParser, int_at_least, run_script
-from gorgon.heads.medusa.objective import medusa_loss
+from gorgon.heads.methods.medusa.objective import medusa_loss
 from gorgon.train.examples import collate, load_examples
 from gorgon.train.heads import set_draft_vocab
 

@@ -524,7 +524,7 @@ def test_weights_other_libraries_save_follow_the_umask(tmp_path, umask):
     """safetensors writes its files private (0600), and with it save_pretrained, peft and accelerate's save_state:
     a draft model, a Medusa-2 adapter (and the embedded target's copy) could not be read by a serving engine
     run as another user, nor a checkpoint by a teammate resuming in a shared folder."""
-    from gorgon.heads.draft_model.model import save_draft
+    from gorgon.heads.methods.draft_model.model import save_draft
 
     target = tiny_chat_target(tmp_path)
     old = os.umask(umask)
@@ -1008,7 +1008,7 @@ def test_options_that_cannot_apply_are_refused_before_the_target_loads(tmp_path,
 
 def test_a_failed_command_removes_the_parent_folders_it_made_for_its_output(tmp_path, monkeypatch, capsys):
     """A failure left the empty folders made above --out (d/e of d/e/out): `gorgon data`, training and export."""
-    from gorgon.heads.medusa import formats
+    from gorgon.heads.methods.medusa import formats
     from gorgon.train.heads import main as train_heads
 
     prompts = tmp_path / "p.jsonl"
@@ -1111,7 +1111,7 @@ def test_a_generator_on_another_device_than_the_model_is_named():
 def test_python_arguments_of_the_wrong_kind_are_named(tmp_path):
     """Float ids, an EOS given as text, a number as stop strings and a string temperature failed inside torch or
     Python (or named only the value); a token map given as a list failed at .to()."""
-    from gorgon.heads.draft_model import cut_to_draft_vocab
+    from gorgon.heads.methods.draft_model import cut_to_draft_vocab
 
     model = tiny_model()
     drafter = MedusaDrafter(MedusaHeads.for_target(model, num_heads=2), tree=[[0], [0, 0]])

@@ -15,7 +15,7 @@ from gorgon.heads import (
     MedusaHeads,
     MergedDrafter,
 )
-from gorgon.heads.context.drafter import lookup
+from gorgon.heads.methods.context.drafter import lookup
 from gorgon.heads.tree import token_paths, tree_from_token_paths
 
 

@@ -56,7 +56,7 @@ def test_level_stops_and_a_draft_vocabulary_keep_greedy_output_exact_on_cuda_fp3
     to a draft vocabulary (its ids mapped to the target's on the device) against `generate`."""
     from gorgon.decode.calibrate import drafted_level_cost
     from gorgon.heads import DraftModelDrafter
-    from gorgon.heads.draft_model import cut_to_draft_vocab
+    from gorgon.heads.methods.draft_model import cut_to_draft_vocab
 
     model = tiny_model("llama", vocab=8, layers=4).cuda()
     with torch.no_grad():

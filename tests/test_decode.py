@@ -507,7 +507,7 @@ def test_a_draft_cut_to_a_draft_vocabulary_drafts_its_best_tokens_there_and_stay
     """The cut output layer's rows are the token map's tokens: the chain is the whole draft's greedy choice among
     them (computed here from the uncut draft), every candidate is one of them, and greedy output stays exact."""
     from gorgon.heads import DraftModelDrafter
-    from gorgon.heads.draft_model import cut_to_draft_vocab
+    from gorgon.heads.methods.draft_model import cut_to_draft_vocab
 
     model, token_map = tiny_model("llama"), torch.arange(VOCAB - 1, 0, -3).sort().values
     whole = tiny_model("llama", seed=7)
@@ -575,8 +575,8 @@ def test_a_draft_vocabulary_is_saved_loaded_and_checked(tmp_path):
     from safetensors.torch import save_file
 
     from gorgon.heads import DraftModelDrafter
-    from gorgon.heads.draft_model import cut_to_draft_vocab, load_draft_vocab
-    from gorgon.heads.draft_model.model import DRAFT_VOCAB_NAME, save_draft
+    from gorgon.heads.methods.draft_model import cut_to_draft_vocab, load_draft_vocab
+    from gorgon.heads.methods.draft_model.model import DRAFT_VOCAB_NAME, save_draft
 
     draft, token_map = tiny_model("llama"), torch.tensor([9, 2, 40, 5])
     save_draft(draft, tiny_tokenizer(), tmp_path, token_map=token_map)

@@ -23,8 +23,8 @@ from transformers import AutoModelForCausalLM
 
 from gorgon.decode import speculative_generate
 from gorgon.heads import DraftModelDrafter, GorgonError, load_target
-from gorgon.heads.draft_model import cut_to_draft_vocab, load_draft_vocab
-from gorgon.heads.draft_model.model import truncated_copy
+from gorgon.heads.methods.draft_model import cut_to_draft_vocab, load_draft_vocab
+from gorgon.heads.methods.draft_model.model import truncated_copy
 from gorgon.heads.target import lm_logits
 from gorgon.train.draft import DraftTrainConfig, read_indexed_cpu_locations, train
 from gorgon.train.examples import collate, frequent_tokens, load_examples, split

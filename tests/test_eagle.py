@@ -25,8 +25,8 @@ from safetensors.torch import load_file, save_file
 from gorgon.decode import Sampling, speculative_generate
 from gorgon.decode.kernels import draft_dtype, fast_kernels_unavailable, use_cpu_kernels
 from gorgon.heads import EagleConfig, EagleDrafter, EagleHead, GorgonError, Target, fingerprint, load_target
-from gorgon.heads.eagle.formats import check_exportable_layers, export_head
-from gorgon.heads.eagle.model import default_feature_layers
+from gorgon.heads.methods.eagle.formats import check_exportable_layers, export_head
+from gorgon.heads.methods.eagle.model import default_feature_layers
 from gorgon.train.data import DataSettings, make_dataset
 
 FAMILIES = ["llama", "qwen2"]
@@ -257,7 +257,7 @@ def test_the_heads_norms_run_fused_where_the_formula_is_llamas():
     from transformers.models.gemma.modeling_gemma import GemmaRMSNorm
     from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
-    from gorgon.heads.eagle.formats import computes_rms_norm
+    from gorgon.heads.methods.eagle.formats import computes_rms_norm
 
     class OnePlusWeight(LlamaRMSNorm):  # Gemma's formula, Llama's attributes: only the probe tells them apart
         def forward(self, x):
@@ -748,7 +748,7 @@ def test_optimisation_settings_out_of_range_are_one_line():
 def test_loss_tokens_all_trains_on_every_position_and_evaluates_on_answers(tmp_path, monkeypatch):
     """Also: the head is in training mode (feature noise and dropout on) for training steps only, and the
     recipe's dropout reaches the objective."""
-    from gorgon.heads.eagle.objective import EagleObjective
+    from gorgon.heads.methods.eagle.objective import EagleObjective
     from gorgon.train.heads import HeadsTrainConfig, train
 
     seen = {"train": [], "eval": []}
@@ -815,7 +815,7 @@ def test_train_lm_head_false_keeps_the_targets_rows(tmp_path):
 
 @pytest.mark.parametrize("setting", [{"noise": 0.5}, {"dropout": 0.5}])
 def test_feature_noise_and_dropout_perturb_training_steps_only(setting):
-    from gorgon.heads.eagle.objective import EagleObjective
+    from gorgon.heads.methods.eagle.objective import EagleObjective
 
     model = tiny_model("llama", layers=4)
     head = head_for(model)
@@ -829,7 +829,7 @@ def test_feature_noise_and_dropout_perturb_training_steps_only(setting):
 
 
 def test_feature_noise_is_the_same_share_of_every_layers_scale():
-    from gorgon.heads.eagle.objective import with_noise
+    from gorgon.heads.methods.eagle.objective import with_noise
 
     torch.manual_seed(0)
     scales = torch.tensor([1.0, 10.0, 100.0])  # three layers of very different size, as a real target's
@@ -843,7 +843,7 @@ def test_feature_noise_is_the_same_share_of_every_layers_scale():
 
 def test_the_feature_cache_skips_the_target_and_keeps_the_loss():
     """The feature-level head reads the target's features, last hidden state and choices back."""
-    from gorgon.heads.eagle.objective import EagleObjective
+    from gorgon.heads.methods.eagle.objective import EagleObjective
 
     model = tiny_model("llama", layers=4)
     head = head_for(model, draft=torch.arange(0, VOCAB, 2))
@@ -856,7 +856,7 @@ def test_the_training_time_test_sees_what_drafting_sees():
     that chain: the context from the target's features in its cache, then its own first draft."""
     from transformers import DynamicCache
 
-    from gorgon.heads.eagle.objective import EagleObjective
+    from gorgon.heads.methods.eagle.objective import EagleObjective
     from gorgon.heads.masks import additive_mask
 
     model = tiny_model("llama", layers=4)
@@ -886,7 +886,7 @@ def test_the_objective_pairs_each_draft_with_the_teachers_distribution_for_its_t
     mask or regression target read one position off (mutations of each survived the suite) breaks it."""
     from types import SimpleNamespace
 
-    from gorgon.heads.eagle.objective import EagleObjective
+    from gorgon.heads.methods.eagle.objective import EagleObjective
 
     batch, length, vocab = 2, 9, 11
     teacher = torch.randn(batch, length, vocab, generator=torch.Generator().manual_seed(0)) * 3

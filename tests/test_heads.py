@@ -6,7 +6,7 @@ import torch
 from helpers import VOCAB, assert_feature_cache_is_exact, tiny_model
 
 from gorgon.heads import EagleHead, GorgonError, MedusaConfig, MedusaHeads, Target, fingerprint
-from gorgon.heads.medusa.objective import MedusaObjective
+from gorgon.heads.methods.medusa.objective import MedusaObjective
 from gorgon.heads.target import legacy_fingerprint
 
 
@@ -246,7 +246,7 @@ def test_medusa_losses_and_rank_counts_pair_each_head_with_its_token():
     teacher or label read one position off (mutations of each survived the suite) breaks it."""
     from types import SimpleNamespace
 
-    from gorgon.heads.medusa.objective import medusa_loss, rank_counts
+    from gorgon.heads.methods.medusa.objective import medusa_loss, rank_counts
 
     batch, length, vocab, num_heads = 2, 10, 13, 3
     ids = torch.randint(0, vocab, (batch, length), generator=torch.Generator().manual_seed(0))

@@ -80,8 +80,9 @@ def test_no_import_cycles_even_inside_functions():
 def test_decoding_reaches_the_drafting_methods_through_the_heads_package_only():
     """decode/ is method-agnostic: it names a method's classes where the options build them (from `gorgon.heads`),
     but nothing in it reaches into a method's folder (a head's layers, a draft's files)."""
-    methods = tuple(f"gorgon.heads.{p.name}" for p in (ROOT / "heads").iterdir() if (p / "__init__.py").is_file())
-    assert "gorgon.heads.eagle" in methods
+    methods = tuple(f"gorgon.heads.methods.{p.name}" for p in (ROOT / "heads" / "methods").iterdir()
+                    if (p / "__init__.py").is_file())
+    assert "gorgon.heads.methods.eagle" in methods
     assert not [(a, b) for a, bs in imports().items() if a.startswith("gorgon.decode.") for b in bs
                 if b.startswith(methods)]
 
@@ -183,10 +184,10 @@ def test_the_core_never_names_a_drafting_method():
     packages and the package's public exports are where methods are named; nowhere else."""
     from gorgon.heads.methods import PACKAGES, methods
 
-    folders = tuple(f"gorgon.heads.{p}" for p in PACKAGES)
+    folders = tuple(f"gorgon.heads.methods.{p}" for p in PACKAGES)
     classes = set()
     for m in methods():
-        package = importlib.import_module(f"gorgon.heads.{m.name}")
+        package = importlib.import_module(f"gorgon.heads.methods.{m.name}")
         classes |= {name for name in getattr(package, "__all__", ()) if name[0].isupper()}
     assert {"MedusaHeads", "EagleHead", "MedusaDrafter", "DraftModelDrafter"} <= classes
     exempt = {"gorgon.heads", "gorgon.heads.methods", *NAMES_A_METHOD}
@@ -198,7 +199,7 @@ def test_the_core_never_names_a_drafting_method():
         tree = ast.parse(path.read_text())
         for node in ast.walk(tree):
             if isinstance(node, ast.ImportFrom) and node.module and (
-                    node.module.startswith(folders) or (node.level and node.module.split(".")[0] in PACKAGES)):
+                    node.module.startswith(folders) or (node.level and node.module.startswith("methods."))):
                 found.append((name, f"imports {node.module}"))
             elif isinstance(node, ast.Compare) and any(isinstance(c, ast.Constant) and c.value in PACKAGES
                                                        for c in (node.left, *node.comparators)):

@@ -9,7 +9,7 @@ import pytest
 from helpers import tiny_model
 
 from gorgon.heads import EagleHead, GorgonError, MedusaHeads
-from gorgon.heads.medusa import formats as medusa_formats
+from gorgon.heads.methods.medusa import formats as medusa_formats
 from gorgon.heads.methods import PACKAGES, loaded_files, method_of, methods, recorded_method
 
 

@@ -21,7 +21,7 @@ from helpers import tiny_chat_target, tiny_model
 from safetensors.torch import load_file
 
 from gorgon.heads import GorgonError, MedusaHeads, load_target
-from gorgon.heads.medusa.formats import export_heads
+from gorgon.heads.methods.medusa.formats import export_heads
 
 
 def trained_like(model, shared=True, layers=2):
@@ -579,7 +579,7 @@ def test_an_engine_layout_loads_onto_the_target_it_names(tmp_path, capsys):
     (base_model_name_or_path, the verifier): without --target the embedded target loaded, and the heads
     failed on its shapes. The embedded target's Hub id loads the embedded build, and says so."""
     from gorgon.heads import EagleHead, load_heads
-    from gorgon.heads.eagle.formats import export_head
+    from gorgon.heads.methods.eagle.formats import export_head
     from gorgon.heads.target import EMBEDDED_HUB_ID, EMBEDDED_NAME, recorded_target, target_for_heads
 
     target = tiny_chat_target(tmp_path, layers=6)  # EAGLE-3 mixes 3 layers below the last

@@ -50,7 +50,7 @@ def test_accelerate_launch_trains_a_few_steps(tmp_path):
 
 def eval_loss(heads, target, data):
     """Mean CE of each head on the toy data (teacher-forced)."""
-    from gorgon.heads.medusa.objective import medusa_loss
+    from gorgon.heads.methods.medusa.objective import medusa_loss
     from gorgon.train.examples import collate, load_examples
 
     ex = load_examples(data, target.tokenizer, 256)

@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from gorgon.heads import GorgonError
-from gorgon.heads.medusa.drafter import default_tree
+from gorgon.heads.methods.medusa.drafter import default_tree
 from gorgon.heads.tree import (
     build_tree,
     cut_tree,

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from gorgon.heads.draft_model import DRAFT_TOKENS
+from gorgon.heads.methods.draft_model import DRAFT_TOKENS
 from gorgon.heads.errors import GorgonError
 from gorgon.heads.files import atomic_write_text, follow_umask
 from gorgon.train.recipe import TrainingSettings, in_checkout, setting
@@ -99,7 +99,7 @@ class DraftTrainConfig(TrainingSettings):
     def check_target(self, config) -> None:
         """The settings that count the target's layers or tokens, checked against its text config before its
         weights load; a student of its own is looked for."""
-        from gorgon.heads.draft_model.model import check_student_layers
+        from gorgon.heads.methods.draft_model.model import check_student_layers
         from gorgon.heads.target import check_model_source
         from gorgon.train.recipe import check_draft_vocab_size
 
@@ -121,7 +121,7 @@ def gkd_trainer(cfg: DraftTrainConfig, student, target, train_ex: list[dict], ck
     from transformers.trainer_callback import ProgressCallback
     from trl.experimental.gkd import GKDConfig, GKDTrainer
 
-    from gorgon.heads.draft_model.objective import gkd_batch
+    from gorgon.heads.methods.draft_model.objective import gkd_batch
     from gorgon.train.examples import EpochSampler, RankBatches, collate
 
     class NoCheckpointAtTheEnd(TrainerCallback):
@@ -283,8 +283,8 @@ def setup(cfg: DraftTrainConfig) -> Distillation:
     from accelerate import PartialState
     from accelerate.utils import DistributedType
 
-    from gorgon.heads.draft_model.model import load_student
-    from gorgon.heads.draft_model.objective import agreement
+    from gorgon.heads.methods.draft_model.model import load_student
+    from gorgon.heads.methods.draft_model.objective import agreement
     from gorgon.heads.target import load_target, target_text_config
     from gorgon.train.examples import answer_tokens, frequent_tokens, load_examples, read_conversations, split
     from gorgon.train.recipe import check_lora_targets, connect_cpu_processes, wandb_offline_without_key
@@ -369,8 +369,8 @@ def save(run: Distillation, trainer, weights: dict | None) -> dict | None:
     from transformers import AutoModelForCausalLM
 
     from gorgon.heads.card import write_model_card
-    from gorgon.heads.draft_model.model import save_draft
-    from gorgon.heads.draft_model.objective import agreement
+    from gorgon.heads.methods.draft_model.model import save_draft
+    from gorgon.heads.methods.draft_model.objective import agreement
     from gorgon.heads.tree import chain_tau
     from gorgon.train.data import describe, hub_datasets
     from gorgon.train.run_folder import finish_run_folder, set_aside_earlier_run

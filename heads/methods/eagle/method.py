@@ -6,9 +6,9 @@ import dataclasses
 import json
 from pathlib import Path
 
-from ..errors import GorgonError
-from ..methods import Method, Recipe, register, setting
-from ..search import check_search
+from ...errors import GorgonError
+from .. import Method, Recipe, register, setting
+from ...search import check_search
 from . import formats
 from .card import eagle_card
 from .model import ARCH, NODES, EagleConfig, EagleHead
@@ -64,7 +64,7 @@ class EagleRecipe(Recipe):
 
 def objective(recipe: EagleRecipe, shared, target, draft_tokens):
     """A feature-level head for the target and its loss."""
-    from ..feature_cache import FeatureCache
+    from ...feature_cache import FeatureCache
     from .objective import EagleObjective
 
     head = EagleHead.for_target(target.model, recipe.feature_layers, draft_tokens, target.name, target.fingerprint,

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import torch
 
-from ..errors import GorgonError
-from ..tree import MAX_TREE_NODES, best_first, tree_from_token_paths, worth_verifying
+from ...errors import GorgonError
+from ...tree import MAX_TREE_NODES, best_first, tree_from_token_paths, worth_verifying
 
 
 def lookup(tokens: list[int], max_ngram: int = 3, length: int = 5, branches: int = 2,

@@ -18,10 +18,10 @@ from pathlib import Path
 
 import torch
 
-from ..errors import GorgonError
-from ..files import follow_umask, new_temp, remove_stale_temps
-from ..target import load_causal_lm
-from ..vocab import is_draft_vocab
+from ...errors import GorgonError
+from ...files import follow_umask, new_temp, remove_stale_temps
+from ...target import load_causal_lm
+from ...vocab import is_draft_vocab
 
 DRAFT_VOCAB_NAME = "draft_vocab.safetensors"
 

@@ -13,9 +13,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..feature_cache import FeatureCache
-from ..target import lm_logits, logit_scale
-from ..vocab import draft_index
+from ...feature_cache import FeatureCache
+from ...target import lm_logits, logit_scale
+from ...vocab import draft_index
 
 
 def head_targets(loss_mask: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:

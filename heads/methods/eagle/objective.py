@@ -34,10 +34,10 @@ import torch
 import torch.nn.functional as F
 from transformers import DynamicCache
 
-from ..feature_cache import FeatureCache
-from ..masks import additive_mask
-from ..target import lm_logits, logit_scale
-from ..vocab import draft_index
+from ...feature_cache import FeatureCache
+from ...masks import additive_mask
+from ...target import lm_logits, logit_scale
+from ...vocab import draft_index
 
 
 class EagleObjective(torch.nn.Module):

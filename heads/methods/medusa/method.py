@@ -6,9 +6,9 @@ import dataclasses
 import json
 from pathlib import Path
 
-from ..errors import GorgonError
-from ..files import is_model_config
-from ..methods import Method, Recipe, register, setting
+from ...errors import GorgonError
+from ...files import is_model_config
+from .. import Method, Recipe, register, setting
 from . import formats
 from .card import medusa_card
 from .model import ADAPTER_DIR, NODES, TREES_NAME, MedusaHeads
@@ -71,7 +71,7 @@ class MedusaRecipe(Recipe):
         return self.trains_target and self.heads_warmup_steps > 0
 
     def save_adapter(self, out: Path, target, state: dict) -> None:
-        from ..files import follow_umask
+        from ...files import follow_umask
 
         target.save_pretrained(str(out / ADAPTER_DIR), state_dict=state)
         follow_umask(out / ADAPTER_DIR)
@@ -79,7 +79,7 @@ class MedusaRecipe(Recipe):
 
 def objective(recipe: MedusaRecipe, shared, target, draft_tokens):
     """Medusa heads for the target and their loss (Medusa-2: with LoRA adapters on the target)."""
-    from ..feature_cache import FeatureCache
+    from ...feature_cache import FeatureCache
     from .objective import MedusaObjective
 
     heads = MedusaHeads.for_target(target.model, recipe.num_heads, recipe.num_layers, recipe.shared_lm_head,
@@ -90,7 +90,7 @@ def objective(recipe: MedusaRecipe, shared, target, draft_tokens):
     if recipe.trains_target:
         from peft import LoraConfig, get_peft_model
 
-        from ..target import quiet_peft
+        from ...target import quiet_peft
 
         with quiet_peft():
             model = get_peft_model(model, LoraConfig(r=recipe.lora_r, lora_alpha=recipe.lora_alpha,

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import torch
 
-from ..drafter import dtype_name
-from ..errors import GorgonError
-from ..target import check_fits
-from ..tree import build_tree, path_chance, token_paths, tree_from_accuracies
+from ...drafter import dtype_name
+from ...errors import GorgonError
+from ...target import check_fits
+from ...tree import build_tree, path_chance, token_paths, tree_from_accuracies
 from .model import NODES, MedusaHeads
 
 # Used when the heads were saved without trees: the tree built from a head-accuracy profile

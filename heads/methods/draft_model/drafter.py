@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import torch
 
-from ..cache import crop_cache, growing_cache, with_cache
-from ..drafter import check_same_device, dtype_name
-from ..errors import GorgonError
-from ..masks import layer_masks
-from ..search import SearchDrafter, check_search, grow_tree, search_settings
-from ..tree import MAX_TREE_NODES
+from ...cache import crop_cache, growing_cache, with_cache
+from ...drafter import check_same_device, dtype_name
+from ...errors import GorgonError
+from ...masks import layer_masks
+from ...search import SearchDrafter, check_search, grow_tree, search_settings
+from ...tree import MAX_TREE_NODES
 from .model import check_draft_vocab
 
 # A longer chain is all but never accepted whole, and each drafted level costs a draft forward.

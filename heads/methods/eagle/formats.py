@@ -49,9 +49,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from ..errors import GorgonError, check_keys
-from ..files import read_safetensors_folder, write_weights
-from ..target import recorded_target
+from ...errors import GorgonError, check_keys
+from ...files import read_safetensors_folder, write_weights
+from ...target import recorded_target
 
 FORMATS = ("eagle3", "speculators")
 # The layers the engines build a draft's midlayer as (model_type), and the eagle3 architecture naming each.

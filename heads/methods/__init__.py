@@ -18,8 +18,8 @@ import importlib
 from collections.abc import Callable
 from pathlib import Path
 
-from .errors import GorgonError
-from .files import config_or_none
+from ..errors import GorgonError
+from ..files import config_or_none
 
 PACKAGES = ("medusa", "eagle", "draft_model", "context")  # gorgon.heads.<name>: one line per method
 

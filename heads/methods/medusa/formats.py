@@ -21,9 +21,9 @@ from pathlib import Path
 
 import torch
 
-from ..errors import GorgonError
-from ..files import read_safetensors_folder, write_weights
-from ..target import recorded_target
+from ...errors import GorgonError
+from ...files import read_safetensors_folder, write_weights
+from ...target import recorded_target
 
 FORMATS = ("vllm", "medusa")
 MEDUSA_WEIGHTS = "medusa_lm_head.safetensors"

@@ -17,12 +17,12 @@ import math
 
 import torch
 
-from ..cache import crop_cache, growing_cache
-from ..drafter import check_same_device, dtype_name
-from ..errors import GorgonError
-from ..masks import additive_mask
-from ..search import SearchDrafter, check_search, grow_tree, search_settings
-from ..target import check_fits
+from ...cache import crop_cache, growing_cache
+from ...drafter import check_same_device, dtype_name
+from ...errors import GorgonError
+from ...masks import additive_mask
+from ...search import SearchDrafter, check_search, grow_tree, search_settings
+from ...target import check_fits
 from .model import EagleHead
 
 

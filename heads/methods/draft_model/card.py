@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from ..card import card_metadata, data_line, speed_section
-from ..target import hub_name
+from ...card import card_metadata, data_line, speed_section
+from ...target import hub_name
 
 
 def draft_vocab_line(metrics: dict) -> str:

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from ..card import card_metadata, data_line, python_use, speed_section, tree_nodes
-from ..target import EMBEDDED_NAME, hub_name
+from ...card import card_metadata, data_line, python_use, speed_section, tree_nodes
+from ...target import EMBEDDED_NAME, hub_name
 
 
 def medusa_card(ref: str, recipe: dict, metrics: dict, hub: dict) -> str:

@@ -16,9 +16,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ..card import short_card
-from ..errors import GorgonError, config_from_dict
-from ..files import (
+from ...card import short_card
+from ...errors import GorgonError, config_from_dict
+from ...files import (
     atomic_write_text,
     check_heads_destination,
     is_model_config,
@@ -26,10 +26,10 @@ from ..files import (
     reading_weights,
     write_weights,
 )
-from ..hub import CONFIG_NAME, PushToHubMixin, resolve_heads_folder
-from ..target import attach_to_target, check_fits, lm_logits
-from ..tree import expected_accepted, tree_from_accuracies
-from ..vocab import is_draft_vocab
+from ...hub import CONFIG_NAME, PushToHubMixin, resolve_heads_folder
+from ...target import attach_to_target, check_fits, lm_logits
+from ...tree import expected_accepted, tree_from_accuracies
+from ...vocab import is_draft_vocab
 from .formats import foreign_format, import_heads
 
 WEIGHTS_NAME = "model.safetensors"
@@ -238,7 +238,7 @@ class MedusaHeads(PushToHubMixin, nn.Module):
                         dtype: str | torch.dtype | None = None) -> "MedusaHeads":
         """Load heads from a folder or hub id; with `target` check and attach it (a `Target` is also
         checked by fingerprint; a bare model by shape only). Folders in vLLM's or FasterDecoding
-        Medusa's format are read too (see `gorgon.heads.medusa.formats`)."""
+        Medusa's format are read too (see `gorgon.heads.methods.medusa.formats`)."""
         from safetensors.torch import load_file
 
         folder = resolve_heads_folder(name_or_path)

@@ -5,8 +5,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from ..card import card_metadata, data_line, python_use, speed_section, tree_nodes
-from ..target import EMBEDDED_NAME, hub_name
+from ...card import card_metadata, data_line, python_use, speed_section, tree_nodes
+from ...target import EMBEDDED_NAME, hub_name
 
 
 def eagle_card(folder: Path, ref: str, recipe: dict, metrics: dict, hub: dict) -> str:

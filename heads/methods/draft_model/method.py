@@ -8,9 +8,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..errors import GorgonError
-from ..files import is_model_config
-from ..methods import Method, register
+from ...errors import GorgonError
+from ...files import is_model_config
+from .. import Method, register
 from .card import draft_card
 from .model import DRAFT_VOCAB_NAME
 
@@ -22,7 +22,7 @@ TOKENIZER_FILES = ("generation_config.json", "tokenizer.json", "tokenizer_config
 
 def not_heads(folder: Path) -> GorgonError:
     """A model's folder passed where heads go: said as such, not as an unknown key of a heads config."""
-    from ..files import read_config
+    from ...files import read_config
 
     architectures = read_config(folder / "config.json")["architectures"]
     return GorgonError(f"{folder} holds a model ({', '.join(map(str, architectures))}), not heads: a draft model "
