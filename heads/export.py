@@ -15,6 +15,7 @@ from .errors import ArgumentParser, GorgonError, user_path
 from .files import (
     atomic_write_text,
     check_output,
+    full_disk_is_one_line,
     missing_folders,
     move_into_place,
     new_temp,
@@ -92,12 +93,13 @@ def main(argv=None) -> int:
     staging = new_temp(out.parent, f".{out.name}.exporting-", is_dir=True)
     base_model = args.base_model or hub_name(target.name)  # what an engine loads as the target
     try:
-        if eagle:
-            eagle_formats.export_head(heads, args.format, staging, base_model, args.dtype and dtype_name(heads))
-        else:
-            medusa_formats.export_heads(heads, args.format, staging, base_model)
-        written = sorted(str(f.relative_to(staging)) for f in staging.rglob("*") if f.is_file())
-        atomic_write_text(staging / EXPORT_MARKER, json.dumps(written))
+        with full_disk_is_one_line(out):  # safetensors reports it as a SafetensorError
+            if eagle:
+                eagle_formats.export_head(heads, args.format, staging, base_model, args.dtype and dtype_name(heads))
+            else:
+                medusa_formats.export_heads(heads, args.format, staging, base_model)
+            written = sorted(str(f.relative_to(staging)) for f in staging.rglob("*") if f.is_file())
+            atomic_write_text(staging / EXPORT_MARKER, json.dumps(written))
     except BaseException:  # an error or Ctrl-C: nothing half-written is left, nor the folders made for it (a
         # kill's, the next export removes)
         shutil.rmtree(staging, ignore_errors=True)

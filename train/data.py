@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 
 from gorgon.decode.kernels import KERNELS, use_cpu_kernels
-from gorgon.heads.errors import ArgumentParser, GorgonError, int_at_least, user_path
+from gorgon.heads.errors import ArgumentParser, GorgonError, first_problem, int_at_least, user_path
 from gorgon.heads.files import (
     atomic_write_text,
     check_output,
@@ -37,6 +37,7 @@ from gorgon.heads.files import (
     drop_lock,
     missing_folders,
     move_into_place,
+    naming_failed_writes,
     new_temp,
     read_jsonl,
     remove_empty_folders,
@@ -296,7 +297,21 @@ def in_dataset(path: Path) -> bool:
 def read_metadata(folder: str | os.PathLike) -> dict | None:
     """What `gorgon data` recorded beside a dataset (target, fingerprint, settings, counts); None for other data."""
     path = Path(folder) / METADATA_NAME
-    return json.loads(path.read_text()) if path.is_file() else None
+    if not path.is_file():
+        return None
+    try:
+        meta = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as err:
+        raise damaged_data(folder, f"{METADATA_NAME} cannot be read: {first_problem(err)}") from err
+    if not isinstance(meta, dict):
+        raise damaged_data(folder, f"{METADATA_NAME} is not a JSON object")
+    return meta
+
+
+def damaged_data(folder: str | os.PathLike, problem: str) -> GorgonError:
+    """The error for a dataset folder `gorgon data` wrote whose files were since lost, cut short or edited."""
+    return GorgonError(f"{folder} is `gorgon data` output, damaged ({problem}): make it again by rerunning the "
+                       "`gorgon data` command that wrote it, with --overwrite")
 
 
 def describe(folder: str | os.PathLike) -> str:
@@ -521,8 +536,13 @@ def write_dataset(rows: list[dict], metadata: dict, out: Path, replace: bool) ->
 
     remove_stale_temps(out.parent, f".{out.name}.writing-")  # a killed run's
     tmp = new_temp(out.parent, f".{out.name}.writing-", is_dir=True)
-    datasets.Dataset.from_list(rows).save_to_disk(str(tmp))
-    atomic_write_text(tmp / METADATA_NAME, json.dumps(metadata, indent=1) + "\n")
+    try:
+        with naming_failed_writes(out):
+            datasets.Dataset.from_list(rows).save_to_disk(str(tmp))
+        atomic_write_text(tmp / METADATA_NAME, json.dumps(metadata, indent=1) + "\n")
+    except BaseException:  # a full disk, Ctrl-C: no half-written copy is left beside the shards
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     if replace:
         shutil.rmtree(out)
     move_into_place(tmp, out, METADATA_NAME)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from gorgon.heads.errors import GorgonError
+from gorgon.heads.errors import GorgonError, first_problem
 from gorgon.heads.files import local_path_problem, looks_like_path, read_jsonl, read_text
 from gorgon.heads.hub import not_found_locally_or_on_hub
 
@@ -71,16 +71,7 @@ def read_records(source: str) -> list[dict]:
     import datasets
 
     if path.is_dir():
-        try:
-            data = datasets.load_from_disk(str(path))
-        except FileNotFoundError as err:
-            raise GorgonError(f"{source} is a folder but not a saved `datasets` dataset: pass a .jsonl file or a "
-                              "folder written by Dataset.save_to_disk") from err
-        if isinstance(data, datasets.DatasetDict):
-            if not data:
-                raise GorgonError(f"{source} is a `datasets` folder with no splits: it holds no records")
-            data = data["train"] if "train" in data else next(iter(data.values()))
-        return list(data)
+        return read_dataset_folder(path)
     problem = local_path_problem(source)
     if problem:
         raise GorgonError(f"data source {problem}: pass a .jsonl/.json file or a dataset folder")
@@ -91,6 +82,29 @@ def read_records(source: str) -> list[dict]:
         return list(datasets.load_dataset(source, split="train"))
     except Exception as err:  # the hub raises many types; all mean "not reachable or not there"
         raise not_found_locally_or_on_hub("dataset", source, err) from err
+
+
+def read_dataset_folder(path: Path) -> list[dict]:
+    """The records of a folder `Dataset.save_to_disk` wrote. One whose files are missing, cut short or edited
+    fails in one line: `gorgon data` output is named as damaged, with how to make it again."""
+    import datasets
+    import pyarrow
+
+    from .data import damaged_data, is_dataset  # not at the top: data.py reads its prompts with this module
+
+    try:
+        data = datasets.load_from_disk(str(path))
+        if isinstance(data, datasets.DatasetDict):
+            if not data:
+                raise GorgonError(f"{path} is a `datasets` folder with no splits: it holds no records")
+            data = data["train"] if "train" in data else next(iter(data.values()))
+        return list(data)
+    except (OSError, ValueError, KeyError, TypeError, pyarrow.ArrowException) as err:
+        problem = "a file it lists is missing" if isinstance(err, FileNotFoundError) else first_problem(err)
+        if is_dataset(path):
+            raise damaged_data(path, problem) from err
+        raise GorgonError(f"{path} is a folder but not a saved `datasets` dataset ({problem}): pass a .jsonl file "
+                          "or a folder written by Dataset.save_to_disk") from err
 
 
 def load_conversations(source: str, limit: int | None = None) -> list[dict]:
