@@ -36,6 +36,7 @@ def setup(tmp_path):
     return target, drafter
 
 
+@pytest.mark.slow
 def test_report_fields(setup):
     target, drafter = setup
     report = run_bench(target, drafter, QUESTIONS, max_new_tokens=12, baselines=("generate", "prompt-lookup"),
@@ -74,6 +75,7 @@ def test_summary_figures_on_hand_made_rows():
     assert report == pytest.approx(expected)
 
 
+@pytest.mark.slow
 def test_identical_count_drops_when_the_decoder_is_broken(setup, monkeypatch):
     target, drafter = setup
 
@@ -124,6 +126,7 @@ def test_cli_writes_an_atomic_report_and_plot(tmp_path):
     assert bad.returncode == 2 and "unknown baseline 'medusa'" in bad.stderr
 
 
+@pytest.mark.slow
 def test_a_bench_stopped_early_leaves_the_questions_it_ran(tmp_path, monkeypatch, capsys):
     """A time limit or Ctrl-C in the third question: --out holds the first two, marked incomplete, and the
     bench says so."""
@@ -254,6 +257,7 @@ def test_tau_without_timing_counts_every_step(setup):
         measure_tau(target, HeadsDrafter(MedusaHeads.for_target(tiny_model("llama"))), one, max_new_tokens=10)
 
 
+@pytest.mark.slow
 def test_tau_scripts_refuse_bad_input_in_one_line(tmp_path):
     """scripts/tau.py and scripts/learning_curve.py: a missing question file, and a --out they did not write,
     each end in one line and exit 2 before any model is loaded; an earlier curve needs --overwrite."""
@@ -335,6 +339,7 @@ def test_compare_heads_are_timed_in_the_same_rotation_and_drafted_as_the_heads(t
                                                     "test: pass --heads too")
 
 
+@pytest.mark.slow
 def test_a_report_named_like_its_plot_is_refused(tmp_path, capsys):
     message = "--out is the JSON report, and its plot is written beside it with the suffix .png: pass a .json path"
     assert gorgon(["bench", "--context-draft", "--questions", "q.jsonl", "--out", str(tmp_path / "r.png")]) == 2
@@ -360,6 +365,7 @@ def test_a_card_update_that_cannot_be_made_is_refused_before_the_benchmark(tmp_p
 
 
 
+@pytest.mark.slow
 def test_a_report_another_live_bench_writes_is_refused(tmp_path, capsys):
     """Two benches into one --out both wrote the report after each question, and one's figures were lost."""
     from gorgon.heads.files import host_name, process_start
@@ -381,6 +387,7 @@ def test_a_report_another_live_bench_writes_is_refused(tmp_path, capsys):
 
 
 
+@pytest.mark.slow
 def test_bench_counts_only_the_questions_it_ran(tmp_path):
     target = load_target(str(tiny_chat_target(tmp_path)), device="cpu")  # context 512, one token per character
     drafter = HeadsDrafter(MedusaHeads.for_target(target.model), tree=[[0], [1], [0, 0]])

@@ -157,6 +157,7 @@ def test_a_bad_option_is_one_line_without_the_usage(argv, says, capsys):
 
 
 
+@pytest.mark.slow
 def test_a_mistaken_command_names_the_command_that_takes_it(tmp_path, capsys):
     """A draft recipe given to heads training was "unknown key 'student_layers': did you mean feature_layers"; a
     malformed --repo-id asked the user to connect to the Hub; the scripts' counts of 0 and a missing file ended
@@ -197,6 +198,7 @@ def test_gorgons_warnings_are_one_line_on_the_command_line(monkeypatch):
 
 
 
+@pytest.mark.slow
 def test_help_into_a_pipe_closed_early_ends_without_a_traceback():
     """`python train/heads.py --help | head` ended in a BrokenPipeError traceback."""
     for argv in (["train/heads.py", "--help"], ["-m", "gorgon.heads.cli", "train", "--help"]):

@@ -434,6 +434,7 @@ def test_small_run_on_the_embedded_target(tmp_path, embedded_target):
                                   for r in rows)
 
 
+@pytest.mark.slow
 def test_sharegpt_prompts_are_read_from_a_file_cut_off_mid_record(tmp_path):
     """scripts/sharegpt_prompts.py makes the recipes' prompt file from PyPI's ShareGPT, which is cut off inside a
     record: the complete records are kept, as each conversation's non-empty human turns, where a human starts."""

@@ -162,6 +162,7 @@ def test_written_files_follow_the_umask(tmp_path, umask):
 
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("umask", [0o002, 0o022])
 def test_weights_other_libraries_save_follow_the_umask(tmp_path, umask):
     """safetensors writes its files private (0600), and with it save_pretrained, peft and accelerate's save_state:
@@ -184,6 +185,7 @@ def test_weights_other_libraries_save_follow_the_umask(tmp_path, umask):
 
 
 
+@pytest.mark.slow
 def test_a_write_killed_midway_leaves_nothing_behind_the_next_one(tmp_path):
     """A kill during an atomic write left its hidden temp file for good (an 8B model's weights, say);
     the next write of that file removes it, and keeps a live writer's, another machine's and the user's."""

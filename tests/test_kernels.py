@@ -285,6 +285,7 @@ def test_gorgon_and_generate_decode_on_the_same_attention_and_stock_on_torchs_ow
                      "stock": {("generate", ())}}
 
 
+@pytest.mark.slow
 @needs_onednn
 def test_bench_reports_both_ratios(tmp_path):
     target = load_target(str(tiny_chat_target(tmp_path)), device="cpu")
@@ -437,6 +438,7 @@ def test_profile_step_prints_one_json_line(tmp_path, kernels):
     assert report["kernels"] == (kernels if fast_kernels_unavailable(torch.float32) is None else "stock")
 
 
+@pytest.mark.slow
 def test_profile_step_caches_a_real_conversation_with_questions(tmp_path):
     target_path, target, _ = chat_target_with_heads(tmp_path)
     questions = questions_file(tmp_path / "q.jsonl")
@@ -459,6 +461,7 @@ def test_profile_step_caches_a_real_conversation_with_questions(tmp_path):
     assert bad.returncode == 2 and "--questions needs a real target's tokenizer" in bad.stderr
 
 
+@pytest.mark.slow
 def test_trace_generation_labels_each_step_part(tmp_path):
     target_path, _, _ = chat_target_with_heads(tmp_path)
     questions = questions_file(tmp_path / "q.jsonl")
@@ -485,6 +488,7 @@ def test_trace_generation_labels_each_step_part(tmp_path):
     assert mine.read_text() == "a user's file"
 
 
+@pytest.mark.slow
 def test_revision_ab_runs_a_revisions_own_code_beside_the_working_trees(tmp_path):
     """scripts/revision_ab.py copies a revision's (or a folder's) heads/ and decode/ into a package of their
     own, whose imports stay inside it; against the same code both sides give the same tokens (and, with heads/ and
@@ -536,6 +540,7 @@ def test_trace_generation_counts_each_part_once_when_cuda_annotates_it_too():
     assert trace_generation.host_ms_per_step(events, steps=2) == {"verify forward": 2.0, "drafter propose": 0.5}
 
 
+@pytest.mark.slow
 def test_attention_ab_times_both_and_finds_them_identical(tmp_path):
     target = tiny_chat_target(tmp_path)
     run = subprocess.run([sys.executable, "scripts/attention_ab.py", "--target", str(target), "--contexts", "16", "32",

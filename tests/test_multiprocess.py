@@ -178,6 +178,7 @@ def test_a_launched_process_ends_without_teardown_only_after_success(tmp_path, m
             dist.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_a_missing_accelerate_config_is_named(tmp_path):
     """accelerate's launcher reports it (after its own traceback): the last line names the file."""
     run = subprocess.run(LAUNCH + ["--config_file", str(tmp_path / "missing.yaml"), str(ROOT / "train/heads.py")],
@@ -233,6 +234,7 @@ def test_an_out_refused_on_the_main_process_is_every_process_one_line(tmp_path):
     assert run.stderr.count(f"traceback : {line}") == 2, run.stderr[-3000:]
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="prctl's parent-death signal is Linux's")
 def test_a_launched_training_process_ends_with_its_launcher(tmp_path):
     """`kill` of `accelerate launch` left the training process running on its own (it held --out and wrote it

@@ -272,6 +272,7 @@ def heads_folder(tmp_path):
     return folder
 
 
+@pytest.mark.slow
 def test_push_creates_the_repo_and_uploads_in_one_commit(tmp_path, hub):
     folder = heads_folder(tmp_path)
     run = push(hub, folder)
@@ -284,6 +285,7 @@ def test_push_creates_the_repo_and_uploads_in_one_commit(tmp_path, hub):
     assert b"tags:\n- medusa" in FakeHub.files["README.md"]
 
 
+@pytest.mark.slow
 def test_a_push_removes_what_an_earlier_push_left_that_would_change_what_loads(tmp_path, hub):
     """Medusa-2 heads pushed, then Medusa-1 heads to the same repo: the old LoRA adapter would merge into the
     target of whoever loads the repo. It goes in the same commit; the repo's other files stay."""
@@ -294,6 +296,7 @@ def test_a_push_removes_what_an_earlier_push_left_that_would_change_what_loads(t
     assert set(FakeHub.files) == {"config.json", "model.safetensors", "README.md", "notes.txt"}
 
 
+@pytest.mark.slow
 def test_failed_upload_leaves_the_folder_and_says_why(tmp_path, hub):
     folder = heads_folder(tmp_path)
     before = {p.name: p.read_bytes() for p in folder.iterdir() if p.is_file()}
@@ -316,6 +319,7 @@ def test_failed_upload_leaves_the_folder_and_says_why(tmp_path, hub):
     assert {p.name: p.read_bytes() for p in folder.iterdir() if p.is_file()} == before
 
 
+@pytest.mark.slow
 def test_heads_push_to_hub_uploads_what_save_pretrained_writes(tmp_path, hub):
     """The Python API: `MedusaHeads.push_to_hub` saves to a temporary folder and uploads it in one commit."""
     folder = heads_folder(tmp_path)
@@ -363,6 +367,7 @@ def test_push_names_a_missing_folder_or_a_file_for_what_it_is(tmp_path, capsys):
         assert err.count("\n") == 1 and says in err and "pass the folder training wrote" in err
 
 
+@pytest.mark.slow
 def test_a_medusa2_export_says_its_heads_need_their_adapter(tmp_path, capsys):
     """The export holds the heads only: served on the plain target they read hidden states they were not
     trained on, which nothing said."""
@@ -451,6 +456,7 @@ def test_a_card_lists_the_hub_datasets_the_heads_learnt_from(tmp_path, monkeypat
     assert "datasets" not in front_matter(card_text(tmp_path, MEDUSA_RECIPE, {**MEDUSA_METRICS, "datasets": []}))
 
 
+@pytest.mark.slow
 def test_a_card_names_its_folder_and_the_pushed_card_the_repo(tmp_path, hub):
     """The card's commands said THIS_FOLDER: they name the folder training wrote, and `gorgon push` uploads the
     card made again naming the repo (the folder's own card unchanged); a card the user edited goes up as is."""
@@ -479,6 +485,7 @@ def test_a_card_names_its_folder_and_the_pushed_card_the_repo(tmp_path, hub):
     assert "README.md was written by an earlier gorgon: it goes up as it is" in push(hub, folder).stderr
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch, mode", [("medusa", "medusa1"), ("medusa", "medusa2"), ("eagle", "medusa1")])
 def test_the_python_on_a_card_runs(tmp_path, monkeypatch, arch, mode):
     """What a card shows how to use the heads with in Python, run as written on the folder training wrote (with
@@ -684,6 +691,7 @@ def test_export_overwrite_replaces_the_earlier_exports_files_only(tmp_path, caps
 
 
 
+@pytest.mark.slow
 def test_a_hub_that_does_not_resolve_is_not_retried(tmp_path):
     """With no network and HF_HUB_OFFLINE unset, huggingface_hub retried every file five times (48 s for a missing
     target) before its error or the cache: a command now finds the Hub's host unknown and works from the cache at

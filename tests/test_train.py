@@ -72,6 +72,7 @@ def eval_loss(heads, target, data):
     return [s["loss"] for s in stats.values()]
 
 
+@pytest.mark.slow
 def test_loss_falls_on_a_learnable_toy_set(tmp_path):
     target_path = tiny_chat_target(tmp_path)
     data = toy_data(tmp_path / "toy.jsonl")
@@ -119,6 +120,7 @@ def greedy_answers(model, tok, n=8):
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("settings", [dict(loss="kl", cache_features=True), dict(mode="medusa2", lora_r=4),
                                       dict(arch="eagle", cache_features=True, ttt_steps=2)],
                          ids=["medusa1", "medusa2", "eagle"])
@@ -149,6 +151,7 @@ def test_heads_train_in_float32_beside_a_bfloat16_target(tmp_path, settings, mon
     assert len(speculative_generate(target.model, drafter_for(heads), ids, max_new_tokens=8).tokens) == 8
 
 
+@pytest.mark.slow
 def test_medusa2_keeps_the_base_models_greedy_outputs(tmp_path):
     """Trained on the target's own answers (as Medusa-2 is), with the KL term dominating."""
     from gorgon.train.data import DataSettings, make_dataset
@@ -185,6 +188,7 @@ def test_every_epoch_trains_on_every_conversation_when_batches_do_not_divide_int
     assert metrics["conversations_trained"] == 2 * 46
 
 
+@pytest.mark.slow
 def test_kill_and_resume_continues_exactly(tmp_path):
     target = tiny_chat_target(tmp_path)
     data = toy_data(tmp_path / "toy.jsonl", n=64)
@@ -298,6 +302,7 @@ def test_bad_settings_are_one_line_before_any_work(tmp_path, script, argv, messa
     assert not out.exists()
 
 
+@pytest.mark.slow
 def test_conversations_whose_answers_start_past_max_length_are_counted_or_named(tmp_path, capsys):
     """They were left out silently; when none was left, the error sent the user to regenerate the data."""
     import json as js
@@ -378,6 +383,7 @@ def test_empty_dataset_is_refused(tmp_path):
                                report_to="none"))
 
 
+@pytest.mark.slow
 def test_resume_without_a_checkpoint_is_refused(tmp_path):
     """The rule both training scripts share (gorgon.train.run_folder.resume_point)."""
     from gorgon.train.draft import DraftTrainConfig
@@ -408,6 +414,7 @@ def first_checkpoint(tmp_path, **settings) -> HeadsTrainConfig:
     return cfg
 
 
+@pytest.mark.slow
 def test_a_resume_with_another_data_order_or_shape_is_refused(tmp_path, capsys):
     """A checkpoint's step stands for the batches its settings drew: other ones would silently train on
     some conversations twice and others never; another shape would not load. Other settings may change."""
@@ -442,6 +449,7 @@ def test_a_resume_with_another_data_order_or_shape_is_refused(tmp_path, capsys):
                      "needed", said)  # the checkpoints a finished run keeps (a draft model's: hundreds of MB)
 
 
+@pytest.mark.slow
 def test_a_resume_with_another_objective_or_optimiser_is_refused(tmp_path):
     """The optimizer and its schedule come back from the checkpoint, so a new learning rate was silently ignored,
     and a new loss silently trained the rest of the run on another objective; recipe.json then recorded settings
@@ -471,6 +479,7 @@ def test_the_newest_complete_checkpoint_is_resumed_and_those_cut_short_removed(t
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step-10", "step-5", "step-9", "step-best"]
 
 
+@pytest.mark.slow
 def test_a_resume_on_other_data_at_the_same_path_is_refused(tmp_path):
     """Data regenerated or edited at its path would silently resume on other conversations: its contents'
     hash is recorded and checked. The same data resumes, and a checkpoint without the hash is not checked."""
@@ -493,6 +502,7 @@ def test_a_resume_on_other_data_at_the_same_path_is_refused(tmp_path):
     train(dataclasses.replace(cfg, resume=True, max_steps=4))
 
 
+@pytest.mark.slow
 def test_a_checkpoint_cut_short_while_being_written_is_removed_on_resume(tmp_path):
     """A kill during save_state leaves the temporary folder that would have been renamed into place."""
     cfg = first_checkpoint(tmp_path)
@@ -574,6 +584,7 @@ def test_the_next_command_a_run_suggests_names_the_checkouts_files_from_anywhere
     assert in_checkout("scripts/data/mt_bench.jsonl") == "scripts/data/mt_bench.jsonl"
 
 
+@pytest.mark.slow
 def test_training_over_a_finished_run_needs_overwrite_and_leaves_nothing_stale(tmp_path):
     target = str(tiny_chat_target(tmp_path))
     data = toy_data(tmp_path / "toy.jsonl", n=8)
@@ -596,6 +607,7 @@ def test_training_over_a_finished_run_needs_overwrite_and_leaves_nothing_stale(t
 
 
 
+@pytest.mark.slow
 def test_a_card_the_user_edited_is_not_written_over(tmp_path):
     """`gorgon bench --update-card` and training a finished run again (--resume to train longer, --overwrite)
     wrote their card over one the user had edited, with no word; `gorgon push` already kept it. Each is
@@ -619,6 +631,7 @@ def test_a_card_the_user_edited_is_not_written_over(tmp_path):
 
 
 
+@pytest.mark.slow
 def test_an_overwrite_that_fails_or_is_cut_short_keeps_the_earlier_heads(tmp_path, monkeypatch):
     """--overwrite removed a finished run's heads before training: a run that then failed (or was killed) left
     none. Now they stay until the new run writes its own; a save cut short keeps them aside until one ends."""
@@ -659,6 +672,7 @@ def test_an_overwrite_that_fails_or_is_cut_short_keeps_the_earlier_heads(tmp_pat
 
 
 
+@pytest.mark.slow
 def test_overwrite_refuses_a_file_of_the_users_inside_gorgons_output(tmp_path):
     """--overwrite replaced a run's folder or a dataset whole, notes or a serving config the user had put inside
     it included; now it is refused before any work, naming the file, and nothing is removed."""
@@ -693,6 +707,7 @@ def test_overwrite_refuses_a_file_of_the_users_inside_gorgons_output(tmp_path):
 
 
 
+@pytest.mark.slow
 def test_training_step_counts(tmp_path):
     with pytest.raises(GorgonError, match="max_steps must be at least 0"):
         HeadsTrainConfig(data="x", out="y", max_steps=-1).check()
@@ -719,6 +734,7 @@ def test_training_data_is_checked_before_the_target_loads(tmp_path):
 
 
 
+@pytest.mark.slow
 def test_resume_on_a_finished_run_with_nothing_more_to_train_is_refused(tmp_path):
     """It retrained the steps after the last checkpoint and replaced the finished heads with a copy, and with a
     smaller max_steps with an earlier state. A rerun without --resume names the finished run. (Also: --out that is
@@ -743,6 +759,7 @@ def test_resume_on_a_finished_run_with_nothing_more_to_train_is_refused(tmp_path
 
 
 
+@pytest.mark.slow
 def test_a_run_replacing_finished_output_keeps_its_lock_while_it_saves(tmp_path, monkeypatch):
     """Setting the finished run's files aside moved the live run's lock with them: from then until the end a
     second run was let into the folder (found by a helper pausing a 2-process run in its save)."""
@@ -761,6 +778,7 @@ def test_a_run_replacing_finished_output_keeps_its_lock_while_it_saves(tmp_path,
 
 
 
+@pytest.mark.slow
 def test_a_folder_another_live_run_is_writing_is_refused(tmp_path):
     """Killing `accelerate launch` alone leaves its training processes running: a second run into the same folder
     would write beside them. A lock naming a live process of this machine refuses it; a dead one's does not."""
