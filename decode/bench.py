@@ -4,7 +4,8 @@ For each question, the baseline and gorgon run on the same model, device and dty
 the other (the order alternating between questions, so drift hits both alike), after a
 warm-up. A second turn is asked after the model's own first answer (the baseline's, so both
 methods see the same prompt). With greedy decoding the outputs must be identical; the report
-counts the questions where they are.
+counts the questions where they are. It also says whether its figures can be trusted (`trust`): a
+machine busy with other work while timing, or figures no quiet machine gives, are flagged.
 """
 
 from __future__ import annotations
