@@ -47,10 +47,11 @@ def test_report_fields(setup):
     assert report["prompts"] == 4 and report["identical"] == 4
     assert set(report["per_category"]) == {"writing", "math", "coding"}
     assert report["per_category"]["writing"]["prompts"] == 2
-    assert report["tau"] >= 1.0 and report["speedup"] > 0
     steps = sum(report["accepted_histogram"].values())
     tokens = sum(int(k) * v for k, v in report["accepted_histogram"].items())
     forwards = sum(q["target_forwards"] for q in report["questions"])
+    assert report["tau"] == pytest.approx(sum(q["tokens"] for q in report["questions"]) / forwards)
+    assert report["speedup"] == pytest.approx(report["tokens_per_s"] / report["baseline_tokens_per_s"])
     assert steps == forwards - 8  # every verify step, i.e. all forwards but the 4 x 2 prefills
     assert tokens + 8 >= sum(q["tokens"] for q in report["questions"])  # output is cut at max_new_tokens
     assert "| **all** | 4 |" in markdown_table(report)
@@ -111,12 +112,12 @@ def test_cli_writes_an_atomic_report_and_plot(tmp_path):
     run = subprocess.run([sys.executable, "-m", "gorgon.heads.cli", "bench", "--target", str(target_path), "--heads",
                           str(tmp_path / "heads"), "--questions", str(q), "--max-new-tokens", "8", "--limit", "3",
                           "--per-category", "1", "--out", str(tmp_path / "r" / "report.json")],
-                         capture_output=True, text=True, timeout=300)
+                         env=env(), capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-2000:]
     report = json.loads((tmp_path / "r" / "report.json").read_text())
     # --limit 3 keeps questions 0-2 (writing, math, writing), --per-category 1 the first of each category
     assert report["prompts"] == 2 and set(report["per_category"]) == {"writing", "math"}
-    assert report["threads"] >= 1 and report["dtype"] == "float32"
+    assert report["threads"] == 1 and report["dtype"] == "float32"  # env() sets OMP_NUM_THREADS=1
     assert report["versions"]["transformers"] and report["tree_size"] >= 2
     assert report["complete"] is True and report["questions_planned"] == 2
     assert (tmp_path / "r" / "report.png").stat().st_size > 1000
@@ -150,7 +151,9 @@ def test_a_bench_stopped_early_leaves_the_questions_it_ran(tmp_path, monkeypatch
     report = json.loads(out.read_text())
     assert report["complete"] is False and report["questions_planned"] == 4
     assert [r["question_id"] for r in report["questions"]] == [0, 1] and report["prompts"] == 2
-    assert report["identical"] == 2 and report["tau"] >= 1 and report["target"]
+    assert report["identical"] == 2 and report["target"]
+    assert report["tau"] == pytest.approx(sum(q["tokens"] for q in report["questions"]) /
+                                          sum(q["target_forwards"] for q in report["questions"]))
     assert bench.is_report(out) and not out.with_suffix(".png").exists()
     # The same command goes on from them (it was refused: only --overwrite, which lost them); other settings not.
     command = ["--target", str(target_path), "--heads", str(tmp_path / "heads"), "--questions", str(q),
@@ -394,7 +397,7 @@ def test_bench_counts_only_the_questions_it_ran(tmp_path):
     too_long = {"question_id": 99, "category": "roleplay", "turns": ["x" * 600]}
     report = run_bench(target, drafter, [QUESTIONS[0], too_long], max_new_tokens=8, progress=False)
     assert report["prompts"] == 1 and report["identical"] == 1 and "roleplay" not in report["per_category"]
-    assert report["speedup"] > 0 and report["speedup_median"] == report["questions"][0]["speedup"]
+    assert report["speedup"] == pytest.approx(report["questions"][0]["speedup"]) == report["speedup_median"]
     assert [q["question_id"] for q in report["skipped"]] == [99]
     assert "exceeds the context" in report["skipped"][0]["reason"]
     with pytest.raises(GorgonError, match="no question fits the context"):

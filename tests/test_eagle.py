@@ -458,7 +458,8 @@ def test_a_head_refuses_a_target_too_shallow_for_its_layers(tmp_path):
         EagleHead.from_pretrained(tmp_path, target=tiny_model("llama", layers=4))
     with pytest.raises(GorgonError, match="this target has 5 layers"):
         head.attach(tiny_model("llama", layers=5))
-    assert EagleHead.from_pretrained(tmp_path, target=tiny_model("llama", layers=6, seed=1)).target is not None
+    deep_enough = tiny_model("llama", layers=6, seed=1)
+    assert EagleHead.from_pretrained(tmp_path, target=deep_enough).target is deep_enough
 
 
 def test_a_hand_edited_or_foreign_config_is_one_line(tmp_path):
