@@ -354,7 +354,6 @@ def test_a_report_named_like_its_plot_is_refused(tmp_path, capsys):
     assert not list(tmp_path.iterdir())
 
 
-
 def test_a_card_update_that_cannot_be_made_is_refused_before_the_benchmark(tmp_path, capsys):
     """--update-card on heads without training's recipe.json and metrics.json (save_pretrained's, a download's)
     ran the whole benchmark, then failed, its figures lost; now it fails first (the questions file named here
@@ -365,7 +364,6 @@ def test_a_card_update_that_cannot_be_made_is_refused_before_the_benchmark(tmp_p
         assert capsys.readouterr().err == (f"gorgon bench: error: {folder} has no recipe.json/metrics.json, so its "
                                            "card cannot be rebuilt: --update-card works on folders written by "
                                            "gorgon's training\n")
-
 
 
 @pytest.mark.slow
@@ -389,7 +387,6 @@ def test_a_report_another_live_bench_writes_is_refused(tmp_path, capsys):
     assert not (tmp_path / ".r.json.lock").exists()  # given back at the end
 
 
-
 @pytest.mark.slow
 def test_bench_counts_only_the_questions_it_ran(tmp_path):
     target = load_target(str(tiny_chat_target(tmp_path)), device="cpu")  # context 512, one token per character
@@ -410,7 +407,6 @@ def test_bench_counts_only_the_questions_it_ran(tmp_path):
         load_questions(str(tmp_path))
     with pytest.raises(GorgonError, match="--limit must be at least 1"):
         make_dataset(DataSettings(prompts=str(questions), limit=0), tmp_path / "data", progress=False)
-
 
 
 def test_a_turn_fits_the_context_as_the_decoder_counts_it(tmp_path):

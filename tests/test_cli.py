@@ -30,7 +30,6 @@ def test_a_home_folder_path_in_an_option_is_expanded(tmp_path, monkeypatch):
     assert (tmp_path / "x" / "config.json").is_file() and not (tmp_path / "~").exists()
 
 
-
 def test_one_line_errors_instead_of_tracebacks(tmp_path, capsys):
     binary = tmp_path / "prompts.jsonl"
     binary.write_bytes(b"\x89PNG\r\n\x1a\n\xff\xfe")
@@ -68,7 +67,6 @@ def test_one_line_errors_instead_of_tracebacks(tmp_path, capsys):
         read_records("runs/missing")
 
 
-
 def test_a_full_disk_is_one_line(tmp_path, capsys, monkeypatch):
     def full():
         raise OSError(28, "No space left on device", "out/checkpoints/step-5")
@@ -88,7 +86,6 @@ def test_a_full_disk_is_one_line(tmp_path, capsys, monkeypatch):
                                        "device): free some space\n")
 
 
-
 def test_the_error_line_is_one_write(monkeypatch):
     """Unbuffered (PYTHONUNBUFFERED, as the multi-process tests run), each write reaches the pipe at once:
     a message written apart from its newline lets another rank's or the launcher's output in between."""
@@ -105,7 +102,6 @@ def test_the_error_line_is_one_write(monkeypatch):
     assert writes[1].startswith("gorgon bench: error: ") and writes[1].endswith("\n")
 
 
-
 def test_ctrl_c_ends_without_a_traceback(monkeypatch, capsys):
     """Ctrl-C in a training script or a scripts/ tool, or in a gorgon command while it imports its stage (the
     first seconds), printed a KeyboardInterrupt traceback; it ends with status 130 and nothing else."""
@@ -120,7 +116,6 @@ def test_ctrl_c_ends_without_a_traceback(monkeypatch, capsys):
     assert capsys.readouterr().err == ""
 
 
-
 @pytest.mark.slow
 def test_accelerate_launch_quiet_prints_the_message_alone(tmp_path):
     run = subprocess.run(
@@ -129,7 +124,6 @@ def test_accelerate_launch_quiet_prints_the_message_alone(tmp_path):
          "--max-steps", "-1"], env=env(), capture_output=True, text=True, cwd=tmp_path)
     assert run.returncode != 0
     assert run.stderr == "train/heads.py: error: max_steps must be at least 0 (0 saves the untrained heads), not -1\n"
-
 
 
 @pytest.mark.parametrize("argv, says", [
@@ -154,7 +148,6 @@ def test_a_bad_option_is_one_line_without_the_usage(argv, says, capsys):
         gorgon(argv)
     err = capsys.readouterr().err
     assert exit.value.code == 2 and err.count("\n") == 1 and err.startswith(says)
-
 
 
 @pytest.mark.slow
@@ -182,7 +175,6 @@ def test_a_mistaken_command_names_the_command_that_takes_it(tmp_path, capsys):
         assert run.returncode == 2 and run.stderr.count("\n") == 1 and says in run.stderr, (script, run.stderr)
 
 
-
 def test_gorgons_warnings_are_one_line_on_the_command_line(monkeypatch):
     """A CLI warning came with Python's file, line number and source line ("decode/options.py:134: UserWarning:
     gorgon: CPU fast kernels are off ...", then the line of code)."""
@@ -197,7 +189,6 @@ def test_gorgons_warnings_are_one_line_on_the_command_line(monkeypatch):
     assert warnings.formatwarning("another library's", UserWarning, "x.py", 3).startswith("x.py:3: UserWarning:")
 
 
-
 @pytest.mark.slow
 def test_help_into_a_pipe_closed_early_ends_without_a_traceback():
     """`python train/heads.py --help | head` ended in a BrokenPipeError traceback."""
@@ -207,7 +198,6 @@ def test_help_into_a_pipe_closed_early_ends_without_a_traceback():
         proc.stdout.close()  # the reader is gone before the help is written (at exit, stdout being a pipe)
         err = proc.stderr.read().decode()
         assert proc.wait() == 141 and "Traceback" not in err, err
-
 
 
 def test_a_mistyped_command_is_named_with_the_closest(capsys):

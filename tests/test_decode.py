@@ -807,7 +807,6 @@ def test_arguments_are_range_checked(tmp_path, capsys):
                              tokenizer=tiny_tokenizer())
 
 
-
 def test_options_that_cannot_apply_are_refused_before_the_target_loads(tmp_path, capsys):
     """Each was refused only after the target had loaded (seconds here, minutes for a large target), or not at
     all (--top-p with greedy decoding did nothing). The target named here does not exist, so a refusal that
@@ -855,7 +854,6 @@ def test_options_that_cannot_apply_are_refused_before_the_target_loads(tmp_path,
     assert "no target at" in capsys.readouterr().err and not (tmp_path / "e").exists()
 
 
-
 def test_the_python_api_takes_what_its_loaders_return_and_names_its_mistakes(tmp_path):
     """A `Target` where a model goes, loaded heads where a drafter goes, "bfloat16" or an absent device in
     from_pretrained, and Medusa heads in another dtype than the target failed inside torch or Python."""
@@ -886,7 +884,6 @@ def test_the_python_api_takes_what_its_loaders_return_and_names_its_mistakes(tmp
         speculative_generate(target.model.to(torch.bfloat16), drafter, ids, 6)
 
 
-
 def test_a_generator_on_another_device_than_the_model_is_named():
     """A generator on cuda:0 passed the device type check for a model on cuda:1 and failed inside torch."""
     from types import SimpleNamespace
@@ -902,7 +899,6 @@ def test_a_generator_on_another_device_than_the_model_is_named():
     assert not same_device(torch.device("cuda", 0), torch.device("cuda", 1))
     assert same_device(torch.device("cuda"), torch.device("cuda", 1)) and same_device(torch.device("cpu"),
                                                                                       torch.device("cpu"))
-
 
 
 def test_python_arguments_of_the_wrong_kind_are_named(tmp_path):
@@ -933,7 +929,6 @@ def test_python_arguments_of_the_wrong_kind_are_named(tmp_path):
     chain = DraftModelDrafter(draft, 3, token_map=token_map)
     assert speculative_generate(model, chain, ids, 6, eos_token_id=None).tokens == \
         model.generate(ids, max_new_tokens=6, do_sample=False, eos_token_id=None)[0, 5:].tolist()
-
 
 
 def test_a_drafter_on_another_device_than_the_target_is_named(tmp_path):

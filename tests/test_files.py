@@ -60,7 +60,6 @@ def test_every_command_leaves_a_foreign_out_folder_alone(tmp_path, capsys):
     assert "r.png already holds files this command did not write" in capsys.readouterr().err
 
 
-
 def test_an_empty_out_folder_is_filled_and_a_linked_or_input_out_refused(tmp_path, capsys):
     """A folder the user made (with permissions of their own) was replaced by a new one; a symbolic link as --out
     failed with a traceback after the work (and on every rerun); `gorgon data --out` could be its --prompts."""
@@ -92,7 +91,6 @@ def test_an_empty_out_folder_is_filled_and_a_linked_or_input_out_refused(tmp_pat
                                                     f".json path, such as {tmp_path}/reports/report.json")
 
 
-
 def test_an_out_filled_by_another_process_during_the_work_is_left_alone(tmp_path):
     """Two exports into one new --out: the second's swap failed with an OSError traceback, and had the folder
     counted as empty (the user's) it would have mixed its files into the first's."""
@@ -106,7 +104,6 @@ def test_an_out_filled_by_another_process_during_the_work_is_left_alone(tmp_path
                                           r"one worked \(.*\): nothing of this run's was put there; rerun with"):
         move_into_place(tmp, out, "config.json")
     assert (out / "config.json").read_text() == "out" and not tmp.exists()
-
 
 
 def test_the_folders_written_beside_out_are_gorgons_own(tmp_path):
@@ -128,7 +125,6 @@ def test_the_folders_written_beside_out_are_gorgons_own(tmp_path):
                                                                                   ".export.exporting"]
 
 
-
 def test_outputs_are_checked_before_the_work(tmp_path, capsys):
     heads = saved_heads(tmp_path)
     a_file = tmp_path / "a-file"
@@ -145,7 +141,6 @@ def test_outputs_are_checked_before_the_work(tmp_path, capsys):
     assert (heads / "config.json").read_bytes() == fingerprint
 
 
-
 @pytest.mark.parametrize("umask", [0o022, 0o027])
 def test_written_files_follow_the_umask(tmp_path, umask):
     old = os.umask(umask)
@@ -159,7 +154,6 @@ def test_written_files_follow_the_umask(tmp_path, umask):
     for path in [tmp_path / "a.json", tmp_path / "heads" / "config.json", tmp_path / "heads" / "model.safetensors"]:
         assert path.stat().st_mode & 0o777 == 0o666 & ~umask, path
     assert folder.stat().st_mode & 0o777 == 0o777 & ~umask
-
 
 
 @pytest.mark.slow
@@ -184,7 +178,6 @@ def test_weights_other_libraries_save_follow_the_umask(tmp_path, umask):
     assert {path: path.stat().st_mode & 0o777 for path in written} == {path: 0o666 & ~umask for path in written}
 
 
-
 @pytest.mark.slow
 def test_a_write_killed_midway_leaves_nothing_behind_the_next_one(tmp_path):
     """A kill during an atomic write left its hidden temp file for good (an 8B model's weights, say);
@@ -204,7 +197,6 @@ def test_a_write_killed_midway_leaves_nothing_behind_the_next_one(tmp_path):
         path.write_text("keep")
     atomic_write_text(tmp_path / "w.safetensors", "whole")
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["w.safetensors", live.name, *(p.name for p in kept)])
-
 
 
 def test_a_plot_killed_midway_leaves_the_earlier_one_whole(tmp_path, monkeypatch):
@@ -231,7 +223,6 @@ def test_a_plot_killed_midway_leaves_the_earlier_one_whole(tmp_path, monkeypatch
     assert sorted(p.name for p in tmp_path.iterdir()) == ["plot_head_accuracy.png", "plot_report.png"]
 
 
-
 def test_a_lock_whose_process_id_was_given_to_another_process_is_stale(tmp_path):
     """Process ids are reused (here within minutes): a killed run's lock then named a live stranger, and the rerun
     was refused and told to kill it. The lock records when its process started."""
@@ -247,7 +238,6 @@ def test_a_lock_whose_process_id_was_given_to_another_process_is_stale(tmp_path)
             check_unlocked(lock, "gorgon run")
     take_lock(lock)
     assert lock.read_text() == f"{host_name()} {os.getpid()} {process_start(os.getpid())}\n"
-
 
 
 def test_a_failed_command_removes_the_parent_folders_it_made_for_its_output(tmp_path, monkeypatch, capsys):

@@ -286,7 +286,6 @@ def test_a_model_passed_as_heads_says_so(tmp_path, capsys):
                                                "--target")
 
 
-
 def test_a_folder_that_is_not_a_model_says_what_it_holds(tmp_path, capsys):
     """Heads passed as the target, a model without its tokenizer, an empty folder: each named for what it is."""
     heads = saved_heads(tmp_path)
@@ -300,7 +299,6 @@ def test_a_folder_that_is_not_a_model_says_what_it_holds(tmp_path, capsys):
         assert gorgon(["generate", "--target", str(folder), "--context-draft", "--prompt", "hi"]) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert expected in err[-1] and not any("Traceback" in line or "no local folder" in line for line in err), err
-
 
 
 def test_heads_are_not_saved_over_another_model(tmp_path):

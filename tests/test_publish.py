@@ -662,7 +662,6 @@ def test_a_checkpoint_in_an_engines_layout_is_not_taken_for_an_export(tmp_path, 
     assert "nowhere" in capsys.readouterr().err and not (tmp_path / "new").exists()
 
 
-
 def test_export_overwrite_replaces_the_earlier_exports_files_only(tmp_path, capsys):
     """--overwrite swaps an earlier export for a new one, in the other format too, and keeps the files
     the user put beside it; a file the new export would write over is refused."""
@@ -690,7 +689,6 @@ def test_export_overwrite_replaces_the_earlier_exports_files_only(tmp_path, caps
     assert snapshot(out) == before and not list(tmp_path.glob(".export*"))
 
 
-
 @pytest.mark.slow
 def test_a_hub_that_does_not_resolve_is_not_retried(tmp_path):
     """With no network and HF_HUB_OFFLINE unset, huggingface_hub retried every file five times (48 s for a missing
@@ -714,7 +712,6 @@ def test_a_hub_that_does_not_resolve_is_not_retried(tmp_path):
         out = subprocess.run([sys.executable, "-c", probe], env={**unset, **extra}, capture_output=True, text=True,
                              check=True).stdout.strip()
         assert out == expected, extra
-
 
 
 def test_an_export_format_for_the_other_method_is_refused_before_the_target_loads(tmp_path, capsys):

@@ -606,7 +606,6 @@ def test_training_over_a_finished_run_needs_overwrite_and_leaves_nothing_stale(t
     assert not (out / "bench.png").exists()
 
 
-
 @pytest.mark.slow
 def test_a_card_the_user_edited_is_not_written_over(tmp_path):
     """`gorgon bench --update-card` and training a finished run again (--resume to train longer, --overwrite)
@@ -628,7 +627,6 @@ def test_a_card_the_user_edited_is_not_written_over(tmp_path):
         with pytest.raises(GorgonError, match=edited + "this run would write its own card over it"):
             train(HeadsTrainConfig(**{**cfg, **again}))
     assert (out / "README.md").read_text() == card
-
 
 
 @pytest.mark.slow
@@ -671,7 +669,6 @@ def test_an_overwrite_that_fails_or_is_cut_short_keeps_the_earlier_heads(tmp_pat
     assert final["model.safetensors"] != earlier["model.safetensors"]
 
 
-
 @pytest.mark.slow
 def test_overwrite_refuses_a_file_of_the_users_inside_gorgons_output(tmp_path):
     """--overwrite replaced a run's folder or a dataset whole, notes or a serving config the user had put inside
@@ -706,7 +703,6 @@ def test_overwrite_refuses_a_file_of_the_users_inside_gorgons_output(tmp_path):
     assert in_run_folder(draft / "tokenizer.json") and not in_run_folder(tmp_path / "run" / "tokenizer.json")
 
 
-
 @pytest.mark.slow
 def test_training_step_counts(tmp_path):
     with pytest.raises(GorgonError, match="max_steps must be at least 0"):
@@ -715,7 +711,6 @@ def test_training_step_counts(tmp_path):
     out = train(HeadsTrainConfig(data=toy_data(tmp_path / "toy.jsonl", n=8), out=str(tmp_path / "run"), target=target,
                                  max_steps=0, report_to="none"))
     assert json.loads((out / "metrics.json").read_text())["steps"] == 0
-
 
 
 def test_training_data_is_checked_before_the_target_loads(tmp_path):
@@ -731,7 +726,6 @@ def test_training_data_is_checked_before_the_target_loads(tmp_path):
             with pytest.raises(GorgonError, match=re.escape(says)):
                 run(config(data=str(data), out=str(tmp_path / "o"), target=str(tmp_path / "no-target"),
                            report_to="none"))
-
 
 
 @pytest.mark.slow
@@ -758,7 +752,6 @@ def test_resume_on_a_finished_run_with_nothing_more_to_train_is_refused(tmp_path
     assert json.loads((out / "metrics.json").read_text())["steps"] == 4
 
 
-
 @pytest.mark.slow
 def test_a_run_replacing_finished_output_keeps_its_lock_while_it_saves(tmp_path, monkeypatch):
     """Setting the finished run's files aside moved the live run's lock with them: from then until the end a
@@ -775,7 +768,6 @@ def test_a_run_replacing_finished_output_keeps_its_lock_while_it_saves(tmp_path,
                         lambda out: (set_aside(out), locked.append((out / LOCK).is_file())))
     train(HeadsTrainConfig(**cfg, overwrite=True))
     assert locked == [True]
-
 
 
 @pytest.mark.slow
@@ -799,7 +791,6 @@ def test_a_folder_another_live_run_is_writing_is_refused(tmp_path):
     assert (out / "recipe.json").is_file() and not (out / LOCK).exists()
 
 
-
 def test_a_refused_run_leaves_the_folder_another_run_made_meanwhile(tmp_path):
     """Two runs started together into a new --out: the refused one removed the folder as its own empty output,
     the running one's marker and lock with it (it then ran unlocked)."""
@@ -817,7 +808,6 @@ def test_a_refused_run_leaves_the_folder_another_run_made_meanwhile(tmp_path):
         (mine / RUN_MARKER).write_text("")
         raise GorgonError("bad data")
     assert not mine.exists()
-
 
 
 def test_ctrl_c_says_what_was_kept_and_how_to_go_on(tmp_path, capsys):
