@@ -21,7 +21,6 @@ from gorgon.heads import (
     load_draft,
     load_target,
 )
-from gorgon.heads.context.drafter import MAX_NGRAM
 from gorgon.heads.errors import ArgumentParser, int_at_least, user_path
 from gorgon.heads.files import read_text
 from gorgon.heads.hub import resolve_heads_folder
@@ -61,8 +60,7 @@ def add_model_arguments(p: argparse.ArgumentParser, sampling: bool = True, gener
     p.add_argument("--context-draft", action="store_true",
                    help="also draft from the context (prompt lookup: the tokens that followed the latest earlier "
                         "occurrence of the text's last n-gram), in the same tree as --heads or --draft, or alone")
-    p.add_argument("--context-ngram", type=int_at_least(1, MAX_NGRAM), default=3,
-                   help=f"longest n-gram looked up, up to {MAX_NGRAM} (default 3)")
+    p.add_argument("--context-ngram", type=int_at_least(1), default=3, help="longest n-gram looked up (default 3)")
     p.add_argument("--context-tokens", type=int_at_least(1), default=5,
                    help="tokens per context continuation (default 5)")
     p.add_argument("--context-max-tokens", type=int_at_least(1), default=None,

@@ -48,10 +48,9 @@ from gorgon.heads.target import Target, context_length, fits_context, load_targe
 
 from .batching import continuous_generate
 from .recipe import in_checkout
-from .records import from_hub, load_conversations
+from .records import METADATA_NAME, damaged_data, from_hub, is_dataset, load_conversations
 from .run_folder import changed_settings
 
-METADATA_NAME = "gorgon_data.json"
 # Prompts per continuously batched call, in batches: the batch drains only at the end of a call,
 # so the fewer calls, the fuller the batch (128 ShareGPT prompts at batch 32: one call was 1.29x
 # faster than two of 64), at the cost of redoing up to one call's work after a kill.
@@ -272,11 +271,6 @@ def prompts_hash(convs: list[dict] | None) -> str | None:
     return hashlib.sha256(json.dumps(convs, sort_keys=True).encode()).hexdigest()
 
 
-def is_dataset(out: Path) -> bool:
-    """A dataset folder `gorgon data` wrote (recognised by its metadata file)."""
-    return (out / METADATA_NAME).is_file()
-
-
 def is_complete(out: Path) -> bool:
     """Whether a dataset folder holds every file its state.json lists. A dataset moved into an existing empty
     folder puts its metadata there first (so a kill then leaves a folder gorgon knows as its own), and the
@@ -306,12 +300,6 @@ def read_metadata(folder: str | os.PathLike) -> dict | None:
     if not isinstance(meta, dict):
         raise damaged_data(folder, f"{METADATA_NAME} is not a JSON object")
     return meta
-
-
-def damaged_data(folder: str | os.PathLike, problem: str) -> GorgonError:
-    """The error for a dataset folder `gorgon data` wrote whose files were since lost, cut short or edited."""
-    return GorgonError(f"{folder} is `gorgon data` output, damaged ({problem}): make it again by rerunning the "
-                       "`gorgon data` command that wrote it, with --overwrite")
 
 
 def describe(folder: str | os.PathLike) -> str:

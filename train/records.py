@@ -8,6 +8,7 @@ message; prompts for self-distillation (`load_conversations`) keep the user turn
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 from gorgon.heads.errors import GorgonError, first_problem
@@ -17,6 +18,7 @@ from gorgon.heads.hub import not_found_locally_or_on_hub
 SHAPES = ('MT-Bench/Spec-Bench {"turns": [...]}', 'ShareGPT {"conversations": [{"from", "value"}]}',
           'OpenAI {"messages": [{"role", "content"}]}', '{"prompt": ...}', 'Alpaca {"instruction", "input"}')
 ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
+METADATA_NAME = "gorgon_data.json"  # what `gorgon data` writes beside its records: target, settings, counts
 
 
 def messages_of(record: dict) -> list[dict] | None:
@@ -90,8 +92,6 @@ def read_dataset_folder(path: Path) -> list[dict]:
     import datasets
     import pyarrow
 
-    from .data import damaged_data, is_dataset  # not at the top: data.py reads its prompts with this module
-
     try:
         data = datasets.load_from_disk(str(path))
         if isinstance(data, datasets.DatasetDict):
@@ -105,6 +105,17 @@ def read_dataset_folder(path: Path) -> list[dict]:
             raise damaged_data(path, problem) from err
         raise GorgonError(f"{path} is a folder but not a saved `datasets` dataset ({problem}): pass a .jsonl file "
                           "or a folder written by Dataset.save_to_disk") from err
+
+
+def is_dataset(out: Path) -> bool:
+    """A dataset folder `gorgon data` wrote (recognised by its metadata file)."""
+    return (out / METADATA_NAME).is_file()
+
+
+def damaged_data(folder: str | os.PathLike, problem: str) -> GorgonError:
+    """The error for a dataset folder `gorgon data` wrote whose files were since lost, cut short or edited."""
+    return GorgonError(f"{folder} is `gorgon data` output, damaged ({problem}): make it again by rerunning the "
+                       "`gorgon data` command that wrote it, with --overwrite")
 
 
 def load_conversations(source: str, limit: int | None = None) -> list[dict]:
