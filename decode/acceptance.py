@@ -25,6 +25,11 @@ from gorgon.heads.errors import GorgonError
 from gorgon.heads.tree import Tree
 
 
+# The smallest temperature above 0: float32 logits up to 1e8 divided by it stay finite (below 3.4e38); a smaller
+# one made sampling's probabilities inf or nan. Sampling that cold is greedy in all but name.
+MIN_TEMPERATURE = 1e-30
+
+
 @dataclass(frozen=True)
 class Sampling:
     """How the target's logits become a distribution, in the order `generate` applies them."""
@@ -38,6 +43,9 @@ class Sampling:
         if not (isinstance(self.temperature, numbers.Real) and math.isfinite(self.temperature)
                 and self.temperature >= 0):
             raise GorgonError(f"temperature must be a finite number >= 0 (0 is greedy), not {self.temperature!r}")
+        if 0 < self.temperature < MIN_TEMPERATURE:
+            raise GorgonError(f"temperature {self.temperature!r} is too small: the logits divided by it overflow; "
+                              f"pass 0 (greedy) or at least {MIN_TEMPERATURE:g}")
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, numbers.Integral) or self.top_k < 0:
             raise GorgonError(f"top-k must be a whole number >= 0 (0 is off), not {self.top_k!r}")
         if not (isinstance(self.top_p, numbers.Real) and 0 < self.top_p <= 1):

@@ -4,7 +4,8 @@ For each question, the baseline and gorgon run on the same model, device and dty
 the other (the order alternating between questions, so drift hits both alike), after a
 warm-up. A second turn is asked after the model's own first answer (the baseline's, so both
 methods see the same prompt). With greedy decoding the outputs must be identical; the report
-counts the questions where they are.
+counts the questions where they are. It also says whether its figures can be trusted (`trust`): a
+machine busy with other work while timing, or figures no quiet machine gives, are flagged.
 """
 
 from __future__ import annotations
@@ -12,15 +13,17 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import statistics
 import sys
+import textwrap
 import time
 from pathlib import Path
 
 import torch
 
 from gorgon.heads.card import check_card_folder, refresh_model_card
-from gorgon.heads.errors import ArgumentParser, GorgonError, int_at_least, user_path
+from gorgon.heads.errors import ArgumentParser, GorgonError, int_at_least, user_error_line, user_path
 from gorgon.heads.files import (
     atomic_write_text,
     check_report_output,
@@ -35,7 +38,7 @@ from gorgon.heads.target import check_model_source, context_length, load_causal_
 
 from .acceptance import Sampling
 from .attention import decoding_attention
-from .calibrate import machine_setup, sync
+from .calibrate import BUSY_LIMIT, busy_cores, cpu_reading, machine_setup, sync
 from .generate import GenerationResult, generation_config_as_applied, speculative_generate
 from .kernels import kernels_in_use, stock_kernels
 from .options import (
@@ -176,6 +179,7 @@ def run_bench(target, drafter, questions: list[dict], max_new_tokens: int = 256,
     stock = "stock" in methods
     extra = tuple(name for name in methods if name not in ("baseline", "gorgon", "stock"))
 
+    busy_before = busy_cores()  # the minute before the timings
     warm = target.chat_ids([{"role": "user", "content": "Hello"}])  # load kernels and caches outside the timings
     for method in methods.values():
         method(warm, 8)
@@ -201,7 +205,9 @@ def run_bench(target, drafter, questions: list[dict], max_new_tokens: int = 256,
             add_turn(row, histogram, runs, stock, extra)
             return runs["baseline"].tokens
 
+        start = cpu_reading()
         if ask(target, q, max_new_tokens, run_turn):
+            row["busy_cores"] = busy_cores(start)
             base_rate = row["baseline_tokens"] / max(row["baseline_seconds"], 1e-9)
             row["speedup"] = (row["tokens"] / max(row["seconds"], 1e-9)) / max(base_rate, 1e-9)
             rows.append(row)
@@ -212,13 +218,13 @@ def run_bench(target, drafter, questions: list[dict], max_new_tokens: int = 256,
                                       f"exceeds the context of {context}"})
         bar.update(1)
         if checkpoint is not None and len(rows) + len(skipped) < len(questions) and rows:
-            checkpoint(bench_report(rows, skipped, histogram, sampling.greedy, extra, stock))
+            checkpoint(bench_report(rows, skipped, histogram, sampling.greedy, extra, stock, busy_before))
     bar.close()
 
     if not rows:
         raise GorgonError(f"no question fits the context of {context} tokens with --max-new-tokens {max_new_tokens}: "
                           "lower --max-new-tokens or use shorter questions")
-    return bench_report(rows, skipped, histogram, sampling.greedy, extra, stock)
+    return bench_report(rows, skipped, histogram, sampling.greedy, extra, stock, busy_before)
 
 
 def empty_row(q: dict, stock: bool, extra: tuple[str, ...]) -> dict:
@@ -260,16 +266,99 @@ def add_turn(row: dict, histogram: dict, runs: dict, stock: bool, extra: tuple[s
 
 
 def bench_report(rows: list[dict], skipped: list[dict], histogram: dict, greedy: bool, extra: tuple[str, ...],
-                 stock: bool) -> dict:
+                 stock: bool, busy_before: float) -> dict:
     """The report of the questions run: the figures over all of them and per category, the accepted-length
-    histogram, the rows and the questions skipped."""
+    histogram, the rows and the questions skipped, the cores other work kept busy (`busy_before` the timings,
+    while timing: the mean over the questions) and whether the figures can be trusted."""
     report = summarize(rows, greedy, extra, stock)
     report["per_category"] = {c: summarize([r for r in rows if r["category"] == c], greedy, extra, stock)
                               for c in sorted({r["category"] for r in rows})}
     report["accepted_histogram"] = {str(k): histogram[k] for k in sorted(histogram)}
     report["questions"] = rows
     report["skipped"] = skipped
+    timed = [r["busy_cores"] for r in rows if "busy_cores" in r]  # rows of an earlier gorgon's report have none
+    report["busy_cores"] = {"before": busy_before, "while_timing": statistics.mean(timed) if timed else None,
+                            "cores": os.cpu_count()}
+    report["trust"] = trust(report)
     return report
+
+
+# What the figures of a report can be trusted to show. A speculative step (the draft, one target forward over the
+# tree, the acceptance) costs at least a plain step, so a speedup is at most tau x (plain step time / speculative
+# step time) <= tau. It may come out a little above: oneDNN multiplies in blocks of rows (3 to 6 tokens cost 0.93x
+# one: calibrate.py), and `generate` does work of its own each step (quiet runs in the README reach 1.04x tau:
+# Medusa heads alone, 1.37x at tau 1.32). A speedup further above tau than this is flagged:
+SPEEDUP_TOLERANCE = 0.25
+# How far the questions' step costs may spread beyond what the run's own noise explains (`spread_beyond_noise`):
+# a tree sized per step differs between questions by itself (with context drafts it grows where the text repeats).
+SPREAD_ALLOWANCE = 2.0
+# Questions needed to tell a spread (with fewer, the extremes are all there is).
+SPREAD_QUESTIONS = 3
+
+
+def speedup_bound(tau: float) -> float:
+    """The most speedup over plain `generate` (same kernels) that `tau` tokens per target forward allow, tolerance
+    included."""
+    return tau * (1 + SPEEDUP_TOLERANCE)
+
+
+def spread(values: list[float]) -> float:
+    """How many times the largest of some positive values is the smallest."""
+    return max(values) / min(values)
+
+
+def spread_beyond_noise(rows: list[dict]) -> str | None:
+    """Why the questions' step costs spread further than the run's own noise explains; None if they do not.
+
+    A question's step cost is gorgon's seconds per target forward over the baseline's seconds per token (its tau
+    over its speedup): the part of its speed ratio that tau does not explain. The noise is the spread of the
+    baseline's seconds per token over the questions: the same plain step, timed again in every question's
+    rotation. A step cost divides one timing by another, so noise alone spreads it up to the noise squared;
+    SPREAD_ALLOWANCE times that is allowed."""
+    if len(rows) < SPREAD_QUESTIONS:
+        return None
+    plain = [r["baseline_seconds"] / max(r["baseline_tokens"], 1) for r in rows]
+    costs = [r["seconds"] / max(r["target_forwards"], 1) / max(p, 1e-9) for r, p in zip(rows, plain, strict=True)]
+    noise, allowed = spread(plain), SPREAD_ALLOWANCE * spread(plain) ** 2
+    if spread(costs) <= allowed:
+        return None
+    return (f"the questions' step costs (speedup over tau) spread {spread(costs):.1f}x, beyond the {allowed:.1f}x "
+            f"that the baseline's own spread ({noise:.2f}x over the questions) allows")
+
+
+def claimed_speedups(report: dict) -> list[tuple[str, float, float]]:
+    """Each speedup over plain `generate` that a report's table claims beside a tau, as (row, tau, speedup):
+    gorgon's and each other speculative method's, in every category and over all."""
+    claims = []
+    for category, r in [*report["per_category"].items(), ("all", report)]:
+        claims.append((category, r["tau"], r["speedup"]))
+        claims += [(f"{category} ({m})", r[f"{m}_tau"], r[f"{m}_speedup"]) for m in SPECULATIVE if f"{m}_tau" in r]
+    return claims
+
+
+def trust(report: dict) -> dict:
+    """Whether a report's figures can be trusted, and if not why: other work busy while timing (`busy_cores`
+    above calibrate's BUSY_LIMIT), a speedup above its bound (each row of the table, gorgon's and each other
+    speculative method's), the questions' step costs spread beyond the run's noise."""
+    reasons = []
+    busy = report["busy_cores"]["while_timing"]
+    if busy is not None and busy > BUSY_LIMIT:
+        reasons.append(f"other work kept about {busy:.1f} of {report['busy_cores']['cores']} cores busy while timing")
+    reasons += [f"{label}: speedup {speedup:.2f}x at tau {tau:.2f}, above the {speedup_bound(tau):.2f}x that tau allows"
+                for label, tau, speedup in claimed_speedups(report) if speedup > speedup_bound(tau)]
+    spread_reason = spread_beyond_noise(report["questions"])
+    if spread_reason:
+        reasons.append(spread_reason)
+    return {"ok": not reasons, "reasons": reasons}
+
+
+def distrust(report: dict) -> str | None:
+    """Why a report's figures cannot be trusted, in one line (its first reason, and how many more); None where
+    they can, or where the report is an earlier gorgon's, which was not checked."""
+    reasons = report.get("trust", {}).get("reasons")
+    if not reasons:
+        return None
+    return reasons[0] + (f" (and {len(reasons) - 1} more reasons)" if len(reasons) > 1 else "")
 
 
 def environment(model, drafter, sampling: Sampling, max_new_tokens: int) -> dict:
@@ -324,6 +413,9 @@ def markdown_table(report: dict) -> str:
         lines.append(f"\ncompare: the heads in {report['compare']['heads']}")
     for q in report["skipped"]:
         lines.append(f"\nskipped question {q['question_id']} ({q['category']}): {q['reason']}")
+    if distrust(report):
+        lines.append("\n**These figures are not to be trusted** (rerun on a quiet machine):")
+        lines += [f"- {reason}" for reason in report["trust"]["reasons"]]
     return "\n".join(lines)
 
 
@@ -341,7 +433,11 @@ def plot_report(report: dict, path: Path) -> None:
     bars += [(baseline_label(report, name), f"{name}_speedup", color)
              for name, color in zip(extra_names(report), colors, strict=False)]
     legend = len(bars) > 1  # below the axes, where it hides no bar: the figure grows to hold it
-    fig, (left, right) = plt.subplots(1, 2, figsize=(9, 3.9 if legend else 3.4), dpi=120)
+    why = distrust(report)  # said above the axes, in red: the figure grows to hold it too
+    note = textwrap.wrap(f"NOT TO BE TRUSTED: {why}; rerun on a quiet machine", 120) if why else []
+    fig, (left, right) = plt.subplots(1, 2, figsize=(9, 3.4 + 0.5 * legend + 0.2 * len(note)), dpi=120)
+    if note:
+        fig.suptitle("\n".join(note), color="#b2182b", fontsize=8)
     hist = report["accepted_histogram"]
     left.bar([int(k) for k in hist], list(hist.values()), color="#3182bd")
     left.set_xticks([int(k) for k in hist])
@@ -506,9 +602,18 @@ def bench_command(args, argv, baselines: tuple[str, ...], questions: list, tree,
              else f"tree built per step, up to {report['tree_size']} nodes"))
     if args.out:
         out = Path(args.out)
-        plot_report(report, out.with_suffix(".png"))
+        try:
+            plot_report(report, out.with_suffix(".png"))
+        except OSError as err:  # the report is whole: said, or a rerun would time every question again
+            line = user_error_line(err)
+            if line is None:
+                raise
+            raise GorgonError(f"{out} is written, but not its plot: {line}") from err
         print(f"report: {out} (plot: {out.with_suffix('.png')})")
     if args.update_card:
+        if distrust(report):
+            raise GorgonError(f"the model card is left as it was: these figures are not to be trusted "
+                              f"({distrust(report)}): rerun on a quiet machine")
         folder = Path(args.heads or args.draft)  # a local training folder: its card is rewritten in place
         refresh_model_card(folder, report)
         print(f"model card updated: {folder / 'README.md'}")

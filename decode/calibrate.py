@@ -17,6 +17,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -196,7 +197,7 @@ def verify_costs(model) -> dict[int, float]:
     costs = measure_verify_costs(model)
     print(f"gorgon: timed in {time.perf_counter() - start:.0f} s", file=sys.stderr)
     others = busy_cores()
-    if others > 0.5:  # a busy machine's costs would size every later run's tree wrongly
+    if others > BUSY_LIMIT:  # a busy machine's costs would size every later run's tree wrongly
         print(f"gorgon: other work kept about {others:.1f} of {os.cpu_count()} cores busy while verify costs were "
               "timed: this run sizes its trees from them, but they are not cached; time them on a quiet machine",
               file=sys.stderr)
@@ -207,11 +208,41 @@ def verify_costs(model) -> dict[int, float]:
     return costs
 
 
-def busy_cores() -> float:
-    """Cores that work besides this process's threads kept busy over the last minute (the load average less
-    torch's thread count; 0 where the system gives no load average). A timing beside another job is off:
-    on a CPU by many times for two OpenMP threads beside another process, and a small target on a GPU is
-    bound by the host."""
+# Cores that other work may keep busy before a timing beside it is taken to be off (`busy_cores`).
+BUSY_LIMIT = 0.5
+
+
+class CpuReading(NamedTuple):
+    """What `busy_cores` measures from: wall seconds, seconds all cores were busy (None where the system does not
+    say), and this process's CPU seconds."""
+
+    wall: float
+    busy: float | None
+    own: float
+
+
+def cpu_reading() -> CpuReading:
+    """The clocks now. Busy is every core's time less idle and I/O wait, from Linux's /proc/stat; time the hypervisor
+    gave other machines counts as busy (this one waited)."""
+    try:  # the first line: cpu user nice system idle iowait irq softirq steal ...
+        ticks = [int(t) for t in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]]
+        busy = (sum(ticks) - ticks[3] - ticks[4]) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        busy = None
+    own = os.times()
+    return CpuReading(time.perf_counter(), busy, own.user + own.system)
+
+
+def busy_cores(since: CpuReading | None = None) -> float:
+    """Cores that work besides this process's kept busy: since `since` (a `cpu_reading()`), every core's busy time
+    less this process's; without one, over the last minute, the load average less torch's thread count. 0 where
+    the system gives neither. A timing beside another job is off: on a CPU by many times for two OpenMP threads
+    beside another process, and a small target on a GPU is bound by the host."""
+    if since is not None:
+        now = cpu_reading()
+        if since.busy is None or now.busy is None:
+            return 0.0
+        return max(0.0, (now.busy - since.busy - (now.own - since.own)) / max(now.wall - since.wall, 1e-9))
     try:
         load = os.getloadavg()[0]
     except (AttributeError, OSError):

@@ -141,7 +141,7 @@ def generation_config_as_applied(model):
 
 
 def check_input_ids(model, input_ids: torch.Tensor) -> None:
-    """A tensor of one row on the model's device: what the padding is read from."""
+    """A tensor of one row of the model's token ids, on its device: what the padding is read from."""
     if not isinstance(input_ids, torch.Tensor):
         raise GorgonError(f"input_ids must be a tensor of shape (1, n) (tokenizer(text, return_tensors='pt')"
                           f"['input_ids']), not a {type(input_ids).__name__}")
@@ -151,10 +151,15 @@ def check_input_ids(model, input_ids: torch.Tensor) -> None:
     if input_ids.ndim != 2 or input_ids.shape[0] != 1:
         raise GorgonError(f"input_ids must have shape (1, n), got {tuple(input_ids.shape)}: "
                           "the decoder runs one sequence at a time")
-    embeddings = model.get_input_embeddings().weight.device
-    if input_ids.device != embeddings:
-        raise GorgonError(f"input_ids are on {input_ids.device} but the model's embeddings on {embeddings}: "
-                          f"move the prompt there (input_ids.to('{embeddings}'))")
+    embeddings = model.get_input_embeddings().weight
+    if input_ids.device != embeddings.device:
+        raise GorgonError(f"input_ids are on {input_ids.device} but the model's embeddings on {embeddings.device}: "
+                          f"move the prompt there (input_ids.to('{embeddings.device}'))")
+    vocab = embeddings.shape[0]
+    outside = input_ids[(input_ids < 0) | (input_ids >= vocab)]
+    if outside.numel():
+        raise GorgonError(f"input_ids holds {int(outside[0])}, which is no token of the model's vocabulary (0 to "
+                          f"{vocab - 1}): encode the prompt with the target's own tokenizer")
 
 
 def check_prompt(input_ids: torch.Tensor, max_new_tokens: int, context: int | None) -> None:

@@ -14,6 +14,7 @@ from .errors import ArgumentParser, GorgonError, user_path
 from .files import (
     atomic_write_text,
     check_output,
+    full_disk_is_one_line,
     missing_folders,
     move_into_place,
     new_temp,
@@ -89,9 +90,10 @@ def main(argv=None) -> int:
     staging = new_temp(out.parent, f".{out.name}.exporting-", is_dir=True)
     base_model = args.base_model or hub_name(target.name)  # what an engine loads as the target
     try:
-        method.export(heads, args.format, staging, base_model, args.dtype and dtype_name(heads))
-        written = sorted(str(f.relative_to(staging)) for f in staging.rglob("*") if f.is_file())
-        atomic_write_text(staging / EXPORT_MARKER, json.dumps(written))
+        with full_disk_is_one_line(out):  # safetensors reports it as a SafetensorError
+            method.export(heads, args.format, staging, base_model, args.dtype and dtype_name(heads))
+            written = sorted(str(f.relative_to(staging)) for f in staging.rglob("*") if f.is_file())
+            atomic_write_text(staging / EXPORT_MARKER, json.dumps(written))
     except BaseException:  # an error or Ctrl-C: nothing half-written is left, nor the folders made for it (a
         # kill's, the next export removes)
         shutil.rmtree(staging, ignore_errors=True)

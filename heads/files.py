@@ -14,7 +14,7 @@ import socket
 import tempfile
 from pathlib import Path
 
-from .errors import GorgonError, first_problem
+from .errors import GorgonError, first_problem, user_error_line
 
 
 def looks_like_path(text: str) -> bool:
@@ -145,18 +145,50 @@ def follow_umask(folder: Path) -> None:
 
 def atomic_write(path: Path, write) -> None:
     """Call write(tmp_path) then rename over `path`, so readers never see a half-written file.
-    Missing parent folders are made; what a killed earlier write of `path` left is removed."""
+    Missing parent folders are made; what a killed earlier write of `path` left is removed. A failed write
+    (a full disk) is an OSError naming `path`."""
     path.parent.mkdir(parents=True, exist_ok=True)
     remove_stale_temps(path.parent, f".{path.name}.")
     tmp = new_temp(path.parent, f".{path.name}.")
     mode = tmp.stat().st_mode & 0o777  # a writer may replace the file with a private one (safetensors does)
     try:
-        write(str(tmp))
+        with naming_failed_writes(path):
+            write(str(tmp))
         os.chmod(tmp, mode)
         os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
+
+
+@contextlib.contextmanager
+def full_disk_is_one_line(out: Path, then: str = "rerun"):
+    """A write that fails on a full disk becomes one line, ending in what to do once space is freed (`then`).
+    torch and safetensors report a full disk in their own words (a RuntimeError at a checkpoint, a
+    SafetensorError), not as an OSError, so the free space is checked (under 16 MiB counts as full)."""
+    try:
+        yield
+    except Exception as err:
+        if user_error_line(err) is not None:
+            raise
+        folder = next(p for p in [out, *out.absolute().parents] if p.exists())
+        free = shutil.disk_usage(folder).free
+        if free >= 16 * 2**20:
+            raise
+        raise GorgonError(f"the disk holding {out} is full ({free // 2**20} MiB free; {err.__class__.__name__} while "
+                          f"writing): free some space, then {then}") from err
+
+
+@contextlib.contextmanager
+def naming_failed_writes(path: Path):
+    """A write that fails (a full disk) is an OSError naming `path`: one raised by a write names no file, so its
+    one line (`user_error_line`) would not say which."""
+    try:
+        yield
+    except OSError as err:
+        if err.filename is not None:
+            raise
+        raise OSError(err.errno, err.strerror, str(path)) from err
 
 
 def move_into_place(tmp: Path, out: Path, marker: str) -> None:

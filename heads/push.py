@@ -8,6 +8,7 @@ from pathlib import Path
 
 from .card import card_as_written, card_for_run
 from .errors import ArgumentParser, GorgonError, user_path
+from .files import read_config, reading_weights
 from .hub import CONFIG_NAME, check_repo_id, upload_folder
 
 
@@ -32,10 +33,23 @@ def main(argv=None) -> int:
         raise GorgonError(f"{folder} is a file: pass the folder training wrote")
     if not (folder / CONFIG_NAME).is_file():
         raise GorgonError(f"{folder} is not a heads folder (no {CONFIG_NAME}): pass the folder training wrote")
+    check_whole(folder)
     url = upload_folder(folder, args.repo_id, private=args.private, revision=args.revision,
                         replacing=card_for_the_repo(folder, args.repo_id))
     print(f"gorgon push: uploaded {folder} to {args.repo_id} ({url})")
     return 0
+
+
+def check_whole(folder: Path) -> None:
+    """Refuse a folder whose config.json or weights were cut short or edited into what no loader reads: the Hub
+    would serve them to everyone who loads the repo. A weights file's header lists every tensor's bytes, so
+    reading it finds a file cut short without reading the weights."""
+    from safetensors import safe_open
+
+    read_config(folder / CONFIG_NAME)
+    for weights in sorted(folder.glob("*.safetensors")):
+        with reading_weights(folder, weights.name), safe_open(weights, "pt"):
+            pass
 
 
 def card_for_the_repo(folder: Path, repo_id: str) -> dict[str, str] | None:

@@ -339,3 +339,25 @@ def load_script(name: str):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def snapshot(folder: Path) -> dict:
+    """Every file under a folder with its bytes: equal before and after means nothing was touched."""
+    return {p.relative_to(folder): p.read_bytes() for p in folder.rglob("*") if p.is_file()}
+
+
+def foreign_folder(path: Path) -> Path:
+    """A folder of the user's files, which no command may write over or remove."""
+    (path / "sub").mkdir(parents=True)
+    (path / "precious.txt").write_text("mine")
+    (path / "sub" / "notes.md").write_text("also mine")
+    return path
+
+
+def saved_heads(tmp_path) -> Path:
+    """Random Medusa heads for `tiny_model`, saved as save_pretrained writes them (no recipe or metrics)."""
+    from gorgon.heads import MedusaHeads
+
+    folder = tmp_path / "heads"
+    MedusaHeads.for_target(tiny_model(), shared_lm_head=False).save_pretrained(folder)
+    return folder

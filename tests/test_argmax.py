@@ -16,6 +16,7 @@ BF16_ONEDNN = fast_kernels_unavailable(torch.bfloat16) is None
 PACKINGS = [False, pytest.param(True, marks=pytest.mark.skipif(not BF16_ONEDNN, reason="no bfloat16 oneDNN here"))]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("packed", PACKINGS)
 @torch.no_grad()
 def test_the_screen_finds_the_float32_argmax_even_on_near_and_exact_ties(packed):

@@ -149,6 +149,7 @@ def test_bad_settings_are_one_line():
         MergedDrafter(Unranked(), ContextDrafter())
 
 
+@pytest.mark.slow
 def test_cli_takes_context_drafts_alone_and_merged(tmp_path, capsys):
     import json
 

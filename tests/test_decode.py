@@ -2,22 +2,36 @@
 equals the cache of a plain forward over the accepted tokens, on every architecture family."""
 
 import copy
+import importlib.util
+import math
 import re
+import shutil
 
 import pytest
 import torch
-from helpers import ARCHS, VOCAB, OracleDrafter, tiny_family, tiny_model
+from helpers import (
+    ARCHS,
+    VOCAB,
+    OracleDrafter,
+    tiny_chat_target,
+    tiny_family,
+    tiny_model,
+    tiny_tokenizer,
+    toy_data,
+)
 from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import DynamicCache
 
 from gorgon.decode import speculative_generate
 from gorgon.decode.acceptance import Sampling
 from gorgon.decode.kernels import use_cpu_kernels
+from gorgon.decode.options import read_tree
 from gorgon.decode.verify import accepted_rows, check_verifies_trees, keep_path, verify
-from gorgon.heads import GorgonError, MedusaDrafter, MedusaHeads
+from gorgon.heads import DraftModelDrafter, EagleHead, GorgonError, MedusaDrafter, MedusaHeads, load_heads, load_target
 from gorgon.heads.cache import crop_cache, growing_cache, with_cache
-from gorgon.heads.target import logit_scale
-from gorgon.heads.tree import build_tree
+from gorgon.heads.cli import main as gorgon
+from gorgon.heads.target import logit_scale, resolve_device
+from gorgon.heads.tree import build_tree, tree_from_accuracies
 
 PATHS = [[0], [1], [2], [0, 0], [0, 1], [1, 0], [2, 0], [0, 0, 0], [0, 0, 1], [0, 1, 0], [0, 0, 0, 0]]
 
@@ -727,3 +741,208 @@ def test_generate_reads_messages_until_an_empty_line(tmp_path, monkeypatch, caps
     err = capsys.readouterr().err
     assert "gorgon generate: type a message and press Enter; an empty line or Ctrl-D ends\n> " in err
     assert err.endswith("> ")  # asked again, then the end of the input ended it
+
+
+def test_arguments_are_range_checked(tmp_path, capsys):
+    for bad, match in [(dict(temperature=-1), "temperature"), (dict(temperature=math.nan), "temperature"),
+                       (dict(temperature=1, top_k=-1), "top-k"), (dict(temperature=1, top_p=2), "top-p"),
+                       (dict(temperature=1, top_k=1.5), "top-k")]:
+        with pytest.raises(GorgonError, match=match):
+            Sampling(**bad)
+    with pytest.raises(GorgonError, match="unknown device 'tpu9'"):
+        resolve_device("tpu9")
+    if not torch.cuda.is_available():
+        with pytest.raises(GorgonError, match="device 'cuda' is not available"):
+            resolve_device("cuda")
+    with pytest.raises(GorgonError, match="whole numbers >= 0.*not 1.5"):
+        build_tree([[0], [1.5]])
+    with pytest.raises(GorgonError, match="from 2 .* to 256, not 10000"):
+        tree_from_accuracies([[0.5, 0.1]], 10000)
+    heads = MedusaHeads.for_target(tiny_model(), num_heads=2)  # a vocabulary of 64
+    with pytest.raises(GorgonError, match="asks for rank 64 but the heads draft from 64 tokens"):
+        MedusaDrafter(heads, tree=[[0], [64]])
+    with pytest.raises(GorgonError, match="1 to 64 tokens per step, not 100000"):
+        DraftModelDrafter(tiny_model(), 100000)
+    # On the command line the same checks fail at once, before any model is loaded.
+    assert gorgon(["generate", "--heads", "nowhere", "--prompt", "hi", "--temperature", "-1"]) == 2
+    assert capsys.readouterr().err.strip() == ("gorgon generate: error: temperature must be a finite number >= 0 "
+                                               "(0 is greedy), not -1.0")
+    (tmp_path / "tree.json").write_text("[[0], [1]]")
+    assert gorgon(["generate", "--draft", "nowhere", "--prompt", "hi", "--tree", str(tmp_path / "tree.json")]) == 2
+    assert "--tree takes a node count with --draft, not rank paths" in capsys.readouterr().err
+    assert gorgon(["generate", "--draft", "nowhere", "--prompt", "hi", "--draft-depth", "3"]) == 2
+    assert "(a --draft model drafts --draft-tokens levels)" in capsys.readouterr().err
+    assert gorgon(["generate", "--context-draft", "--prompt", "hi", "--draft-level-cost", "0.1"]) == 2
+    assert "--draft-level-cost stops a search's levels: it needs --draft or --heads" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        gorgon(["generate", "--draft", "x", "--prompt", "hi", "--draft-level-cost", "cheap"])
+    assert "--draft-level-cost: expected auto or a number of target steps >= 0, not 'cheap'" in capsys.readouterr().err
+    with pytest.raises(GorgonError, match="to 256 nodes, not 300"):
+        DraftModelDrafter(tiny_model(), 4, topk=2, nodes=300)
+    with pytest.raises(GorgonError, match="top-k must be a whole number >= 1, not 0"):
+        DraftModelDrafter(tiny_model(), 4, topk=0)
+    with pytest.raises(SystemExit):
+        gorgon(["bench", "--heads", "x", "--questions", "q", "--limit", "0"])
+    assert "--limit: must be at least 1, not 0" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        gorgon(["generate", "--draft", "x", "--prompt", "hi", "--draft-tokens", "65"])
+    assert "--draft-tokens: must be at most 64, not 65" in capsys.readouterr().err
+    for bad in ("-3", "1", "300"):  # a node count (it was "tree file -3 not found"), checked before any model loads
+        with pytest.raises(GorgonError, match=rf"^--tree {bad}: a tree needs 2 \(the root and one candidate\) to 256 "
+                                              r"nodes$"):
+            read_tree(bad)
+    assert read_tree("8") == 8
+    for argv, says in [(["--acceptance", "typical"], "--acceptance typical needs --temperature > 0"),
+                       (["--stop", ""], "--stop '' would end the output at its first token"),
+                       (["--system", "be brief", "--raw"], "--system goes through the chat template, which --raw "
+                                                           "skips")]:
+        # the target named does not exist: refused before it would load
+        assert gorgon(["generate", "--target", str(tmp_path / "no-target"), "--context-draft", "--prompt", "hi",
+                       *argv]) == 2
+        assert says in capsys.readouterr().err
+    with pytest.raises(GorgonError, match="from 2 .* to 256, not -3"):
+        MedusaDrafter(heads, tree=-3)
+    with pytest.raises(GorgonError, match="an empty stop string would end the output at its first token"):
+        speculative_generate(tiny_model(), MedusaDrafter(heads), torch.tensor([[1, 2, 3]]), stop_strings=["", "."],
+                             tokenizer=tiny_tokenizer())
+
+
+def test_options_that_cannot_apply_are_refused_before_the_target_loads(tmp_path, capsys):
+    """Each was refused only after the target had loaded (seconds here, minutes for a large target), or not at
+    all (--top-p with greedy decoding did nothing). The target named here does not exist, so a refusal that
+    came after its load would name it instead."""
+    from helpers import QUESTIONS, questions_file
+
+    heads, nowhere = tmp_path / "heads", str(tmp_path / "no-target")
+    MedusaHeads.for_target(tiny_model()).save_pretrained(heads)
+    questions = str(questions_file(tmp_path / "q.jsonl", QUESTIONS[:1]))
+    medusa = ["--heads", str(heads), "--target", nowhere]
+    bench = ["bench", "--questions", questions, "--target", nowhere]
+    tiny, toy = tmp_path / "config-only", toy_data(tmp_path / "toy.jsonl", n=8)
+    tiny.mkdir()  # a target whose config reads and whose weights do not load
+    shutil.copy(tiny_chat_target(tmp_path) / "config.json", tiny)
+    capsys.readouterr()
+    cases = [
+        (["generate", "--prompt", "hi", "--draft-depth", "3"] + medusa, "--draft-depth and --draft-topk shape a "
+         "feature-level head's search; Medusa heads draft one level per head: choose their tree with --tree"),
+        (["generate", "--prompt", "hi", "--draft", str(tmp_path / "no-draft"), "--target", nowhere],
+         f"no draft model at {tmp_path / 'no-draft'}: pass an existing folder or a hub id"),
+        (["generate", "--prompt", "hi", "--context-draft", "--tree", "8", "--target", nowhere],
+         "--tree sizes a --heads or --draft tree: --context-draft alone proposes what the context repeats"),
+        (["generate", "--prompt", "hi", "--top-p", "0.9"] + medusa, "--top-p shapes sampling, and --temperature 0 "
+         "decodes greedily: pass a --temperature above 0 too, or drop it"),
+        (bench + ["--heads", str(heads), "--baselines", "no-context", "--out", str(tmp_path / "d" / "r.json")],
+         "--baselines no-context times the --heads or --draft drafter without the context draft"),
+        (bench + ["--heads", str(heads), "--assistant", str(tmp_path / "no-assistant"), "--top-k", "5"],
+         f"no assistant model at {tmp_path / 'no-assistant'}"),
+        (bench + ["--heads", str(heads), "--top-k", "5", "--top-p", "0.9"], "--top-k and --top-p shape sampling"),
+        (["data", "--prompts", questions, "--target", nowhere, "--top-p", "0.9", "--out", str(tmp_path / "o")],
+         "--top-p 0.9 samples, and --temperature 0 answers greedily"),
+        (["draft", "--data", toy, "--target", str(tiny), "--out", str(tmp_path / "dr"), "--student-layers", "2"],
+         "student_layers must be between 1 and 1 (the target has 2 layers), not 2"),
+    ]
+    if importlib.util.find_spec("vllm") is None:
+        cases.append((["data", "--prompts", questions, "--target", nowhere, "--engine", "vllm", "--out",
+                       str(tmp_path / "o")], "--engine vllm needs vLLM"))
+    for argv, says in cases:
+        assert gorgon(argv) == 2, argv
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and says in err, (argv, err)
+    assert not (tmp_path / "d").exists()  # the refused bench's --out folder is not left behind
+    # A bench that fails after taking its report's place leaves no folder it made either.
+    assert gorgon(bench + ["--heads", str(heads), "--out", str(tmp_path / "e" / "f" / "r.json")]) == 2
+    assert "no target at" in capsys.readouterr().err and not (tmp_path / "e").exists()
+
+
+def test_the_python_api_takes_what_its_loaders_return_and_names_its_mistakes(tmp_path):
+    """A `Target` where a model goes, loaded heads where a drafter goes, "bfloat16" or an absent device in
+    from_pretrained, and Medusa heads in another dtype than the target failed inside torch or Python."""
+    target = load_target(str(tiny_chat_target(tmp_path)), device="cpu")
+    MedusaHeads.for_target(target.model).save_pretrained(tmp_path / "heads")
+    ids = torch.randint(1, 50, (1, 5), generator=torch.Generator().manual_seed(0))
+    heads = MedusaHeads.from_pretrained(tmp_path / "heads", target=target)
+    assert speculative_generate(target, MedusaDrafter(heads), ids, 6).tokens == \
+        speculative_generate(target.model, MedusaDrafter(heads), ids, 6).tokens
+    with pytest.raises(GorgonError, match="^drafter must be a drafter, not a MedusaHeads: wrap loaded heads as "
+                                          r"gorgon.heads.drafter_for\(heads\)$"):
+        speculative_generate(target, heads, ids, 6)
+    with pytest.raises(GorgonError, match="^the target to load must be a folder, a hub id or None, not a Target: "
+                                          "for heads onto a target loaded already, use gorgon.heads.load_heads_for"):
+        load_heads(tmp_path / "heads", target=target)
+    assert next(MedusaHeads.from_pretrained(tmp_path / "heads", dtype="bfloat16").parameters()).dtype == torch.bfloat16
+    assert next(MedusaHeads.from_pretrained(tmp_path / "heads", target=target, dtype="auto").parameters()).dtype == \
+        torch.float32
+    if not torch.cuda.is_available():
+        with pytest.raises(GorgonError, match="^device 'cuda' is not available on this machine: use cpu, or auto"):
+            MedusaHeads.from_pretrained(tmp_path / "heads", device="cuda")
+    with pytest.raises(GorgonError, match=r"^unknown tree 'trees.json': pass a list of rank paths \(a JSON file of "
+                                          r"them: json.load it\), a node count or 'auto'$"):
+        MedusaDrafter(heads, "trees.json")  # the command line reads such a file; Python is given the paths
+    drafter = MedusaDrafter(MedusaHeads.from_pretrained(tmp_path / "heads"))
+    with pytest.raises(GorgonError, match=r"^the heads are in torch.float32 on cpu but the target in torch.bfloat16 on "
+                                          r"cpu: move them to the target's \(heads.to\('cpu', torch.bfloat16\)\)$"):
+        speculative_generate(target.model.to(torch.bfloat16), drafter, ids, 6)
+
+
+def test_a_generator_on_another_device_than_the_model_is_named():
+    """A generator on cuda:0 passed the device type check for a model on cuda:1 and failed inside torch."""
+    from types import SimpleNamespace
+
+    from gorgon.decode.generate import same_device
+
+    model = tiny_model("llama")
+    drafter = MedusaDrafter(MedusaHeads.for_target(model, num_heads=2))
+    elsewhere = SimpleNamespace(device=torch.device("cuda", 0))  # only its device is read before a draw
+    with pytest.raises(GorgonError, match=r"^the generator is on cuda:0 but the model on cpu: create it with "
+                                          r"torch.Generator\(device='cpu'\)$"):
+        speculative_generate(model, drafter, torch.ones(1, 4, dtype=torch.long), 4, generator=elsewhere)
+    assert not same_device(torch.device("cuda", 0), torch.device("cuda", 1))
+    assert same_device(torch.device("cuda"), torch.device("cuda", 1)) and same_device(torch.device("cpu"),
+                                                                                      torch.device("cpu"))
+
+
+def test_python_arguments_of_the_wrong_kind_are_named(tmp_path):
+    """Float ids, an EOS given as text, a number as stop strings and a string temperature failed inside torch or
+    Python (or named only the value); a token map given as a list failed at .to()."""
+    from gorgon.heads.methods.draft_model import cut_to_draft_vocab
+
+    model = tiny_model()
+    drafter = MedusaDrafter(MedusaHeads.for_target(model, num_heads=2), tree=[[0], [0, 0]])
+    ids = torch.randint(1, 50, (1, 5), generator=torch.Generator().manual_seed(0))
+    for kwargs, says in [(dict(input_ids=ids.float()), r"^input_ids must be token ids \(an integer tensor\), not "
+                                                       r"torch.float32: tokenizer\(text, return_tensors='pt'\)"),
+                         (dict(eos_token_id="<|im_end|>"), r"^eos_token_id must be token ids, not '<\|im_end\|>': a "
+                                                           r"token's id is tokenizer.convert_tokens_to_ids\(token\)$"),
+                         (dict(stop_strings=123), r"^stop_strings must be text \(a string or a list of them\), not "
+                                                  "123$")]:
+        with pytest.raises(GorgonError, match=says):
+            speculative_generate(model, drafter, **{"input_ids": ids, "max_new_tokens": 4, **kwargs})
+    with pytest.raises(GorgonError, match=r"^temperature must be a finite number >= 0 \(0 is greedy\), not '0.7'$"):
+        Sampling("0.7")
+    with pytest.raises(GorgonError, match=r"^speculative_generate takes no temperature \(a generate argument\): pass "
+                                          r"sampling=Sampling.like_generate\(model, temperature, top_k, top_p\)$"):
+        speculative_generate(model, drafter, ids, 4, temperature=0.7)
+    with pytest.raises(TypeError, match="unexpected keyword argument 'max_new_token'"):
+        speculative_generate(model, drafter, ids, max_new_token=4)
+    draft, token_map = tiny_model(), list(range(0, 64, 2))
+    cut_to_draft_vocab(draft, torch.tensor(token_map))
+    chain = DraftModelDrafter(draft, 3, token_map=token_map)
+    assert speculative_generate(model, chain, ids, 6, eos_token_id=None).tokens == \
+        model.generate(ids, max_new_tokens=6, do_sample=False, eos_token_id=None)[0, 5:].tolist()
+
+
+def test_a_drafter_on_another_device_than_the_target_is_named(tmp_path):
+    """A feature-level head or a draft model left on another device than the target passed the check and failed
+    inside torch at the first step ("Expected all tensors to be on the same device"); Medusa heads were named.
+    The meta device stands in for a GPU here."""
+    from gorgon.heads import EagleDrafter
+
+    model = tiny_model()
+    ids = torch.randint(1, 50, (1, 5), generator=torch.Generator().manual_seed(0))
+    head = EagleHead.for_target(model).to("meta")
+    with pytest.raises(GorgonError, match=r"^the head is on meta but the target on cpu: move it to the target's "
+                                          r"device \(.to\('cpu'\)\)$"):
+        speculative_generate(model, EagleDrafter(head, nodes=4), ids, 6)
+    draft = tiny_model(seed=1).to("meta")
+    with pytest.raises(GorgonError, match=r"^the draft model is on meta but the target on cpu: move it"):
+        speculative_generate(model, DraftModelDrafter(draft), ids, 6)

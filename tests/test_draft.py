@@ -55,6 +55,7 @@ def held_out_kl(draft, target, examples, pad):
     return float((p.exp() * (p - q)).sum(-1).mean())
 
 
+@pytest.mark.slow
 def test_distillation_lowers_held_out_kl_and_the_draft_works_as_assistant_model(tmp_path):
     target_path = tiny_chat_target(tmp_path)
     data = toy_data(tmp_path / "toy.jsonl", n=48)
@@ -169,6 +170,7 @@ def test_accelerate_launch_and_bad_settings(tmp_path):
         assert run.returncode == 2 and run.stderr.strip().splitlines()[-1] == f"train/draft.py: error: {message}"
 
 
+@pytest.mark.slow
 def test_lora_adapters_are_merged_into_a_plain_draft(tmp_path):
     target_path = tiny_chat_target(tmp_path)
     data = toy_data(tmp_path / "toy.jsonl", n=16)
@@ -184,6 +186,7 @@ def test_lora_adapters_are_merged_into_a_plain_draft(tmp_path):
     assert not torch.equal(saved[q_proj], start[q_proj]), "the merged adapters change the layer's weights"
 
 
+@pytest.mark.slow
 def test_on_policy_batches_answer_with_the_draft(tmp_path, monkeypatch):
     monkeypatch.setenv("TRL_EXPERIMENTAL_SILENCE", "1")
     from trl.experimental.gkd import GKDTrainer
@@ -213,6 +216,7 @@ def test_resume_reads_optimizer_state_saved_for_an_indexed_cpu(tmp_path):
     assert torch.equal(state["exp_avg"], torch.ones(2)) and state["exp_avg"].device.type == "cpu"
 
 
+@pytest.mark.slow
 def test_a_resume_with_another_data_order_is_refused(tmp_path, capsys):
     """The rule the heads follow (test_train.py), on the trainer's checkpoints; more steps may be added."""
     cfg = DraftTrainConfig(data=toy_data(tmp_path / "toy.jsonl", n=16), out=str(tmp_path / "draft"),
@@ -233,6 +237,7 @@ def test_a_resume_with_another_data_order_is_refused(tmp_path, capsys):
     assert re.search(r"trained 3 steps in \d+\.\d s", said) and "{'" not in said and "gorgon draft: 100%" in said
 
 
+@pytest.mark.slow
 def test_a_resume_on_other_data_at_the_same_path_is_refused(tmp_path):
     """The heads' check of the data's contents (test_train.py), on the trainer's checkpoints."""
     data = tmp_path / "toy.jsonl"

@@ -458,7 +458,8 @@ def test_a_head_refuses_a_target_too_shallow_for_its_layers(tmp_path):
         EagleHead.from_pretrained(tmp_path, target=tiny_model("llama", layers=4))
     with pytest.raises(GorgonError, match="this target has 5 layers"):
         head.attach(tiny_model("llama", layers=5))
-    assert EagleHead.from_pretrained(tmp_path, target=tiny_model("llama", layers=6, seed=1)).target is not None
+    deep_enough = tiny_model("llama", layers=6, seed=1)
+    assert EagleHead.from_pretrained(tmp_path, target=deep_enough).target is deep_enough
 
 
 def test_a_hand_edited_or_foreign_config_is_one_line(tmp_path):
@@ -598,6 +599,7 @@ def test_bad_input_is_one_line(tmp_path):
         export_head(EagleHead.for_target(gemma, feature_layers=[1, 2, 3]), "eagle3", tmp_path / "x")
 
 
+@pytest.mark.slow
 def test_cli_draft_depth_and_topk_shape_the_search(tmp_path, capsys):
     import argparse
 
@@ -745,6 +747,7 @@ def test_optimisation_settings_out_of_range_are_one_line():
         HeadsTrainConfig(data="x", out="y", backbone_learning_rate=0).check()
 
 
+@pytest.mark.slow
 def test_loss_tokens_all_trains_on_every_position_and_evaluates_on_answers(tmp_path, monkeypatch):
     """Also: the head is in training mode (feature noise and dropout on) for training steps only, and the
     recipe's dropout reaches the objective."""
@@ -776,6 +779,7 @@ def test_loss_tokens_all_trains_on_every_position_and_evaluates_on_answers(tmp_p
     assert "the CPU tree (8 nodes)" in card
 
 
+@pytest.mark.slow
 def test_a_run_resumed_mid_epoch_with_dropout_equals_the_uninterrupted_run(tmp_path):
     """Dropout and feature noise draw from torch's global generator, which the checkpoint saves: the resumed
     run must draw the same noise (the loaders draw their seeds elsewhere). As a kill leaves it: the
@@ -798,6 +802,7 @@ def test_a_run_resumed_mid_epoch_with_dropout_equals_the_uninterrupted_run(tmp_p
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
+@pytest.mark.slow
 def test_train_lm_head_false_keeps_the_targets_rows(tmp_path):
     from gorgon.train.heads import HeadsTrainConfig, train
 

@@ -1,11 +1,13 @@
+
 import json
 import re
 
 import pytest
 import torch
-from helpers import VOCAB, assert_feature_cache_is_exact, tiny_model
+from helpers import VOCAB, assert_feature_cache_is_exact, saved_heads, tiny_chat_target, tiny_model
 
 from gorgon.heads import EagleHead, GorgonError, MedusaConfig, MedusaHeads, Target, fingerprint
+from gorgon.heads.cli import main as gorgon
 from gorgon.heads.methods.medusa.objective import MedusaObjective
 from gorgon.heads.target import legacy_fingerprint
 
@@ -271,3 +273,52 @@ def test_medusa_losses_and_rank_counts_pair_each_head_with_its_token():
     assert all(stats[k]["top1"] == stats[k]["count"] == batch * (length - 4) for k in range(num_heads))
     counts = rank_counts(one_hot, hidden, ids, mask, max_rank=3)
     assert counts[:, 0].tolist() == counts[:, -1].tolist() == [batch * (length - 4)] * num_heads
+
+
+def test_a_model_passed_as_heads_says_so(tmp_path, capsys):
+    """A draft model (or the target) given as --heads was "unknown key 'architectures' in config.json"."""
+    target = tiny_chat_target(tmp_path)
+    capsys.readouterr()
+    assert gorgon(["generate", "--heads", str(target), "--target", str(tmp_path / "nowhere"), "--prompt", "hi"]) == 2
+    assert capsys.readouterr().err.strip() == (f"gorgon generate: error: {target} holds a model (LlamaForCausalLM), "
+                                               "not heads: a draft model goes to generate and bench as --draft "
+                                               "(engines load its folder as it is, with no export), a target as "
+                                               "--target")
+
+
+def test_a_folder_that_is_not_a_model_says_what_it_holds(tmp_path, capsys):
+    """Heads passed as the target, a model without its tokenizer, an empty folder: each named for what it is."""
+    heads = saved_heads(tmp_path)
+    no_tokenizer = tmp_path / "weights-only"
+    tiny_model().save_pretrained(no_tokenizer)
+    (tmp_path / "empty").mkdir()
+    cases = {heads: "it holds draft heads; pass it as --heads", no_tokenizer: "has no tokenizer transformers can load",
+             tmp_path / "empty": "it has no readable config.json"}
+    capsys.readouterr()
+    for folder, expected in cases.items():
+        assert gorgon(["generate", "--target", str(folder), "--context-draft", "--prompt", "hi"]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert expected in err[-1] and not any("Traceback" in line or "no local folder" in line for line in err), err
+
+
+def test_heads_are_not_saved_over_another_model(tmp_path):
+    """save_pretrained into a transformers model's folder replaced its config.json and model.safetensors (and
+    Medusa heads without trees removed a trees.json there): refused; heads saved before are saved over."""
+    model = tiny_model()
+    folder, file = tmp_path / "model", tmp_path / "notes.txt"
+    model.save_pretrained(folder)
+    (folder / "trees.json").write_text("mine")
+    file.write_text("mine")
+    before = {p.name: p.read_bytes() for p in folder.iterdir()}
+    for heads in (MedusaHeads.for_target(model), EagleHead.for_target(model)):
+        with pytest.raises(GorgonError, match=f"^{re.escape(str(folder))} holds another model's config.json, which "
+                                              "saving heads there would replace: save them into a new or empty"):
+            heads.save_pretrained(folder)
+        with pytest.raises(GorgonError, match="is a file, not a folder: save the heads into a new or empty folder"):
+            heads.save_pretrained(file)
+        heads.save_pretrained(tmp_path / "heads")
+        heads.save_pretrained(tmp_path / "heads")  # its own folder: saved over
+    assert {p.name: p.read_bytes() for p in folder.iterdir()} == before and file.read_text() == "mine"
+    (folder / "config.json").unlink()
+    with pytest.raises(GorgonError, match="holds another model's model.safetensors"):
+        MedusaHeads.for_target(model).save_pretrained(folder)

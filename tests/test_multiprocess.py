@@ -178,6 +178,7 @@ def test_a_launched_process_ends_without_teardown_only_after_success(tmp_path, m
             dist.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_a_missing_accelerate_config_is_named(tmp_path):
     """accelerate's launcher reports it (after its own traceback): the last line names the file."""
     run = subprocess.run(LAUNCH + ["--config_file", str(tmp_path / "missing.yaml"), str(ROOT / "train/heads.py")],
@@ -233,6 +234,7 @@ def test_an_out_refused_on_the_main_process_is_every_process_one_line(tmp_path):
     assert run.stderr.count(f"traceback : {line}") == 2, run.stderr[-3000:]
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="prctl's parent-death signal is Linux's")
 def test_a_launched_training_process_ends_with_its_launcher(tmp_path):
     """`kill` of `accelerate launch` left the training process running on its own (it held --out and wrote it
@@ -274,3 +276,34 @@ def state_of(pid: int) -> str:
         return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0]
     except OSError:
         return "gone"
+
+
+def test_torchs_launcher_reports_the_error_line_as_the_failures_cause(tmp_path, monkeypatch, capsys):
+    """Under `accelerate launch` with several processes, torch's launcher ends with a report of the failed
+    processes whose cause read "To enable traceback see: https://pytorch.org/docs/...": the error file it names
+    each process now holds the line, which its own reader takes as the cause. N processes that fail alike print
+    the line once before the report, not N times."""
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+    from gorgon.heads.errors import exit_status
+
+    first, second = (tmp_path / "attempt_0" / rank / "error.json" for rank in ("0", "1"))  # torch's layout
+    first.parent.mkdir(parents=True)
+    second.parent.mkdir()
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(first))
+
+    def refused():
+        raise GorgonError("data source x not found: pass a file")
+
+    assert exit_status(refused, "train/heads.py") == 2
+    line = "train/heads.py: error: data source x not found: pass a file"
+    assert capsys.readouterr().err == line + "\n"
+    assert ProcessFailure(local_rank=0, pid=1, exitcode=2, error_file=str(first)).message == line
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(second))  # the next process, failing alike, prints nothing
+    assert exit_status(refused, "train/heads.py") == 2 and capsys.readouterr().err == ""
+    assert ProcessFailure(local_rank=1, pid=2, exitcode=2, error_file=str(second)).message == line
+    monkeypatch.delenv("TORCHELASTIC_ERROR_FILE")  # not launched by it: every process prints, and no file
+    first.unlink()
+    second.unlink()
+    assert exit_status(refused, "train/heads.py") == 2 and capsys.readouterr().err == line + "\n"
+    assert not first.exists() and not second.exists()

@@ -17,10 +17,12 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 import torch
-from helpers import tiny_chat_target, tiny_model
+from helpers import env, saved_heads, snapshot, tiny_chat_target, tiny_model
 from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
 
 from gorgon.heads import GorgonError, MedusaHeads, load_target
+from gorgon.heads.cli import main as gorgon
 from gorgon.heads.methods.medusa.formats import export_heads
 
 
@@ -270,6 +272,7 @@ def heads_folder(tmp_path):
     return folder
 
 
+@pytest.mark.slow
 def test_push_creates_the_repo_and_uploads_in_one_commit(tmp_path, hub):
     folder = heads_folder(tmp_path)
     run = push(hub, folder)
@@ -282,6 +285,7 @@ def test_push_creates_the_repo_and_uploads_in_one_commit(tmp_path, hub):
     assert b"tags:\n- medusa" in FakeHub.files["README.md"]
 
 
+@pytest.mark.slow
 def test_a_push_removes_what_an_earlier_push_left_that_would_change_what_loads(tmp_path, hub):
     """Medusa-2 heads pushed, then Medusa-1 heads to the same repo: the old LoRA adapter would merge into the
     target of whoever loads the repo. It goes in the same commit; the repo's other files stay."""
@@ -292,6 +296,7 @@ def test_a_push_removes_what_an_earlier_push_left_that_would_change_what_loads(t
     assert set(FakeHub.files) == {"config.json", "model.safetensors", "README.md", "notes.txt"}
 
 
+@pytest.mark.slow
 def test_failed_upload_leaves_the_folder_and_says_why(tmp_path, hub):
     folder = heads_folder(tmp_path)
     before = {p.name: p.read_bytes() for p in folder.iterdir() if p.is_file()}
@@ -314,6 +319,7 @@ def test_failed_upload_leaves_the_folder_and_says_why(tmp_path, hub):
     assert {p.name: p.read_bytes() for p in folder.iterdir() if p.is_file()} == before
 
 
+@pytest.mark.slow
 def test_heads_push_to_hub_uploads_what_save_pretrained_writes(tmp_path, hub):
     """The Python API: `MedusaHeads.push_to_hub` saves to a temporary folder and uploads it in one commit."""
     folder = heads_folder(tmp_path)
@@ -361,6 +367,7 @@ def test_push_names_a_missing_folder_or_a_file_for_what_it_is(tmp_path, capsys):
         assert err.count("\n") == 1 and says in err and "pass the folder training wrote" in err
 
 
+@pytest.mark.slow
 def test_a_medusa2_export_says_its_heads_need_their_adapter(tmp_path, capsys):
     """The export holds the heads only: served on the plain target they read hidden states they were not
     trained on, which nothing said."""
@@ -449,6 +456,7 @@ def test_a_card_lists_the_hub_datasets_the_heads_learnt_from(tmp_path, monkeypat
     assert "datasets" not in front_matter(card_text(tmp_path, MEDUSA_RECIPE, {**MEDUSA_METRICS, "datasets": []}))
 
 
+@pytest.mark.slow
 def test_a_card_names_its_folder_and_the_pushed_card_the_repo(tmp_path, hub):
     """The card's commands said THIS_FOLDER: they name the folder training wrote, and `gorgon push` uploads the
     card made again naming the repo (the folder's own card unchanged); a card the user edited goes up as is."""
@@ -477,6 +485,7 @@ def test_a_card_names_its_folder_and_the_pushed_card_the_repo(tmp_path, hub):
     assert "README.md was written by an earlier gorgon: it goes up as it is" in push(hub, folder).stderr
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch, mode", [("medusa", "medusa1"), ("medusa", "medusa2"), ("eagle", "medusa1")])
 def test_the_python_on_a_card_runs(tmp_path, monkeypatch, arch, mode):
     """What a card shows how to use the heads with in Python, run as written on the folder training wrote (with
@@ -634,3 +643,82 @@ def test_an_export_names_the_embedded_target_by_its_hub_id_and_imports_back_to_i
     assert gorgon(command + ["--out", str(tmp_path / "embedded")]) == 0
     assert json.loads((tmp_path / "embedded" / "config.json").read_text())["base_model_name_or_path"] == EMBEDDED_HUB_ID
     assert "local path" not in capsys.readouterr().err
+
+
+def test_a_checkpoint_in_an_engines_layout_is_not_taken_for_an_export(tmp_path, capsys):
+    """A downloaded Medusa checkpoint with the user's notes beside it is not gorgon's to replace, even
+    though it is in a layout gorgon exports to; a refused export leaves no empty --out behind."""
+    heads = saved_heads(tmp_path)
+    downloaded = tmp_path / "medusa-vicuna"
+    downloaded.mkdir()
+    (downloaded / "config.json").write_text(json.dumps({"medusa_num_heads": 4, "medusa_num_layers": 1}))
+    (downloaded / "NOTES.md").write_text("mine")
+    before = snapshot(downloaded)
+    assert gorgon(["export", "--heads", str(heads), "--format", "medusa", "--out", str(downloaded), "--overwrite"]) == 2
+    assert "already holds files this command did not write" in capsys.readouterr().err
+    assert snapshot(downloaded) == before
+    assert gorgon(["export", "--heads", str(tmp_path / "nowhere"), "--format", "vllm",
+                   "--out", str(tmp_path / "new" / "v")]) == 2
+    assert "nowhere" in capsys.readouterr().err and not (tmp_path / "new").exists()
+
+
+def test_export_overwrite_replaces_the_earlier_exports_files_only(tmp_path, capsys):
+    """--overwrite swaps an earlier export for a new one, in the other format too, and keeps the files
+    the user put beside it; a file the new export would write over is refused."""
+    target = tiny_chat_target(tmp_path)
+    heads = tmp_path / "heads"
+    MedusaHeads.for_target(AutoModelForCausalLM.from_pretrained(target), shared_lm_head=False).save_pretrained(heads)
+    out = tmp_path / "export"
+    export = ["export", "--heads", str(heads), "--target", str(target), "--out", str(out)]
+    assert gorgon(export + ["--format", "medusa"]) == 0
+    assert not list(tmp_path.glob(".export*"))  # written beside --out, then renamed into place
+    (out / "README.md").write_text("how we serve it")
+    assert gorgon(export + ["--format", "vllm", "--overwrite"]) == 0
+    assert sorted(f.name for f in out.iterdir()) == [".gorgon-export", "README.md", "config.json", "model.safetensors"]
+    assert (out / "README.md").read_text() == "how we serve it"
+    (out / "medusa_lm_head.safetensors").write_text("mine")
+    before = snapshot(out)
+    assert gorgon(export + ["--format", "medusa", "--overwrite"]) == 2
+    assert "holds medusa_lm_head.safetensors, which the earlier export did not write" in capsys.readouterr().err
+    assert snapshot(out) == before and not list(tmp_path.glob(".export*"))
+    (out / "medusa_lm_head.safetensors").unlink()
+    (out / ".gorgon-export").write_text("")  # an older gorgon's marker, which lists nothing: refused, nothing removed
+    before = snapshot(out)
+    assert gorgon(export + ["--format", "medusa", "--overwrite"]) == 2
+    assert "holds an export by an older gorgon, whose .gorgon-export does not list its files" in capsys.readouterr().err
+    assert snapshot(out) == before and not list(tmp_path.glob(".export*"))
+
+
+@pytest.mark.slow
+def test_a_hub_that_does_not_resolve_is_not_retried(tmp_path):
+    """With no network and HF_HUB_OFFLINE unset, huggingface_hub retried every file five times (48 s for a missing
+    target) before its error or the cache: a command now finds the Hub's host unknown and works from the cache at
+    once, saying why. The user's HF_HUB_OFFLINE, either way, is left as set."""
+    from gorgon.heads.hub import PROXIES, resolves
+
+    if resolves("hub.invalid"):  # a resolver that answers (or hangs) for the reserved .invalid
+        pytest.skip("this machine's resolver does not fail on hub.invalid")
+    unset = {**{k: v for k, v in env().items() if k not in ("HF_HUB_OFFLINE", *PROXIES)},
+             "HF_ENDPOINT": "https://hub.invalid"}
+    run = subprocess.run([sys.executable, "-m", "gorgon.heads.cli", "generate", "--target", "someone/model",
+                          "--context-draft", "--prompt", "hi"], env=unset, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 2 and "Retrying" not in run.stderr, run.stderr
+    assert run.stderr.strip().splitlines()[-1] == (
+        "gorgon generate: error: no target 'someone/model': no local folder by that name, and the local hub cache "
+        "(the Hub's hub.invalid does not resolve) has none (OSError): check the path or the hub id")
+    probe = ("import os; from gorgon.heads.hub import offline_if_hub_unreachable as f; f(); "
+             "print(os.environ.get('HF_HUB_OFFLINE'))")
+    for extra, expected in [({}, "1"), ({"HF_HUB_OFFLINE": "0"}, "0"), ({"HTTPS_PROXY": "http://proxy:3128"}, "None")]:
+        out = subprocess.run([sys.executable, "-c", probe], env={**unset, **extra}, capture_output=True, text=True,
+                             check=True).stdout.strip()
+        assert out == expected, extra
+
+
+def test_an_export_format_for_the_other_method_is_refused_before_the_target_loads(tmp_path, capsys):
+    heads = tmp_path / "heads"
+    MedusaHeads.for_target(tiny_model()).save_pretrained(heads)
+    assert gorgon(["export", "--heads", str(heads), "--target", str(tmp_path / "no-target"), "--format", "eagle3",
+                   "--out", str(tmp_path / "e3")]) == 2  # the target does not exist: the format's error came first
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.strip().endswith("holds Medusa heads, which export as vllm or medusa, not "
+                                                         "eagle3")

@@ -143,6 +143,7 @@ def test_sampling_is_exact_where_the_forward_scales_the_logits():
     assert chi_square_p(exact_distribution(model, prompt, s), counts) > 1e-3
 
 
+@pytest.mark.slow
 def test_a_token_two_siblings_propose_keeps_its_probability():
     """A drafter may propose one token twice among siblings (a draft vocabulary listing an id twice did): the
     second try must not give it its chance again, or it comes out with about twice its probability."""

@@ -11,11 +11,21 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import ROOT, env, kill_after_a_checkpoint, resume_equals_a_whole_run, tiny_chat_target, toy_data
+from helpers import (
+    ROOT,
+    another_live_process,
+    env,
+    kill_after_a_checkpoint,
+    resume_equals_a_whole_run,
+    snapshot,
+    tiny_chat_target,
+    toy_data,
+)
 from safetensors.torch import load_file
 
 from gorgon.decode import speculative_generate
 from gorgon.heads import GorgonError, MedusaHeads, drafter_for, load_heads, load_target
+from gorgon.train.data import DataSettings, make_dataset
 from gorgon.train.draft import DraftTrainConfig
 from gorgon.train.draft import train as train_draft
 from gorgon.train.heads import HeadsTrainConfig, train
@@ -62,6 +72,7 @@ def eval_loss(heads, target, data):
     return [s["loss"] for s in stats.values()]
 
 
+@pytest.mark.slow
 def test_loss_falls_on_a_learnable_toy_set(tmp_path):
     target_path = tiny_chat_target(tmp_path)
     data = toy_data(tmp_path / "toy.jsonl")
@@ -109,6 +120,7 @@ def greedy_answers(model, tok, n=8):
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("settings", [dict(loss="kl", cache_features=True), dict(mode="medusa2", lora_r=4),
                                       dict(arch="eagle", cache_features=True, ttt_steps=2)],
                          ids=["medusa1", "medusa2", "eagle"])
@@ -139,6 +151,7 @@ def test_heads_train_in_float32_beside_a_bfloat16_target(tmp_path, settings, mon
     assert len(speculative_generate(target.model, drafter_for(heads), ids, max_new_tokens=8).tokens) == 8
 
 
+@pytest.mark.slow
 def test_medusa2_keeps_the_base_models_greedy_outputs(tmp_path):
     """Trained on the target's own answers (as Medusa-2 is), with the KL term dominating."""
     from gorgon.train.data import DataSettings, make_dataset
@@ -175,6 +188,7 @@ def test_every_epoch_trains_on_every_conversation_when_batches_do_not_divide_int
     assert metrics["conversations_trained"] == 2 * 46
 
 
+@pytest.mark.slow
 def test_kill_and_resume_continues_exactly(tmp_path):
     target = tiny_chat_target(tmp_path)
     data = toy_data(tmp_path / "toy.jsonl", n=64)
@@ -288,6 +302,7 @@ def test_bad_settings_are_one_line_before_any_work(tmp_path, script, argv, messa
     assert not out.exists()
 
 
+@pytest.mark.slow
 def test_conversations_whose_answers_start_past_max_length_are_counted_or_named(tmp_path, capsys):
     """They were left out silently; when none was left, the error sent the user to regenerate the data."""
     import json as js
@@ -368,6 +383,7 @@ def test_empty_dataset_is_refused(tmp_path):
                                report_to="none"))
 
 
+@pytest.mark.slow
 def test_resume_without_a_checkpoint_is_refused(tmp_path):
     """The rule both training scripts share (gorgon.train.run_folder.resume_point)."""
     from gorgon.train.draft import DraftTrainConfig
@@ -398,6 +414,7 @@ def first_checkpoint(tmp_path, **settings) -> HeadsTrainConfig:
     return cfg
 
 
+@pytest.mark.slow
 def test_a_resume_with_another_data_order_or_shape_is_refused(tmp_path, capsys):
     """A checkpoint's step stands for the batches its settings drew: other ones would silently train on
     some conversations twice and others never; another shape would not load. Other settings may change."""
@@ -435,6 +452,7 @@ def test_a_resume_with_another_data_order_or_shape_is_refused(tmp_path, capsys):
                      "needed", said)  # the checkpoints a finished run keeps (a draft model's: hundreds of MB)
 
 
+@pytest.mark.slow
 def test_a_resume_with_another_objective_or_optimiser_is_refused(tmp_path):
     """The optimizer and its schedule come back from the checkpoint, so a new learning rate was silently ignored,
     and a new loss silently trained the rest of the run on another objective; recipe.json then recorded settings
@@ -464,6 +482,7 @@ def test_the_newest_complete_checkpoint_is_resumed_and_those_cut_short_removed(t
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step-10", "step-5", "step-9", "step-best"]
 
 
+@pytest.mark.slow
 def test_a_resume_on_other_data_at_the_same_path_is_refused(tmp_path):
     """Data regenerated or edited at its path would silently resume on other conversations: its contents'
     hash is recorded and checked. The same data resumes, and a checkpoint without the hash is not checked."""
@@ -486,6 +505,7 @@ def test_a_resume_on_other_data_at_the_same_path_is_refused(tmp_path):
     train(dataclasses.replace(cfg, resume=True, max_steps=4))
 
 
+@pytest.mark.slow
 def test_a_checkpoint_cut_short_while_being_written_is_removed_on_resume(tmp_path):
     """A kill during save_state leaves the temporary folder that would have been renamed into place."""
     cfg = first_checkpoint(tmp_path)
@@ -565,3 +585,260 @@ def test_the_next_command_a_run_suggests_names_the_checkouts_files_from_anywhere
     assert in_checkout("configs/heads/none.yaml") == "configs/heads/none.yaml"  # not in the checkout: as given
     monkeypatch.chdir(ROOT)
     assert in_checkout("scripts/data/mt_bench.jsonl") == "scripts/data/mt_bench.jsonl"
+
+
+@pytest.mark.slow
+def test_training_over_a_finished_run_needs_overwrite_and_leaves_nothing_stale(tmp_path):
+    target = str(tiny_chat_target(tmp_path))
+    data = toy_data(tmp_path / "toy.jsonl", n=8)
+    cfg = dict(data=data, out=str(tmp_path / "run"), target=target, max_steps=1, report_to="none", save_every=0)
+    out = train(HeadsTrainConfig(**cfg))
+    (out / "bench.json").write_text('{"command": "gorgon bench --heads run --out run/bench.json"}')  # of the old heads
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig = plt.figure()
+    fig.savefig(out / "bench.png")  # its plot, as matplotlib writes one
+    plt.close(fig)
+    with pytest.raises(GorgonError, match="holds earlier gorgon output: pass --overwrite"):
+        train(HeadsTrainConfig(**cfg))
+    train(HeadsTrainConfig(**cfg, overwrite=True))
+    assert (out / "model.safetensors").is_file() and not (out / "bench.json").exists()
+    assert not (out / "bench.png").exists()
+
+
+@pytest.mark.slow
+def test_a_card_the_user_edited_is_not_written_over(tmp_path):
+    """`gorgon bench --update-card` and training a finished run again (--resume to train longer, --overwrite)
+    wrote their card over one the user had edited, with no word; `gorgon push` already kept it. Each is
+    refused before the work, the card as it was."""
+    from gorgon.heads.card import check_card_folder
+
+    target = str(tiny_chat_target(tmp_path))
+    cfg = dict(data=toy_data(tmp_path / "toy.jsonl", n=8), out=str(tmp_path / "run"), target=target, max_steps=1,
+               report_to="none", save_every=1)
+    out = train(HeadsTrainConfig(**cfg))
+    check_card_folder(out)  # the card as training wrote it
+    card = (out / "README.md").read_text() + "\nMy notes.\n"
+    (out / "README.md").write_text(card)
+    edited = rf"^{re.escape(str(out / 'README.md'))} is not the card gorgon wrote \(edited\?\): "
+    with pytest.raises(GorgonError, match=edited + "--update-card would write the new card over it"):
+        check_card_folder(out)
+    for again in (dict(resume=True, max_steps=2), dict(overwrite=True)):
+        with pytest.raises(GorgonError, match=edited + "this run would write its own card over it"):
+            train(HeadsTrainConfig(**{**cfg, **again}))
+    assert (out / "README.md").read_text() == card
+
+
+@pytest.mark.slow
+def test_an_overwrite_that_fails_or_is_cut_short_keeps_the_earlier_heads(tmp_path, monkeypatch):
+    """--overwrite removed a finished run's heads before training: a run that then failed (or was killed) left
+    none. Now they stay until the new run writes its own; a save cut short keeps them aside until one ends."""
+    import gorgon.heads.card
+    import gorgon.train.heads
+    from gorgon.train.run_folder import EARLIER
+
+    target = str(tiny_chat_target(tmp_path))
+    data = toy_data(tmp_path / "toy.jsonl", n=8)
+    cfg = dict(data=data, out=str(tmp_path / "run"), target=target, max_steps=1, report_to="none", save_every=0)
+    out = train(HeadsTrainConfig(**cfg))
+    (out / "bench.json").write_text('{"command": "gorgon bench --heads run --out run/bench.json"}')
+
+    def files(folder):
+        return {str(path): data for path, data in snapshot(folder).items() if path.name != ".gorgon-run"}
+
+    earlier = files(out)
+
+    def fails(*args, **kwargs):
+        raise RuntimeError("out of memory")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(gorgon.train.heads, "train_steps", fails)
+        with pytest.raises(RuntimeError):
+            train(HeadsTrainConfig(**cfg, overwrite=True, learning_rate=0.5))
+    kept = files(out)
+    assert {k: v for k, v in kept.items() if k != "recipe.json"} == {k: v for k, v in earlier.items() if k in kept}
+    assert "model.safetensors" in kept and "recipe.json" not in kept  # loadable, no longer marked finished
+    with monkeypatch.context() as patch:  # the new heads written, then a kill before the card
+        patch.setattr(gorgon.heads.card, "write_model_card", fails)
+        with pytest.raises(RuntimeError):
+            train(HeadsTrainConfig(**cfg, learning_rate=0.5))
+    assert files(out / EARLIER)["model.safetensors"] == earlier["model.safetensors"]
+    train(HeadsTrainConfig(**cfg, learning_rate=0.5))  # an unfinished run of gorgon's: started again
+    final = files(out)
+    assert not (out / EARLIER).exists() and "bench.json" not in final and "recipe.json" in final
+    assert final["model.safetensors"] != earlier["model.safetensors"]
+
+
+@pytest.mark.slow
+def test_overwrite_refuses_a_file_of_the_users_inside_gorgons_output(tmp_path):
+    """--overwrite replaced a run's folder or a dataset whole, notes or a serving config the user had put inside
+    it included; now it is refused before any work, naming the file, and nothing is removed."""
+    target = str(tiny_chat_target(tmp_path))
+    data = toy_data(tmp_path / "toy.jsonl", n=8)
+    run = HeadsTrainConfig(data=data, out=str(tmp_path / "run"), target=target, max_steps=1, report_to="none",
+                           save_every=0, overwrite=True)
+    dataset = DataSettings(prompts=data, target=target, max_new_tokens=4)
+    for make in (lambda: train(run), lambda: make_dataset(dataset, tmp_path / "data", progress=False, overwrite=True)):
+        out = make()
+        (out / "serving").mkdir()
+        (out / "serving" / "NOTES.md").write_text("mine")
+        before = snapshot(out)
+        with pytest.raises(GorgonError, match=rf"^--out {re.escape(str(out))} holds serving, which gorgon did not "
+                                              r"write: move it away, or choose another --out$"):
+            make()
+        assert snapshot(out) == before
+        shutil.rmtree(out / "serving")
+        make()
+    # A tokenizer's files are a draft model's own, but not in a heads folder (they were removed with no word),
+    # and a draft run's from the moment its config.json is written (a run cut short before metrics.json).
+    (tmp_path / "run" / "tokenizer.json").write_text("mine")
+    with pytest.raises(GorgonError, match="holds tokenizer.json, which gorgon did not write"):
+        train(run)
+    assert (tmp_path / "run" / "tokenizer.json").read_text() == "mine"
+    from gorgon.train.run_folder import in_run_folder
+
+    draft = tmp_path / "draft-run"
+    draft.mkdir()
+    (draft / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"], "model_type": "llama"}))
+    assert in_run_folder(draft / "tokenizer.json") and not in_run_folder(tmp_path / "run" / "tokenizer.json")
+
+
+@pytest.mark.slow
+def test_training_step_counts(tmp_path):
+    with pytest.raises(GorgonError, match="max_steps must be at least 0"):
+        HeadsTrainConfig(data="x", out="y", max_steps=-1).check()
+    target = str(tiny_chat_target(tmp_path))
+    out = train(HeadsTrainConfig(data=toy_data(tmp_path / "toy.jsonl", n=8), out=str(tmp_path / "run"), target=target,
+                                 max_steps=0, report_to="none"))
+    assert json.loads((out / "metrics.json").read_text())["steps"] == 0
+
+
+def test_training_data_is_checked_before_the_target_loads(tmp_path):
+    """A bad --data fails first: an 8B target takes minutes to load. (The target here does not exist: the error
+    is the data's, so it came first.)"""
+    from gorgon.train.draft import DraftTrainConfig
+    from gorgon.train.draft import train as train_draft
+
+    (tmp_path / "empty.jsonl").write_text('{"messages": [{"role": "user", "content": "hi"}]}\n')
+    for data, says in [(tmp_path / "missing.jsonl", "missing.jsonl"), (tmp_path / "empty.jsonl", "no conversations "
+                                                                        "with assistant answers to train on")]:
+        for run, config in [(train, HeadsTrainConfig), (train_draft, DraftTrainConfig)]:
+            with pytest.raises(GorgonError, match=re.escape(says)):
+                run(config(data=str(data), out=str(tmp_path / "o"), target=str(tmp_path / "no-target"),
+                           report_to="none"))
+
+
+@pytest.mark.slow
+def test_resume_on_a_finished_run_with_nothing_more_to_train_is_refused(tmp_path):
+    """It retrained the steps after the last checkpoint and replaced the finished heads with a copy, and with a
+    smaller max_steps with an earlier state. A rerun without --resume names the finished run. (Also: --out that is
+    the --data path is named as that.)"""
+    target = str(tiny_chat_target(tmp_path))
+    with pytest.raises(GorgonError, match=r"^--out .*d is the --data path: choose another --out$"):
+        train(HeadsTrainConfig(data=str(tmp_path / "d"), out=str(tmp_path / "d"), report_to="none"))
+    cfg = dict(data=toy_data(tmp_path / "toy.jsonl", n=8), out=str(tmp_path / "run"), target=target, max_steps=3,
+               save_every=2, report_to="none")
+    out = train(HeadsTrainConfig(**cfg))
+    before = snapshot(out)
+    for shorter in (3, 2):
+        with pytest.raises(GorgonError, match=r"holds a finished run of 3 steps, and these settings train no longer: "
+                                              r"there is nothing to resume \(raise epochs or max_steps"):
+            train(HeadsTrainConfig(**{**cfg, "max_steps": shorter}, resume=True))
+    with pytest.raises(GorgonError, match=r"holds a finished run: pass --overwrite true to train it again, --resume "
+                                          r"true with more epochs or max_steps to train it longer"):
+        train(HeadsTrainConfig(**cfg))
+    assert snapshot(out) == before
+    train(HeadsTrainConfig(**{**cfg, "max_steps": 4}, resume=True))  # longer: resumed from step 2
+    assert json.loads((out / "metrics.json").read_text())["steps"] == 4
+
+
+@pytest.mark.slow
+def test_a_run_replacing_finished_output_keeps_its_lock_while_it_saves(tmp_path, monkeypatch):
+    """Setting the finished run's files aside moved the live run's lock with them: from then until the end a
+    second run was let into the folder (found by a helper pausing a 2-process run in its save)."""
+    import gorgon.train.run_folder as run_folder
+    from gorgon.train.run_folder import LOCK
+
+    cfg = dict(data=toy_data(tmp_path / "toy.jsonl", n=8), out=str(tmp_path / "run"), target=str(tiny_chat_target(
+        tmp_path)), max_steps=1, report_to="none", save_every=0)
+    train(HeadsTrainConfig(**cfg))
+    set_aside = run_folder.set_aside_earlier_run
+    locked = []
+    monkeypatch.setattr(run_folder, "set_aside_earlier_run",
+                        lambda out: (set_aside(out), locked.append((out / LOCK).is_file())))
+    train(HeadsTrainConfig(**cfg, overwrite=True))
+    assert locked == [True]
+
+
+@pytest.mark.slow
+def test_a_folder_another_live_run_is_writing_is_refused(tmp_path):
+    """Killing `accelerate launch` alone leaves its training processes running: a second run into the same folder
+    would write beside them. A lock naming a live process of this machine refuses it; a dead one's does not."""
+    from gorgon.heads.files import host_name
+    from gorgon.train.run_folder import LOCK, RUN_MARKER
+
+    cfg = dict(data=toy_data(tmp_path / "toy.jsonl", n=8), out=str(tmp_path / "run"), target=str(tiny_chat_target(
+        tmp_path)), max_steps=1, report_to="none", save_every=0)
+    out = Path(cfg["out"])
+    out.mkdir()
+    (out / RUN_MARKER).write_text("")
+    with another_live_process() as pid:
+        (out / LOCK).write_text(f"{host_name()} {pid}\n")
+        with pytest.raises(GorgonError, match=rf"run is being written by another training run \(process {pid}, "
+                                              rf"still running\): wait for it to end, or stop it \(kill {pid}\)"):
+            train(HeadsTrainConfig(**cfg))
+    train(HeadsTrainConfig(**cfg))  # its process gone, the lock is stale
+    assert (out / "recipe.json").is_file() and not (out / LOCK).exists()
+
+
+def test_a_refused_run_leaves_the_folder_another_run_made_meanwhile(tmp_path):
+    """Two runs started together into a new --out: the refused one removed the folder as its own empty output,
+    the running one's marker and lock with it (it then ran unlocked)."""
+    from gorgon.heads.files import take_lock
+    from gorgon.train.run_folder import LOCK, RUN_MARKER, no_empty_output_left
+
+    out, mine = tmp_path / "run", tmp_path / "mine"
+    with pytest.raises(GorgonError), no_empty_output_left(out):
+        take_lock(out / LOCK)  # as the other run, which made the folder after this one looked
+        (out / RUN_MARKER).write_text("")
+        raise GorgonError("is being written by another training run")
+    assert (out / LOCK).is_file() and (out / RUN_MARKER).is_file()
+    with pytest.raises(GorgonError), no_empty_output_left(mine):  # a run's own failure leaves nothing
+        mine.mkdir()
+        (mine / RUN_MARKER).write_text("")
+        raise GorgonError("bad data")
+    assert not mine.exists()
+
+
+def test_ctrl_c_says_what_was_kept_and_how_to_go_on(tmp_path, capsys):
+    """Ctrl-C ended training and data generation silently (after a half-drawn progress bar): a user learnt of
+    --resume only from the refusal of a plain rerun. (The first newline ends the bar's line.)"""
+    from gorgon.heads.files import take_lock
+    from gorgon.train.data import holding
+    from gorgon.train.run_folder import LOCK, RUN_MARKER, lock_released_on_failure
+
+    out = tmp_path / "run"
+    (out / "checkpoints" / "step-20").mkdir(parents=True)
+    (out / RUN_MARKER).write_text("")
+    for kept, says in [(out / "checkpoints" / "step-20", f"{out / 'checkpoints' / 'step-20'} is kept: rerun the "
+                                                         "command with --resume true to continue from it"),
+                       (None, "no checkpoint was saved yet (save_every sets how often): a rerun starts over")]:
+        with pytest.raises(KeyboardInterrupt), lock_released_on_failure(out, lambda kept=kept: kept):
+            take_lock(out / LOCK)
+            raise KeyboardInterrupt
+        assert capsys.readouterr().err == f"\ngorgon: {says}\n" and not (out / LOCK).exists()
+    # Stopped before it took the folder, which another run holds: that run's checkpoints are not looked
+    # for (looking removes one cut short: the other run's, being written), and nothing is said of them.
+    (out / LOCK).write_text("elsewhere 1 0\n")
+    with pytest.raises(KeyboardInterrupt), lock_released_on_failure(out, lambda: pytest.fail("looked")):
+        raise KeyboardInterrupt
+    assert capsys.readouterr().err == "" and (out / LOCK).read_text() == "elsewhere 1 0\n"
+    partial = tmp_path / "data.partial"
+    with pytest.raises(KeyboardInterrupt), holding(partial):
+        (partial / "shard-00000.jsonl").write_text("{}\n")
+        raise KeyboardInterrupt
+    assert capsys.readouterr().err == (f"\ngorgon data: the 1 shard(s) finished so far are kept in {partial}: rerun "
+                                       "the same command to go on from them\n")

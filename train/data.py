@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 
 from gorgon.decode.kernels import KERNELS, use_cpu_kernels
-from gorgon.heads.errors import ArgumentParser, GorgonError, int_at_least, user_path
+from gorgon.heads.errors import ArgumentParser, GorgonError, first_problem, int_at_least, user_path
 from gorgon.heads.files import (
     atomic_write_text,
     check_output,
@@ -37,6 +37,7 @@ from gorgon.heads.files import (
     drop_lock,
     missing_folders,
     move_into_place,
+    naming_failed_writes,
     new_temp,
     read_jsonl,
     remove_empty_folders,
@@ -47,10 +48,9 @@ from gorgon.heads.target import Target, context_length, fits_context, load_targe
 
 from .batching import continuous_generate
 from .recipe import in_checkout
-from .records import from_hub, load_conversations
+from .records import METADATA_NAME, damaged_data, from_hub, is_dataset, load_conversations
 from .run_folder import changed_settings
 
-METADATA_NAME = "gorgon_data.json"
 # Prompts per continuously batched call, in batches: the batch drains only at the end of a call,
 # so the fewer calls, the fuller the batch (128 ShareGPT prompts at batch 32: one call was 1.29x
 # faster than two of 64), at the cost of redoing up to one call's work after a kill.
@@ -271,11 +271,6 @@ def prompts_hash(convs: list[dict] | None) -> str | None:
     return hashlib.sha256(json.dumps(convs, sort_keys=True).encode()).hexdigest()
 
 
-def is_dataset(out: Path) -> bool:
-    """A dataset folder `gorgon data` wrote (recognised by its metadata file)."""
-    return (out / METADATA_NAME).is_file()
-
-
 def is_complete(out: Path) -> bool:
     """Whether a dataset folder holds every file its state.json lists. A dataset moved into an existing empty
     folder puts its metadata there first (so a kill then leaves a folder gorgon knows as its own), and the
@@ -296,7 +291,15 @@ def in_dataset(path: Path) -> bool:
 def read_metadata(folder: str | os.PathLike) -> dict | None:
     """What `gorgon data` recorded beside a dataset (target, fingerprint, settings, counts); None for other data."""
     path = Path(folder) / METADATA_NAME
-    return json.loads(path.read_text()) if path.is_file() else None
+    if not path.is_file():
+        return None
+    try:
+        meta = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as err:
+        raise damaged_data(folder, f"{METADATA_NAME} cannot be read: {first_problem(err)}") from err
+    if not isinstance(meta, dict):
+        raise damaged_data(folder, f"{METADATA_NAME} is not a JSON object")
+    return meta
 
 
 def describe(folder: str | os.PathLike) -> str:
@@ -521,8 +524,13 @@ def write_dataset(rows: list[dict], metadata: dict, out: Path, replace: bool) ->
 
     remove_stale_temps(out.parent, f".{out.name}.writing-")  # a killed run's
     tmp = new_temp(out.parent, f".{out.name}.writing-", is_dir=True)
-    datasets.Dataset.from_list(rows).save_to_disk(str(tmp))
-    atomic_write_text(tmp / METADATA_NAME, json.dumps(metadata, indent=1) + "\n")
+    try:
+        with naming_failed_writes(out):
+            datasets.Dataset.from_list(rows).save_to_disk(str(tmp))
+        atomic_write_text(tmp / METADATA_NAME, json.dumps(metadata, indent=1) + "\n")
+    except BaseException:  # a full disk, Ctrl-C: no half-written copy is left beside the shards
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     if replace:
         shutil.rmtree(out)
     move_into_place(tmp, out, METADATA_NAME)

@@ -20,8 +20,9 @@ from pathlib import Path
 import yaml
 
 from gorgon.heads.errors import GorgonError, check_keys
+from gorgon.heads.files import full_disk_is_one_line
 from gorgon.heads.hub import offline_if_hub_unreachable
-from gorgon.train.run_folder import full_disk_is_one_line, no_empty_output_left
+from gorgon.train.run_folder import no_empty_output_left
 
 
 def setting(default=dataclasses.MISSING, help: str = "", *, factory=dataclasses.MISSING):
@@ -205,10 +206,13 @@ def load_recipe(cls, config_path: str | None, overrides: dict[str, str]):
             raise GorgonError(f"config {config_path} not found: pass the path of a YAML recipe (gorgon's are in "
                               "configs/heads and configs/draft)")
         try:
-            data = yaml.safe_load(path.read_text()) or {}
+            data = yaml.safe_load(path.read_text())
         except yaml.YAMLError as err:
             raise GorgonError(f"config {config_path} is not valid YAML ({err.__class__.__name__}): "
                               "fix its syntax") from err
+        if data is None or data == {}:  # it would train on the defaults alone: a file emptied or cut short
+            raise GorgonError(f"config {config_path} is empty: give it the recipe's key: value lines (gorgon's "
+                              "recipes are in configs/heads and configs/draft), or pass the settings without --config")
         if not isinstance(data, dict):
             raise GorgonError(f"config {config_path} must be a mapping of key: value")
         unknown = [key for key in data if key not in fields]
@@ -354,7 +358,7 @@ def recipe_main(cls, train, doc: str, argv: list[str] | None = None) -> int:
     overrides = parse_overrides(argv)
     cfg = load_recipe(cls, overrides.pop("config", None), overrides)
     out = Path(cfg.out)
-    with full_disk_is_one_line(out), no_empty_output_left(out):
+    with full_disk_is_one_line(out, "rerun (--resume true if a checkpoint was saved)"), no_empty_output_left(out):
         train(cfg)
     if several_processes():
         end_launched_process()

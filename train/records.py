@@ -8,15 +8,17 @@ message; prompts for self-distillation (`load_conversations`) keep the user turn
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
-from gorgon.heads.errors import GorgonError
+from gorgon.heads.errors import GorgonError, first_problem
 from gorgon.heads.files import local_path_problem, looks_like_path, read_jsonl, read_text
 from gorgon.heads.hub import not_found_locally_or_on_hub
 
 SHAPES = ('MT-Bench/Spec-Bench {"turns": [...]}', 'ShareGPT {"conversations": [{"from", "value"}]}',
           'OpenAI {"messages": [{"role", "content"}]}', '{"prompt": ...}', 'Alpaca {"instruction", "input"}')
 ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
+METADATA_NAME = "gorgon_data.json"  # what `gorgon data` writes beside its records: target, settings, counts
 
 
 def messages_of(record: dict) -> list[dict] | None:
@@ -71,16 +73,7 @@ def read_records(source: str) -> list[dict]:
     import datasets
 
     if path.is_dir():
-        try:
-            data = datasets.load_from_disk(str(path))
-        except FileNotFoundError as err:
-            raise GorgonError(f"{source} is a folder but not a saved `datasets` dataset: pass a .jsonl file or a "
-                              "folder written by Dataset.save_to_disk") from err
-        if isinstance(data, datasets.DatasetDict):
-            if not data:
-                raise GorgonError(f"{source} is a `datasets` folder with no splits: it holds no records")
-            data = data["train"] if "train" in data else next(iter(data.values()))
-        return list(data)
+        return read_dataset_folder(path)
     problem = local_path_problem(source)
     if problem:
         raise GorgonError(f"data source {problem}: pass a .jsonl/.json file or a dataset folder")
@@ -91,6 +84,38 @@ def read_records(source: str) -> list[dict]:
         return list(datasets.load_dataset(source, split="train"))
     except Exception as err:  # the hub raises many types; all mean "not reachable or not there"
         raise not_found_locally_or_on_hub("dataset", source, err) from err
+
+
+def read_dataset_folder(path: Path) -> list[dict]:
+    """The records of a folder `Dataset.save_to_disk` wrote. One whose files are missing, cut short or edited
+    fails in one line: `gorgon data` output is named as damaged, with how to make it again."""
+    import datasets
+    import pyarrow
+
+    try:
+        data = datasets.load_from_disk(str(path))
+        if isinstance(data, datasets.DatasetDict):
+            if not data:
+                raise GorgonError(f"{path} is a `datasets` folder with no splits: it holds no records")
+            data = data["train"] if "train" in data else next(iter(data.values()))
+        return list(data)
+    except (OSError, ValueError, KeyError, TypeError, pyarrow.ArrowException) as err:
+        problem = "a file it lists is missing" if isinstance(err, FileNotFoundError) else first_problem(err)
+        if is_dataset(path):
+            raise damaged_data(path, problem) from err
+        raise GorgonError(f"{path} is a folder but not a saved `datasets` dataset ({problem}): pass a .jsonl file "
+                          "or a folder written by Dataset.save_to_disk") from err
+
+
+def is_dataset(out: Path) -> bool:
+    """A dataset folder `gorgon data` wrote (recognised by its metadata file)."""
+    return (out / METADATA_NAME).is_file()
+
+
+def damaged_data(folder: str | os.PathLike, problem: str) -> GorgonError:
+    """The error for a dataset folder `gorgon data` wrote whose files were since lost, cut short or edited."""
+    return GorgonError(f"{folder} is `gorgon data` output, damaged ({problem}): make it again by rerunning the "
+                       "`gorgon data` command that wrote it, with --overwrite")
 
 
 def load_conversations(source: str, limit: int | None = None) -> list[dict]:

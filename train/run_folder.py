@@ -360,20 +360,3 @@ def no_empty_output_left(out: Path):
         remove_empty_folders(made[1:])
         raise
 
-
-@contextlib.contextmanager
-def full_disk_is_one_line(out: Path):
-    """A write that fails on a full disk becomes one line. torch and safetensors report a full disk in
-    their own words (a RuntimeError at a checkpoint), not as an OSError, so the free space is checked
-    (under 16 MiB counts as full)."""
-    try:
-        yield
-    except Exception as err:
-        if user_error_line(err) is not None:
-            raise
-        folder = next(p for p in [out, *out.absolute().parents] if p.exists())
-        free = shutil.disk_usage(folder).free
-        if free >= 16 * 2**20:
-            raise
-        raise GorgonError(f"the disk holding {out} is full ({free // 2**20} MiB free; {err.__class__.__name__} while "
-                          "writing): free some space, then rerun (--resume true if a checkpoint was saved)") from err

@@ -1,7 +1,7 @@
 """The drafting methods, each registered once from its own folder; the core finds them here.
 
-A method's folder (heads/medusa/, heads/eagle/, ...) calls `register(Method(...))` in its __init__ with
-everything the core needs of it: which folders it wrote, how to load them and draft with them, its
+A method's folder (methods/medusa/, methods/eagle/, ...) calls `register(Method(...))` in its method.py
+with everything the core needs of it: which folders it wrote, how to load them and draft with them, its
 export formats and model card, the files it writes, and, if it trains through `train/heads.py`, its
 recipe keys and training objective. Loading, export, cards, Hub downloads, a run folder's files and
 the trainer iterate `methods()` and never name a method: a new method is a folder plus one line in

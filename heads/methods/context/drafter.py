@@ -40,10 +40,18 @@ def lookup(tokens: list[int], max_ngram: int = 3, length: int = 5, branches: int
     return 0, []
 
 
+# The longest n-gram looked up: one this long already singles out the passage being copied, and each step tries
+# every size from the longest down, so a longer one (--context-ngram 100000) only slows every step.
+MAX_NGRAM = 32
+
+
 def check_context_settings(max_ngram: int, length: int, branches: int, max_length: int) -> None:
     for name, value in (("n-gram size", max_ngram), ("context draft length", length), ("branches", branches)):
         if not (isinstance(value, int) and value >= 1):
             raise GorgonError(f"the {name} must be a whole number >= 1, not {value!r}")
+    if max_ngram > MAX_NGRAM:
+        raise GorgonError(f"the n-gram size (--context-ngram) must be from 1 to {MAX_NGRAM}, not {max_ngram}: a longer "
+                          "one finds no passage a shorter one misses, and slows every step")
     if not (isinstance(max_length, int) and max_length >= length):
         raise GorgonError(f"the longest context draft (--context-max-tokens, max_length: {max_length!r}) must be a "
                           f"whole number at least the context draft length (--context-tokens, length: {length}): "

@@ -6,7 +6,7 @@ token there, through one decoder layer of the target's own architecture with a s
 of its own, so every draft knows the drafts before it (EAGLE, Li et al. 2024).
 
 The computation is EAGLE-3's, so that its checkpoints load in vLLM and SGLang unchanged
-(heads/eagle/formats.py):
+(heads/methods/eagle/formats.py):
 - features: the target's hidden states at `feature_layers` (by default a low, a middle and a
   high one: `default_feature_layers`), concatenated and mixed by `fc`;
 - `midlayer`: the target's decoder layer class, built from its config, whose attention reads
