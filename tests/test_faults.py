@@ -27,7 +27,7 @@ from gorgon.decode import Sampling, speculative_generate
 from gorgon.decode.acceptance import MIN_TEMPERATURE, target_probs
 from gorgon.heads import ContextDrafter, EagleHead, GorgonError
 from gorgon.heads.cli import main as gorgon
-from gorgon.heads.methods.eagle.drafter import EagleDrafter
+from gorgon.heads.loading import drafter_for
 from gorgon.train.data import METADATA_NAME, DataSettings, make_dataset
 from gorgon.train.records import read_records
 
@@ -36,15 +36,17 @@ NO_SPACE = "No space left on device"
 
 @pytest.fixture(scope="module")
 def made(tmp_path_factory):
-    """What the commands read, made once: a tiny chat target, random Medusa heads for it, its `gorgon data`
+    """What the commands read, made once: a tiny chat target, random Medusa and feature-level heads for it, its
+    `gorgon data`
     output (6 prompts) and two bench questions. Tests copy what they damage."""
     root = tmp_path_factory.mktemp("made")
-    target, _, heads = chat_target_with_heads(root)
+    target, loaded, heads = chat_target_with_heads(root)
+    EagleHead.for_target(loaded.model, target_fingerprint=loaded.fingerprint).save_pretrained(root / "eagle")
     prompts = root / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": f"question {i}"}) + "\n" for i in range(6)))
     settings = DataSettings(prompts=str(prompts), target=str(target), max_new_tokens=6)
     data = make_dataset(settings, root / "data", progress=False)
-    return {"target": target, "heads": heads, "data": data, "settings": settings,
+    return {"target": target, "heads": heads, "eagle": root / "eagle", "data": data, "settings": settings,
             "questions": questions_file(root / "q.jsonl")}
 
 
@@ -236,12 +238,15 @@ def test_token_ids_outside_the_vocabulary_are_refused():
             speculative_generate(model, ContextDrafter(), torch.tensor([[1, token, 2]]), 4)
 
 
-def test_a_draft_depth_no_tree_of_its_size_can_reach_is_refused():
-    head = EagleHead.for_target(tiny_model())
-    with pytest.raises(GorgonError, match="a draft depth of 50 cannot be reached in a 4-node tree .*from 1 to 3"):
-        EagleDrafter(head, nodes=4, depth=50)
-    assert EagleDrafter(head, nodes=4, depth=3).depth == 3
-    assert EagleDrafter(head, nodes=3).depth == head.config.depth  # the saved depth, cut to the tree
+def test_a_draft_depth_no_tree_of_its_size_can_reach_is_refused(made, capsys):
+    """A feature-level head's search drafted `--draft-depth 50` levels for a 4-node tree, which holds 3."""
+    args = ["generate", "--heads", str(made["eagle"]), "--target", str(made["target"]), "--tree", "4", "--prompt", "hi"]
+    assert refused(args + ["--draft-depth", "50"], capsys, made["eagle"]).endswith(
+        "--draft-depth 50 cannot be reached in a 4-node tree (the root and one candidate per level): pass "
+        "--draft-depth from 1 to 3, or more nodes (--tree)")
+    head = EagleHead.from_pretrained(made["eagle"])
+    assert drafter_for(head, 4, depth=3).depth == 3
+    assert drafter_for(head, 3).depth == head.config.depth  # the saved depth, cut to the tree as the search goes
 
 
 def test_a_context_ngram_past_the_usable_range_is_refused(capsys):

@@ -36,9 +36,6 @@ class EagleDrafter(SearchDrafter):
         self.head = head
         self.nodes = nodes if nodes is not None else head.saved_nodes(device_type)
         self.depth = depth if depth is not None else head.config.depth
-        if depth is not None and depth >= self.nodes:  # the saved depth is cut to any tree; a given one is refused
-            raise GorgonError(f"a draft depth of {depth} cannot be reached in a {self.nodes}-node tree (the root and one "
-                              f"candidate per level): pass a depth (--draft-depth) from 1 to {self.nodes - 1}, or more nodes (--tree)")
         check_search(self.depth, head.config.topk if topk is None else topk, self.nodes)  # before any widening
         self.topk = topk if topk is not None else filling_topk(head.config.topk, self.depth, self.nodes)
         self.level_cost = level_cost

@@ -86,7 +86,12 @@ def drafter(head, tree, depth, topk):
     if isinstance(tree, list):
         raise GorgonError("a feature-level head builds its tree each step: pass --tree N (nodes per step) "
                           "or auto, not a list of rank paths")
-    return EagleDrafter(head, nodes=tree if isinstance(tree, int) else None, depth=depth, topk=topk)
+    drafter = EagleDrafter(head, nodes=tree if isinstance(tree, int) else None, depth=depth, topk=topk)
+    if depth is not None and depth >= drafter.nodes:  # a given depth: the saved one is cut to any tree chosen
+        raise GorgonError(f"--draft-depth {depth} cannot be reached in a {drafter.nodes}-node tree (the root and "
+                          f"one candidate per level): pass --draft-depth from 1 to {drafter.nodes - 1}, or more "
+                          "nodes (--tree)")
+    return drafter
 
 
 def serve(fmt: str, out: Path, base_model: str, head) -> str:
