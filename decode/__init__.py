@@ -7,6 +7,6 @@ transformers only (no trl, datasets, peft, wandb).
 
 from .acceptance import Sampling
 from .generate import GenerationResult, speculative_generate
-from .options import from_options
+from .options import DecodeSettings, from_options
 
-__all__ = ["GenerationResult", "Sampling", "from_options", "speculative_generate"]
+__all__ = ["DecodeSettings", "GenerationResult", "Sampling", "from_options", "speculative_generate"]

@@ -42,12 +42,11 @@ from .calibrate import BUSY_LIMIT, busy_cores, cpu_reading, machine_setup, sync
 from .generate import GenerationResult, generation_config_as_applied, speculative_generate
 from .kernels import kernels_in_use, stock_kernels
 from .options import (
+    DecodeSettings,
     add_model_arguments,
     check_sampling_options,
     compared_drafter,
-    drafter_name,
     load_drafter,
-    read_tree,
 )
 from .questions import ask, load_questions, per_category_sample
 
@@ -538,16 +537,17 @@ def main(argv=None) -> int:
         check_report_output(args.out, is_report, args.overwrite or earlier is not None)
     questions = per_category_sample(load_questions(args.questions, args.limit), args.per_category)
     check_sampling_options(args)  # its range check, before the target loads
-    tree = read_tree(args.tree)
+    settings = DecodeSettings.from_args(args)
     with holding_report(Path(args.out) if args.out else None):
-        return bench_command(args, argv, baselines, questions, tree, earlier)
+        return bench_command(args, settings, argv, baselines, questions, earlier)
 
 
-def bench_command(args, argv, baselines: tuple[str, ...], questions: list, tree, earlier: dict | None) -> int:
+def bench_command(args, settings: DecodeSettings, argv, baselines: tuple[str, ...], questions: list,
+                  earlier: dict | None) -> int:
     """`gorgon bench` once its options are checked: load, time, report."""
-    target, drafter = load_drafter(args, tree)
+    target, drafter = load_drafter(settings)
     sampling = Sampling.like_generate(target.model, args.temperature, args.top_k, args.top_p)
-    compare = compared_drafter(args, target, tree, drafter) if args.compare_heads else None
+    compare = compared_drafter(settings, args.compare_heads, target, drafter) if args.compare_heads else None
     assistant = None
     if args.assistant:
         assistant, _ = load_causal_lm(args.assistant, "assistant model", dtype=target.model.dtype, tokenizer="none")
@@ -557,7 +557,7 @@ def bench_command(args, argv, baselines: tuple[str, ...], questions: list, tree,
     if compare is not None:
         about["compare"] = {"heads": args.compare_heads, "tree": drafter_settings(compare)["tree"],
                             "tree_size": compare.max_nodes}
-    about.update({"target": target.name, "drafter": drafter_name(args), "questions_file": args.questions,
+    about.update({"target": target.name, "drafter": settings.name, "questions_file": args.questions,
                   "baselines": list(baselines), "questions_planned": len(questions),
                   "command": "gorgon bench " + " ".join(sys.argv[2:] if argv is None else argv)})
     if earlier is not None:

@@ -10,8 +10,8 @@ import torch
 from gorgon.heads.errors import ArgumentParser, GorgonError
 
 from .acceptance import Sampling
-from .generate import ACCEPTANCE_RULES, speculative_generate
-from .options import add_model_arguments, check_sampling_options, load_drafter, read_tree
+from .generate import ACCEPTANCE_RULES, check_stop_strings, chosen_sampling, speculative_generate
+from .options import DecodeSettings, add_model_arguments, check_sampling_options, load_drafter
 
 
 def parser() -> argparse.ArgumentParser:
@@ -53,14 +53,14 @@ class TextStream:
 
 def main(argv=None) -> int:
     args = parser().parse_args(argv)
-    check_sampling_options(args)  # its range check, and what else needs no model, before the target loads
-    if args.acceptance == "typical" and args.temperature == 0:
-        raise GorgonError("--acceptance typical needs --temperature > 0 (with temperature 0 decoding is exact greedy)")
-    if "" in args.stop:
-        raise GorgonError("--stop '' would end the output at its first token: drop it, or give the text to stop at")
+    # Every check that needs no model, before the target loads.
+    check_sampling_options(args)
+    chosen_sampling(None, Sampling(args.temperature), args.acceptance)
+    check_stop_strings(args.stop)
     if args.system is not None and args.raw:
         raise GorgonError("--system goes through the chat template, which --raw skips: drop one of them")
-    target, drafter = load_drafter(args, read_tree(args.tree))
+    settings = DecodeSettings.from_args(args)
+    target, drafter = load_drafter(settings)
     sampling = Sampling.like_generate(target.model, args.temperature, args.top_k, args.top_p)
     tok = target.tokenizer
     generator = None

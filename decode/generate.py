@@ -50,6 +50,13 @@ class GenerationResult:
         return len(self.tokens) / self.seconds if self.seconds > 0 else 0.0
 
 
+def check_stop_strings(strings: list[str]) -> None:
+    """An empty stop string matches at once (`gorgon generate --stop ''` or `stop_strings=[""]`)."""
+    if "" in strings:
+        raise GorgonError("an empty stop string (--stop '') would end the output at its first token: drop it, or "
+                          "give the text to stop at")
+
+
 class StopRule:
     """Decides where output ends, as `generate` does: after an EOS token, after the token that completes
     a stop string, or at max_new_tokens, whichever comes first. (A stop string is looked for in the new
@@ -60,12 +67,10 @@ class StopRule:
         if not isinstance(strings, (list, tuple, set)) or not all(isinstance(s, str) for s in strings):
             raise GorgonError(f"stop_strings must be text (a string or a list of them), not {stop_strings!r}")
         self.stop_strings = list(strings)
+        check_stop_strings(self.stop_strings)
         if self.stop_strings and tokenizer is None:
             raise GorgonError("stop strings (given, or in the model's generation_config) need the tokenizer: pass "
                               "tokenizer=...")
-        if "" in self.stop_strings:
-            raise GorgonError("an empty stop string would end the output at its first token: drop it, or give "
-                              "the text to stop at")
         self.max_new_tokens = max_new_tokens
         if isinstance(eos_token_id, torch.Tensor):
             eos_token_id = eos_token_id.flatten().tolist()
@@ -261,7 +266,8 @@ def chosen_sampling(config, sampling: Sampling | None, acceptance: str) -> Sampl
     if acceptance not in ACCEPTANCE_RULES:
         raise GorgonError(f"unknown acceptance {acceptance!r}: use one of {', '.join(ACCEPTANCE_RULES)}")
     if acceptance == "typical" and sampling.greedy:
-        raise GorgonError("typical acceptance needs a temperature > 0 (with temperature 0 use exact greedy)")
+        raise GorgonError("typical acceptance (--acceptance typical) needs a temperature > 0 (--temperature): with "
+                          "temperature 0 decoding is exact greedy")
     return sampling
 
 

@@ -17,7 +17,8 @@ from typing import TYPE_CHECKING
 # handles Ctrl-C and prints its help before torch loads.
 _EXPORTS = {
     "ContextDrafter": ".methods.context", "MergedDrafter": ".methods.context",
-    "DRAFT_TOKENS": ".methods.draft_model", "MAX_DRAFT_TOKENS": ".methods.draft_model", "DraftModelDrafter": ".methods.draft_model",
+    "DRAFT_TOKENS": ".methods.draft_model", "MAX_DRAFT_TOKENS": ".methods.draft_model",
+    "DraftModelDrafter": ".methods.draft_model",
     "load_draft": ".methods.draft_model",
     "Drafter": ".drafter",
     "EagleConfig": ".methods.eagle", "EagleDrafter": ".methods.eagle", "EagleHead": ".methods.eagle",
@@ -39,12 +40,12 @@ def __getattr__(name: str):
 
 
 if TYPE_CHECKING:  # what editors and type checkers read
-    from .methods.context import ContextDrafter, MergedDrafter
-    from .methods.draft_model import DRAFT_TOKENS, MAX_DRAFT_TOKENS, DraftModelDrafter, load_draft
     from .drafter import Drafter
-    from .methods.eagle import EagleConfig, EagleDrafter, EagleHead
     from .errors import GorgonError
     from .loading import drafter_for, load_heads, load_heads_for
-    from .methods.medusa import MedusaDrafter, MedusaConfig, MedusaHeads
+    from .methods.context import ContextDrafter, MergedDrafter
+    from .methods.draft_model import DRAFT_TOKENS, MAX_DRAFT_TOKENS, DraftModelDrafter, load_draft
+    from .methods.eagle import EagleConfig, EagleDrafter, EagleHead
+    from .methods.medusa import MedusaConfig, MedusaDrafter, MedusaHeads
     from .target import Target, fingerprint, load_target
     from .tree import Tree, build_tree, tree_from_accuracies

@@ -10,9 +10,9 @@ import threading
 from pathlib import Path
 from urllib.parse import urlparse
 
-from .methods import loaded_files
 from .errors import GorgonError
 from .files import local_path_problem, looks_like_path
+from .methods import loaded_files
 
 CONFIG_NAME = "config.json"
 UNREACHABLE = "GORGON_HUB_UNREACHABLE"  # the Hub's host, set beside HF_HUB_OFFLINE when it did not resolve

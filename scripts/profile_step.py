@@ -28,7 +28,7 @@ from gorgon.decode.argmax import target_argmax
 from gorgon.decode.attention import decoding_attention
 from gorgon.decode.calibrate import cpu_flags, cpu_name, measure_verify_costs, median_ms
 from gorgon.decode.kernels import kernels_in_use, stock_rows, use_cpu_kernels
-from gorgon.decode.options import add_model_arguments, load_drafter, read_tree
+from gorgon.decode.options import DecodeSettings, add_model_arguments, load_drafter, read_tree
 from gorgon.decode.questions import load_questions
 from gorgon.decode.verify import accepted_rows, features, keep_path, verify
 from gorgon.heads import MedusaDrafter, MedusaHeads
@@ -132,7 +132,7 @@ def main():
     if args.random_target:
         model, drafter = random_target(args)
     elif args.heads or args.draft or args.context_draft:
-        target, drafter = load_drafter(args, read_tree(args.tree))
+        target, drafter = load_drafter(DecodeSettings.from_args(args))
         model = target.model
     else:
         p.error("one of --heads, --draft, --context-draft or --random-target is required")

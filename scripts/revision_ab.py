@@ -107,7 +107,10 @@ class Side:
         self.label = label
         self.generate = importlib.import_module(f"{package}.decode.generate").speculative_generate
         self.attention = importlib.import_module(f"{package}.decode.attention").decoding_attention
-        self.target, self.drafter = options.load_drafter(args, options.read_tree(args.tree))
+        if hasattr(options, "DecodeSettings"):
+            self.target, self.drafter = options.load_drafter(options.DecodeSettings.from_args(args))
+        else:  # a revision from before the decode settings were a dataclass
+            self.target, self.drafter = options.load_drafter(args, options.read_tree(args.tree))
         sampling = importlib.import_module(f"{package}.decode.acceptance").Sampling
         self.sampling = sampling.like_generate(self.target.model, args.temperature, args.top_k, args.top_p) \
             if args.temperature else None

@@ -13,7 +13,7 @@ scripts/profile_step.py for the cost of a forward over N tokens).
 import json
 from pathlib import Path
 
-from gorgon.decode.options import add_model_arguments, drafter_name, load_drafter, read_tree
+from gorgon.decode.options import DecodeSettings, add_model_arguments, load_drafter
 from gorgon.decode.questions import load_questions, per_category_sample
 from gorgon.decode.tau import measure_tau
 from gorgon.heads.errors import ArgumentParser, int_at_least, run_script
@@ -28,10 +28,11 @@ def main() -> None:
     p.add_argument("--json", action="store_true", help="print one JSON line instead of the table")
     args = p.parse_args()
     questions = per_category_sample(load_questions(args.questions), args.per_category)
-    target, drafter = load_drafter(args, read_tree(args.tree))
+    settings = DecodeSettings.from_args(args)
+    target, drafter = load_drafter(settings)
     report = measure_tau(target, drafter, questions, args.max_new_tokens)
     metrics = Path(args.heads) / "metrics.json" if args.heads else None
-    report.update({"drafter": drafter_name(args), "max_tree_nodes": drafter.max_nodes, "questions": len(questions),
+    report.update({"drafter": settings.name, "max_tree_nodes": drafter.max_nodes, "questions": len(questions),
                    "max_new_tokens": args.max_new_tokens,
                    "train_conversations": json.loads(metrics.read_text()).get("train_conversations")
                    if metrics is not None and metrics.is_file() else None})

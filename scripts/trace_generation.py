@@ -31,7 +31,7 @@ import gorgon.decode.generate as generate_module
 from gorgon.decode.acceptance import Sampling
 from gorgon.decode.attention import decoding_attention
 from gorgon.decode.bench import timed_generate, timed_speculative
-from gorgon.decode.options import add_model_arguments, load_drafter, read_tree
+from gorgon.decode.options import DecodeSettings, add_model_arguments, load_drafter
 from gorgon.decode.questions import load_questions
 from gorgon.heads.errors import ArgumentParser, GorgonError, int_at_least, run_script
 from gorgon.heads.files import atomic_write, check_writable
@@ -105,7 +105,7 @@ def main():
         if os.path.lexists(args.trace):
             raise GorgonError(f"--trace {args.trace} already exists: choose a new file")
         check_writable(Path(args.trace).parent, "choose a writable --trace")
-    target, drafter = load_drafter(args, read_tree(args.tree))
+    target, drafter = load_drafter(DecodeSettings.from_args(args))
     model, sampling = target.model, Sampling.like_generate(target.model, args.temperature, args.top_k, args.top_p)
     prompts = [target.chat_ids([{"role": "user", "content": q["turns"][0]}])
                for q in load_questions(args.questions, args.limit)]

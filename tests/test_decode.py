@@ -792,8 +792,9 @@ def test_arguments_are_range_checked(tmp_path, capsys):
                                               r"nodes$"):
             read_tree(bad)
     assert read_tree("8") == 8
-    for argv, says in [(["--acceptance", "typical"], "--acceptance typical needs --temperature > 0"),
-                       (["--stop", ""], "--stop '' would end the output at its first token"),
+    for argv, says in [(["--acceptance", "typical"], "typical acceptance (--acceptance typical) needs a temperature > "
+                                                     "0 (--temperature)"),
+                       (["--stop", ""], "an empty stop string (--stop '') would end the output at its first token"),
                        (["--system", "be brief", "--raw"], "--system goes through the chat template, which --raw "
                                                            "skips")]:
         # the target named does not exist: refused before it would load
@@ -802,7 +803,7 @@ def test_arguments_are_range_checked(tmp_path, capsys):
         assert says in capsys.readouterr().err
     with pytest.raises(GorgonError, match="from 2 .* to 256, not -3"):
         MedusaDrafter(heads, tree=-3)
-    with pytest.raises(GorgonError, match="an empty stop string would end the output at its first token"):
+    with pytest.raises(GorgonError, match=r"an empty stop string \(--stop ''\) would end the output at its first"):
         speculative_generate(tiny_model(), MedusaDrafter(heads), torch.tensor([[1, 2, 3]]), stop_strings=["", "."],
                              tokenizer=tiny_tokenizer())
 

@@ -603,7 +603,7 @@ def test_bad_input_is_one_line(tmp_path):
 def test_cli_draft_depth_and_topk_shape_the_search(tmp_path, capsys):
     import argparse
 
-    from gorgon.decode.options import add_model_arguments, load_drafter
+    from gorgon.decode.options import DecodeSettings, add_model_arguments, load_drafter
     from gorgon.heads import MedusaHeads
     from gorgon.heads.cli import main as gorgon
 
@@ -617,7 +617,8 @@ def test_cli_draft_depth_and_topk_shape_the_search(tmp_path, capsys):
     common = ["--target", str(target_path), "--max-new-tokens", "4"]
 
     def search(*argv, tree="auto"):
-        drafter = load_drafter(parser.parse_args(["--heads", str(tmp_path / "eagle"), *argv] + common), tree)[1]
+        args = parser.parse_args(["--heads", str(tmp_path / "eagle"), *argv] + common)
+        drafter = load_drafter(DecodeSettings.from_args(args, tree=tree))[1]
         return drafter.depth, drafter.topk
 
     assert search() == (3, 3)  # the saved top-k 2 widened: 3 levels of 3 fill the saved 8-node tree's 7 candidates
@@ -713,7 +714,8 @@ def test_bad_training_settings_are_one_line():
 
     for settings, message in [({"arch": "eagel"}, "arch must be one of medusa, eagle, not 'eagel'"),
                               ({"arch": "eagle", "ttt_steps": 0}, "ttt_steps must be at least 1"),
-                              ({"arch": "eagle", "mode": "medusa2"}, "mode is a key of arch: medusa .*, not of arch: eagle"),
+                              ({"arch": "eagle", "mode": "medusa2"}, "mode is a key of arch: medusa .*, not of arch: "
+                                                                   "eagle"),
                               ({"arch": "eagle", "draft_depth": 0}, "the draft depth must be a whole number >= 1"),
                               ({"train_conversations": 0}, "train_conversations must be at least 1"),
                               ({"loss_tokens": "prompts"}, "loss_tokens must be one of answers, all"),
@@ -861,8 +863,8 @@ def test_the_training_time_test_sees_what_drafting_sees():
     that chain: the context from the target's features in its cache, then its own first draft."""
     from transformers import DynamicCache
 
-    from gorgon.heads.methods.eagle.objective import EagleObjective
     from gorgon.heads.masks import additive_mask
+    from gorgon.heads.methods.eagle.objective import EagleObjective
 
     model = tiny_model("llama", layers=4)
     head = head_for(model)

@@ -327,7 +327,7 @@ def test_a_feature_level_heads_tree_size_follows_the_verify_costs(monkeypatch, t
     """--tree auto sizes a feature-level head's tree for this machine, as Medusa heads', from its held-out
     accuracies per level; a head without them keeps the size saved with it."""
     import gorgon.decode.options as options
-    from gorgon.decode.options import load_drafter
+    from gorgon.decode.options import DecodeSettings, load_drafter
     from gorgon.heads import EagleHead
 
     target = load_target(str(tiny_chat_target(tmp_path)), device="cpu")
@@ -346,7 +346,7 @@ def test_a_feature_level_heads_tree_size_follows_the_verify_costs(monkeypatch, t
         monkeypatch.setattr(options, "verify_costs", lambda model, costs=costs: costs)
         args = generate_parser().parse_args(["--target", str(tmp_path / "tiny-llama-0"), "--heads",
                                              str(tmp_path / folder), "--prompt", "hi", "--device", "cpu"])
-        _, drafter = load_drafter(args, "auto")
+        _, drafter = load_drafter(DecodeSettings.from_args(args))
         assert drafter.nodes == nodes, (folder, costs)
     assert best_tree_size([accuracies[0], accuracies[1], accuracies[1]], steep) < 6
 
@@ -567,8 +567,8 @@ def test_auto_tree_is_sized_from_accuracies_and_measured_costs(tmp_path, monkeyp
                                          "--prompt", "x", "--cpu-kernels", "stock"])
     for costs, size in [({1: 10.0, 2: 10.0, 4: 10.0, 8: 10.0, 16: 10.0}, 16), ({1: 10.0, 2: 10.0, 4: 40.0}, 2)]:
         monkeypatch.setattr(options, "verify_costs", lambda model, costs=costs: costs)
-        _, drafter = options.load_drafter(args, "auto")
+        _, drafter = options.load_drafter(options.DecodeSettings.from_args(args))
         assert drafter.tree.size == size
         assert f"a {size}-node tree fits {tmp_path / 'heads'} best on this machine" in capsys.readouterr().err
-    _, drafter = options.load_drafter(args, 3)  # an explicit size is kept
+    _, drafter = options.load_drafter(options.DecodeSettings.from_args(args, tree=3))  # an explicit size is kept
     assert drafter.tree.size == 3

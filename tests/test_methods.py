@@ -9,8 +9,8 @@ import pytest
 from helpers import tiny_model
 
 from gorgon.heads import EagleHead, GorgonError, MedusaHeads
-from gorgon.heads.methods.medusa import formats as medusa_formats
 from gorgon.heads.methods import PACKAGES, loaded_files, method_of, methods, recorded_method
+from gorgon.heads.methods.medusa import formats as medusa_formats
 
 
 def test_every_package_registers_one_method_named_for_its_folder():

@@ -29,10 +29,11 @@ from pathlib import Path
 
 import torch
 
-from gorgon.heads.methods.draft_model import DRAFT_TOKENS
 from gorgon.heads.errors import GorgonError
 from gorgon.heads.files import atomic_write_text, follow_umask
-from gorgon.train.recipe import TrainingSettings, in_checkout, setting
+from gorgon.heads.methods import setting
+from gorgon.heads.methods.draft_model import DRAFT_TOKENS
+from gorgon.train.recipe import TrainingSettings, in_checkout
 from gorgon.train.run_folder import STATE_NAME, check_more_to_train, check_resume, data_sha256, resume_settings
 
 

@@ -12,6 +12,7 @@ traceback from following a one-line error.)
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -19,7 +20,6 @@ import re
 import shutil
 import sys
 import time
-import dataclasses
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -27,9 +27,9 @@ import torch
 
 from gorgon.heads.errors import GorgonError
 from gorgon.heads.files import follow_umask
-from gorgon.heads.methods import Method, by_name, trainable
+from gorgon.heads.methods import Method, by_name, setting, trainable
 from gorgon.heads.tree import MAX_TREE_NODES
-from gorgon.train.recipe import TrainingSettings, in_checkout, setting
+from gorgon.train.recipe import TrainingSettings, in_checkout
 from gorgon.train.run_folder import (
     STATE_NAME,
     check_more_to_train,

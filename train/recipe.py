@@ -22,13 +22,8 @@ import yaml
 from gorgon.heads.errors import GorgonError, check_keys
 from gorgon.heads.files import full_disk_is_one_line
 from gorgon.heads.hub import offline_if_hub_unreachable
+from gorgon.heads.methods import setting
 from gorgon.train.run_folder import no_empty_output_left
-
-
-def setting(default=dataclasses.MISSING, help: str = "", *, factory=dataclasses.MISSING):
-    """A recipe key: its default (none: required) and the text `--help` prints beside it, as TRL's
-    `field(metadata={"help": ...})`."""
-    return dataclasses.field(default=default, default_factory=factory, metadata={"help": help})
 
 
 @dataclasses.dataclass

@@ -4,7 +4,7 @@ drafter.py: `lookup` (pure, over token lists), `ContextDrafter`, and `MergedDraf
 two drafters' candidates under one root within a node budget. No model and no training objective.
 """
 
-from .drafter import ContextDrafter, MergedDrafter, lookup
 from . import method  # noqa: F401  (registers the method with gorgon.heads.methods)
+from .drafter import ContextDrafter, MergedDrafter, lookup
 
 __all__ = ["ContextDrafter", "MergedDrafter", "lookup"]

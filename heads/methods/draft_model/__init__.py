@@ -6,9 +6,9 @@ the draft as a drafter (a greedy chain or a tree, with its own KV cache); object
 batches and the held-out agreement with the target.
 """
 
+from . import method  # noqa: F401  (registers the method with gorgon.heads.methods)
 from .drafter import DRAFT_TOKENS, MAX_DRAFT_TOKENS, DraftModelDrafter
 from .model import cut_to_draft_vocab, load_draft, load_draft_vocab
-from . import method  # noqa: F401  (registers the method with gorgon.heads.methods)
 
 __all__ = ["DRAFT_TOKENS", "MAX_DRAFT_TOKENS", "DraftModelDrafter", "cut_to_draft_vocab", "load_draft",
            "load_draft_vocab"]

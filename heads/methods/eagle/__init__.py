@@ -6,8 +6,8 @@ head as a drafter with its own KV cache and a confidence-ranked tree per step; o
 training loss; formats.py: the EAGLE-3 layout vLLM and SGLang load, and the speculators format.
 """
 
+from . import method  # noqa: F401  (registers the method with gorgon.heads.methods)
 from .drafter import EagleDrafter
 from .model import EagleConfig, EagleHead
-from . import method  # noqa: F401  (registers the method with gorgon.heads.methods)
 
 __all__ = ["EagleConfig", "EagleDrafter", "EagleHead"]

@@ -7,8 +7,8 @@ import json
 from pathlib import Path
 
 from ...errors import GorgonError
-from .. import Method, Recipe, register, setting
 from ...search import check_search
+from .. import Method, Recipe, register, setting
 from . import formats
 from .card import eagle_card
 from .model import ARCH, NODES, EagleConfig, EagleHead

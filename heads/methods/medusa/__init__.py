@@ -5,8 +5,8 @@ model.py: the heads, their config and checkpoint folder; drafter.py: the heads a
 FasterDecoding Medusa's checkpoint layouts.
 """
 
+from . import method  # noqa: F401  (registers the method with gorgon.heads.methods)
 from .drafter import MedusaDrafter
 from .model import MedusaConfig, MedusaHeads
-from . import method  # noqa: F401  (registers the method with gorgon.heads.methods)
 
 __all__ = ["MedusaDrafter", "MedusaConfig", "MedusaHeads"]
