@@ -45,17 +45,60 @@ def test_export_then_import_gives_identical_logits(tmp_path, fmt, shared):
     torch.testing.assert_close(back(hidden), heads(hidden), rtol=0, atol=0)
 
 
-def test_vllm_round_trip_keeps_the_draft_vocabulary(tmp_path):
+def vllm_medusa_refusal(folder) -> str | None:
+    """What vLLM 0.32's Medusa loader (vllm/model_executor/models/medusa.py) says of a folder, None when it loads:
+    every parameter listed before `load_weights` must be loaded, and `load_weights` makes `token_map` one more
+    (where truncated_vocab_size < vocab_size) that it never reports loaded."""
+    config = json.loads((folder / "config.json").read_text())
+    weights = load_file(folder / "model.safetensors")
+    heads, layers = config["num_heads"], config["num_hidden_layers"]
+    params = {f"blocks.{h}.layers.{i}.{p}" for h in range(heads) for i in range(layers) for p in ("weight", "bias")}
+    params |= {"lm_head.weight"} if config["original_lm_head"] else {f"lm_heads.{h}.weight" for h in range(heads)}
+    if config["truncated_vocab_size"] < config["vocab_size"]:
+        if "token_map" not in weights:
+            return "AssertionError: a truncated vocabulary without a token_map"
+        params.add("token_map")
+    missing = params - (set(weights) - {"token_map"})
+    return f"Following weights were not initialized from checkpoint: {missing}" if missing else None
+
+
+def test_a_vllm_export_of_heads_with_a_draft_vocabulary_loads_in_vllm_032(tmp_path, capsys):
+    """vLLM 0.32 refused the export of heads with a draft vocabulary (every SmolLM2 Medusa recipe's) for its
+    token_map; heads over the whole vocabulary load, and the export says what it changed."""
+    model = tiny_model("llama")
+    for shared in (True, False):
+        heads = trained_like(model, shared)
+        heads.set_draft_vocab(torch.arange(0, 64, 2))
+        out = export_heads(heads, "vllm", tmp_path / f"v-{shared}")
+        assert vllm_medusa_refusal(out) is None
+        config = json.loads((out / "config.json").read_text())
+        assert config["truncated_vocab_size"] == config["vocab_size"] == 64
+        assert "token_map" not in load_file(out / "model.safetensors")
+        assert "drafting from every token" in capsys.readouterr().err
+        # Imported back, the heads draft as the engine does: from every token, with the same blocks and LM heads.
+        back = MedusaHeads.from_pretrained(out, target=model)
+        hidden = torch.randn(3, 32)
+        whole = trained_like(model, shared)
+        whole.load_state_dict({k: v for k, v in heads.state_dict().items() if k != "token_map"})
+        assert back.config.draft_vocab_size is None
+        assert torch.equal(back.draft_topk(hidden, 4), whole.draft_topk(hidden, 4))
+
+
+def test_a_vllm_folder_with_a_token_map_still_imports(tmp_path):
+    """Checkpoints written for older vLLM releases (and by earlier gorgons) keep their draft vocabulary."""
+    from safetensors.torch import save_file
+
     model = tiny_model("llama")
     heads = trained_like(model)
     heads.set_draft_vocab(torch.arange(0, 64, 2))
-    export_heads(heads, "vllm", tmp_path / "v")
-    config = json.loads((tmp_path / "v" / "config.json").read_text())
-    weights = load_file(tmp_path / "v" / "model.safetensors")
-    assert config["truncated_vocab_size"] == 32 and weights["token_map"].tolist() == list(range(0, 64, 2))
-    assert weights["lm_head.weight"].shape == (64, 32)  # vLLM slices the full head by token_map itself
-    back = MedusaHeads.from_pretrained(tmp_path / "v", target=model)
+    out = export_heads(heads, "vllm", tmp_path / "v")
+    config = json.loads((out / "config.json").read_text())
+    save_file({**load_file(out / "model.safetensors"), "token_map": heads.token_map},
+              str(out / "model.safetensors"))
+    (out / "config.json").write_text(json.dumps({**config, "truncated_vocab_size": 32}))
+    back = MedusaHeads.from_pretrained(out, target=model)
     hidden = torch.randn(3, 32)
+    assert back.config.draft_vocab_size == 32
     assert torch.equal(back.draft_topk(hidden, 4), heads.draft_topk(hidden, 4))
 
 

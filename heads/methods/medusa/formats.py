@@ -3,7 +3,14 @@
 - vllm: vLLM's Medusa draft model (vllm/model_executor/models/medusa.py, its config in
   vllm/transformers_utils/configs/medusa.py): config.json with model_type "medusa"; weights
   `blocks.{h}.layers.{layer}.weight/bias`, and `lm_heads.{h}.weight` per head or, with
-  `original_lm_head`, one `lm_head.weight` shared by all heads.
+  `original_lm_head`, one `lm_head.weight` shared by all heads. Always over the whole vocabulary:
+  vLLM 0.32's loader refuses a draft vocabulary (its `load_weights` makes `token_map` a parameter
+  after the loader listed the parameters to load, and never reports it loaded, so
+  `track_weights_loading` raises "Following weights were not initialized from checkpoint:
+  {'token_map'}"), while whole-vocabulary heads (`truncated_vocab_size` = `vocab_size`, no
+  `token_map`) load in it and in the releases before it that sized heads to the draft vocabulary.
+  Heads that draft from a draft vocabulary then draft from every token there: the engine's drafts
+  may differ from gorgon's, its output does not (the target accepts or rejects every draft).
 - medusa: FasterDecoding Medusa's `medusa_lm_head.safetensors` (read by TGI and TensorRT-LLM,
   e.g. TensorRT-LLM's load_medusa_hf): `{h}.{layer}.linear.weight/bias` and each head's own LM head
   `{h}.{num_layers}.weight`; config.json with medusa_num_heads, medusa_num_layers and
@@ -17,6 +24,7 @@ round trip gives identical logits.
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import torch
@@ -28,6 +36,8 @@ from ...target import recorded_target
 FORMATS = ("vllm", "medusa")
 MEDUSA_WEIGHTS = "medusa_lm_head.safetensors"
 MEDUSA_LEGACY = "medusa_lm_head.pt"
+VLLM_REFUSES = (" in a form vLLM loads (vLLM 0.32 refuses a Medusa token_map; whole-vocabulary heads load in 0.32 and "
+                "earlier releases)")
 
 
 def export_heads(heads, fmt: str, out: str | Path, base_model: str | None = None) -> Path:
@@ -52,11 +62,9 @@ def export_heads(heads, fmt: str, out: str | Path, base_model: str | None = None
             state["lm_head.weight"] = heads.lm_head_weight(0)
         else:
             state.update({f"lm_heads.{h}.weight": heads.lm_head_weight(h) for h in range(cfg.num_heads)})
-        if heads.token_map is not None:  # vLLM slices the full LM head by token_map itself
-            state["token_map"] = heads.token_map
         config = {"model_type": "medusa", "architectures": ["MedusaModel"], "num_heads": cfg.num_heads,
                   "num_hidden_layers": cfg.num_layers, "hidden_size": cfg.hidden_size, "vocab_size": cfg.vocab_size,
-                  "truncated_vocab_size": cfg.draft_vocab_size or cfg.vocab_size,
+                  "truncated_vocab_size": cfg.vocab_size,
                   "original_lm_head": cfg.shared_lm_head,
                   "medusa_fc_bias": True, "base_model_name_or_path": base_model or cfg.target_name}
         weights_name = "model.safetensors"
@@ -67,6 +75,11 @@ def export_heads(heads, fmt: str, out: str | Path, base_model: str | None = None
                   "vocab_size": cfg.vocab_size}
         weights_name = MEDUSA_WEIGHTS
     write_weights(out, state, config, weights_name)
+    if heads.token_map is not None:
+        print(f"gorgon export: note: these heads draft from {cfg.draft_vocab_size} of the {cfg.vocab_size} tokens, a "
+              f"draft vocabulary the {fmt} format cannot hold{VLLM_REFUSES if fmt == 'vllm' else ''}: exported drafting "
+              "from every token (the output is the target's either way; the drafts, and how many are accepted, "
+              "may differ from gorgon's)", file=sys.stderr)
     return out
 
 
