@@ -24,16 +24,8 @@ import torch
 
 from gorgon.heads.card import check_card_folder, refresh_model_card
 from gorgon.heads.errors import ArgumentParser, GorgonError, int_at_least, user_error_line, user_path
-from gorgon.heads.files import (
-    atomic_write_text,
-    check_report_output,
-    check_unlocked,
-    drop_lock,
-    missing_folders,
-    remove_empty_folders,
-    save_figure,
-    take_lock,
-)
+from gorgon.heads.files import atomic_write_text, save_figure
+from gorgon.heads.outputs import changed_settings, check_report_output, holding
 from gorgon.heads.target import check_model_source, context_length, load_causal_lm
 
 from .acceptance import Sampling
@@ -538,7 +530,8 @@ def main(argv=None) -> int:
     questions = per_category_sample(load_questions(args.questions, args.limit), args.per_category)
     check_sampling_options(args)  # its range check, before the target loads
     settings = DecodeSettings.from_args(args)
-    with holding_report(Path(args.out) if args.out else None):
+    report = Path(args.out) if args.out else None  # locked: two benches wrote it in turn, and one's figures were lost
+    with holding(report_lock(report), "gorgon bench", report) if report else contextlib.nullcontext():
         return bench_command(args, settings, argv, baselines, questions, earlier)
 
 
@@ -634,7 +627,7 @@ def check_same_bench(earlier: dict, about: dict, out) -> None:
     """Refuse to go on from a report measured otherwise (another drafter, tree, machine or version): its
     questions' figures would not add up with these."""
     about = json.loads(json.dumps(about))  # as the report holds it: lists, not tuples
-    changed = sorted(key for key, value in about.items() if key not in MAY_DIFFER and earlier.get(key) != value)
+    changed = changed_settings(earlier, about, MAY_DIFFER, absent_is_none=True)
     if changed:
         raise GorgonError(f"{out} holds an unfinished bench with other settings ({', '.join(changed)}): rerun with "
                           "the same ones to go on from it (--tree N fixes a tree that --tree auto sized otherwise), "
@@ -642,24 +635,5 @@ def check_same_bench(earlier: dict, about: dict, out) -> None:
 
 
 def report_lock(out: Path) -> Path:
-    """The lock beside a report that a bench is writing (`holding_report`)."""
+    """The lock beside a report that a bench is writing (`holding`)."""
     return out.parent / f".{out.name}.lock"
-
-
-@contextlib.contextmanager
-def holding_report(out: Path | None):
-    """Refuse a report another live bench is writing (both wrote it after each question, and one's figures were
-    lost); else hold its lock while the bench runs. The folders made for it go again if it wrote nothing there
-    (a refused or failed bench left them). None: no --out, nothing to hold."""
-    if out is None:
-        yield
-        return
-    lock = report_lock(out)
-    check_unlocked(lock, "gorgon bench", out)
-    made = missing_folders(lock.parent)
-    take_lock(lock)
-    try:
-        yield
-    finally:
-        drop_lock(lock)
-        remove_empty_folders(made)

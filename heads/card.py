@@ -10,9 +10,10 @@ from pathlib import Path
 import yaml
 
 from .errors import GorgonError
-from .files import atomic_write_text, check_writable, save_figure
+from .files import atomic_write_text, save_figure
 from .hub import is_hub_id
 from .methods import recorded_method
+from .outputs import check_writable
 from .target import EMBEDDED_HUB_ID, EMBEDDED_LICENSE, EMBEDDED_NAME, hub_name
 
 

@@ -11,19 +11,11 @@ from pathlib import Path
 
 from .drafter import dtype_name
 from .errors import ArgumentParser, GorgonError, user_path
-from .files import (
-    atomic_write_text,
-    check_output,
-    full_disk_is_one_line,
-    missing_folders,
-    move_into_place,
-    new_temp,
-    remove_empty_folders,
-    remove_stale_temps,
-)
+from .files import atomic_write_text
 from .hub import is_hub_id, resolve_heads_folder
 from .loading import heads_method, load_heads
 from .methods import methods
+from .outputs import check_output, full_disk_is_one_line, move_into_place, staging
 from .target import EMBEDDED_HUB_ID, hub_name, resolve_dtype
 
 EXPORT_MARKER = ".gorgon-export"  # written into a complete export: the files it wrote, which --overwrite replaces
@@ -83,26 +75,15 @@ def main(argv=None) -> int:
             "which no engine format holds"
         raise GorgonError(f"{args.heads} holds {method.title}, {exports}, not {args.format}")
     target, heads = load_heads(folder, args.target, device="cpu", dtype=args.dtype or "float32")
-    # Written whole beside --out first, so a killed export leaves no half-written folder behind.
-    made = missing_folders(out.parent)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    remove_stale_temps(out.parent, f".{out.name}.exporting-")  # a killed export's own
-    staging = new_temp(out.parent, f".{out.name}.exporting-", is_dir=True)
     base_model = args.base_model or hub_name(target.name)  # what an engine loads as the target
-    try:
-        with full_disk_is_one_line(out):  # safetensors reports it as a SafetensorError
-            method.export(heads, args.format, staging, base_model, args.dtype and dtype_name(heads))
-            written = sorted(str(f.relative_to(staging)) for f in staging.rglob("*") if f.is_file())
-            atomic_write_text(staging / EXPORT_MARKER, json.dumps(written))
-    except BaseException:  # an error or Ctrl-C: nothing half-written is left, nor the folders made for it (a
-        # kill's, the next export removes)
-        shutil.rmtree(staging, ignore_errors=True)
-        remove_empty_folders(made)
-        raise
-    if replace:
-        replace_export(staging, out, written)
-    else:
-        move_into_place(staging, out, EXPORT_MARKER)
+    with staging(out, "exporting") as staged, full_disk_is_one_line(out):  # safetensors': a SafetensorError
+        method.export(heads, args.format, staged, base_model, args.dtype and dtype_name(heads))
+        written = sorted(str(f.relative_to(staged)) for f in staged.rglob("*") if f.is_file())
+        atomic_write_text(staged / EXPORT_MARKER, json.dumps(written))
+        if replace:
+            replace_export(staged, out, written)
+        else:
+            move_into_place(staged, out, EXPORT_MARKER)
     print(f"gorgon export: wrote {args.format} heads to {out}")
     print(f"gorgon export: next, serve them: {method.serve(args.format, out, base_model, heads)}")
     if not is_hub_id(base_model):
@@ -113,28 +94,26 @@ def main(argv=None) -> int:
     return 0
 
 
-def replace_export(staging: Path, out: Path, written: list[str]) -> None:
-    """Put a new export's files in place of the earlier export's at `out`, and remove the earlier ones
-    the new export does not write (it may be in the other format); any other file there is the
-    user's (a README, a serving config) and stays. The marker lists both until the swap is done,
-    so a killed swap is replaced again by the next --overwrite."""
+def replace_export(staged: Path, out: Path, written: list[str]) -> None:
+    """Put a new export's files (in `staged`) in place of the earlier export's at `out`, and remove the earlier
+    ones the new export does not write (it may be in the other format); any other file there is the user's (a
+    README, a serving config) and stays. The marker lists both until the swap is done, so a killed swap is
+    replaced again by the next --overwrite."""
     try:
         earlier = json.loads((out / EXPORT_MARKER).read_text())
     except ValueError:  # an older gorgon's empty marker: which files there are the export's is not known
-        shutil.rmtree(staging)
         raise GorgonError(f"--out {out} holds an export by an older gorgon, whose {EXPORT_MARKER} does not list its "
                           "files: remove the folder (after moving away any file of yours), or choose another --out"
                           ) from None
     clashes = [name for name in written if (out / name).exists() and name not in earlier]
     if clashes:
-        shutil.rmtree(staging)
         raise GorgonError(f"--out {out} holds {clashes[0]}, which the earlier export did not write: move it away or "
                           "choose another --out")
     atomic_write_text(out / EXPORT_MARKER, json.dumps(sorted({*earlier, *written})))
     for name in written:
         (out / name).parent.mkdir(parents=True, exist_ok=True)
-        os.replace(staging / name, out / name)
+        os.replace(staged / name, out / name)
     for name in set(earlier) - set(written):
         (out / name).unlink(missing_ok=True)
-    os.replace(staging / EXPORT_MARKER, out / EXPORT_MARKER)
-    shutil.rmtree(staging)
+    os.replace(staged / EXPORT_MARKER, out / EXPORT_MARKER)
+    shutil.rmtree(staged)

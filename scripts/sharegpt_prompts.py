@@ -18,7 +18,8 @@ import os
 from pathlib import Path
 
 from gorgon.heads.errors import ArgumentParser, GorgonError, run_script, user_path
-from gorgon.heads.files import atomic_write_text, check_writable
+from gorgon.heads.files import atomic_write_text
+from gorgon.heads.outputs import check_writable
 
 
 def read_records(text: str):

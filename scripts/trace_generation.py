@@ -34,7 +34,8 @@ from gorgon.decode.bench import timed_generate, timed_speculative
 from gorgon.decode.options import DecodeSettings, add_model_arguments, load_drafter
 from gorgon.decode.questions import load_questions
 from gorgon.heads.errors import ArgumentParser, GorgonError, int_at_least, run_script
-from gorgon.heads.files import atomic_write, check_writable
+from gorgon.heads.files import atomic_write
+from gorgon.heads.outputs import check_writable
 
 # The decoder's step parts, as speculative_generate calls them: each is labelled in the trace.
 PARTS = {"verify forward": "verify", "greedy acceptance": "accept_greedy", "sampled acceptance": "accept_sampled",

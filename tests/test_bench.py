@@ -369,7 +369,8 @@ def test_a_card_update_that_cannot_be_made_is_refused_before_the_benchmark(tmp_p
 @pytest.mark.slow
 def test_a_report_another_live_bench_writes_is_refused(tmp_path, capsys):
     """Two benches into one --out both wrote the report after each question, and one's figures were lost."""
-    from gorgon.heads.files import host_name, process_start
+    from gorgon.heads.files import host_name
+    from gorgon.heads.outputs import process_start
 
     target = tiny_chat_target(tmp_path)
     heads = tmp_path / "heads"

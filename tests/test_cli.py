@@ -15,7 +15,7 @@ from gorgon.decode.questions import load_questions
 from gorgon.heads import GorgonError, MedusaHeads
 from gorgon.heads.cli import main as gorgon
 from gorgon.heads.errors import run_script
-from gorgon.heads.files import check_output
+from gorgon.heads.outputs import check_output
 from gorgon.train.heads import HeadsTrainConfig
 from gorgon.train.records import load_conversations, read_records
 

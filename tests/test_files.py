@@ -94,7 +94,7 @@ def test_an_empty_out_folder_is_filled_and_a_linked_or_input_out_refused(tmp_pat
 def test_an_out_filled_by_another_process_during_the_work_is_left_alone(tmp_path):
     """Two exports into one new --out: the second's swap failed with an OSError traceback, and had the folder
     counted as empty (the user's) it would have mixed its files into the first's."""
-    from gorgon.heads.files import move_into_place
+    from gorgon.heads.outputs import move_into_place
 
     out, tmp = tmp_path / "out", tmp_path / ".out.tmp"
     for made in (tmp, out):
@@ -226,7 +226,8 @@ def test_a_plot_killed_midway_leaves_the_earlier_one_whole(tmp_path, monkeypatch
 def test_a_lock_whose_process_id_was_given_to_another_process_is_stale(tmp_path):
     """Process ids are reused (here within minutes): a killed run's lock then named a live stranger, and the rerun
     was refused and told to kill it. The lock records when its process started."""
-    from gorgon.heads.files import check_unlocked, host_name, process_start, take_lock
+    from gorgon.heads.files import host_name
+    from gorgon.heads.outputs import check_unlocked, process_start, take_lock
 
     lock = tmp_path / "lock"
     with another_live_process() as pid:

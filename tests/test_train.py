@@ -797,7 +797,7 @@ def test_a_folder_another_live_run_is_writing_is_refused(tmp_path):
 def test_a_refused_run_leaves_the_folder_another_run_made_meanwhile(tmp_path):
     """Two runs started together into a new --out: the refused one removed the folder as its own empty output,
     the running one's marker and lock with it (it then ran unlocked)."""
-    from gorgon.heads.files import take_lock
+    from gorgon.heads.outputs import take_lock
     from gorgon.train.run_folder import LOCK, RUN_MARKER, no_empty_output_left
 
     out, mine = tmp_path / "run", tmp_path / "mine"
@@ -816,8 +816,8 @@ def test_a_refused_run_leaves_the_folder_another_run_made_meanwhile(tmp_path):
 def test_ctrl_c_says_what_was_kept_and_how_to_go_on(tmp_path, capsys):
     """Ctrl-C ended training and data generation silently (after a half-drawn progress bar): a user learnt of
     --resume only from the refusal of a plain rerun. (The first newline ends the bar's line.)"""
-    from gorgon.heads.files import take_lock
-    from gorgon.train.data import holding
+    from gorgon.heads.outputs import take_lock
+    from gorgon.train.data import shards_said_on_ctrl_c
     from gorgon.train.run_folder import LOCK, RUN_MARKER, lock_released_on_failure
 
     out = tmp_path / "run"
@@ -837,7 +837,8 @@ def test_ctrl_c_says_what_was_kept_and_how_to_go_on(tmp_path, capsys):
         raise KeyboardInterrupt
     assert capsys.readouterr().err == "" and (out / LOCK).read_text() == "elsewhere 1 0\n"
     partial = tmp_path / "data.partial"
-    with pytest.raises(KeyboardInterrupt), holding(partial):
+    partial.mkdir()
+    with pytest.raises(KeyboardInterrupt), shards_said_on_ctrl_c(partial):
         (partial / "shard-00000.jsonl").write_text("{}\n")
         raise KeyboardInterrupt
     assert capsys.readouterr().err == (f"\ngorgon data: the 1 shard(s) finished so far are kept in {partial}: rerun "

@@ -30,26 +30,13 @@ import torch
 
 from gorgon.decode.kernels import KERNELS, use_cpu_kernels
 from gorgon.heads.errors import ArgumentParser, GorgonError, first_problem, int_at_least, user_path
-from gorgon.heads.files import (
-    atomic_write_text,
-    check_output,
-    check_unlocked,
-    drop_lock,
-    missing_folders,
-    move_into_place,
-    naming_failed_writes,
-    new_temp,
-    read_jsonl,
-    remove_empty_folders,
-    remove_stale_temps,
-    take_lock,
-)
+from gorgon.heads.files import atomic_write_text, naming_failed_writes, read_jsonl
+from gorgon.heads.outputs import changed_settings, check_output, check_unlocked, holding, move_into_place, staging
 from gorgon.heads.target import Target, context_length, fits_context, load_target, resolve_device, resolve_dtype
 
 from .batching import continuous_generate
 from .recipe import in_checkout
 from .records import METADATA_NAME, damaged_data, from_hub, is_dataset, load_conversations
-from .run_folder import changed_settings
 
 # Prompts per continuously batched call, in batches: the batch drains only at the end of a call,
 # so the fewer calls, the fuller the batch (128 ShareGPT prompts at batch 32: one call was 1.29x
@@ -322,21 +309,13 @@ def hub_datasets(source: str) -> list[str]:
 
 
 @contextlib.contextmanager
-def holding(partial: Path):
-    """Make `partial` this process's (its LOCK) while the run writes it, so a second `gorgon data` into the same
-    --out is refused instead of racing it (at the final swap, or --overwrite starting the shards over). A run that
-    fails gives the lock back, and removes the folder, and the parent folders made for it, if it made them and
-    wrote nothing there (settings or shards stay, to resume). A finished run removes the folder, lock and all."""
-    made = missing_folders(partial)
-    partial.mkdir(parents=True, exist_ok=True)
-    take_lock(partial / LOCK)
+def shards_said_on_ctrl_c(partial: Path):
+    """Ctrl-C says how many shards `partial` keeps for the rerun to go on from."""
     try:
         yield
-    except BaseException as err:
-        drop_lock(partial / LOCK)
-        remove_empty_folders(made)
+    except KeyboardInterrupt:
         shards = len(list(partial.glob("shard-*.jsonl")))
-        if isinstance(err, KeyboardInterrupt) and shards:
+        if shards:
             print(f"\ngorgon data: the {shards} shard(s) finished so far are kept in {partial}: rerun the same "
                   "command to go on from them", file=sys.stderr)
         raise
@@ -404,7 +383,9 @@ def make_dataset(settings: DataSettings, out: str | os.PathLike, target: Target 
         if not Path(settings.chat_template).is_file():
             raise GorgonError(f"chat template {settings.chat_template} not found: pass a Jinja file")
         template = Path(settings.chat_template).read_text()
-    with holding(partial):
+    # The lock refuses a second `gorgon data` into the same --out, which would race this one (at the final swap,
+    # or --overwrite starting the shards over); settings or shards stay, to resume; a finished run removes it all.
+    with holding(partial / LOCK, "gorgon data run"), shards_said_on_ctrl_c(partial):
         target = target or load_target(settings.target, device=device, dtype=settings.dtype)
         tok = target.tokenizer
         if template is None and not getattr(tok, "chat_template", None):
@@ -522,18 +503,13 @@ def write_dataset(rows: list[dict], metadata: dict, out: Path, replace: bool) ->
     the rerun writes it again."""
     import datasets
 
-    remove_stale_temps(out.parent, f".{out.name}.writing-")  # a killed run's
-    tmp = new_temp(out.parent, f".{out.name}.writing-", is_dir=True)
-    try:
+    with staging(out, "writing") as staged:
         with naming_failed_writes(out):
-            datasets.Dataset.from_list(rows).save_to_disk(str(tmp))
-        atomic_write_text(tmp / METADATA_NAME, json.dumps(metadata, indent=1) + "\n")
-    except BaseException:  # a full disk, Ctrl-C: no half-written copy is left beside the shards
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    if replace:
-        shutil.rmtree(out)
-    move_into_place(tmp, out, METADATA_NAME)
+            datasets.Dataset.from_list(rows).save_to_disk(str(staged))
+        atomic_write_text(staged / METADATA_NAME, json.dumps(metadata, indent=1) + "\n")
+        if replace:
+            shutil.rmtree(out)
+        move_into_place(staged, out, METADATA_NAME)
 
 
 def parser() -> argparse.ArgumentParser:

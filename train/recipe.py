@@ -20,9 +20,9 @@ from pathlib import Path
 import yaml
 
 from gorgon.heads.errors import GorgonError, check_keys
-from gorgon.heads.files import full_disk_is_one_line
 from gorgon.heads.hub import offline_if_hub_unreachable
 from gorgon.heads.methods import setting
+from gorgon.heads.outputs import full_disk_is_one_line
 from gorgon.train.run_folder import no_empty_output_left
 
 

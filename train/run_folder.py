@@ -18,8 +18,10 @@ import sys
 from pathlib import Path
 
 from gorgon.heads.errors import GorgonError, user_error_line
-from gorgon.heads.files import (
-    atomic_write_text,
+from gorgon.heads.files import atomic_write_text
+from gorgon.heads.methods import method_of, methods
+from gorgon.heads.outputs import (
+    changed_settings,
     check_output,
     check_unlocked,
     drop_lock,
@@ -29,7 +31,6 @@ from gorgon.heads.files import (
     remove_empty_folders,
     take_lock,
 )
-from gorgon.heads.methods import method_of, methods
 
 
 def numbered_checkpoints(folder: Path, prefix: str) -> list[Path]:
@@ -68,11 +69,6 @@ def resume_point(latest: Path | None, resume: bool, out: Path) -> Path | None:
     if resume and latest is None:
         raise GorgonError(f"--resume: no complete checkpoint in {out / 'checkpoints'}: run without --resume to start")
     return latest
-
-
-def changed_settings(old: dict, new: dict) -> list[str]:
-    """The settings that differ from a recorded run's (one recorded before a setting existed had its default)."""
-    return sorted(k for k in new if k in old and old[k] != new[k])
 
 
 STATE_NAME = "gorgon_state.json"  # gorgon's own record in a checkpoint: its settings (heads: the progress too)

@@ -32,9 +32,10 @@ from torch import nn
 from ...cache import with_cache
 from ...card import short_card
 from ...errors import GorgonError, config_from_dict
-from ...files import check_heads_destination, read_config, reading_weights, write_weights
+from ...files import read_config, reading_weights, write_weights
 from ...hub import CONFIG_NAME, PushToHubMixin, resolve_heads_folder
 from ...masks import additive_mask
+from ...outputs import check_heads_destination
 from ...target import Target, attach_to_target, check_fits
 from ...tree import chain_tau
 from ...vocab import is_draft_vocab

@@ -18,15 +18,9 @@ from torch import nn
 
 from ...card import short_card
 from ...errors import GorgonError, config_from_dict
-from ...files import (
-    atomic_write_text,
-    check_heads_destination,
-    is_model_config,
-    read_config,
-    reading_weights,
-    write_weights,
-)
+from ...files import atomic_write_text, is_model_config, read_config, reading_weights, write_weights
 from ...hub import CONFIG_NAME, PushToHubMixin, resolve_heads_folder
+from ...outputs import check_heads_destination
 from ...target import attach_to_target, check_fits, lm_logits
 from ...tree import expected_accepted, tree_from_accuracies
 from ...vocab import is_draft_vocab
