@@ -530,8 +530,8 @@ def main(argv=None) -> int:
     questions = per_category_sample(load_questions(args.questions, args.limit), args.per_category)
     check_sampling_options(args)  # its range check, before the target loads
     settings = DecodeSettings.from_args(args)
-    report = Path(args.out) if args.out else None  # locked: two benches wrote it in turn, and one's figures were lost
-    with holding(report_lock(report), "gorgon bench", report) if report else contextlib.nullcontext():
+    out = Path(args.out) if args.out else None  # locked: two benches wrote it in turn, and one's figures were lost
+    with holding(out.parent / f".{out.name}.lock", "gorgon bench", out) if out else contextlib.nullcontext():
         return bench_command(args, settings, argv, baselines, questions, earlier)
 
 
@@ -632,8 +632,3 @@ def check_same_bench(earlier: dict, about: dict, out) -> None:
         raise GorgonError(f"{out} holds an unfinished bench with other settings ({', '.join(changed)}): rerun with "
                           "the same ones to go on from it (--tree N fixes a tree that --tree auto sized otherwise), "
                           "or pass --overwrite to start over")
-
-
-def report_lock(out: Path) -> Path:
-    """The lock beside a report that a bench is writing (`holding`)."""
-    return out.parent / f".{out.name}.lock"

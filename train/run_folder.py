@@ -202,26 +202,25 @@ def prepare_own_output(out: Path, latest_checkpoint, cfg) -> Path | None:
         check_same_method(out, cfg.method)
     ours = finished or (out / RUN_MARKER).is_file()
     check_unlocked(out / LOCK, "training run")  # a run started by hand, or off Linux, may outlive its launcher
+    latest, marker = None, ""
     if resume or not overwrite:  # checkpoints are looked for (and cut-short ones removed) in our folders only
         latest = resume_point(latest_checkpoint() if ours else None, resume, out)
-        if latest is not None:
-            take_lock(out / LOCK)
-            return latest
-    if check_output(out, lambda _: ours, overwrite or (ours and not finished), own_entry=in_run_folder):
+    replace = overwrite or (ours and not finished)
+    if latest is None and check_output(out, lambda _: ours, replace, own_entry=in_run_folder):
         if finished or replacing(out):
             # Finished output stays, loadable, until this run writes its own (`set_aside_earlier_run`), so a
             # run that fails or is killed first loses nothing: only its checkpoints go now, and recipe.json,
             # which marks the folder finished.
             shutil.rmtree(out / "checkpoints", ignore_errors=True)
             (out / "recipe.json").unlink(missing_ok=True)
-            take_lock(out / LOCK)
-            atomic_write_text(out / RUN_MARKER, REPLACING)
-            return None
-        shutil.rmtree(out)
-        out.mkdir()
+            marker = REPLACING
+        else:
+            shutil.rmtree(out)
+            out.mkdir()
     take_lock(out / LOCK)  # first: a folder with our marker is locked (`no_empty_output_left`)
-    atomic_write_text(out / RUN_MARKER, "")
-    return None
+    if latest is None:
+        atomic_write_text(out / RUN_MARKER, marker)
+    return latest
 
 
 def check_same_method(out: Path, method) -> None:
