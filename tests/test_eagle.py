@@ -924,3 +924,59 @@ def test_the_objective_pairs_each_draft_with_the_teachers_distribution_for_its_t
     for j in (0, 1):
         assert stats[j]["count"] == batch == stats[j]["top1"]
         assert stats[j]["loss"] == pytest.approx(entropy(teacher[:, 5]), abs=1e-5)
+
+
+def test_a_speculators_export_names_a_verifier_that_loads_offline(tmp_path, capsys, monkeypatch):
+    """The verifier was the embedded target's Hub id, which speculators' from_pretrained and `vllm serve <export>`
+    load, and fail on offline, though the target loaded from a local folder: it is that folder now, with the Hub
+    id kept in base_model_name_or_path; a --base-model naming another model stays the verifier (to publish)."""
+    from gorgon.heads.target import EMBEDDED_HUB_ID, EMBEDDED_NAME
+
+    folder = tiny_chat_target(tmp_path, layers=6)
+    head = EagleHead.for_target(load_target(str(folder), device="cpu").model, target_name=EMBEDDED_NAME)
+
+    def verifier(base):
+        out = export_head(head, "speculators", tmp_path / "out" / base.replace("/", "-"), base)
+        config = json.loads((out / "config.json").read_text())
+        return config["speculators_config"]["verifier"]["name_or_path"], config["base_model_name_or_path"]
+
+    assert verifier(EMBEDDED_HUB_ID) == (str(folder.resolve()), EMBEDDED_HUB_ID)
+    assert f"the speculators verifier is {folder.resolve()}, where the target loaded from" in capsys.readouterr().err
+    assert verifier("someone/published") == ("someone/published", "someone/published")
+    monkeypatch.chdir(tmp_path)  # a relative --target: the verifier loads from any folder
+    assert verifier(folder.name) == (str(folder.resolve()), folder.name)
+
+
+def test_the_serve_command_names_the_method_whatever_the_folder_is_called(tmp_path):
+    """vLLM takes the method of a draft folder given without one from its path ("eagle3" in it), and loads any
+    other as a plain draft model, which fails: the printed command names it for either layout."""
+    from gorgon.heads.methods.eagle.method import serve
+
+    head = EagleHead.for_target(tiny_model("llama", layers=6), depth=3)
+    for fmt in ("eagle3", "speculators"):
+        command = serve(fmt, tmp_path / "draft", "org/target", head)
+        assert command.startswith("vllm serve org/target --speculative-config "), fmt
+        assert json.loads(command.split("--speculative-config ")[1].strip("'")) == {
+            "method": "eagle3", "model": str(tmp_path / "draft"), "num_speculative_tokens": 3}
+
+
+def test_a_folder_without_layer_ids_reads_the_layers_the_engines_read(tmp_path):
+    """`speculators convert` writes null eagle_aux_hidden_state_layer_ids, which vLLM and speculators read as
+    [2, L // 2, L - 3] of the target's L layers: it was refused as naming no layers."""
+    folder = tiny_chat_target(tmp_path, layers=8)
+    model = load_target(str(folder), device="cpu").model
+    head = EagleHead.for_target(model)
+    assert head.feature_layers == (2, 4, 5)  # the engines' default for 8 layers
+    for fmt in ("speculators", "eagle3"):
+        out = export_head(head, fmt, tmp_path / fmt, str(folder))
+        config = json.loads((out / "config.json").read_text())
+        config.update(eagle_aux_hidden_state_layer_ids=None, eagle_config=None)
+        del config["gorgon"]  # as written elsewhere: the target's layers are counted in its config
+        (out / "config.json").write_text(json.dumps(config))
+        back = EagleHead.from_pretrained(out, target=model)
+        assert back.feature_layers == (2, 4, 5) and back.config.layer_config["num_hidden_layers"] == 8, fmt
+        torch.testing.assert_close(draft_logits(back), draft_logits(head))
+    config.pop("base_model_name_or_path")
+    (out / "config.json").write_text(json.dumps(config))
+    with pytest.raises(GorgonError, match="names neither the target layers it reads nor its target: add eagle_aux"):
+        EagleHead.from_pretrained(out, target=model)

@@ -615,7 +615,9 @@ def test_an_export_ends_with_the_command_that_serves_it(tmp_path, capsys):
     MedusaHeads.for_target(model, num_heads=3).save_pretrained(tmp_path / "medusa")
     expected = {"eagle3": ("head", f"vllm serve {target} --speculative-config '{{\"method\": \"eagle3\", \"model\": "
                                    f"\"{tmp_path / 'eagle3'}\", \"num_speculative_tokens\": {head.config.depth}}}'"),
-                "speculators": ("head", f"vllm serve {tmp_path / 'speculators'}"),
+                "speculators": ("head", f"vllm serve {target} --speculative-config '{{\"method\": \"eagle3\", "
+                                        f"\"model\": \"{tmp_path / 'speculators'}\", \"num_speculative_tokens\": "
+                                        f"{head.config.depth}}}'"),
                 "vllm": ("medusa", f"vllm serve {target} --speculative-config '{{\"method\": \"medusa\", \"model\": "
                                    f"\"{tmp_path / 'vllm'}\", \"num_speculative_tokens\": 3}}'"),
                 "medusa": ("medusa", f"text-generation-launcher --model-id {tmp_path / 'medusa-export'}")}

@@ -15,7 +15,9 @@
   picks vLLM's class: in the change that added `Eagle3Qwen3ForCausalLM`, vLLM PR #43132; older
   releases build every speculators draft as Llama and fail loading a Qwen3 head's q/k norms, as they
   fail on the eagle3 layout's unknown class), and `speculators_config` (`proposal_methods`,
-  `default_proposal_method`, `verifier`).
+  `default_proposal_method`, `verifier`). The verifier is the folder the target loaded from where that
+  is the target the head was trained on (the embedded build's too), so that speculators and `vllm serve
+  <export>` load it offline; `base_model_name_or_path` keeps the name engines elsewhere know it by.
 
 Both also carry a `gorgon` entry, which the engines' configs (transformers' PretrainedConfig, and the
 speculators library's, which allows extra fields) keep without reading: the target's layer count, its
@@ -24,7 +26,9 @@ target and exports again exactly as it was exported. A folder written elsewhere 
 as deep as its `speculative_tokens` (speculators), gets `EagleConfig`'s other defaults and no fingerprint
 (checked against a target by shape only), and for the target's layer count the fewest its layers allow
 (one more than the highest: the engines read no state after the last layer), which the export's checks
-need; attaching it checks its layers against the real target.
+need; attaching it checks its layers against the real target. A folder that names no target layers
+(null, as `speculators convert` writes) reads those the engines then read: [2, L // 2, L - 3] of its
+target's L layers, counted in the config of the target it names.
 
 Which target layers feed `fc`: vLLM reads explicit ids from the top level and uses them as the
 input of layer k (our hidden_states index k); SGLang reads `eagle_config` ids and adds one. Both
@@ -51,7 +55,7 @@ import torch.nn.functional as F
 
 from ...errors import GorgonError, check_keys
 from ...files import read_safetensors_folder, write_weights
-from ...target import recorded_target
+from ...target import hub_name, recorded_target, target_text_config
 
 FORMATS = ("eagle3", "speculators")
 # The layers the engines build a draft's midlayer as (model_type), and the eagle3 architecture naming each.
@@ -116,6 +120,11 @@ def export_head(head, fmt: str, out: str | Path, base_model: str | None = None, 
                               "head with target=...)")
         state["embed_tokens.weight"] = head.target.get_input_embeddings().weight
         verifier_arch = getattr(head.target.config, "architectures", None) or []
+        verifier = verifier_name(head, base)
+        if verifier != base:
+            print(f"gorgon export: note: the speculators verifier is {verifier}, where the target loaded from, so that "
+                  f"the export loads offline here (speculators' from_pretrained and `vllm serve <export>` load it); "
+                  f"base_model_name_or_path keeps {base}", file=sys.stderr)
         config = {"speculators_model_type": "eagle3", "architectures": ["Eagle3Speculator"],
                   "transformer_layer_config": layer, **common, "speculators_version": "0.3.0",
                   "speculators_config": {
@@ -123,10 +132,24 @@ def export_head(head, fmt: str, out: str | Path, base_model: str | None = None, 
                       "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": head.config.depth,
                                             "verifier_accept_k": 1, "accept_tolerance": 0.0}],
                       "default_proposal_method": "greedy",
-                      "verifier": {"name_or_path": base, "architectures": list(verifier_arch)}}}
+                      "verifier": {"name_or_path": verifier, "architectures": list(verifier_arch)}},
+                  "base_model_name_or_path": base}
     out = Path(out)
     write_weights(out, state, config)
     return out
+
+
+def verifier_name(head, base: str) -> str:
+    """The speculators verifier, which speculators' `from_pretrained` and `vllm serve <export>` load: the folder the
+    target loaded from (absolute) where `base` names that target (its path, or the Hub id `gorgon export` gives the
+    target the head was trained on, as the embedded build's), so that it loads offline; any other name as given
+    (a --base-model to publish under)."""
+    if Path(base).expanduser().is_dir():
+        return str(Path(base).expanduser().resolve())
+    loaded = getattr(head.target.config, "_name_or_path", None)  # from_pretrained's argument
+    if loaded and base == hub_name(head.config.target_name or "") and Path(loaded).is_dir():
+        return str(Path(loaded).resolve())
+    return base
 
 
 def with_top_level_rope(config: dict) -> dict:
@@ -218,6 +241,28 @@ def check_layer_fields(layer: dict, needed: tuple[str, ...], where: str) -> None
                           "know: upgrade transformers, or correct it to the target's family (llama, qwen3, ...)")
 
 
+def engines_default_layers(count: int) -> list[int]:
+    """The target layers vLLM and speculators read for a draft that names none: vLLM's
+    `get_eagle3_default_aux_hidden_state_layers` (model_executor/models/interfaces.py) gives (2, L // 2, L - 3) of
+    the target's L layers, as the inputs of those layers (our hidden_states indices)."""
+    return [2, count // 2, count - 3]
+
+
+def target_layer_count(folder: Path, config: dict) -> int:
+    """How many layers the target of a folder that names no layers has (the engines' default layers count them):
+    read from the config of the target it names."""
+    name = recorded_target(config)
+    fix = "add eagle_aux_hidden_state_layer_ids (the target layers the head reads) to its config.json"
+    if name is None:
+        raise GorgonError(f"{folder} names neither the target layers it reads nor its target: {fix}")
+    try:
+        return target_text_config(name).num_hidden_layers
+    except GorgonError as err:
+        raise GorgonError(f"{folder} does not name the target layers it reads (the engines then read [2, L // 2, "
+                          f"L - 3] of its target's L layers), and its target's config cannot be read ({err}): {fix}"
+                          ) from None
+
+
 def import_head(folder: Path, config: dict, fmt: str):
     """Our (EagleConfig fields, state dict) from an EAGLE-3 or speculators folder; what its `gorgon` entry
     saved, else the defaults (module docstring)."""
@@ -227,14 +272,15 @@ def import_head(folder: Path, config: dict, fmt: str):
     layer = dict(config["transformer_layer_config"] if fmt == "speculators" else config)
     check_layer_fields(layer, ("model_type", "hidden_size", "vocab_size", "rms_norm_eps"),
                        f"{where}'s transformer_layer_config" if fmt == "speculators" else str(where))
-    layers = config.get("eagle_aux_hidden_state_layer_ids")
-    if not layers and config.get("eagle_config", {}).get("eagle_aux_hidden_state_layer_ids"):
-        layers = [i + 1 for i in config["eagle_config"]["eagle_aux_hidden_state_layer_ids"]]  # SGLang's count
-    if not layers:  # vLLM too takes an empty list for none
-        raise GorgonError(f"{folder} does not name the target layers it reads (eagle_aux_hidden_state_layer_ids): "
-                          "add them to its config.json")
     saved = dict(config.get(GORGON_KEY) or {})
     check_keys(saved, {"target_num_hidden_layers", *SAVED_SETTINGS}, f"in {where}'s {GORGON_KEY} entry")
+    layers = config.get("eagle_aux_hidden_state_layer_ids")
+    if not layers and (config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids"):
+        layers = [i + 1 for i in config["eagle_config"]["eagle_aux_hidden_state_layer_ids"]]  # SGLang's count
+    if not layers:  # null or empty, as `speculators convert` writes it: the engines' default layers
+        if "target_num_hidden_layers" not in saved:
+            saved["target_num_hidden_layers"] = target_layer_count(folder, config)
+        layers = engines_default_layers(saved["target_num_hidden_layers"])
     proposed = (config.get("speculators_config") or {}).get("proposal_methods") or [{}]
     if "depth" not in saved and isinstance(proposed[0], dict) and "speculative_tokens" in proposed[0]:
         saved["depth"] = proposed[0]["speculative_tokens"]  # how deep it drafts elsewhere (vLLM reads the first)

@@ -95,9 +95,9 @@ def drafter(head, tree, depth, topk):
 
 
 def serve(fmt: str, out: Path, base_model: str, head) -> str:
-    """The engine's command for an export, drafting the head's search depth a step."""
-    if fmt == "speculators":  # the config names the verifier and the speculative settings
-        return f"vllm serve {out}"
+    """The engine's command for an export in either layout, drafting the head's search depth a step. It names the
+    method: vLLM takes the method of a draft given without one from its path ("eagle3" in it,
+    vllm/config/speculative.py) and loads any other folder as a plain draft model, which fails."""
     spec = json.dumps({"method": "eagle3", "model": str(out), "num_speculative_tokens": head.config.depth})
     return f"vllm serve {base_model} --speculative-config '{spec}'"
 
