@@ -76,10 +76,11 @@ def export_heads(heads, fmt: str, out: str | Path, base_model: str | None = None
         weights_name = MEDUSA_WEIGHTS
     write_weights(out, state, config, weights_name)
     if heads.token_map is not None:
+        why = VLLM_REFUSES if fmt == "vllm" else ""
         print(f"gorgon export: note: these heads draft from {cfg.draft_vocab_size} of the {cfg.vocab_size} tokens, a "
-              f"draft vocabulary the {fmt} format cannot hold{VLLM_REFUSES if fmt == 'vllm' else ''}: exported drafting "
-              "from every token (the output is the target's either way; the drafts, and how many are accepted, "
-              "may differ from gorgon's)", file=sys.stderr)
+              f"draft vocabulary the {fmt} format cannot hold{why}: exported drafting from every token (the output is "
+              "the target's either way; the drafts, and how many are accepted, may differ from gorgon's)",
+              file=sys.stderr)
     return out
 
 
