@@ -74,7 +74,7 @@ def test_a_vllm_export_of_heads_with_a_draft_vocabulary_loads_in_vllm_032(tmp_pa
         config = json.loads((out / "config.json").read_text())
         assert config["truncated_vocab_size"] == config["vocab_size"] == 64
         assert "token_map" not in load_file(out / "model.safetensors")
-        assert "drafting from every token" in capsys.readouterr().err
+        assert "exported drafting from every token, as vLLM" in capsys.readouterr().err
         # Imported back, the heads draft as the engine does: from every token, with the same blocks and LM heads.
         back = MedusaHeads.from_pretrained(out, target=model)
         hidden = torch.randn(3, 32)

@@ -36,8 +36,12 @@ from ...target import recorded_target
 FORMATS = ("vllm", "medusa")
 MEDUSA_WEIGHTS = "medusa_lm_head.safetensors"
 MEDUSA_LEGACY = "medusa_lm_head.pt"
-VLLM_REFUSES = (" in a form vLLM loads (vLLM 0.32 refuses a Medusa token_map; whole-vocabulary heads load in 0.32 and "
-                "earlier releases)")
+# Why a format cannot keep heads' draft vocabulary, and what loads instead (the export's note).
+NO_DRAFT_VOCAB = {
+    "vllm": "vLLM's Medusa loader refuses a draft vocabulary (0.32: \"weights were not initialized from checkpoint: "
+            "token_map\"), so they are exported drafting from every token, as vLLM's Medusa loaders read them "
+            "(checked in 0.32)",
+    "medusa": "the FasterDecoding layout holds no draft vocabulary, so they are exported drafting from every token"}
 
 
 def export_heads(heads, fmt: str, out: str | Path, base_model: str | None = None) -> Path:
@@ -76,11 +80,9 @@ def export_heads(heads, fmt: str, out: str | Path, base_model: str | None = None
         weights_name = MEDUSA_WEIGHTS
     write_weights(out, state, config, weights_name)
     if heads.token_map is not None:
-        why = VLLM_REFUSES if fmt == "vllm" else ""
-        print(f"gorgon export: note: these heads draft from {cfg.draft_vocab_size} of the {cfg.vocab_size} tokens, a "
-              f"draft vocabulary the {fmt} format cannot hold{why}: exported drafting from every token (the output is "
-              "the target's either way; the drafts, and how many are accepted, may differ from gorgon's)",
-              file=sys.stderr)
+        print(f"gorgon export: note: these heads draft from {cfg.draft_vocab_size} of the {cfg.vocab_size} tokens; "
+              f"{NO_DRAFT_VOCAB[fmt]}. The output is the target's either way; the drafts, and how many are accepted, "
+              "may differ from gorgon's", file=sys.stderr)
     return out
 
 

@@ -1,0 +1,70 @@
+"""Serving parity in a real engine: each export of heads for the embedded target loads in vLLM 0.32 (the venv
+scripts/engines.sh builds), offline, and serves greedy output identical to vLLM alone and to gorgon's, with the
+acceptance gorgon measures for the same chain (scripts/serving_parity.py).
+
+Marked `engines`; skipped unless GORGON_ENGINES names the folder the engines were built in:
+    bash scripts/engines.sh && GORGON_ENGINES=~/.cache/gorgon/engines bash scripts/test.sh -m engines
+The heads are untrained (a Medusa head drafts the target's own next token again; a feature-level head starts from
+the target's last layer), which still accept some drafts, and the draft vocabulary of the recipes.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import load_script, needs_embedded
+
+
+def engine(name: str) -> Path | None:
+    """An engine's venv under $GORGON_ENGINES, None when absent."""
+    folder = Path(os.environ.get("GORGON_ENGINES", "/nonexistent")) / name
+    return folder if (folder / "bin" / "python").is_file() else None
+
+
+def needs_engine(name: str):
+    """Marked `engines`, and skipped in one line where the engine's venv is absent."""
+    reason = f"no {name} venv in GORGON_ENGINES ({os.environ.get('GORGON_ENGINES', 'unset')}): build it with " \
+             f"`bash scripts/engines.sh {name}` and set GORGON_ENGINES to its folder"
+    return lambda test: pytest.mark.engines(pytest.mark.skipif(engine(name) is None, reason=reason)(test))
+
+
+@pytest.fixture(scope="module")
+def untrained_heads(tmp_path_factory, embedded_target):
+    """Medusa heads and a feature-level head for the embedded target, each drafting from its 8192 first tokens (the
+    recipes' draft vocabulary size), saved as training saves them."""
+    from gorgon.heads import EagleHead, MedusaHeads
+    from gorgon.heads.target import EMBEDDED_NAME
+
+    folder, target = tmp_path_factory.mktemp("heads"), embedded_target
+    medusa = MedusaHeads.for_target(target.model, num_heads=3, target_name=EMBEDDED_NAME,
+                                    target_fingerprint=target.fingerprint)
+    medusa.set_draft_vocab(torch.arange(8192))
+    medusa.save_pretrained(folder / "medusa")
+    EagleHead.for_target(target.model, None, torch.arange(8192), EMBEDDED_NAME, target.fingerprint, depth=3,
+                         topk=1).save_pretrained(folder / "eagle")
+    return folder
+
+
+@pytest.fixture(scope="module")
+def parity_out(tmp_path_factory):
+    """One folder for the module's checks, so that they share vLLM's run without a draft."""
+    return tmp_path_factory.mktemp("parity")
+
+
+@needs_engine("vllm")
+@needs_embedded
+@pytest.mark.parametrize("fmt", ["vllm", "eagle3", "speculators"])
+def test_an_export_serves_in_vllm_as_gorgon_decodes_it(untrained_heads, parity_out, fmt):
+    """vLLM refused the Medusa export with a draft vocabulary, and loaded the speculators export's verifier from the
+    Hub; every export now serves the target's own output with gorgon's acceptance (within the last step of each
+    answer, which vLLM counts before cutting it at the length and gorgon after)."""
+    parity = load_script("serving_parity")
+    heads = untrained_heads / ("medusa" if fmt == "vllm" else "eagle")
+    report = parity.serving_parity(str(heads), fmt, engine=engine("vllm"), limit=2, max_new_tokens=24,
+                                   out=parity_out)
+    assert report["identical"] == {"vllm+draft == vllm": True, "gorgon == vllm": True}, report["first_differences"]
+    accept = report["acceptance_length"]
+    assert accept["vllm"] == pytest.approx(accept["gorgon"], abs=0.1), report
