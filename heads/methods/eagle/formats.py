@@ -242,9 +242,10 @@ def check_layer_fields(layer: dict, needed: tuple[str, ...], where: str) -> None
 
 
 def engines_default_layers(count: int) -> list[int]:
-    """The target layers vLLM and speculators read for a draft that names none: vLLM's
-    `get_eagle3_default_aux_hidden_state_layers` (model_executor/models/interfaces.py) gives (2, L // 2, L - 3) of
-    the target's L layers, as the inputs of those layers (our hidden_states indices)."""
+    """The target layers vLLM and speculators read for a draft that names none: (2, L // 2, L - 3) of the target's L
+    layers, in vLLM's `get_eagle3_default_aux_hidden_state_layers` (model_executor/models/interfaces.py; the inputs
+    of those layers, our hidden_states indices) and speculators' `resolve_target_layer_ids` (models/utils.py, from
+    the verifier's config)."""
     return [2, count // 2, count - 3]
 
 
