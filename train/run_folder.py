@@ -205,8 +205,8 @@ def prepare_own_output(out: Path, latest_checkpoint, cfg) -> Path | None:
     latest, marker = None, ""
     if resume or not overwrite:  # checkpoints are looked for (and cut-short ones removed) in our folders only
         latest = resume_point(latest_checkpoint() if ours else None, resume, out)
-    replace = overwrite or (ours and not finished)
-    if latest is None and check_output(out, lambda _: ours, replace, own_entry=in_run_folder):
+    may_replace = overwrite or (ours and not finished)  # an unfinished run of ours without a checkpoint starts over
+    if latest is None and check_output(out, lambda _: ours, may_replace, own_entry=in_run_folder):
         if finished or replacing(out):
             # Finished output stays, loadable, until this run writes its own (`set_aside_earlier_run`), so a
             # run that fails or is killed first loses nothing: only its checkpoints go now, and recipe.json,
@@ -218,7 +218,7 @@ def prepare_own_output(out: Path, latest_checkpoint, cfg) -> Path | None:
             shutil.rmtree(out)
             out.mkdir()
     take_lock(out / LOCK)  # first: a folder with our marker is locked (`no_empty_output_left`)
-    if latest is None:
+    if latest is None:  # a resumed run's marker stays as it is
         atomic_write_text(out / RUN_MARKER, marker)
     return latest
 
