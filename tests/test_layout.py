@@ -87,6 +87,7 @@ def test_decoding_reaches_the_drafting_methods_through_the_heads_package_only():
                 if b.startswith(methods)]
 
 
+@pytest.mark.slow  # starts a Python process
 def test_the_command_starts_before_torch_loads_and_every_export_resolves():
     """`gorgon --help` took a second (gorgon.heads imported torch for its exports), and Ctrl-C in that second
     ended in a traceback: its names now load on first use."""
@@ -128,6 +129,7 @@ def test_every_script_answers_help(script):
     assert len(run.stdout.strip().splitlines()) >= 2
 
 
+@pytest.mark.slow  # starts a Python process
 def test_gpu_check_refuses_an_unknown_step_to_skip_in_one_line():
     run = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_check.sh")], env={**env(), "SKIP": "tests,bnch"},
                          capture_output=True, text=True, timeout=60)
@@ -163,6 +165,7 @@ def test_every_recipe_key_says_what_it_does(cls, capsys):
     assert "peak learning rate" in line and "(default: " in line
 
 
+@pytest.mark.slow  # starts a Python process
 def test_decoding_imports_no_training_stack():
     """`import gorgon.decode` (and the heads, and the options generate and bench share) pulls in torch and
     transformers only: serving does not need trl, datasets, peft, wandb or accelerate."""
