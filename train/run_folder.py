@@ -324,7 +324,8 @@ def lock_released_on_failure(out: Path, latest_checkpoint):
     (a killed run cannot: its lock names a process that is gone, which no later run waits for). A run stopped
     with Ctrl-C after taking it says how to go on: from its newest checkpoint (`latest_checkpoint()`, which
     removes a checkpoint cut short), or from the start. One stopped before says nothing of the folder: it may
-    be another run's, still writing its checkpoints."""
+    be another run's, still writing its checkpoints. (Not `outputs.holding`, which takes its lock on entry: the
+    main process alone takes this one, midway through `prepare_output`, once the folder is checked.)"""
     try:
         yield
     except BaseException as err:
