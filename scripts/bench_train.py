@@ -17,8 +17,7 @@ import torch
 from gorgon.heads import MedusaHeads, load_target
 from gorgon.heads.errors import ArgumentParser, int_at_least, run_script
 from gorgon.heads.methods.medusa.objective import medusa_loss
-from gorgon.train.examples import collate, load_examples
-from gorgon.train.heads import set_draft_vocab
+from gorgon.train.examples import collate, frequent_tokens, load_examples
 
 
 def peak_memory_mb(device) -> float:
@@ -47,7 +46,7 @@ def main():
                 "--batch-size")
     heads = MedusaHeads.for_target(model).float()
     if args.draft_vocab_size:
-        set_draft_vocab(heads, examples, args.draft_vocab_size)
+        heads.set_draft_vocab(frequent_tokens(examples, args.draft_vocab_size, heads.config.vocab_size)[0])
     optimizer = torch.optim.AdamW(heads.parameters(), lr=1e-3)
     pad = target.tokenizer.pad_token_id or 0
     batches = [collate(examples[i * args.batch_size:(i + 1) * args.batch_size], pad) for i in range(args.steps + 1)]
