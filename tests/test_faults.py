@@ -176,6 +176,21 @@ def test_export_onto_a_full_disk_is_one_line_and_leaves_nothing(made, tmp_path, 
                          "free some space, then rerun")
 
 
+def test_training_on_a_full_disk_is_one_line_and_resumes_from_its_checkpoint(made, tmp_path, capsys, monkeypatch):
+    fills_part_way(monkeypatch, safetensors.torch, "save_file", SafetensorError(f"I/O error: {NO_SPACE} (os error 28)"))
+    full_disk(monkeypatch)
+    out, inputs = tmp_path / "run", made["data"].parent
+    args = ["train", "--data", str(made["data"]), "--target", str(made["target"]), "--out", str(out), "--max_steps",
+            "2", "--save_every", "1", "--report_to", "none"]
+    line = refused(args, capsys, inputs)
+    assert line.endswith(f"the disk holding {out} is full (1 MiB free; SafetensorError while writing): free some "
+                         "space, then rerun (--resume true if a checkpoint was saved)")
+    assert (out / "checkpoints" / "step-1").is_dir() and not (out / "model.safetensors").exists()
+    monkeypatch.undo()
+    assert gorgon(args + ["--resume", "true"]) == 0
+    assert "resumed from" in capsys.readouterr().err and safetensors.torch.load_file(out / "model.safetensors")
+
+
 def bench(made, out: Path, *more: str) -> list[str]:
     return ["bench", "--heads", str(made["heads"]), "--target", str(made["target"]), "--questions",
             str(made["questions"]), "--max-new-tokens", "4", "--tree", "4", "--baselines", "generate", "--out",
