@@ -18,7 +18,7 @@ import datasets
 import pytest
 import safetensors.torch
 import torch
-from helpers import chat_target_with_heads, env, questions_file, tiny_model
+from helpers import LAUNCH, ROOT, chat_target_with_heads, env, questions_file, tiny_model
 from matplotlib.figure import Figure
 from safetensors import SafetensorError
 from test_publish import FakeHub, hub, push  # noqa: F401 (hub: the fixture of the suite's local Hub)
@@ -356,3 +356,18 @@ def test_a_push_killed_before_its_commit_changes_nothing_and_the_next_one_upload
     run = push(hub, heads)
     assert run.returncode == 0, run.stderr
     assert FakeHub.files["model.safetensors"] == (heads / "model.safetensors").read_bytes()
+
+
+@pytest.mark.slow
+def test_an_empty_recipe_under_the_launcher_is_one_line_and_the_launcher_exits_1(tmp_path):
+    """As the README says: the script refuses in one line; `accelerate launch -q` exits 1 whenever its script fails,
+    whatever status the script gave (2 here, as `python train/heads.py` shows)."""
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text("# emptied\n")
+    script = [str(ROOT / "train" / "heads.py"), "--config", str(recipe)]
+    launched = subprocess.run(LAUNCH + ["-q", "--config_file", str(ROOT / "configs/accelerate/cpu.yaml"), *script],
+                              env=env(), capture_output=True, text=True, cwd=tmp_path)
+    alone = subprocess.run([sys.executable, *script], env=env(), capture_output=True, text=True, cwd=tmp_path)
+    line = f"train/heads.py: error: config {recipe} is empty: "
+    assert launched.returncode == 1 and launched.stderr.startswith(line) and launched.stderr.count("\n") == 1
+    assert alone.returncode == 2 and alone.stderr == launched.stderr
