@@ -24,7 +24,6 @@ import torch
 from gorgon.heads.errors import GorgonError
 from gorgon.heads.tree import Tree
 
-
 # The smallest temperature above 0: float32 logits up to 1e8 divided by it stay finite (below 3.4e38); a smaller
 # one made sampling's probabilities inf or nan. Sampling that cold is greedy in all but name.
 MIN_TEMPERATURE = 1e-30
