@@ -286,10 +286,12 @@ def bench_report(rows: list[dict], skipped: list[dict], histogram: dict, greedy:
 
 # What the figures of a report can be trusted to show. A speculative step (the draft, one target forward over the
 # tree, the acceptance) costs at least a plain step, so a speedup is at most tau x (plain step time / speculative
-# step time) <= tau. It may come out a little above: oneDNN multiplies in blocks of rows (3 to 6 tokens cost 0.93x
-# one: calibrate.py), and `generate` does work of its own each step (quiet runs in the README reach 1.04x tau:
-# Medusa heads alone, 1.37x at tau 1.32). A speedup further above tau than this is flagged:
-SPEEDUP_TOLERANCE = 0.25
+# step time) <= tau. It may come out above: oneDNN multiplies in blocks of rows (3 to 6 tokens cost 0.93x one:
+# calibrate.py), greedy verification reads the output layer in bfloat16 (an eighth of a step) where `generate` reads
+# it in float32, and `generate` does work of its own each step (on the embedded target, MT-Bench's first coding
+# question took 0.8 plain steps a speculative step, in two runs; an 80-question run in the README 0.96: Medusa heads
+# alone, 1.37x at tau 1.32); a category of one question is timed once. A speedup further above tau is flagged:
+SPEEDUP_TOLERANCE = 0.5
 # How far the questions' step costs may spread beyond what the run's own noise explains (`spread_beyond_noise`):
 # a tree sized per step differs between questions by itself (with context drafts it grows where the text repeats).
 SPREAD_ALLOWANCE = 2.0
