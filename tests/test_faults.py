@@ -142,6 +142,14 @@ def test_damaged_data_is_named_with_the_rerun_that_makes_it_again(made, tmp_path
     assert line.endswith("make it again by rerunning the `gorgon data` command that wrote it, with --overwrite")
 
 
+def test_another_datasets_folder_cut_short_is_one_line(made, tmp_path):
+    data = copy_of(made["data"], tmp_path)
+    (data / METADATA_NAME).unlink()  # saved by `datasets` itself
+    truncate_shard(data)
+    with pytest.raises(GorgonError, match=rf"^{data} is a `datasets` folder that cannot be read \(.*\): save it again"):
+        read_records(str(data))
+
+
 def test_the_rerun_the_damage_message_advises_makes_the_data_again(made, tmp_path):
     """A truncated shard leaves every file in place, so a rerun without --overwrite took the data for complete."""
     data = copy_of(made["data"], tmp_path)
