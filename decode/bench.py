@@ -293,8 +293,10 @@ def bench_report(rows: list[dict], skipped: list[dict], histogram: dict, greedy:
 # alone, 1.37x at tau 1.32); a category of one question is timed once. A speedup further above tau is flagged:
 SPEEDUP_TOLERANCE = 0.5
 # How far the questions' step costs may spread beyond what the run's own noise explains (`spread_beyond_noise`):
-# a tree sized per step differs between questions by itself (with context drafts it grows where the text repeats).
-SPREAD_ALLOWANCE = 2.0
+# a tree sized per step differs between questions by itself. With context drafts alone on the embedded target, the
+# first question of each MT-Bench category spread 2.1x in each of three runs, busy or not (0.8 to 1.9 plain steps a
+# step: the trees grow where the text repeats).
+SPREAD_ALLOWANCE = 3.0
 # Questions needed to tell a spread (with fewer, the extremes are all there is).
 SPREAD_QUESTIONS = 3
 
@@ -440,7 +442,7 @@ def plot_report(report: dict, path: Path) -> None:
     note = textwrap.wrap(f"NOT TO BE TRUSTED: {why}; rerun on a quiet machine", 120) if why else []
     fig, (left, right) = plt.subplots(1, 2, figsize=(9, 3.4 + 0.5 * legend + 0.2 * len(note)), dpi=120)
     if note:
-        fig.suptitle("\n".join(note), color="#b2182b", fontsize=8)
+        fig.suptitle("\n".join(note), color="#b2182b", fontsize=9, fontweight="bold")
     hist = report["accepted_histogram"]
     left.bar([int(k) for k in hist], list(hist.values()), color="#3182bd")
     left.set_xticks([int(k) for k in hist])
