@@ -276,13 +276,18 @@ def bench_report(rows: list[dict], skipped: list[dict], histogram: dict, greedy:
 
 # What the figures of a report can be trusted to show. A speculative step (the draft, one target forward over the
 # tree, the acceptance) costs at least a plain step, so a speedup is at most tau x (plain step time / speculative
-# step time) <= tau. It may come out a little above: oneDNN multiplies in blocks of rows (3 to 6 tokens cost 0.93x
-# one: calibrate.py), and `generate` does work of its own each step (quiet runs in the README reach 1.04x tau:
-# Medusa heads alone, 1.37x at tau 1.32). A speedup further above tau than this is flagged:
-SPEEDUP_TOLERANCE = 0.25
+# step time) <= tau. It may come out above: oneDNN multiplies in blocks of rows (3 to 6 tokens cost 0.93x one:
+# calibrate.py), greedy verification reads the output layer in bfloat16 (an eighth of a step) where `generate` reads
+# it in float32, and `generate` does work of its own each step (on the embedded target, MT-Bench's first coding
+# question took 0.8 plain steps a speculative step, in two runs; an 80-question run in the README 0.96: Medusa heads
+# alone, 1.37x at tau 1.32); a category of one question is timed once. A speedup more than this share above tau
+# is flagged:
+SPEEDUP_TOLERANCE = 0.5
 # How far the questions' step costs may spread beyond what the run's own noise explains (`spread_beyond_noise`):
-# a tree sized per step differs between questions by itself (with context drafts it grows where the text repeats).
-SPREAD_ALLOWANCE = 2.0
+# a tree sized per step differs between questions by itself. With context drafts alone on the embedded target, the
+# first question of each MT-Bench category spread 2.1x in each of three runs, busy or not (0.8 to 1.9 plain steps a
+# step: the trees grow where the text repeats).
+SPREAD_ALLOWANCE = 3.0
 # Questions needed to tell a spread (with fewer, the extremes are all there is).
 SPREAD_QUESTIONS = 3
 
@@ -313,7 +318,7 @@ def spread_beyond_noise(rows: list[dict]) -> str | None:
     noise, allowed = spread(plain), SPREAD_ALLOWANCE * spread(plain) ** 2
     if spread(costs) <= allowed:
         return None
-    return (f"the questions' step costs (speedup over tau) spread {spread(costs):.1f}x, beyond the {allowed:.1f}x "
+    return (f"the questions' step costs (tau over speedup) spread {spread(costs):.1f}x, beyond the {allowed:.1f}x "
             f"that the baseline's own spread ({noise:.2f}x over the questions) allows")
 
 
@@ -428,7 +433,7 @@ def plot_report(report: dict, path: Path) -> None:
     note = textwrap.wrap(f"NOT TO BE TRUSTED: {why}; rerun on a quiet machine", 120) if why else []
     fig, (left, right) = plt.subplots(1, 2, figsize=(9, 3.4 + 0.5 * legend + 0.2 * len(note)), dpi=120)
     if note:
-        fig.suptitle("\n".join(note), color="#b2182b", fontsize=8)
+        fig.suptitle("\n".join(note), color="#b2182b", fontsize=9, fontweight="bold")
     hist = report["accepted_histogram"]
     left.bar([int(k) for k in hist], list(hist.values()), color="#3182bd")
     left.set_xticks([int(k) for k in hist])

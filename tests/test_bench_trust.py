@@ -28,14 +28,12 @@ def report_of(rows: list[dict]) -> dict:
 def test_a_speedup_tau_cannot_give_is_flagged_and_a_plausible_one_is_not():
     """Issue 65's report: 3.68x at tau 1.03, on a machine shared with training. A speculative step costs at least
     about a plain one, so tau 1.03 allows about 1.03x."""
-    assert speedup_bound(1.0) == pytest.approx(1.25)
+    assert speedup_bound(1.0) == pytest.approx(1.5)
     impossible = report_of([row(i, tau=1.03, speedup=3.68) for i in range(4)])
     assert impossible["trust"]["ok"] is False
-    assert "all: speedup 3.68x at tau 1.03, above the 1.29x that tau allows" in impossible["trust"]["reasons"]
-    plausible = report_of([row(i, tau=2.0, speedup=1.6) for i in range(4)])  # a step of 1.25 plain steps
+    assert "all: speedup 3.68x at tau 1.03, above the 1.55x that tau allows" in impossible["trust"]["reasons"]
+    plausible = report_of([row(i, tau=1.6, speedup=1.94) for i in range(4)])  # MT-Bench coding: 0.82 steps a step
     assert plausible["trust"] == {"ok": True, "reasons": []}
-    slightly_above = report_of([row(i, tau=1.32, speedup=1.37) for i in range(4)])  # a quiet run in the README
-    assert slightly_above["trust"]["ok"] is True
 
 
 def test_each_speculative_method_and_category_is_held_to_its_tau():
@@ -49,12 +47,12 @@ def test_each_speculative_method_and_category_is_held_to_its_tau():
 
 def test_step_costs_spread_beyond_the_runs_noise_are_flagged():
     """The baseline's seconds per token spread 1.0x over the questions here (a quiet run): its step costs may
-    spread SPREAD_ALLOWANCE = 2x. One question's gorgon run slowed 3x is beyond that; the same with a baseline that
-    itself spread 1.5x is not (a noisy run: 2 x 1.5^2 = 4.5x)."""
-    quiet = [row(i, tau=2.0, speedup=s) for i, s in enumerate((1.6, 1.5, 1.7, 1.6 / 3))]
-    assert "spread 3.2x, beyond the 2.0x that the baseline's own spread (1.00x" in spread_beyond_noise(quiet)
+    spread SPREAD_ALLOWANCE = 3x. One question's gorgon run slowed 4x is beyond that; the same with a baseline that
+    itself spread 1.5x is not (a noisy run: 3 x 1.5^2 = 6.75x)."""
+    quiet = [row(i, tau=2.0, speedup=s) for i, s in enumerate((1.6, 1.5, 1.7, 0.4))]
+    assert "spread 4.2x, beyond the 3.0x that the baseline's own spread (1.00x" in spread_beyond_noise(quiet)
     assert spread_beyond_noise(quiet[:3]) is None  # trees that differ between questions
-    noisy = [row(i, tau=2.0, speedup=s, plain_ms=ms) for i, (s, ms) in enumerate(zip((1.6, 1.5, 1.7, 1.6 / 3),
+    noisy = [row(i, tau=2.0, speedup=s, plain_ms=ms) for i, (s, ms) in enumerate(zip((1.6, 1.5, 1.7, 0.4),
                                                                                       (50, 60, 75, 50)))]
     assert spread_beyond_noise(noisy) is None
     assert spread_beyond_noise(quiet[:2] + quiet[3:]) is not None and spread_beyond_noise(quiet[:2]) is None
@@ -84,7 +82,7 @@ def test_the_plot_says_so(monkeypatch, tmp_path):
     monkeypatch.setattr(bench, "save_figure", title_drawn)
     bench.plot_report(report_of([row(i, tau=1.03, speedup=3.68) for i in range(4)]), tmp_path / "r.png")
     bench.plot_report(report_of([row(i, tau=2.0, speedup=1.6) for i in range(4)]), tmp_path / "r.png")
-    assert drawn[0] == ("NOT TO BE TRUSTED: math: speedup 3.68x at tau 1.03, above the 1.29x that tau allows (and 2 "
+    assert drawn[0] == ("NOT TO BE TRUSTED: math: speedup 3.68x at tau 1.03, above the 1.55x that tau allows (and 2 "
                         "more reasons); rerun on a quiet machine")
     assert drawn[1] == ""
 

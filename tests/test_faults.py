@@ -18,7 +18,7 @@ import datasets
 import pytest
 import safetensors.torch
 import torch
-from helpers import chat_target_with_heads, env, questions_file, tiny_model
+from helpers import LAUNCH, ROOT, chat_target_with_heads, env, questions_file, tiny_model
 from matplotlib.figure import Figure
 from safetensors import SafetensorError
 from test_publish import FakeHub, hub, push  # noqa: F401 (hub: the fixture of the suite's local Hub)
@@ -37,8 +37,7 @@ NO_SPACE = "No space left on device"
 @pytest.fixture(scope="module")
 def made(tmp_path_factory):
     """What the commands read, made once: a tiny chat target, random Medusa and feature-level heads for it, its
-    `gorgon data`
-    output (6 prompts) and two bench questions. Tests copy what they damage."""
+    `gorgon data` output (6 prompts) and 4 bench questions. Tests copy what they damage."""
     root = tmp_path_factory.mktemp("made")
     target, loaded, heads = chat_target_with_heads(root)
     EagleHead.for_target(loaded.model, target_fingerprint=loaded.fingerprint).save_pretrained(root / "eagle")
@@ -143,6 +142,14 @@ def test_damaged_data_is_named_with_the_rerun_that_makes_it_again(made, tmp_path
     assert line.endswith("make it again by rerunning the `gorgon data` command that wrote it, with --overwrite")
 
 
+def test_another_datasets_folder_cut_short_is_one_line(made, tmp_path):
+    data = copy_of(made["data"], tmp_path)
+    (data / METADATA_NAME).unlink()  # saved by `datasets` itself
+    truncate_shard(data)
+    with pytest.raises(GorgonError, match=rf"^{data} is a `datasets` folder that cannot be read \(.*\): save it again"):
+        read_records(str(data))
+
+
 def test_the_rerun_the_damage_message_advises_makes_the_data_again(made, tmp_path):
     """A truncated shard leaves every file in place, so a rerun without --overwrite took the data for complete."""
     data = copy_of(made["data"], tmp_path)
@@ -174,6 +181,21 @@ def test_export_onto_a_full_disk_is_one_line_and_leaves_nothing(made, tmp_path, 
                     "--out", str(tmp_path / "export")], capsys, tmp_path)
     assert line.endswith(f"the disk holding {tmp_path / 'export'} is full (1 MiB free; SafetensorError while writing): "
                          "free some space, then rerun")
+
+
+def test_training_on_a_full_disk_is_one_line_and_resumes_from_its_checkpoint(made, tmp_path, capsys, monkeypatch):
+    fills_part_way(monkeypatch, safetensors.torch, "save_file", SafetensorError(f"I/O error: {NO_SPACE} (os error 28)"))
+    full_disk(monkeypatch)
+    out, inputs = tmp_path / "run", made["data"].parent
+    args = ["train", "--data", str(made["data"]), "--target", str(made["target"]), "--out", str(out), "--max_steps",
+            "2", "--save_every", "1", "--report_to", "none"]
+    line = refused(args, capsys, inputs)
+    assert line.endswith(f"the disk holding {out} is full (1 MiB free; SafetensorError while writing): free some "
+                         "space, then rerun (--resume true if a checkpoint was saved)")
+    assert (out / "checkpoints" / "step-1").is_dir() and not (out / "model.safetensors").exists()
+    monkeypatch.undo()
+    assert gorgon(args + ["--resume", "true"]) == 0
+    assert "resumed from" in capsys.readouterr().err and safetensors.torch.load_file(out / "model.safetensors")
 
 
 def bench(made, out: Path, *more: str) -> list[str]:
@@ -220,11 +242,12 @@ def test_an_empty_or_non_mapping_recipe_is_refused(tmp_path, capsys, text, expec
 
 # Silly numbers and API misuse.
 
-def test_a_temperature_too_small_to_divide_by_is_refused(capsys):
-    """--temperature 1e-300 overflowed the logits divided by it: "probability tensor contains inf/nan"."""
+def test_a_temperature_too_small_to_divide_by_is_refused(tmp_path, capsys):
+    """--temperature 1e-300 overflowed the logits divided by it: "probability tensor contains inf/nan". Refused
+    before the target loads (there is none)."""
     for temperature in ("1e-300", "1e-38"):
-        assert gorgon(["generate", "--context-draft", "--temperature", temperature, "--prompt", "hi"]) == 2
-        assert f"temperature {float(temperature)!r} is too small" in error_line(capsys, "generate")
+        args = ["generate", "--context-draft", "--temperature", temperature, "--prompt", "hi", "--target", "nowhere"]
+        assert f"temperature {float(temperature)!r} is too small" in refused(args, capsys, tmp_path)
     with pytest.raises(GorgonError, match="pass 0 \\(greedy\\) or at least 1e-30"):
         Sampling(1e-31)
     probs = target_probs(torch.tensor([1e8, 0.0, -1e8]), Sampling(MIN_TEMPERATURE))  # the smallest allowed
@@ -249,9 +272,10 @@ def test_a_draft_depth_no_tree_of_its_size_can_reach_is_refused(made, capsys):
     assert drafter_for(head, 3).depth == head.config.depth  # the saved depth, cut to the tree as the search goes
 
 
-def test_a_context_ngram_past_the_usable_range_is_refused(capsys):
+def test_a_context_ngram_past_the_usable_range_is_refused(tmp_path, capsys):
+    """Refused before the target loads (there is none)."""
     args = ["generate", "--context-draft", "--context-ngram", "100000", "--prompt", "hi", "--target", "nowhere"]
-    assert "the n-gram size (--context-ngram) must be from 1 to 32, not 100000" in refused(args, capsys, Path.cwd())
+    assert "the n-gram size (--context-ngram) must be from 1 to 32, not 100000" in refused(args, capsys, tmp_path)
     with pytest.raises(GorgonError, match="must be from 1 to 32, not 33"):
         ContextDrafter(max_ngram=33)
     assert ContextDrafter(max_ngram=32).max_ngram == 32
@@ -302,7 +326,7 @@ def test_an_export_killed_mid_write_leaves_nothing_and_the_next_one_finishes(mad
 @pytest.mark.slow
 def test_a_bench_killed_after_a_question_goes_on_from_it(made, tmp_path):
     out = tmp_path / "bench.json"
-    cmd = [sys.executable, "-m", "gorgon.heads.cli", *bench(made, out, "--limit", "3")]
+    cmd = [sys.executable, "-m", "gorgon.heads.cli", *bench(made, out, "--limit", "2")]
 
     def one_question_done():
         try:
@@ -314,7 +338,7 @@ def test_a_bench_killed_after_a_question_goes_on_from_it(made, tmp_path):
     run = subprocess.run(cmd, env=env(), capture_output=True, text=True)
     assert run.returncode == 0 and "going on from the 1 questions" in run.stderr, run.stderr
     report = json.loads(out.read_text())
-    assert report["complete"] and len(report["questions"]) == 3
+    assert report["complete"] and len(report["questions"]) == 2
 
 
 @pytest.mark.slow
@@ -341,3 +365,18 @@ def test_a_push_killed_before_its_commit_changes_nothing_and_the_next_one_upload
     run = push(hub, heads)
     assert run.returncode == 0, run.stderr
     assert FakeHub.files["model.safetensors"] == (heads / "model.safetensors").read_bytes()
+
+
+@pytest.mark.slow
+def test_an_empty_recipe_under_the_launcher_is_one_line_and_the_launcher_exits_1(tmp_path):
+    """As the README says: the script refuses in one line; `accelerate launch -q` exits 1 whenever its script fails,
+    whatever status the script gave (2 here, as `python train/heads.py` shows)."""
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text("# emptied\n")
+    script = [str(ROOT / "train" / "heads.py"), "--config", str(recipe)]
+    launched = subprocess.run(LAUNCH + ["-q", "--config_file", str(ROOT / "configs/accelerate/cpu.yaml"), *script],
+                              env=env(), capture_output=True, text=True, cwd=tmp_path)
+    alone = subprocess.run([sys.executable, *script], env=env(), capture_output=True, text=True, cwd=tmp_path)
+    line = f"train/heads.py: error: config {recipe} is empty: "
+    assert launched.returncode == 1 and launched.stderr.startswith(line) and launched.stderr.count("\n") == 1
+    assert alone.returncode == 2 and alone.stderr == launched.stderr

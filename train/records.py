@@ -100,11 +100,14 @@ def read_dataset_folder(path: Path) -> list[dict]:
             data = data["train"] if "train" in data else next(iter(data.values()))
         return list(data)
     except (OSError, ValueError, KeyError, TypeError, pyarrow.ArrowException) as err:
-        problem = "a file it lists is missing" if isinstance(err, FileNotFoundError) else first_problem(err)
+        missing = isinstance(err, FileNotFoundError)
         if is_dataset(path):
-            raise damaged_data(path, problem) from err
-        raise GorgonError(f"{path} is a folder but not a saved `datasets` dataset ({problem}): pass a .jsonl file "
-                          "or a folder written by Dataset.save_to_disk") from err
+            raise damaged_data(path, "a file it needs is missing" if missing else first_problem(err)) from err
+        if missing:
+            raise GorgonError(f"{path} is a folder but not a saved `datasets` dataset: pass a .jsonl file or a "
+                              "folder written by Dataset.save_to_disk") from err
+        raise GorgonError(f"{path} is a `datasets` folder that cannot be read ({first_problem(err)}): save it again "
+                          "(Dataset.save_to_disk), or pass a .jsonl file") from err
 
 
 def is_dataset(out: Path) -> bool:
