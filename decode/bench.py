@@ -23,7 +23,8 @@ from pathlib import Path
 import torch
 
 from gorgon.heads.card import check_card_folder, refresh_model_card
-from gorgon.heads.errors import ArgumentParser, GorgonError, int_at_least, user_error_line, user_path
+from gorgon.heads.command import ArgumentParser, int_at_least, user_path
+from gorgon.heads.errors import GorgonError, user_error_line
 from gorgon.heads.files import atomic_write_text, save_figure
 from gorgon.heads.outputs import changed_settings, check_report_output, holding
 from gorgon.heads.target import check_model_source, context_length, load_causal_lm

@@ -7,7 +7,8 @@ import sys
 
 import torch
 
-from gorgon.heads.errors import ArgumentParser, GorgonError
+from gorgon.heads.command import ArgumentParser
+from gorgon.heads.errors import GorgonError
 
 from .acceptance import Sampling
 from .generate import ACCEPTANCE_RULES, check_stop_strings, chosen_sampling, speculative_generate

@@ -23,7 +23,7 @@ from gorgon.heads import (
     load_draft,
     load_target,
 )
-from gorgon.heads.errors import int_at_least, user_path
+from gorgon.heads.command import int_at_least, user_path
 from gorgon.heads.files import read_text
 from gorgon.heads.hub import resolve_heads_folder
 from gorgon.heads.loading import check_heads_options, drafter_for, load_heads, load_heads_for

@@ -9,7 +9,7 @@ import difflib
 import importlib
 import sys
 
-from .errors import exit_status
+from .command import exit_status
 from .hub import offline_if_hub_unreachable
 
 COMMANDS = {

@@ -9,8 +9,9 @@ import shutil
 import sys
 from pathlib import Path
 
+from .command import ArgumentParser, user_path
 from .drafter import dtype_name
-from .errors import ArgumentParser, GorgonError, user_path
+from .errors import GorgonError
 from .files import atomic_write_text
 from .hub import is_hub_id, resolve_heads_folder
 from .loading import heads_method, load_heads

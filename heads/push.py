@@ -7,7 +7,8 @@ import sys
 from pathlib import Path
 
 from .card import card_as_written, card_for_run
-from .errors import ArgumentParser, GorgonError, user_path
+from .command import ArgumentParser, user_path
+from .errors import GorgonError
 from .files import read_config, reading_weights
 from .hub import CONFIG_NAME, check_repo_id, upload_folder
 

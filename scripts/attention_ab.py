@@ -21,7 +21,7 @@ from gorgon.decode.kernels import use_cpu_kernels
 from gorgon.decode.verify import verify
 from gorgon.heads import load_target
 from gorgon.heads.cache import crop_cache, with_cache
-from gorgon.heads.errors import ArgumentParser, int_at_least, run_script
+from gorgon.heads.command import ArgumentParser, int_at_least, run_script
 from gorgon.heads.methods.medusa.drafter import REFERENCE_ACCURACIES
 from gorgon.heads.target import lm_logits
 from gorgon.heads.tree import MAX_TREE_NODES, build_tree, tree_from_accuracies

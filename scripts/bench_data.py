@@ -22,7 +22,7 @@ import torch
 from gorgon.decode.calibrate import cpu_flags
 from gorgon.decode.kernels import KERNELS
 from gorgon.heads import load_target
-from gorgon.heads.errors import ArgumentParser, int_at_least, run_script
+from gorgon.heads.command import ArgumentParser, int_at_least, run_script
 from gorgon.train.data import DataSettings, Engine, chat_ids
 from gorgon.train.records import load_conversations
 

@@ -12,7 +12,7 @@ import time
 
 import torch
 
-from gorgon.heads.errors import ArgumentParser, int_at_least, run_script
+from gorgon.heads.command import ArgumentParser, int_at_least, run_script
 from gorgon.heads.target import resolve_device, resolve_dtype
 
 

@@ -15,7 +15,7 @@ import time
 import torch
 
 from gorgon.heads import MedusaHeads, load_target
-from gorgon.heads.errors import ArgumentParser, int_at_least, run_script
+from gorgon.heads.command import ArgumentParser, int_at_least, run_script
 from gorgon.heads.methods.medusa.objective import medusa_loss
 from gorgon.train.examples import collate, frequent_tokens, load_examples
 

@@ -18,7 +18,8 @@ from pathlib import Path
 
 from gorgon.decode.questions import load_questions, per_category_sample
 from gorgon.decode.tau import measure_tau
-from gorgon.heads.errors import ArgumentParser, GorgonError, int_at_least, run_script
+from gorgon.heads.command import ArgumentParser, int_at_least, run_script
+from gorgon.heads.errors import GorgonError
 from gorgon.heads.files import atomic_write_text, save_figure
 from gorgon.heads.loading import drafter_for, load_heads
 from gorgon.heads.outputs import check_report_output

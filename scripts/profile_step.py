@@ -33,7 +33,8 @@ from gorgon.decode.questions import load_questions
 from gorgon.decode.verify import accepted_rows, features, keep_path, verify
 from gorgon.heads import MedusaDrafter, MedusaHeads
 from gorgon.heads.cache import crop_cache, growing_cache, with_cache
-from gorgon.heads.errors import ArgumentParser, GorgonError, int_at_least, run_script
+from gorgon.heads.command import ArgumentParser, int_at_least, run_script
+from gorgon.heads.errors import GorgonError
 from gorgon.heads.target import lm_logits, resolve_device, resolve_dtype
 
 

@@ -41,7 +41,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from gorgon.decode.options import add_model_arguments
 from gorgon.decode.questions import load_questions
-from gorgon.heads.errors import ArgumentParser, GorgonError, int_at_least, run_script
+from gorgon.heads.command import ArgumentParser, int_at_least, run_script
+from gorgon.heads.errors import GorgonError
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("heads", "decode")

@@ -17,7 +17,8 @@ import json
 import os
 from pathlib import Path
 
-from gorgon.heads.errors import ArgumentParser, GorgonError, run_script, user_path
+from gorgon.heads.command import ArgumentParser, run_script, user_path
+from gorgon.heads.errors import GorgonError
 from gorgon.heads.files import atomic_write_text
 from gorgon.heads.outputs import check_writable
 

@@ -16,7 +16,7 @@ from pathlib import Path
 from gorgon.decode.options import DecodeSettings, add_model_arguments, load_drafter
 from gorgon.decode.questions import load_questions, per_category_sample
 from gorgon.decode.tau import measure_tau
-from gorgon.heads.errors import ArgumentParser, int_at_least, run_script
+from gorgon.heads.command import ArgumentParser, int_at_least, run_script
 
 
 def main() -> None:

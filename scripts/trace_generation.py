@@ -33,7 +33,8 @@ from gorgon.decode.attention import decoding_attention
 from gorgon.decode.bench import timed_generate, timed_speculative
 from gorgon.decode.options import DecodeSettings, add_model_arguments, load_drafter
 from gorgon.decode.questions import load_questions
-from gorgon.heads.errors import ArgumentParser, GorgonError, int_at_least, run_script
+from gorgon.heads.command import ArgumentParser, int_at_least, run_script
+from gorgon.heads.errors import GorgonError
 from gorgon.heads.files import atomic_write
 from gorgon.heads.outputs import check_writable
 

@@ -14,7 +14,7 @@ import gorgon.train.recipe as recipe
 from gorgon.decode.questions import load_questions
 from gorgon.heads import GorgonError, MedusaHeads
 from gorgon.heads.cli import main as gorgon
-from gorgon.heads.errors import run_script
+from gorgon.heads.command import run_script
 from gorgon.heads.outputs import check_output
 from gorgon.train.heads import HeadsTrainConfig
 from gorgon.train.records import load_conversations, read_records
@@ -180,7 +180,7 @@ def test_gorgons_warnings_are_one_line_on_the_command_line(monkeypatch):
     gorgon: CPU fast kernels are off ...", then the line of code)."""
     import warnings
 
-    from gorgon.heads.errors import exit_status
+    from gorgon.heads.command import exit_status
 
     monkeypatch.setattr(warnings, "formatwarning", warnings.formatwarning)  # restored after the test
     assert exit_status(lambda: 0, "gorgon generate") == 0

@@ -285,7 +285,7 @@ def test_torchs_launcher_reports_the_error_line_as_the_failures_cause(tmp_path, 
     the line once before the report, not N times."""
     from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
-    from gorgon.heads.errors import exit_status
+    from gorgon.heads.command import exit_status
 
     first, second = (tmp_path / "attempt_0" / rank / "error.json" for rank in ("0", "1"))  # torch's layout
     first.parent.mkdir(parents=True)

@@ -29,7 +29,8 @@ from pathlib import Path
 import torch
 
 from gorgon.decode.kernels import KERNELS, use_cpu_kernels
-from gorgon.heads.errors import ArgumentParser, GorgonError, first_problem, int_at_least, user_path
+from gorgon.heads.command import ArgumentParser, int_at_least, user_path
+from gorgon.heads.errors import GorgonError, first_problem
 from gorgon.heads.files import atomic_write_text, naming_failed_writes, read_jsonl
 from gorgon.heads.outputs import changed_settings, check_output, check_unlocked, holding, move_into_place, staging
 from gorgon.heads.target import Target, context_length, fits_context, load_target, resolve_device, resolve_dtype

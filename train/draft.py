@@ -416,6 +416,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    from gorgon.heads.errors import run_script
+    from gorgon.heads.command import run_script
 
     run_script(main, "train/draft.py")
