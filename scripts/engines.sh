@@ -33,7 +33,7 @@ venv() {  # a fresh venv at $1 with a current pip
 cpu_torch() {  # torch 2.13 CPU into the venv $1 first, so that nothing after it pulls a CUDA build
   local index=(); [ -z "$TORCH_INDEX" ] || index=(--extra-index-url "$TORCH_INDEX" --retries 1 --timeout 10)
   "$1/bin/pip" install -q --disable-pip-version-check "torch==2.13.0" "${index[@]}"
-  "$1/bin/python" -c "import torch, sys; sys.exit(0 if torch.__version__.endswith('+cpu') else
+  "$1/bin/python" -W ignore -c "import torch, sys; sys.exit(0 if torch.__version__.endswith('+cpu') else
     f'engines.sh: got torch {torch.__version__}, not a CPU build: set GORGON_TORCH_INDEX to an index that has 2.13.0+cpu')"
 }
 
@@ -48,7 +48,7 @@ build_vllm() {
 build_speculators() {
   venv "$DIR/speculators"
   "$DIR/speculators/bin/pip" install -q --disable-pip-version-check "speculators==0.9.0"
-  "$DIR/speculators/bin/python" -c "import speculators; print('speculators', speculators.__version__)"
+  "$DIR/speculators/bin/python" -c "import importlib.metadata as m, speculators; print('speculators', m.version('speculators'))"
 }
 
 build_llama_cpp() {
@@ -56,15 +56,17 @@ build_llama_cpp() {
   rm -rf "$out"; mkdir -p "$src"
   "$PY" -m pip download -q --disable-pip-version-check --no-deps --no-binary :all: "llama-cpp-python==0.3.36" -d "$out"
   tar -xzf "$out"/llama_cpp_python-0.3.36.tar.gz -C "$src" --strip-components=1
-  cmake -S "$src/vendor/llama.cpp" -B "$out/build" -DCMAKE_BUILD_TYPE=Release -DLLAMA_CURL=OFF -DGGML_NATIVE=ON >/dev/null
+  local cpp="$src/vendor/llama.cpp"
+  cmake -S "$cpp" -B "$out/build" -DCMAKE_BUILD_TYPE=Release -DLLAMA_OPENSSL=OFF -DGGML_NATIVE=ON >/dev/null
   cmake --build "$out/build" -j "$(nproc)" --target llama-server llama-speculative-simple llama-cli >/dev/null
   mkdir -p "$out/bin"; cp "$out/build/bin/"llama-* "$out/bin/"
-  # The converter (HF folder -> GGUF, LlamaForCausalLMEagle3 included) runs from the source tree on its gguf-py.
+  # The converter (HF folder -> GGUF, LlamaForCausalLMEagle3 included) runs from the source tree on its own gguf-py.
+  # Its requirements file pins torch 2.11 from PyTorch's CPU index; the CPU torch above serves it as well.
   venv "$out/venv"
   cpu_torch "$out/venv"
-  "$out/venv/bin/pip" install -q --disable-pip-version-check -r "$src/vendor/llama.cpp/requirements/requirements-convert_hf_to_gguf.txt"
-  "$out/venv/bin/pip" install -q --disable-pip-version-check "$src/vendor/llama.cpp/gguf-py"
-  ln -sf "$src/vendor/llama.cpp/convert_hf_to_gguf.py" "$out/bin/convert_hf_to_gguf.py"
+  "$out/venv/bin/pip" install -q --disable-pip-version-check "transformers==4.57.6" "numpy~=2.2.6" sentencepiece \
+    "protobuf>=4.21,<5" "$cpp/gguf-py"
+  ln -sf "$cpp/convert_hf_to_gguf.py" "$out/bin/convert_hf_to_gguf.py"
   "$out/bin/llama-cli" --version 2>&1 | head -1
 }
 

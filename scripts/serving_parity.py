@@ -71,8 +71,9 @@ def exported(heads: Path, fmt: str | None, target: str | None, out: Path) -> tup
 
 def chain_drafter(export: Path, fmt: str, target: str | None, chain: int | None):
     """gorgon's target and drafter for the export, drafting a chain as vLLM does: the top token of each of `chain`
-    levels a step (Medusa: one per head; a feature-level head: depth `chain`, top-k 1, every level drafted).
-    Default chain: one per Medusa head, a feature-level head's saved depth."""
+    levels a step (Medusa: one per head; a feature-level head: depth `chain`, top-k 1, every level drafted, in
+    float32 as vLLM runs it here: gorgon's default on a CPU with bfloat16 kernels is bfloat16, whose rounding changes
+    some drafts). Default chain: one per Medusa head, a feature-level head's saved depth."""
     from gorgon.decode.options import from_options
 
     if fmt == "vllm":
@@ -84,23 +85,25 @@ def chain_drafter(export: Path, fmt: str, target: str | None, chain: int | None)
 
     chain = chain or EagleHead.from_pretrained(export).config.depth
     return chain, *from_options(heads=str(export), target=target, tree=chain + 1, draft_depth=chain, draft_topk=1,
-                                draft_level_cost=0)
+                                draft_level_cost=0, draft_dtype="float32")
 
 
 def run_gorgon(target, drafter, prompts: list, max_new_tokens: int, chain: int) -> dict:
     """gorgon's outputs, its acceptance length over its verify steps (the prefill's token left out, as vLLM counts),
-    the share of steps that accepted each chain position, and the seconds its decoding took."""
+    the share of steps that accepted each chain position, its tau (tokens per target forward, the prefill's
+    included) and the seconds its decoding took."""
     from gorgon.decode import speculative_generate
 
-    outputs, steps, seconds = [], [], 0.0
+    outputs, steps, forwards, seconds = [], [], 0, 0.0
     for ids in prompts:
         result = speculative_generate(target.model, drafter, ids, max_new_tokens)
         outputs.append(result.tokens)
         steps += result.accepted[1:]  # tokens each verify step emitted, the bonus included
+        forwards += result.target_forwards
         seconds += result.seconds
     return {"outputs": outputs, "acceptance_length": sum(steps) / max(1, len(steps)), "steps": len(steps),
             "per_position": [sum(n - 1 > i for n in steps) / max(1, len(steps)) for i in range(chain)],
-            "seconds": seconds}
+            "tau": sum(map(len, outputs)) / max(1, forwards), "seconds": seconds}
 
 
 def run_vllm(python: Path, model: str, speculative_config: dict | None, prompts: list, max_new_tokens: int,
@@ -180,6 +183,7 @@ def serving_parity(heads: str, fmt: str | None = None, questions: str = "scripts
                   "vllm+draft vs vllm": [first_difference(a, b) for a, b in zip(drafted["outputs"], alone["outputs"])],
                   "gorgon vs vllm": [first_difference(a, b) for a, b in zip(ours["outputs"], alone["outputs"])]},
               "acceptance_length": {"vllm": drafted["acceptance_length"], "gorgon": ours["acceptance_length"]},
+              "gorgon_tau": ours["tau"],
               "per_position": {"vllm": drafted["per_position"], "gorgon": ours["per_position"]},
               "verify_steps": {"vllm": drafted["steps"], "gorgon": ours["steps"]},
               "seconds": {"vllm": alone["seconds"], "vllm+draft": drafted["seconds"], "gorgon": ours["seconds"],
@@ -203,13 +207,14 @@ def table(report: dict) -> str:
         f"| vLLM + draft | {same['vllm+draft == vllm']} | {accept['vllm']:.3f} | "
         f"{' '.join(f'{p:.2f}' for p in report['per_position']['vllm'])} | {secs['vllm+draft']:.1f} |",
         f"| gorgon | {same['gorgon == vllm']} | {accept['gorgon']:.3f} (vLLM's {gap:+.1f}%) | "
-        f"{' '.join(f'{p:.2f}' for p in report['per_position']['gorgon'])} | {secs['gorgon']:.1f} |"])
+        f"{' '.join(f'{p:.2f}' for p in report['per_position']['gorgon'])} | {secs['gorgon']:.1f} |",
+        f"(gorgon's tau, tokens per target forward with the prefill's: {report['gorgon_tau']:.3f})"])
 
 
 def main() -> None:
     import argparse
 
-    from gorgon.heads.errors import ArgumentParser, int_at_least, user_path
+    from gorgon.heads.command import ArgumentParser, int_at_least, user_path
 
     p = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--heads", type=user_path, required=True, help="a heads folder, or an export to serve as it is")
@@ -232,6 +237,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    from gorgon.heads.errors import run_script
+    from gorgon.heads.command import run_script
 
     run_script(main, "scripts/serving_parity.py")
