@@ -1,0 +1,92 @@
+"""The parallel drafter on the registry: its recipe keys, training objective, loading and drafting. (No engine
+export yet: vLLM's P-EAGLE, speculators' `peagle`, wants a mask token's row in an embedding of the draft's own.)"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+from ...errors import GorgonError
+from .. import Method, Recipe, register, setting
+from .card import parallel_card
+from .model import ARCH, BLOCK_SIZE, NODES, ParallelHead, check_block_size
+
+
+@dataclasses.dataclass
+class ParallelRecipe(Recipe):
+    """The recipe keys of `arch: parallel`."""
+
+    block_size: int = setting(BLOCK_SIZE, "parallel: drafts per forward (k): the first position, then k - 1 learned "
+                                          "mask positions")
+    block_feature_layers: list[int] | None = setting(None, "parallel: the target's hidden_states read, e.g. 2,15,27; "
+                                                           "None: EAGLE-3's low, middle and high layer")
+    start_from: str | None = setting(None, "parallel: a trained feature-level head's folder whose layers it starts "
+                                           "from (its feature layers and draft vocabulary too); None: the target's")
+
+    def __post_init__(self):
+        check_block_size(self.block_size)
+
+    def check_with(self, shared) -> None:
+        if self.start_from and (self.block_feature_layers or shared.draft_vocab_size):
+            raise GorgonError("start_from keeps the feature-level head's feature layers and draft vocabulary: drop "
+                              "block_feature_layers and draft_vocab_size, or start_from")
+
+    def check_target(self, config) -> None:
+        from ..eagle.model import check_feature_layers
+
+        if self.block_feature_layers:
+            check_feature_layers(self.block_feature_layers, config.num_hidden_layers)
+
+    @property
+    def rows(self) -> int:
+        return self.block_size
+
+    @property
+    def label(self) -> str:
+        return f"parallel (blocks of {self.block_size})"
+
+
+def objective(recipe: ParallelRecipe, shared, target, draft_tokens):
+    """A parallel drafter for the target (from a trained feature-level head's layers where `start_from` names one)
+    and its loss."""
+    from ...feature_cache import FeatureCache
+    from ..eagle.model import EagleHead
+    from .objective import ParallelObjective
+
+    if recipe.start_from:
+        head = ParallelHead.from_eagle(EagleHead.from_pretrained(recipe.start_from, target=target), recipe.block_size)
+    else:
+        head = ParallelHead.for_target(target.model, recipe.block_size, recipe.block_feature_layers, draft_tokens,
+                                       target.name, target.fingerprint)
+    return ParallelObjective(target.model, head.float(), shared.head_decay,
+                             FeatureCache() if shared.cache_features else None)
+
+
+def holds(folder: Path, config: dict) -> bool:
+    return isinstance(config, dict) and config.get("arch") == ARCH
+
+
+def drafter(head, tree, depth, topk):
+    from .drafter import ParallelDrafter
+
+    check_options(None, depth, topk)
+    return ParallelDrafter(head, tree)
+
+
+def check_options(name, depth=None, topk=None, draft_dtype="auto", level_cost=None) -> None:
+    """A block is drafted in one forward from a fixed tree: no search to shape or stop."""
+    if depth is not None or topk is not None:
+        raise GorgonError("--draft-depth and --draft-topk shape a feature-level head's search; a parallel drafter "
+                          "drafts its whole block in one forward: choose its tree with --tree")
+    if level_cost not in (None, "auto"):
+        raise GorgonError(f"the parallel drafter in {name} drafts its block in one forward: --draft-level-cost has "
+                          "nothing to stop (it applies to --draft and feature-level heads)")
+
+
+METHOD = register(Method(
+    name=ARCH, title="a parallel drafter", holds=holds,
+    load=lambda folder, target: ParallelHead.from_pretrained(folder, target=target), module=ParallelHead,
+    drafter=drafter, check_options=check_options,
+    card=parallel_card, rows=lambda k: f"position {k}",
+    recipe=ParallelRecipe, objective=objective, nodes=NODES,
+))
