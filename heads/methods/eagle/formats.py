@@ -139,11 +139,13 @@ def export_head(head, fmt: str, out: str | Path, base_model: str | None = None, 
     return out
 
 
-def verifier_name(head, base: str) -> str:
+def verifier_name(head, base: str | None) -> str | None:
     """The speculators verifier, which speculators' `from_pretrained` and `vllm serve <export>` load: the folder the
     target loaded from (absolute) where `base` names that target (its path, or the Hub id `gorgon export` gives the
     target the head was trained on, as the embedded build's), so that it loads offline; any other name as given
     (a --base-model to publish under)."""
+    if base is None:  # a head saved without its target's name, exported without --base-model
+        return None
     if Path(base).expanduser().is_dir():
         return str(Path(base).expanduser().resolve())
     loaded = getattr(head.target.config, "_name_or_path", None)  # from_pretrained's argument
