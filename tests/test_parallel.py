@@ -217,3 +217,27 @@ def test_training_through_the_heads_trainer_gives_a_drafter_that_decodes_exactly
                                                return_dict=True)["input_ids"]
     result = speculative_generate(target.model, drafter_for(head, "auto"), ids, max_new_tokens=24)
     assert result.tokens == reference(target.model, ids, 24)
+    from gorgon.heads.cli import main as gorgon
+
+    common = ["generate", "--heads", str(out), "--target", str(target_path), "--raw", "--prompt", "count from 3",
+              "--max-new-tokens", "12"]
+    assert gorgon(common) == 0 and gorgon(common + ["--context-draft"]) == 0  # merged: its scored paths
+
+
+@pytest.mark.slow
+def test_start_from_a_feature_level_head_keeps_its_layers_and_first_draft(tmp_path):
+    from gorgon.heads import EagleHead
+    from gorgon.train.heads import HeadsTrainConfig, train
+
+    target_path = tiny_chat_target(tmp_path)
+    target = load_target(str(target_path), device="cpu")
+    torch.manual_seed(0)
+    eagle = EagleHead.for_target(target.model, target_name=target.name, target_fingerprint=target.fingerprint,
+                                 draft_tokens=torch.arange(90))
+    eagle.save_pretrained(tmp_path / "eagle")
+    train(HeadsTrainConfig(data=toy_data(tmp_path / "toy.jsonl"), out=str(tmp_path / "p"), target=str(target_path),
+                           arch="parallel", start_from=str(tmp_path / "eagle"), max_steps=0, report_to="none",
+                           save_every=0))
+    head = ParallelHead.from_pretrained(tmp_path / "p", target=target)
+    assert head.config.draft_vocab_size == 90
+    assert all(torch.equal(v, eagle.state_dict()[k]) for k, v in head.eagle.state_dict().items())
