@@ -174,10 +174,11 @@ def test_bad_input_is_one_line(tmp_path):
 
     model = tiny_model("llama", layers=4)
     head = head_for(model, block_size=2)
+    head.save_pretrained(tmp_path / "p")
     for make, message in [
         (lambda: ParallelHead.for_target(model, block_size=0), "block_size is the number of drafts a forward makes: "
                                                                "use a whole number >= 1, not 0"),
-        (lambda: HeadsTrainConfig(data="x", out="y", arch="parallel", block_size=0).check(), "block_size is the number"),
+        (lambda: HeadsTrainConfig(data="x", out="y", arch="parallel", block_size=0).check(), "^block_size is the"),
         (lambda: ParallelDrafter(head, tree=[[0], [0, 0], [0, 0, 0]]), "the tree is 3 deep but the drafter drafts a "
                                                                        "block of 2: use a tree at most 2 deep"),
         (lambda: ParallelDrafter(head, tree="wide"), "unknown tree 'wide'"),
@@ -187,11 +188,9 @@ def test_bad_input_is_one_line(tmp_path):
          "ttt_steps is a key of arch: eagle"),
         (lambda: HeadsTrainConfig(data="x", out="y", arch="parallel", start_from="h", draft_vocab_size=20).check(),
          "start_from keeps the feature-level head's feature layers and draft vocabulary"),
-        (lambda: ParallelHead.from_pretrained(tmp_path / "p", target=tiny_model("llama", vocab=32, layers=4)), None),
+        (lambda: ParallelHead.from_pretrained(tmp_path / "p", target=tiny_model("llama", vocab=32, layers=4)),
+         "of a vocabulary of 64, but the target has 32"),  # another target
     ]:
-        if message is None:  # another target: saved, then loaded onto a target of another vocabulary
-            head.save_pretrained(tmp_path / "p")
-            message = "of a vocabulary of 64, but the target has 32"
         with pytest.raises(GorgonError, match=message):
             make()
 
