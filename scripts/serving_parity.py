@@ -9,8 +9,9 @@ generates greedily for the first turn of each question three ways: vLLM alone, v
 chain of --chain tokens a step (vLLM verifies chains only), and gorgon with the same export (imported back: the same
 weights) drafting the same chain. Reports whether the three outputs are identical (the target decides every token,
 so they must be, up to float rounding where two tokens tie), the mean acceptance length (tokens a verify step emits,
-the bonus token included: vLLM's 1 + accepted / drafts from its spec-decode counters; gorgon's over its verify
-steps) and the acceptance at each chain position, and the seconds each took; writes OUT/parity-FORMAT.json. Checks
+the bonus token included: vLLM's 1 + accepted / drafts from its spec-decode counters, which count the last step's
+drafts past the length too, and the same kept in its output; gorgon's over its verify steps, as kept) and the
+acceptance at each chain position, and the seconds each took; writes OUT/parity-FORMAT.json. Checks
 of several exports in one OUT share the run of vLLM alone (OUT/vllm-alone.json).
 
 vLLM runs in a subprocess with its venv's python (scripts/engine_vllm.py), on one thread and offline
@@ -125,8 +126,12 @@ def run_vllm(python: Path, model: str, speculative_config: dict | None, prompts:
         report = json.loads(result.read_text())
     counts = report.pop("spec_decode")
     if speculative_config is not None:
+        # vLLM counts a step's accepted drafts before it cuts the output at max_tokens (gorgon after): the tokens
+        # its verify steps left in the outputs (all but each prefill's one) measure what gorgon's figure does.
         drafts = max(1, counts.get("num_drafts", 0))
+        kept = sum(len(ids) for ids in report["outputs"]) - len(prompts)
         report.update(acceptance_length=1 + counts.get("num_accepted_tokens", 0) / drafts, steps=drafts,
+                      kept_acceptance_length=kept / drafts,
                       per_position=[n / drafts for n in counts.get("num_accepted_tokens_per_pos") or []])
     return report
 
@@ -182,7 +187,8 @@ def serving_parity(heads: str, fmt: str | None = None, questions: str = "scripts
               "first_differences": {
                   "vllm+draft vs vllm": [first_difference(a, b) for a, b in zip(drafted["outputs"], alone["outputs"])],
                   "gorgon vs vllm": [first_difference(a, b) for a, b in zip(ours["outputs"], alone["outputs"])]},
-              "acceptance_length": {"vllm": drafted["acceptance_length"], "gorgon": ours["acceptance_length"]},
+              "acceptance_length": {"vllm": drafted["acceptance_length"], "gorgon": ours["acceptance_length"],
+                                    "vllm_kept": drafted["kept_acceptance_length"]},
               "gorgon_tau": ours["tau"],
               "per_position": {"vllm": drafted["per_position"], "gorgon": ours["per_position"]},
               "verify_steps": {"vllm": drafted["steps"], "gorgon": ours["steps"]},
@@ -197,14 +203,14 @@ def serving_parity(heads: str, fmt: str | None = None, questions: str = "scripts
 def table(report: dict) -> str:
     """The report's figures as a markdown table."""
     same, accept, secs = report["identical"], report["acceptance_length"], report["seconds"]
-    gap = 100 * (accept["vllm"] - accept["gorgon"]) / accept["gorgon"]
+    gap = 100 * (accept["vllm_kept"] - accept["gorgon"]) / accept["gorgon"]
     return "\n".join([
         f"{report['format']} export, chain of {report['chain']}, {report['questions']} questions, up to "
         f"{report['max_new_tokens']} new tokens ({report['tokens']} generated), vLLM {report['vllm']}:",
         "| | identical to vLLM alone | acceptance length | per position | seconds |",
         "|---|---|---|---|---|",
         f"| vLLM alone | - | 1 | - | {secs['vllm']:.1f} |",
-        f"| vLLM + draft | {same['vllm+draft == vllm']} | {accept['vllm']:.3f} | "
+        f"| vLLM + draft | {same['vllm+draft == vllm']} | {accept['vllm']:.3f} ({accept['vllm_kept']:.3f} kept) | "
         f"{' '.join(f'{p:.2f}' for p in report['per_position']['vllm'])} | {secs['vllm+draft']:.1f} |",
         f"| gorgon | {same['gorgon == vllm']} | {accept['gorgon']:.3f} (vLLM's {gap:+.1f}%) | "
         f"{' '.join(f'{p:.2f}' for p in report['per_position']['gorgon'])} | {secs['gorgon']:.1f} |",

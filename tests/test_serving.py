@@ -59,12 +59,12 @@ def parity_out(tmp_path_factory):
 @pytest.mark.parametrize("fmt", ["vllm", "eagle3", "speculators"])
 def test_an_export_serves_in_vllm_as_gorgon_decodes_it(untrained_heads, parity_out, fmt):
     """vLLM refused the Medusa export with a draft vocabulary, and loaded the speculators export's verifier from the
-    Hub; every export now serves the target's own output with gorgon's acceptance (within the last step of each
-    answer, which vLLM counts before cutting it at the length and gorgon after)."""
+    Hub; every export now serves the target's own output, accepting what gorgon accepts (counted in the output:
+    vLLM's counters also count drafts its last step accepts past the length), within the 3% issue 60 allows."""
     parity = load_script("serving_parity")
     heads = untrained_heads / ("medusa" if fmt == "vllm" else "eagle")
     report = parity.serving_parity(str(heads), fmt, engine=engine("vllm"), limit=2, max_new_tokens=24,
                                    out=parity_out)
     assert report["identical"] == {"vllm+draft == vllm": True, "gorgon == vllm": True}, report["first_differences"]
     accept = report["acceptance_length"]
-    assert accept["vllm"] == pytest.approx(accept["gorgon"], abs=0.1), report
+    assert accept["vllm_kept"] == pytest.approx(accept["gorgon"], rel=0.03), report
