@@ -7,9 +7,10 @@ target's features at the last accepted token and the embedding of the token afte
 The other k - 1 are learned mask positions (`mask_hidden` in place of the features, `mask_embedding`
 in place of a token's embedding), at the next k - 1 rotary positions. Attention is causal: each
 position reads the context's keys (the target's features, as the feature-level head caches them)
-and the block's positions before it, as P-EAGLE's mask does (speculators, models/peagle/attention.py);
-DFlash lets a block's positions see each other both ways, which would make a position's output
-depend on the ones after it. Position j drafts the token j + 1 places after the root.
+and the block's positions before it, as P-EAGLE's mask does (speculators, models/peagle/attention.py).
+DFlash lets a block's positions see each other both ways (speculators, models/dflash/attention.py),
+so a position's output would depend on the ones after it, and by default drafts from the mask
+positions only; here every position drafts: position j the token j + 1 places after the root.
 
 The layers, norms and LM head are a feature-level head's (`EagleHead`, built from the target's own
 decoder layer); only the two mask vectors are new. P-EAGLE learns `mask_hidden` (as wide as the
