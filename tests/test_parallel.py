@@ -240,3 +240,21 @@ def test_start_from_a_feature_level_head_keeps_its_layers_and_first_draft(tmp_pa
     head = ParallelHead.from_pretrained(tmp_path / "p", target=target)
     assert head.config.draft_vocab_size == 90
     assert all(torch.equal(v, eagle.state_dict()[k]) for k, v in head.eagle.state_dict().items())
+
+
+def test_a_block_of_one_trains_no_mask_vectors(tmp_path):
+    """Its only position is the feature-level head's: the mask vectors get no gradient, so they are not trained
+    (DDP would refuse them)."""
+    from gorgon.heads.methods import by_name
+    from gorgon.train.heads import HeadsTrainConfig
+
+    model = tiny_model("llama", layers=4)
+    target = type("Loaded", (), {"model": model, "name": "tiny", "fingerprint": None})()
+    cfg = HeadsTrainConfig(data="x", out="y", arch="parallel", block_size=1)
+    objective = by_name("parallel").objective(cfg.recipe(), cfg, target, None)
+    ids = torch.randint(0, VOCAB, (2, 9), generator=torch.Generator().manual_seed(0))
+    loss, stats, _ = objective(ids, torch.ones_like(ids), torch.ones_like(ids))
+    loss.backward()
+    assert list(stats) == [0]
+    trained = {name for name, p in objective.heads.named_parameters() if p.requires_grad}
+    assert "mask_hidden" not in trained and all(objective.heads.get_parameter(n).grad is not None for n in trained)

@@ -58,7 +58,10 @@ def objective(recipe: ParallelRecipe, shared, target, draft_tokens):
     else:
         head = ParallelHead.for_target(target.model, recipe.block_size, recipe.block_feature_layers, draft_tokens,
                                        target.name, target.fingerprint)
-    return ParallelObjective(target.model, head.float(), shared.head_decay,
+    head = head.float()
+    for mask in (head.mask_hidden, head.mask_embedding):  # a block of one has no mask position to train (DDP
+        mask.requires_grad_(recipe.block_size > 1)        # refuses a trained parameter that gets no gradient)
+    return ParallelObjective(target.model, head, shared.head_decay,
                              FeatureCache() if shared.cache_features else None)
 
 
