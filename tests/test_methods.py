@@ -78,3 +78,15 @@ def test_resuming_another_methods_finished_run_says_so(tmp_path):
                                           "trains Medusa heads: choose another --out"):
         prepare_own_output(out, lambda: None, cfg)
     assert sorted(p.name for p in out.iterdir()) == before
+
+
+def test_methods_share_a_key_for_one_concept_and_others_refuse_it():
+    """The target layers a head reads are one key for every method that reads them."""
+    from gorgon.train.heads import HeadsTrainConfig
+
+    for arch in ("eagle", "parallel"):
+        cfg = HeadsTrainConfig(data="x", out="y", arch=arch, feature_layers=[1, 2])
+        cfg.check()
+        assert cfg.recipe().feature_layers == [1, 2]
+    with pytest.raises(GorgonError, match="^feature_layers is a key of arch: eagle .*, not of arch: medusa"):
+        HeadsTrainConfig(data="x", out="y", feature_layers=[1, 2]).check()

@@ -121,12 +121,12 @@ class HeadsSettings(TrainingSettings):
 
     def check_other_methods_keys(self) -> None:
         """A key of another method than `arch`'s, set away from its default, would be ignored: refuse it."""
+        own = {f.name for f in dataclasses.fields(self.method.recipe)}
         for other in trainable():
             if other.name == self.arch:
                 continue
             for f in dataclasses.fields(other.recipe):
-                default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
-                if getattr(self, f.name) != default:
+                if f.name not in own and getattr(self, f.name) != default_of(f):
                     raise GorgonError(f"{f.name} is a key of arch: {other.name} ({other.title}), not of arch: "
                                       f"{self.arch}: remove it, or set arch: {other.name}")
 
@@ -143,16 +143,27 @@ class HeadsSettings(TrainingSettings):
 
 
 def method_keys() -> list[tuple[str, type, dataclasses.Field]]:
-    """Every trained method's recipe keys, as fields of one flat recipe (a key belongs to one method only)."""
-    keys, owner = [], {}
+    """Every trained method's recipe keys, as fields of one flat recipe. Methods may share a key (the same name,
+    type and default: one concept, as the target layers a head reads); the first to declare it gives its help."""
+    keys, first = [], {}
+    shared = {g.name for g in dataclasses.fields(HeadsSettings)}
     for m in trainable():
         for f in dataclasses.fields(m.recipe):
-            if f.name in owner or f.name in {g.name for g in dataclasses.fields(HeadsSettings)}:
-                raise GorgonError(f"recipe key {f.name} of arch {m.name} is already a key of "
-                                  f"{owner.get(f.name, 'every recipe')}: rename it")
-            owner[f.name] = m.name
+            if f.name in shared:
+                raise GorgonError(f"recipe key {f.name} of arch {m.name} is a key of every recipe: rename it")
+            if f.name in first:
+                other = first[f.name]
+                if (f.type, default_of(f)) != (other.type, default_of(other)):
+                    raise GorgonError(f"recipe key {f.name} of arch {m.name} differs in type or default from "
+                                      "another method's: rename it, or declare it alike")
+                continue
+            first[f.name] = f
             keys.append((f.name, f.type, f))
     return keys
+
+
+def default_of(f: dataclasses.Field):
+    return f.default if f.default is not dataclasses.MISSING else f.default_factory()
 
 
 # The recipe: the shared keys, then each method's (`--key value` or YAML set them, whichever method a run trains).

@@ -18,8 +18,8 @@ from .model import ARCH, NODES, EagleConfig, EagleHead
 class EagleRecipe(Recipe):
     """The recipe keys of `arch: eagle`."""
 
-    feature_layers: list[int] | None = setting(None, "eagle: the target's hidden_states read, e.g. 2,15,27; "
-                                                     "None: EAGLE-3's low, middle and high layer")
+    feature_layers: list[int] | None = setting(None, "eagle, parallel: the target's hidden_states read, e.g. "
+                                                     "2,15,27; None: EAGLE-3's low, middle and high layer")
     ttt_steps: int = setting(1, "eagle: unrolled steps that feed the head its own outputs, as deeper drafts see "
                                 "them (EAGLE-3's training-time test; 1: off)")
     hidden_weight: float = setting(0.0, "eagle: weight of EAGLE-1's regression onto the target's next feature")

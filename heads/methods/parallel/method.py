@@ -18,8 +18,8 @@ class ParallelRecipe(Recipe):
 
     block_size: int = setting(BLOCK_SIZE, "parallel: drafts per forward (k): the first position, then k - 1 learned "
                                           "mask positions")
-    block_feature_layers: list[int] | None = setting(None, "parallel: the target's hidden_states read, e.g. 2,15,27; "
-                                                           "None: EAGLE-3's low, middle and high layer")
+    feature_layers: list[int] | None = setting(None, "eagle, parallel: the target's hidden_states read, e.g. "
+                                                     "2,15,27; None: EAGLE-3's low, middle and high layer")
     start_from: str | None = setting(None, "parallel: a trained feature-level head's folder whose layers it starts "
                                            "from (its feature layers and draft vocabulary too); None: the target's")
 
@@ -27,15 +27,15 @@ class ParallelRecipe(Recipe):
         check_block_size(self.block_size)
 
     def check_with(self, shared) -> None:
-        if self.start_from and (self.block_feature_layers or shared.draft_vocab_size):
+        if self.start_from and (self.feature_layers or shared.draft_vocab_size):
             raise GorgonError("start_from keeps the feature-level head's feature layers and draft vocabulary: drop "
-                              "block_feature_layers and draft_vocab_size, or start_from")
+                              "feature_layers and draft_vocab_size, or start_from")
 
     def check_target(self, config) -> None:
         from ..eagle.model import check_feature_layers
 
-        if self.block_feature_layers:
-            check_feature_layers(self.block_feature_layers, config.num_hidden_layers)
+        if self.feature_layers:
+            check_feature_layers(self.feature_layers, config.num_hidden_layers)
 
     @property
     def rows(self) -> int:
@@ -56,7 +56,7 @@ def objective(recipe: ParallelRecipe, shared, target, draft_tokens):
     if recipe.start_from:
         head = ParallelHead.from_eagle(EagleHead.from_pretrained(recipe.start_from, target=target), recipe.block_size)
     else:
-        head = ParallelHead.for_target(target.model, recipe.block_size, recipe.block_feature_layers, draft_tokens,
+        head = ParallelHead.for_target(target.model, recipe.block_size, recipe.feature_layers, draft_tokens,
                                        target.name, target.fingerprint)
     head = head.float()
     for mask in (head.mask_hidden, head.mask_embedding):  # a block of one has no mask position to train (DDP
