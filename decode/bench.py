@@ -611,8 +611,8 @@ def bench_command(args, settings: DecodeSettings, argv, baselines: tuple[str, ..
         print(f"report: {out} (plot: {out.with_suffix('.png')})")
     if args.update_card:
         if distrust(report):
-            raise GorgonError(f"the model card is left as it was: these figures are not to be trusted "
-                              f"({distrust(report)}): rerun on a quiet machine")
+            raise GorgonError(f"these figures are not to be trusted, so the model card is left as it was: "
+                              f"{distrust(report)}; rerun on a quiet machine")
         folder = Path(args.heads or args.draft)  # a local training folder: its card is rewritten in place
         refresh_model_card(folder, report)
         print(f"model card updated: {folder / 'README.md'}")

@@ -121,8 +121,9 @@ def test_update_card_refuses_a_flagged_report(tmp_path, monkeypatch, capsys):
         bench.main(["--target", str(target_path), "--heads", str(heads), "--tree", "3", "--questions",
                     str(questions_file(tmp_path / "q.jsonl")), "--out", str(out), "--update-card"])
     said = str(refused.value)
-    assert "\n" not in said and "not to be trusted (other work kept about 1.9 of" in said
-    assert "(and 3 more reasons)" in said and said.endswith("rerun on a quiet machine")
+    assert "\n" not in said and said.startswith("these figures are not to be trusted, so the model card is left as it "
+                                               "was: other work kept about 1.9 of")
+    assert said.endswith("while timing (and 3 more reasons); rerun on a quiet machine")
     assert {p.name: p.read_bytes() for p in heads.iterdir()} == before
     assert json.loads(out.read_text())["trust"]["ok"] is False
     assert "**These figures are not to be trusted**" in capsys.readouterr().out
