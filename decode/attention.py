@@ -39,7 +39,7 @@ def tree_sdpa_attention(module, query, key, value, attention_mask, dropout=0.0, 
 def use_tree_attention(model: torch.nn.Module, on: bool) -> bool:
     """Put a model on transformers' SDPA attention onto `tree_sdpa_attention` (on), or back (off); returns
     whether it was on it before. Models on other attention (eager, flash, flex) are left as they are.
-    A module that is not a transformers model but holds its layers (a feature-level head's decoder
+    A module that is not a transformers model but holds its layers (an EAGLE head's decoder
     layer, which drafts each level as a masked forward over several tokens) switches through the
     config those layers read."""
     from transformers import AttentionInterface
@@ -73,7 +73,7 @@ def decoding_attention(device: torch.device):
     Blackwell GPUs, and cuDNN builds an execution graph for every new pair of query and key lengths
     (its cache is keyed by shapes and strides: `aten/src/ATen/native/cudnn/MHA.cpp`). Decoding meets a new pair
     at almost every call: the cache grows by a token or more each step, the tree's size changes
-    from step to step, and a feature-level head attends once per drafted level. The other backends
+    from step to step, and an EAGLE head attends once per drafted level. The other backends
     launch their kernels for any shape with no such setup. A no-op off CUDA."""
     if device.type != "cuda":
         yield

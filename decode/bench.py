@@ -494,7 +494,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--assistant", type=user_path, default=None,
                    help="also time transformers' assisted generation with this draft model")
     p.add_argument("--compare-heads", type=user_path, default=None,
-                   help="other heads for the same target (Medusa-1 or feature-level), timed in the same rotation "
+                   help="other heads for the same target (Medusa-1 or EAGLE), timed in the same rotation "
                         "and drafted as --heads are (the same --tree and --context-draft options): reported as "
                         "compare (and compare-no-context with --baselines no-context)")
     p.add_argument("--out", type=user_path, default=None,

@@ -18,7 +18,7 @@ from .options import DecodeSettings, add_model_arguments, check_sampling_options
 def parser() -> argparse.ArgumentParser:
     p = ArgumentParser(
         prog="gorgon generate",
-        description="Generate with a target and a drafter: its heads (Medusa or feature-level), a draft "
+        description="Generate with a target and a drafter: its heads (Medusa or EAGLE), a draft "
                     "model, or prompt lookup (--context-draft). Greedy (the default) gives "
                     "exactly the target's own greedy output, only faster; sampling keeps the target's distribution "
                     "exactly.")

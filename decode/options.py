@@ -93,7 +93,7 @@ class DecodeSettings:
     scripts and Python (`from_options`) all build one: the command line maps each option onto a field of the
     same name, and every check of a setting is written here, once, and runs before any model loads.
 
-    The drafter: `heads` (Medusa or feature-level heads) or `draft` (a small model with the target's tokenizer),
+    The drafter: `heads` (Medusa or EAGLE heads) or `draft` (a small model with the target's tokenizer),
     and/or `context_draft` (prompt lookup, merged into the other's tree when both are given)."""
 
     target: str | None = option(None, "hub id or local path of the target (default: with --heads, the target their "
@@ -104,7 +104,7 @@ class DecodeSettings:
                                             f"{MAX_DRAFT_TOKENS} (default {DRAFT_TOKENS})",
                                       int_at_least(1, MAX_DRAFT_TOKENS))
     draft_level_cost: float | str | None = option(
-        None, "what drafting one more level costs, in target steps: a --draft model or feature-level head drafts no "
+        None, "what drafting one more level costs, in target steps: a --draft model or EAGLE head drafts no "
               "deeper in a step once the level's expected accepted tokens (its candidates' chances, summed) fall "
               "below it; auto (the default) times it on this machine, 0 drafts every level", draft_level_cost_value)
     context_draft: bool = option(False, "also draft from the context (prompt lookup: the tokens that followed the "
@@ -125,13 +125,13 @@ class DecodeSettings:
     tree: str | int | list = option("auto", "'auto' (the node count that gives the most tokens per unit of time on "
                                             "this machine, from the heads' held-out accuracies and verify costs "
                                             "measured here; heads without accuracies: the size saved with them), a "
-                                            "node count N (Medusa: the best N-node tree from the heads' accuracies; a "
-                                            "feature-level head or a --draft model: N nodes per step, by default all "
+                                            "node count N (Medusa: the best N-node tree from the heads' accuracies; an "
+                                            "EAGLE head or a --draft model: N nodes per step, by default all "
                                             "a --draft model drafts), or a JSON file with a list of rank paths "
                                             "(Medusa), e.g. [[0],[1],[0,0]] (from Python, also the list itself)")
-    draft_depth: int | None = option(None, "a feature-level head's tree levels drafted per step (default: the one "
+    draft_depth: int | None = option(None, "an EAGLE head's tree levels drafted per step (default: the one "
                                            "saved with it)", int_at_least(1))
-    draft_topk: int | None = option(None, "tokens kept and expanded per level: a feature-level head's (default: the "
+    draft_topk: int | None = option(None, "tokens kept and expanded per level: an EAGLE head's (default: the "
                                           "one saved with it, widened so that the levels' candidates can fill the "
                                           "tree, as a GPU's larger tree needs), or a --draft model's (default 1, a "
                                           "greedy chain; more grows a tree of its likeliest continuations, "
@@ -141,7 +141,7 @@ class DecodeSettings:
     cpu_kernels: str = option("fast", "on the CPU: fast (default: linear layers on weights prepacked for oneDNN, so "
                                       "verifying a few tokens costs about one step) or stock (torch's default "
                                       "kernels); ignored on CUDA", choices=KERNELS)
-    draft_dtype: str = option("auto", "dtype of a feature-level head or --draft model (drafts only propose, so "
+    draft_dtype: str = option("auto", "dtype of an EAGLE head or --draft model (drafts only propose, so "
                                       "output is unchanged): auto (default) is bfloat16 for a float32 target on the "
                                       "CPU fast kernels where this CPU runs bfloat16, else the target's dtype",
                               choices=DRAFT_DTYPES)
@@ -171,16 +171,16 @@ class DecodeSettings:
         if self.tree_budget is not None and not (self.context_draft and drafts):
             raise GorgonError("--tree-budget sizes a merged tree: it needs --context-draft with --heads or --draft")
         if self.draft_depth and not self.heads:
-            raise GorgonError("--draft-depth shapes a feature-level head's search: it needs --heads (a --draft model "
+            raise GorgonError("--draft-depth shapes an EAGLE head's search: it needs --heads (a --draft model "
                               "drafts --draft-tokens levels)")
         if self.draft_level_cost is not None and not drafts:
-            raise GorgonError("--draft-level-cost stops a search's levels: it needs --draft or --heads (a "
-                              "feature-level head)")
+            raise GorgonError("--draft-level-cost stops a search's levels: it needs --draft or --heads (an "
+                              "EAGLE head)")
         if self.draft_topk and not drafts:
             raise GorgonError("--draft-topk shapes a search: it needs --heads or --draft")
         if self.draft_tokens and not self.draft:
-            raise GorgonError("--draft-tokens sets a --draft model's levels per step: it needs --draft (a "
-                              "feature-level head's are --draft-depth)")
+            raise GorgonError("--draft-tokens sets a --draft model's levels per step: it needs --draft (an "
+                              "EAGLE head's are --draft-depth)")
         if self.draft_dtype != "auto" and not drafts:
             raise GorgonError("--draft-dtype sets the dtype of a drafter's own weights: it needs --heads or --draft "
                               "(context drafts have none)")

@@ -6,7 +6,7 @@ tree search two methods share (search.py), draft vocabularies (vocab.py), the fr
 kept across epochs (feature_cache.py); one-line errors (errors.py), atomic files (files.py), the Hub
 (hub.py); publishing: model cards (card.py), exports (export.py), pushes (push.py); loading any heads
 folder (loading.py). The drafting methods live in methods/, one folder each, registered once
-(methods/__init__.py): medusa/ (Medusa heads), eagle/ (a feature-level head, EAGLE-3's layout),
+(methods/__init__.py): medusa/ (Medusa heads), eagle/ (an EAGLE head, EAGLE-3's layout),
 draft_model/ (a small distilled causal LM), context/ (prompt lookup, and merging it into another tree).
 """
 

@@ -36,7 +36,7 @@ def plot_head_accuracy(metrics: dict, path: Path) -> None:
     ax.bar([h + width / 2 for h in heads], metrics["top1"], width, label="top-1", color="#3182bd")
     for h, a in zip(heads, metrics["top1"]):
         ax.text(h + width / 2, a + 0.01, f"{a:.2f}", ha="center", fontsize=8)
-    # Rows: Medusa's heads, or a feature-level head's unrolled steps (step j drafts j tokens ahead of the root).
+    # Rows: Medusa's heads, or an EAGLE head's unrolled steps (step j drafts j tokens ahead of the root).
     ax.set_xticks(heads, [f"{row}\n(t+{h + 1})" for h, row in zip(heads, rows)])
     ax.set_ylim(0, 1)
     ax.set_ylabel("held-out accuracy")

@@ -14,7 +14,7 @@ from .hub import offline_if_hub_unreachable
 
 COMMANDS = {
     "data": ("gorgon.train.data", "self-distillation: the target answers prompts; writes a datasets folder"),
-    "train": ("gorgon.train.heads", "train Medusa or feature-level (EAGLE-style) heads from a YAML recipe, in one "
+    "train": ("gorgon.train.heads", "train Medusa or EAGLE heads from a YAML recipe, in one "
                                     "process (`accelerate launch train/heads.py` runs the same on several)"),
     "draft": ("gorgon.train.draft", "distil a small draft model, in one process (`accelerate launch train/draft.py` "
                                     "runs the same on several)"),

@@ -3,7 +3,7 @@
 Each step the decoder calls `propose(root, features, context)` and gets back one token per tree
 node, the root first, and the candidate tree for that step. A static drafter (Medusa's
 heads) returns the same tree every step; a dynamic one (EAGLE-2's confidence-ranked tree,
-`gorgon.heads.search`, which a feature-level head and a draft model grow) builds a new one.
+`gorgon.heads.search`, which an EAGLE head and a draft model grow) builds a new one.
 Verification and acceptance are written once, in `gorgon.decode`, for every drafter; each
 method implements this and nothing of the decoder.
 
@@ -22,7 +22,7 @@ shapes than the one it was built for: the decoder calls it before the prefill. `
 benchmark report records of a drafter: its tree (`tree`: rank paths, or how it builds one each step), the
 dtype of its weights (`draft_dtype`) and its context-draft settings (`context_draft`).
 
-A drafter that grows its tree level by level (`gorgon.heads.search`: a feature-level head, a draft model)
+A drafter that grows its tree level by level (`gorgon.heads.search`: an EAGLE head, a draft model)
 also has `depth` (its most levels a step), `level_cost` (a level's time in target steps, below which a
 level's chances stop the search; 0 drafts every level) and `level_trial(context_length)`, which returns
 two calls: `level()`, one level on a cache of that length, for `gorgon.decode.calibrate` to time, and

@@ -46,7 +46,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default=None, type=dtype_option,
                    help="the dtype the target loads in for the export and the weights are written in: float32 "
                         "(default, as trained; auto is the same here, on the CPU), bfloat16 (bf16: what engines "
-                        "serve in, half the memory and the files) or float16 (fp16). A feature-level head's config "
+                        "serve in, half the memory and the files) or float16 (fp16). An EAGLE head's config "
                         "records it as the draft's dtype, which SGLang runs the draft in and needs equal to the "
                         "served target's (default: the target's when the head trained)")
     p.add_argument("--overwrite", action="store_true",

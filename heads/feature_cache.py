@@ -1,6 +1,6 @@
 """What a frozen target computed for each conversation, kept for later epochs.
 
-A drafter trained on a frozen target (Medusa-1 heads, a feature-level head) sees the same target
+A drafter trained on a frozen target (Medusa-1 heads, an EAGLE head) sees the same target
 outputs for a conversation every epoch, so after its first pass they are kept in CPU memory and
 read back, as EAGLE's own training precomputes them: later epochs cost the drafter's step alone.
 Entries are keyed by the conversation's token ids, so batching, padding, resume and several

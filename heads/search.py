@@ -1,6 +1,6 @@
 """Dynamic draft trees (EAGLE-2): the likeliest continuations, found level by level.
 
-A drafter that drafts one level at a time into a KV cache of its own (a feature-level head, a
+A drafter that drafts one level at a time into a KV cache of its own (an EAGLE head, a
 draft model) gives the first level's log-probabilities and a function that drafts the children
 of a frontier of nodes in one masked forward; `grow_tree` does the rest, the same for both. Each
 level expands the `topk` best nodes so far (by the product of draft probabilities along their
@@ -45,7 +45,7 @@ def check_search(depth: int, topk: int, nodes: int) -> None:
 
 
 class SearchDrafter:
-    """What the drafters that grow their tree with this search share (a feature-level head, a draft model):
+    """What the drafters that grow their tree with this search share (an EAGLE head, a draft model):
     the tree's size, the proposal made from their `scored_paths`, and the level cost, checked wherever it is
     set (the options set it after the drafter is built, once it has been timed)."""
 

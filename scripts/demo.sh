@@ -4,7 +4,7 @@
 # drafts from the context (the fastest setting measured on a CPU), the heads alone beside it.
 #
 #   bash scripts/demo.sh          short version: a few minutes on a 2-core CPU, weak Medusa heads
-#   bash scripts/demo.sh --full   the feature-level head's recipe (configs/heads/smollm2-135m-eagle.yaml)
+#   bash scripts/demo.sh --full   the EAGLE head's recipe (configs/heads/smollm2-135m-eagle.yaml)
 #                                 on the full data: about 40 min to train on 2 cores, 80 questions
 #
 # Every stage resumes if killed: rerun the same command. Outputs go to runs/.

@@ -10,7 +10,7 @@ Times each part of a step with the library's own functions (median of --repeat r
 --context tokens: random ones, or a real conversation with --questions): the drafter's proposal,
 the verify forward, the target's greedy argmax over the tree (`gorgon.decode.argmax`), greedy
 acceptance and the cache compaction (the proposal and the argmax each after a target forward, as in
-decoding: timed back to back they found their weights in the CPU's caches, and the feature-level
+decoding: timed back to back they found their weights in the CPU's caches, and the EAGLE
 head's proposal looked 6.4 ms where, after a target forward, it took 9.4); and the cost of a forward
 over each token count tree sizing times (1 to 16 on a CPU; the argmax included) relative to one.
 `--json` prints one JSON line instead of the table:
@@ -123,7 +123,7 @@ def main():
     p.add_argument("--questions", default=None,
                    help="cache a real conversation instead of random tokens: the first question of this .jsonl "
                         "(e.g. scripts/data/mt_bench.jsonl) and the target's greedy answer, --context tokens in "
-                        "all. On random tokens a feature-level head is unsure and drafts a smaller tree than in use")
+                        "all. On random tokens an EAGLE head is unsure and drafts a smaller tree than in use")
     p.add_argument("--repeat", type=int_at_least(1), default=15,
                    help="timed runs per figure; the median is kept (default 15)")
     p.add_argument("--json", action="store_true", help="print one JSON line instead of the table")

@@ -5,7 +5,7 @@ decoder and plain `generate` on the first turns of a question file.
         --context-draft --questions scripts/data/mt_bench.jsonl --limit 2 --max-new-tokens 64
     python scripts/trace_generation.py --heads ... --device cuda --dtype bfloat16 --trace runs/trace.json
 
-`scripts/profile_step.py` times one step's parts on a random prompt, where a feature-level head is
+`scripts/profile_step.py` times one step's parts on a random prompt, where an EAGLE head is
 unsure and drafts a small tree; this traces whole generations on real questions. It prints the
 milliseconds per token of each without the profiler, then the host time of each part of gorgon's
 steps (drafter, verify forward, acceptance, cache compaction) per step, the operators each part

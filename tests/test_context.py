@@ -120,7 +120,7 @@ def test_greedy_equals_generate_with_context_and_merged_drafters(arch):
                 MergedDrafter(heads, ContextDrafter(2, 3, 2), budget=3),
                 MergedDrafter(heads, ContextDrafter(), costs=costs),
                 MergedDrafter(DraftModelDrafter(tiny_model(arch), k=3), ContextDrafter(), 6)]
-    if arch == "llama":  # feature-level heads need Llama-shaped layers
+    if arch == "llama":  # EAGLE heads need Llama-shaped layers
         eagle = EagleDrafter(EagleHead.for_target(model), nodes=4, depth=2, topk=2)
         drafters += [MergedDrafter(eagle, ContextDrafter()), MergedDrafter(eagle, ContextDrafter(), costs=costs)]
     for drafter in drafters:

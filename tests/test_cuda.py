@@ -52,7 +52,7 @@ def test_feature_level_drafter_greedy_equals_generate_on_cuda_fp32(arch):
 
 
 def test_level_stops_and_a_draft_vocabulary_keep_greedy_output_exact_on_cuda_fp32():
-    """The cost-aware stop (a level's cost timed on the device) for a feature-level head and for a draft model cut
+    """The cost-aware stop (a level's cost timed on the device) for an EAGLE head and for a draft model cut
     to a draft vocabulary (its ids mapped to the target's on the device) against `generate`."""
     from gorgon.decode.calibrate import drafted_level_cost
     from gorgon.heads import DraftModelDrafter
@@ -110,8 +110,8 @@ def test_one_host_sync_per_step():
 
 def test_decoding_never_runs_cudnn_attention():
     """cuDNN's attention (which torch prefers on Hopper and Blackwell) sets up a graph for every new pair of query
-    and key lengths, and decoding meets new pairs at almost every call: the target's verify forwards and a
-    feature-level head's per-level attention run on the other backends, and the flag is back after the call."""
+    and key lengths, and decoding meets new pairs at almost every call: the target's verify forwards and an
+    EAGLE head's per-level attention run on the other backends, and the flag is back after the call."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     class CountCudnnAttention(TorchDispatchMode):
@@ -135,7 +135,7 @@ def test_decoding_never_runs_cudnn_attention():
 
 
 def test_a_drafter_left_on_the_cpu_is_named():
-    """A feature-level head or a draft model on the CPU beside a CUDA target failed inside torch at the first step
+    """An EAGLE head or a draft model on the CPU beside a CUDA target failed inside torch at the first step
     ("Expected all tensors to be on the same device"); Medusa heads were already named."""
     from gorgon.heads import DraftModelDrafter, GorgonError
 
@@ -150,7 +150,7 @@ def test_a_drafter_left_on_the_cpu_is_named():
 @pytest.mark.parametrize("arch", ["medusa", "eagle"])
 def test_from_options_on_cuda_decodes_exactly(tmp_path, arch):
     """The target and drafter as `gorgon generate` builds them on a GPU (the tree sized from verify costs timed
-    there, a feature-level head in its draft dtype), alone and merged with context drafts, against `generate`
+    there, an EAGLE head in its draft dtype), alone and merged with context drafts, against `generate`
     in float32."""
     from helpers import tiny_chat_target
     from transformers import AutoModelForCausalLM

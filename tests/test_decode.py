@@ -824,8 +824,8 @@ def test_options_that_cannot_apply_are_refused_before_the_target_loads(tmp_path,
     shutil.copy(tiny_chat_target(tmp_path) / "config.json", tiny)
     capsys.readouterr()
     cases = [
-        (["generate", "--prompt", "hi", "--draft-depth", "3"] + medusa, "--draft-depth and --draft-topk shape a "
-         "feature-level head's search; Medusa heads draft one level per head: choose their tree with --tree"),
+        (["generate", "--prompt", "hi", "--draft-depth", "3"] + medusa, "--draft-depth and --draft-topk shape an "
+         "EAGLE head's search; Medusa heads draft one level per head: choose their tree with --tree"),
         (["generate", "--prompt", "hi", "--draft", str(tmp_path / "no-draft"), "--target", nowhere],
          f"no draft model at {tmp_path / 'no-draft'}: pass an existing folder or a hub id"),
         (["generate", "--prompt", "hi", "--context-draft", "--tree", "8", "--target", nowhere],
@@ -933,7 +933,7 @@ def test_python_arguments_of_the_wrong_kind_are_named(tmp_path):
 
 
 def test_a_drafter_on_another_device_than_the_target_is_named(tmp_path):
-    """A feature-level head or a draft model left on another device than the target passed the check and failed
+    """An EAGLE head or a draft model left on another device than the target passed the check and failed
     inside torch at the first step ("Expected all tensors to be on the same device"); Medusa heads were named.
     The meta device stands in for a GPU here."""
     from gorgon.heads import EagleDrafter

@@ -1,4 +1,4 @@
-"""Feature-level heads (EAGLE-3's layout, EAGLE-2's dynamic trees): exact decoding, the drafter's own
+"""EAGLE heads (EAGLE-3's layout, EAGLE-2's dynamic trees): exact decoding, the drafter's own
 cache, save/load, the engines' layouts, training under accelerate, bad input."""
 
 import json
@@ -640,21 +640,21 @@ def test_cli_draft_depth_and_topk_shape_the_search(tmp_path, capsys):
     assert "a drafted level costs" not in capsys.readouterr().err
     medusa = ["generate", "--heads", str(tmp_path / "medusa"), "--prompt", "x"]
     assert gorgon(medusa + ["--draft-depth", "2"] + common) == 2
-    assert capsys.readouterr().err.strip().endswith("--draft-depth and --draft-topk shape a feature-level head's "
+    assert capsys.readouterr().err.strip().endswith("--draft-depth and --draft-topk shape an EAGLE head's "
                                                     "search; Medusa heads draft one level per head: choose their "
                                                     "tree with --tree")
     nowhere = ["--target", str(tmp_path / "nowhere")]  # refused from the heads' config, before a target loads
     assert gorgon(medusa + ["--draft-level-cost", "0.1"] + nowhere) == 2
     assert capsys.readouterr().err.strip().endswith("medusa draft every level in one forward: --draft-level-cost "
-                                                    "has nothing to stop (it applies to --draft and feature-level "
+                                                    "has nothing to stop (it applies to --draft and EAGLE "
                                                     "heads)")
     assert gorgon(medusa + ["--draft-dtype", "bfloat16"] + nowhere) == 2  # ignored before
     assert capsys.readouterr().err.strip().endswith("medusa keep the target's dtype (they read its hidden states): "
-                                                    "drop --draft-dtype, which sets a feature-level head's or a "
+                                                    "drop --draft-dtype, which sets an EAGLE head's or a "
                                                     "--draft model's")
     assert gorgon(medusa + ["--draft-tokens", "3"] + common) == 2  # ignored before
     assert capsys.readouterr().err.strip().endswith("--draft-tokens sets a --draft model's levels per step: it needs "
-                                                    "--draft (a feature-level head's are --draft-depth)")
+                                                    "--draft (an EAGLE head's are --draft-depth)")
     assert gorgon(["generate", "--context-draft", "--draft-topk", "2", "--prompt", "x"] + common) == 2
     assert capsys.readouterr().err.strip().endswith("--draft-topk shapes a search: it needs --heads or --draft")
 
@@ -686,7 +686,7 @@ def test_accelerate_launch_trains_an_eagle_head_that_decodes_exactly(tmp_path):
     ids = target.tokenizer.apply_chat_template([{"role": "user", "content": "count from 3"}],
                                                add_generation_prompt=True, return_tensors="pt",
                                                return_dict=True)["input_ids"]
-    assert head.config.nodes == {"cpu": 8, "cuda": 48}  # the feature-level head's default tree sizes
+    assert head.config.nodes == {"cpu": 8, "cuda": 48}  # the EAGLE head's default tree sizes
     result = speculative_generate(target.model, EagleDrafter(head, nodes=16), ids, max_new_tokens=40)
     assert result.tokens == reference(target.model, ids, 40)
     assert result.tau > 1.5  # the head learned the target's own answers: it drafts them (a 16-node tree)
@@ -706,7 +706,7 @@ def test_accelerate_launch_trains_an_eagle_head_that_decodes_exactly(tmp_path):
                                      "--out", str(tmp_path / "v")], env=env(), capture_output=True, text=True,
                            timeout=300)
     assert wrong.returncode == 2 and wrong.stderr.strip().splitlines()[-1].endswith(
-        "holds a feature-level head, which export as eagle3 or speculators, not vllm")
+        "holds an EAGLE head, which export as eagle3 or speculators, not vllm")
 
 
 def test_bad_training_settings_are_one_line():
@@ -722,7 +722,7 @@ def test_bad_training_settings_are_one_line():
                               ({"mode": "medusa2", "cache_features": True}, "cache_features keeps a frozen target's"),
                               ({"arch": "eagle", "feature_noise": -0.1}, "feature_noise is the width of the noise"),
                               ({"feature_noise": 0.1}, "feature_noise is a key of arch: eagle .*, not of arch: medusa"),
-                              ({"arch": "eagle", "dropout": 1.0}, "dropout is the share of a feature-level"),
+                              ({"arch": "eagle", "dropout": 1.0}, "dropout is the share of an EAGLE"),
                               ({"dropout": 0.1}, "dropout is a key of arch: eagle .*, not of arch: medusa"),
                               ({"train_lm_head": False}, "train_lm_head is a key of arch: eagle"),
                               ({"loss_tokens": "all"}, "loss_tokens: all trains on the prompts' positions")]:
@@ -849,7 +849,7 @@ def test_feature_noise_is_the_same_share_of_every_layers_scale():
 
 
 def test_the_feature_cache_skips_the_target_and_keeps_the_loss():
-    """The feature-level head reads the target's features, last hidden state and choices back."""
+    """The EAGLE head reads the target's features, last hidden state and choices back."""
     from gorgon.heads.methods.eagle.objective import EagleObjective
 
     model = tiny_model("llama", layers=4)

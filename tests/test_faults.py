@@ -36,7 +36,7 @@ NO_SPACE = "No space left on device"
 
 @pytest.fixture(scope="module")
 def made(tmp_path_factory):
-    """What the commands read, made once: a tiny chat target, random Medusa and feature-level heads for it, its
+    """What the commands read, made once: a tiny chat target, random Medusa and EAGLE heads for it, its
     `gorgon data` output (6 prompts) and 4 bench questions. Tests copy what they damage."""
     root = tmp_path_factory.mktemp("made")
     target, loaded, heads = chat_target_with_heads(root)
@@ -262,7 +262,7 @@ def test_token_ids_outside_the_vocabulary_are_refused():
 
 
 def test_a_draft_depth_no_tree_of_its_size_can_reach_is_refused(made, capsys):
-    """A feature-level head's search drafted `--draft-depth 50` levels for a 4-node tree, which holds 3."""
+    """An EAGLE head's search drafted `--draft-depth 50` levels for a 4-node tree, which holds 3."""
     args = ["generate", "--heads", str(made["eagle"]), "--target", str(made["target"]), "--tree", "4", "--prompt", "hi"]
     assert refused(args + ["--draft-depth", "50"], capsys, made["eagle"]).endswith(
         "--draft-depth 50 cannot be reached in a 4-node tree (the root and one candidate per level): pass "

@@ -110,7 +110,7 @@ def test_heads_refuse_another_target(tmp_path):
 
 def test_heads_for_another_targets_shapes_fail_before_its_weights_load(tmp_path):
     """From the two config.json files: shown by a target folder that holds a config and no weights (which would
-    fail to load). Medusa heads and a feature-level head, by hidden size and by vocabulary."""
+    fail to load). Medusa heads and an EAGLE head, by hidden size and by vocabulary."""
     from gorgon.heads import load_heads
 
     model = tiny_model("llama")
@@ -148,7 +148,7 @@ def test_bad_checkpoints(tmp_path):
                                           "loads any method's heads$"):
         MedusaHeads.from_pretrained(tmp_path / "eagle")
     (tmp_path / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(GorgonError, match=r"config.json is not a gorgon feature-level head's config \(it has "
+    with pytest.raises(GorgonError, match=r"config.json is not a gorgon EAGLE head's config \(it has "
                                           r"'num_heads', 'num_layers', 'shared_lm_head'\)"):
         EagleHead.from_pretrained(tmp_path)
     for key, value, kind in [("num_heads", "3", "int"), ("shared_lm_head", 1, "bool"), ("hidden_size", True, "int"),
@@ -156,7 +156,7 @@ def test_bad_checkpoints(tmp_path):
         (tmp_path / "config.json").write_text(json.dumps({**cfg, key: value}))
         with pytest.raises(GorgonError, match=rf"config.json has {key} = {value!r}, which is not {kind}: correct it"):
             MedusaHeads.from_pretrained(tmp_path)
-    (tmp_path / "config.json").write_bytes(b"\xff\xfe{}")  # not UTF-8: one line, as for a feature-level head
+    (tmp_path / "config.json").write_bytes(b"\xff\xfe{}")  # not UTF-8: one line, as for an EAGLE head
     with pytest.raises(GorgonError, match=r"cannot read .*config.json \(UnicodeDecodeError\): re-save or re-download"):
         MedusaHeads.from_pretrained(tmp_path)
     weights = (tmp_path / "model.safetensors").read_bytes()

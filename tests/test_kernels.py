@@ -324,7 +324,7 @@ def test_tree_size_follows_the_verify_costs():
 
 
 def test_a_feature_level_heads_tree_size_follows_the_verify_costs(monkeypatch, tmp_path):
-    """--tree auto sizes a feature-level head's tree for this machine, as Medusa heads', from its held-out
+    """--tree auto sizes an EAGLE head's tree for this machine, as Medusa heads', from its held-out
     accuracies per level; a head without them keeps the size saved with it."""
     import gorgon.decode.options as options
     from gorgon.decode.options import DecodeSettings, load_drafter

@@ -43,7 +43,7 @@ def test_a_model_folder_given_as_heads_is_told_where_it_goes(tmp_path):
 def test_a_runs_recorded_method_reads_older_metrics_too():
     assert recorded_method({"arch": "eagle"}).name == "eagle"
     assert recorded_method({"kind": "draft"}).name == "draft_model"  # a draft run of an older gorgon
-    assert recorded_method({}).name == "medusa"  # heads runs recorded no arch before feature-level heads
+    assert recorded_method({}).name == "medusa"  # heads runs recorded no arch before EAGLE heads
 
 
 def test_downloads_fetch_every_methods_files():
@@ -74,7 +74,7 @@ def test_resuming_another_methods_finished_run_says_so(tmp_path):
     (out / "recipe.json").write_text(json.dumps({"arch": "eagle"}))  # a finished run's
     before = sorted(p.name for p in out.iterdir())
     cfg = HeadsTrainConfig(data=str(tmp_path / "data"), out=str(out), resume=True)
-    with pytest.raises(GorgonError, match=f"^--out {out} holds a finished run of a feature-level head, but this recipe "
+    with pytest.raises(GorgonError, match=f"^--out {out} holds a finished run of an EAGLE head, but this recipe "
                                           "trains Medusa heads: choose another --out"):
         prepare_own_output(out, lambda: None, cfg)
     assert sorted(p.name for p in out.iterdir()) == before

@@ -49,7 +49,7 @@ def pairs(head, n, seed=0):
 @pytest.mark.parametrize("arch", FAMILIES)
 def test_the_blocks_one_forward_equals_its_positions_drafted_one_by_one(arch):
     """The mask is causal: position j reads the context and positions 0 .. j - 1 only, so feeding the positions one
-    at a time into a cache gives the same k outputs; and position 0 is the feature-level head's first draft."""
+    at a time into a cache gives the same k outputs; and position 0 is the EAGLE head's first draft."""
     from gorgon.heads.cache import growing_cache
 
     model = tiny_model(arch, layers=4)
@@ -66,7 +66,7 @@ def test_the_blocks_one_forward_equals_its_positions_drafted_one_by_one(arch):
             out = head.layer(fed[:, i:i + 1], embedded[:, i:i + 1], rope, torch.zeros(1, 1, 1, i + 1), cache)
             rows.append(out[0, 0])
         one_by_one = head.logits(torch.stack(rows[n - 1:])).float().log_softmax(-1)
-        eagle = head.eagle  # the feature-level head's layer over the same context, causal
+        eagle = head.eagle  # the EAGLE head's layer over the same context, causal
         causal = additive_mask(torch.ones(n, n, dtype=torch.bool).tril(), fed.dtype)[None, None]
         first = eagle.logits(eagle.layer(eagle.fc(features[None]), tokens[None], eagle.rope(torch.arange(n)[None],
                                                                                             fed.dtype), causal))
@@ -182,12 +182,12 @@ def test_bad_input_is_one_line(tmp_path):
         (lambda: ParallelDrafter(head, tree=[[0], [0, 0], [0, 0, 0]]), "the tree is 3 deep but the drafter drafts a "
                                                                        "block of 2: use a tree at most 2 deep"),
         (lambda: ParallelDrafter(head, tree="wide"), "unknown tree 'wide'"),
-        (lambda: drafter_for(head, None, depth=2), "--draft-depth and --draft-topk shape a feature-level head's "
+        (lambda: drafter_for(head, None, depth=2), "--draft-depth and --draft-topk shape an EAGLE head's "
                                                    "search; a parallel drafter drafts its whole block in one forward"),
         (lambda: HeadsTrainConfig(data="x", out="y", arch="parallel", ttt_steps=2).check(),
          "ttt_steps is a key of arch: eagle"),
         (lambda: HeadsTrainConfig(data="x", out="y", arch="parallel", start_from="h", draft_vocab_size=20).check(),
-         "start_from keeps the feature-level head's feature layers and draft vocabulary"),
+         "start_from keeps the EAGLE head's feature layers and draft vocabulary"),
         (lambda: ParallelHead.from_pretrained(tmp_path / "p", target=tiny_model("llama", vocab=32, layers=4)),
          "of a vocabulary of 64, but the target has 32"),  # another target
     ]:
@@ -243,7 +243,7 @@ def test_start_from_a_feature_level_head_keeps_its_layers_and_first_draft(tmp_pa
 
 
 def test_a_block_of_one_trains_no_mask_vectors(tmp_path):
-    """Its only position is the feature-level head's: the mask vectors get no gradient, so they are not trained
+    """Its only position is the EAGLE head's: the mask vectors get no gradient, so they are not trained
     (DDP would refuse them)."""
     from gorgon.heads.methods import by_name
     from gorgon.train.heads import HeadsTrainConfig

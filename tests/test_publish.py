@@ -604,7 +604,7 @@ def test_an_eagle_export_records_the_dtype_it_writes(tmp_path):
 
 def test_an_export_ends_with_the_command_that_serves_it(tmp_path, capsys):
     """Like data and training, an export says what to run next: the engine's command for its format, drafting
-    the tokens the heads are trained for (a feature-level head's depth, one per Medusa head)."""
+    the tokens the heads are trained for (an EAGLE head's depth, one per Medusa head)."""
     from gorgon.heads import EagleHead
     from gorgon.heads.cli import main as gorgon
 

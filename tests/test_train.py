@@ -434,8 +434,8 @@ def test_a_resume_with_another_data_order_or_shape_is_refused(tmp_path, capsys):
                                               rf"\({named}.*\): resume with the same ones, or train into a new "
                                               r"--out$"):
             train(dataclasses.replace(cfg, resume=True, **change))
-    with pytest.raises(GorgonError, match=r"holds a finished run of Medusa heads, but this recipe trains a "
-                                          r"feature-level head: choose another --out"):
+    with pytest.raises(GorgonError, match=r"holds a finished run of Medusa heads, but this recipe trains an "
+                                          r"EAGLE head: choose another --out"):
         train(dataclasses.replace(cfg, resume=True, arch="eagle"))
     state = checkpoint / "gorgon_state.json"
     recorded = json.loads(state.read_text())

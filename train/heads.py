@@ -3,7 +3,7 @@
 Runs the same under plain `python train/heads.py`, on a CPU, one GPU or many (the accelerate
 configs in configs/accelerate). `arch: medusa` trains Medusa heads on the target's last hidden
 state: Medusa-1 freezes the target, Medusa-2 also trains LoRA adapters on it, held to its original
-outputs by a KL term. `arch: eagle` trains a feature-level head (EAGLE-3's layout) on the frozen
+outputs by a KL term. `arch: eagle` trains an EAGLE head (EAGLE-3's layout) on the frozen
 target's features. At the end the measured top-k accuracies on held-out data choose the decoding trees.
 The output folder holds the heads, config, trees, metrics, a per-head accuracy plot and a
 model card draft; checkpoints let `--resume true` continue after a kill. (`-q` keeps accelerate's own
@@ -514,7 +514,7 @@ def strip_prefix(state: dict, prefix: str) -> dict:
 
 
 def new_window(rows: int) -> dict:
-    """Sums over the batches since the last log. Per row (a Medusa head or an unrolled step of the feature-level
+    """Sums over the batches since the last log. Per row (a Medusa head or an unrolled step of the EAGLE
     head; one more row: Medusa-2's base KL): loss, top-1 hits, top-5 hits, positions, batches; one tensor, so
     all processes sum it at once."""
     return {"sums": torch.zeros(rows + 1, 5, dtype=torch.float64), "tokens": 0, "start": time.perf_counter()}

@@ -65,7 +65,7 @@ class Method:
     (context drafts have no folder, a draft model exports as itself)."""
 
     name: str                 # its folder's name: the recipe's `arch` value, metrics' "arch"
-    title: str                # how messages name what its folder holds: "Medusa heads", "a feature-level head"
+    title: str                # how messages name what its folder holds: "Medusa heads", "an EAGLE head"
     holds: Callable[[Path, dict], bool] | None = None  # (folder, its config.json): written by this method?
     load: Callable | None = None          # (folder, target) -> its module on the target (checked by fingerprint)
     module: type | None = None            # the class `load` returns

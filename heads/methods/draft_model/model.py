@@ -6,7 +6,7 @@ of the target cut to its first layers (embedding, those layers, final norm, LM h
 A draft vocabulary (the most frequent answer tokens, saved beside the weights in
 `draft_vocab.safetensors`) lets it draft through an output layer cut to those rows: on a small
 draft the full output layer is most of each forward's cost (FR-Spec, Zhao et al. 2025, makes the
-same cut; EAGLE-3's d2t/t2d is the feature-level head's). Drafts only propose, so output is exact.
+same cut; EAGLE-3's d2t/t2d is the EAGLE head's). Drafts only propose, so output is exact.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""A feature-level head's model card."""
+"""An EAGLE head's model card."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from ...target import EMBEDDED_NAME, hub_name
 
 
 def eagle_card(folder: Path, ref: str, recipe: dict, metrics: dict, hub: dict) -> str:
-    """A feature-level head's card: what it reads (its feature layers as saved), how it was trained, its accuracy,
+    """An EAGLE head's card: what it reads (its feature layers as saved), how it was trained, its accuracy,
     and usage."""
     feature_layers = json.loads((folder / "config.json").read_text())["feature_layers"]
     target_name = metrics.get("target_name") or recipe.get("target") or EMBEDDED_NAME
@@ -20,7 +20,7 @@ def eagle_card(folder: Path, ref: str, recipe: dict, metrics: dict, hub: dict) -
     layers = ", ".join(map(str, feature_layers))
     return f"""{card_metadata(hub, "gorgon", ["eagle", "speculative-decoding"])}
 
-# A feature-level draft head for {target_name}
+# An EAGLE draft head for {target_name}
 
 An EAGLE-3-style head: the target's hidden states at layers {layers} and the next token's embedding go
 through one decoder layer of the target's architecture, and it drafts a tree ranked by its confidence

@@ -1,4 +1,4 @@
-"""The feature-level head as a drafter: a tree ranked by draft confidence, built anew each step (EAGLE-2).
+"""The EAGLE head as a drafter: a tree ranked by draft confidence, built anew each step (EAGLE-2).
 
 Each step the head first takes in what the target accepted: the target's features at those
 tokens, each paired with the token after it, go into the head's own KV cache (causal, like the

@@ -1,4 +1,4 @@
-"""The feature-level head on the registry: its recipe keys, training objective, loading, drafting and export."""
+"""The EAGLE head on the registry: its recipe keys, training objective, loading, drafting and export."""
 
 from __future__ import annotations
 
@@ -37,10 +37,10 @@ class EagleRecipe(Recipe):
         if self.hidden_weight < 0:
             raise GorgonError(f"hidden_weight must be at least 0, not {self.hidden_weight}")
         if self.feature_noise < 0:
-            raise GorgonError(f"feature_noise is the width of the noise on a feature-level head's inputs: use 0 or "
+            raise GorgonError(f"feature_noise is the width of the noise on an EAGLE head's inputs: use 0 or "
                               f"more, not {self.feature_noise}")
         if not 0 <= self.dropout < 1:
-            raise GorgonError(f"dropout is the share of a feature-level head's layer outputs dropped in training: use "
+            raise GorgonError(f"dropout is the share of an EAGLE head's layer outputs dropped in training: use "
                               f"0 (off) to below 1, not {self.dropout}")
 
     def check_with(self, shared) -> None:
@@ -63,7 +63,7 @@ class EagleRecipe(Recipe):
 
 
 def objective(recipe: EagleRecipe, shared, target, draft_tokens):
-    """A feature-level head for the target and its loss."""
+    """An EAGLE head for the target and its loss."""
     from ...feature_cache import FeatureCache
     from .objective import EagleObjective
 
@@ -84,7 +84,7 @@ def drafter(head, tree, depth, topk):
     from .drafter import EagleDrafter
 
     if isinstance(tree, list):
-        raise GorgonError("a feature-level head builds its tree each step: pass --tree N (nodes per step) "
+        raise GorgonError("an EAGLE head builds its tree each step: pass --tree N (nodes per step) "
                           "or auto, not a list of rank paths")
     drafter = EagleDrafter(head, nodes=tree if isinstance(tree, int) else None, depth=depth, topk=topk)
     if depth is not None and depth >= drafter.nodes:  # a given depth: the saved one is cut to any tree chosen
@@ -103,7 +103,7 @@ def serve(fmt: str, out: Path, base_model: str, head) -> str:
 
 
 METHOD = register(Method(
-    name="eagle", title="a feature-level head", holds=holds,
+    name="eagle", title="an EAGLE head", holds=holds,
     load=lambda folder, target: EagleHead.from_pretrained(folder, target=target), module=EagleHead,
     drafter=drafter,
     export=formats.export_head, export_formats=formats.FORMATS,

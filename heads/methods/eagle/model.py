@@ -42,7 +42,7 @@ from ...vocab import is_draft_vocab
 from .formats import check_layer_fields, computes_rms_norm, foreign_format, import_head
 
 WEIGHTS_NAME = "model.safetensors"
-ARCH = "eagle"  # config.json's "arch": how a heads folder says it holds feature-level heads
+ARCH = "eagle"  # config.json's "arch": how a heads folder says it holds EAGLE heads
 NODES = {"cpu": 8, "cuda": 48}  # tree nodes per step by device type, unless training or the user chose others
 
 
@@ -67,7 +67,7 @@ class EagleConfig:
     def from_dict(cls, data: dict, source: str = "config") -> "EagleConfig":
         """A config.json's fields, checked so that a hand-edited or foreign one fails in one line naming
         the field, not with a TypeError here or transformers' error when the layer is built."""
-        config = config_from_dict(cls, data, source, "a gorgon feature-level head's config")
+        config = config_from_dict(cls, data, source, "a gorgon EAGLE head's config")
         check_layer_fields(data["layer_config"], ("model_type", "rms_norm_eps", "num_hidden_layers"),
                            f"{source}'s layer_config")
         return config
@@ -100,7 +100,7 @@ def check_feature_layers(layers: list[int], num_layers: int) -> None:
 
 
 def not_llama_shaped(model_type: str) -> GorgonError:
-    return GorgonError(f"feature-level heads need a target whose decoder layers are Llama-shaped (input and "
+    return GorgonError(f"EAGLE heads need a target whose decoder layers are Llama-shaped (input and "
                        f"post-attention RMS norms, rotary q/k/v projections, one MLP), which {model_type} is not: "
                        "use Medusa heads (arch: medusa) for this target")
 
@@ -328,7 +328,7 @@ class EagleHead(PushToHubMixin, nn.Module):
     # -- save / load ----------------------------------------------------------------------------
     def model_card(self, repo_id: str) -> str:
         """The card `push_to_hub` gives a repo without one."""
-        return short_card(repo_id, self.config.target_name, "A feature-level (EAGLE-3-style) draft head", "eagle")
+        return short_card(repo_id, self.config.target_name, "An EAGLE draft head (EAGLE-3's layout)", "eagle")
 
     def save_pretrained(self, path: str | os.PathLike, state_dict: dict | None = None) -> None:
         """Write config.json and model.safetensors (each atomically); a folder holding another model is

@@ -1,4 +1,4 @@
-"""The feature-level head's training objective, on the frozen target's own answers.
+"""The EAGLE head's training objective, on the frozen target's own answers.
 
 At every position p of an answer the head reads the target's features at p and the token at
 p + 1, and drafts token p + 2. Its loss is the soft cross-entropy to the target's own next-token

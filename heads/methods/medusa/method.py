@@ -121,14 +121,14 @@ def drafter(heads, tree, depth, topk):
 def check_options(name, depth=None, topk=None, draft_dtype="auto", level_cost=None) -> None:
     """Medusa heads draft every level in one forward from a fixed tree, in the target's dtype."""
     if depth is not None or topk is not None:
-        raise GorgonError("--draft-depth and --draft-topk shape a feature-level head's search; Medusa heads "
+        raise GorgonError("--draft-depth and --draft-topk shape an EAGLE head's search; Medusa heads "
                           "draft one level per head: choose their tree with --tree")
     if draft_dtype != "auto":
         raise GorgonError(f"the heads in {name} keep the target's dtype (they read its hidden states): drop "
-                          "--draft-dtype, which sets a feature-level head's or a --draft model's")
+                          "--draft-dtype, which sets an EAGLE head's or a --draft model's")
     if level_cost not in (None, "auto"):
         raise GorgonError(f"the heads in {name} draft every level in one forward: --draft-level-cost has nothing "
-                          "to stop (it applies to --draft and feature-level heads)")
+                          "to stop (it applies to --draft and EAGLE heads)")
 
 
 def adapter(folder: Path) -> Path | None:

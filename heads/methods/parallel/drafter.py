@@ -1,7 +1,7 @@
 """The parallel drafter: one forward a step, then a fixed tree of rank paths over the block's candidates.
 
 Each step the drafter takes in what the target accepted (the target's features at those tokens, each
-paired with the token after it, into its own KV cache, as the feature-level head's drafter does) and,
+paired with the token after it, into its own KV cache, as the EAGLE head's drafter does) and,
 in the same forward, the block's k - 1 mask positions; the mask positions' keys are cut off the cache
 after the step, so it holds the target's real features alone. Position j's top candidates stand for
 the token j + 1 places after the root whatever is drafted before it (the positions see mask vectors,

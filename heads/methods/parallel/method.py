@@ -20,7 +20,7 @@ class ParallelRecipe(Recipe):
                                           "mask positions")
     feature_layers: list[int] | None = setting(None, "eagle, parallel: the target's hidden_states read, e.g. "
                                                      "2,15,27; None: EAGLE-3's low, middle and high layer")
-    start_from: str | None = setting(None, "parallel: a trained feature-level head's folder whose layers it starts "
+    start_from: str | None = setting(None, "parallel: a trained EAGLE head's folder whose layers it starts "
                                            "from (its feature layers and draft vocabulary too); None: the target's")
 
     def __post_init__(self):
@@ -28,7 +28,7 @@ class ParallelRecipe(Recipe):
 
     def check_with(self, shared) -> None:
         if self.start_from and (self.feature_layers or shared.draft_vocab_size):
-            raise GorgonError("start_from keeps the feature-level head's feature layers and draft vocabulary: drop "
+            raise GorgonError("start_from keeps the EAGLE head's feature layers and draft vocabulary: drop "
                               "feature_layers and draft_vocab_size, or start_from")
 
     def check_target(self, config) -> None:
@@ -47,7 +47,7 @@ class ParallelRecipe(Recipe):
 
 
 def objective(recipe: ParallelRecipe, shared, target, draft_tokens):
-    """A parallel drafter for the target (from a trained feature-level head's layers where `start_from` names one)
+    """A parallel drafter for the target (from a trained EAGLE head's layers where `start_from` names one)
     and its loss."""
     from ...feature_cache import FeatureCache
     from ..eagle.model import EagleHead
@@ -79,11 +79,11 @@ def drafter(head, tree, depth, topk):
 def check_options(name, depth=None, topk=None, draft_dtype="auto", level_cost=None) -> None:
     """A block is drafted in one forward from a fixed tree: no search to shape or stop."""
     if depth is not None or topk is not None:
-        raise GorgonError("--draft-depth and --draft-topk shape a feature-level head's search; a parallel drafter "
+        raise GorgonError("--draft-depth and --draft-topk shape an EAGLE head's search; a parallel drafter "
                           "drafts its whole block in one forward: choose its tree with --tree")
     if level_cost not in (None, "auto"):
         raise GorgonError(f"the parallel drafter in {name} drafts its block in one forward: --draft-level-cost has "
-                          "nothing to stop (it applies to --draft and feature-level heads)")
+                          "nothing to stop (it applies to --draft and EAGLE heads)")
 
 
 METHOD = register(Method(

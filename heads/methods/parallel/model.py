@@ -1,18 +1,18 @@
 """A parallel drafter (the P-EAGLE / DFlash family): a whole block of k drafts in one forward.
 
-The feature-level head (heads/methods/eagle) drafts one token per forward: each level reads the
+The EAGLE head (heads/methods/eagle) drafts one token per forward: each level reads the
 feature its parent's forward produced, so a block of k drafts costs k forwards. This drafter puts
-k positions through the same layer at once. The first is the feature-level head's own input: the
+k positions through the same layer at once. The first is the EAGLE head's own input: the
 target's features at the last accepted token and the embedding of the token after it (the root).
 The other k - 1 are learned mask positions (`mask_hidden` in place of the features, `mask_embedding`
 in place of a token's embedding), at the next k - 1 rotary positions. Attention is causal: each
-position reads the context's keys (the target's features, as the feature-level head caches them)
+position reads the context's keys (the target's features, as the EAGLE head caches them)
 and the block's positions before it, as P-EAGLE's mask does (speculators, models/peagle/attention.py).
 DFlash lets a block's positions see each other both ways (speculators, models/dflash/attention.py),
 so a position's output would depend on the ones after it, and by default drafts from the mask
 positions only; here every position drafts: position j the token j + 1 places after the root.
 
-The layers, norms and LM head are a feature-level head's (`EagleHead`, built from the target's own
+The layers, norms and LM head are an EAGLE head's (`EagleHead`, built from the target's own
 decoder layer); only the two mask vectors are new. P-EAGLE learns `mask_hidden` (as wide as the
 concatenated features, before `fc`) and a mask token's row of its own trainable embedding; the
 embedding here is the target's, never saved, so the mask token is a vector of its own.
@@ -47,7 +47,7 @@ NODES = {"cpu": 8, "cuda": 32}  # tree nodes per step by device type, unless tra
 
 @dataclass
 class ParallelConfig:
-    """Everything needed to rebuild the drafter and to check it fits a target (the feature-level head's fields
+    """Everything needed to rebuild the drafter and to check it fits a target (the EAGLE head's fields
     that build its layer, and the block's)."""
 
     hidden_size: int
@@ -82,7 +82,7 @@ def check_block_size(k) -> None:
 class ParallelHead(PushToHubMixin, nn.Module):
     """The drafter's weights. Call `attach(target_model)` before use: the embedding is the target's."""
 
-    drafts_in_own_dtype = True  # its inputs are cast to its weights' dtype, as the feature-level head's
+    drafts_in_own_dtype = True  # its inputs are cast to its weights' dtype, as the EAGLE head's
 
     def __init__(self, config: ParallelConfig, attn_implementation: str = "sdpa"):
         super().__init__()
@@ -96,7 +96,7 @@ class ParallelHead(PushToHubMixin, nn.Module):
     def for_target(cls, target_model: nn.Module, block_size: int = BLOCK_SIZE, feature_layers: list[int] | None = None,
                    draft_tokens: torch.Tensor | None = None, target_name: str | None = None,
                    target_fingerprint: str | None = None) -> "ParallelHead":
-        """A fresh drafter for a target: its layers start as a fresh feature-level head's (the target's last
+        """A fresh drafter for a target: its layers start as a fresh EAGLE head's (the target's last
         decoder layer, norm and LM head), its mask token as the mean of the target's embedding rows."""
         check_block_size(block_size)
         eagle = EagleHead.for_target(target_model, feature_layers, draft_tokens, target_name, target_fingerprint)
@@ -104,7 +104,7 @@ class ParallelHead(PushToHubMixin, nn.Module):
 
     @classmethod
     def from_eagle(cls, eagle: EagleHead, block_size: int = BLOCK_SIZE) -> "ParallelHead":
-        """A drafter whose layers start as a feature-level head's (a trained one: its first position drafts as
+        """A drafter whose layers start as an EAGLE head's (a trained one: its first position drafts as
         that head's first level does), attached to the same target."""
         c = eagle.config
         config = ParallelConfig(hidden_size=c.hidden_size, vocab_size=c.vocab_size, layer_config=c.layer_config,
@@ -149,7 +149,7 @@ class ParallelHead(PushToHubMixin, nn.Module):
         return fed, torch.cat([embedded, self.mask_embedding.expand(b, masks, -1)], dim=1)
 
     def layer(self, features: torch.Tensor, embedded: torch.Tensor, rope, mask: torch.Tensor, cache=None):
-        """The feature-level head's decoder layer (`EagleHead.layer`) on embeddings rather than token ids, so
+        """The EAGLE head's decoder layer (`EagleHead.layer`) on embeddings rather than token ids, so
         that a mask position can feed its own vector: (batch, length, H) each, `mask` additive."""
         eagle, layer = self.eagle, self.eagle.midlayer
         x = torch.cat([eagle.normed(layer.input_layernorm, embedded), eagle.normed(layer.hidden_norm, features)], -1)

@@ -7,13 +7,13 @@ trained with the soft cross-entropy to the target's own distribution for its tok
 the draft vocabulary), on answer tokens, weighed head_decay ** j; accuracy counts agreement with
 the target's argmax. The blocks of all anchors go through the layer together: position j of every
 anchor is one pass, which attends to the context (the target's features, causal, padding masked)
-and to its own anchor's earlier block positions, as drafting's cache holds them (the feature-level
+and to its own anchor's earlier block positions, as drafting's cache holds them (the EAGLE
 head's unrolled mask, `unrolled_mask`; P-EAGLE's mask in speculators, models/peagle/attention.py).
 So a conversation of L tokens trains L blocks in k passes. (P-EAGLE samples fewer anchors for the
 deeper positions to save memory, its COD sampling; every anchor is trained here.)
 
 The target's outputs, the feature cache, the checkpointed state and the rank counts are the
-feature-level head's (`EagleObjective`); only the forward differs.
+EAGLE head's (`EagleObjective`); only the forward differs.
 """
 
 from __future__ import annotations
