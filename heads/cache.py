@@ -8,6 +8,8 @@ import inspect
 
 import torch
 
+from .errors import GorgonError
+
 
 def with_cache(module: torch.nn.Module, cache) -> dict:
     """The keyword argument that passes a KV cache to a transformers module's forward: `cache` from
@@ -77,3 +79,18 @@ def crop_cache(cache, length: int) -> None:
     a count to remove later)."""
     for layer in cache.layers:
         layer.keys, layer.values = layer.keys[:, :, :length], layer.values[:, :, :length]
+
+
+def cache_for_new_features(cache, committed: int, context: int, new: int):
+    """A drafter's own cache, ready to take the features of the last `new` of `context` tokens: a fresh one at a
+    new prompt, else cut back to the tokens before them (proposing again on the same context recommits its last
+    tokens). `committed`: the tokens the cache holds for good."""
+    start = context - new
+    if cache is None or start == 0 or committed < start:
+        if start != 0:
+            raise GorgonError(f"the drafter holds {committed} tokens of context but was given features for the last "
+                              f"{new} of {context}: pass the features of every token accepted since its last call "
+                              "(the whole prompt at the first)")
+        cache = growing_cache()  # a new prompt
+    crop_cache(cache, start)
+    return cache

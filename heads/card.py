@@ -255,6 +255,22 @@ def speed_section(bench: dict | None, flag: str, ref: str) -> str:
                     f"`{bench['command']}`")
 
 
+def heads_speed_and_use(metrics: dict, ref: str) -> str:
+    """A heads card's Speed and Use sections: the bench's table (or how to measure one), then gorgon's command
+    and Python."""
+    return f"""## Speed
+
+{speed_section(metrics.get('bench'), '--heads', ref)}
+
+## Use
+
+```bash
+gorgon generate --heads {ref} --prompt "Hello"
+```
+
+{python_use(ref)}"""
+
+
 def python_use(ref: str) -> str:
     """A card's Python: the heads at `ref` loaded as `gorgon generate --heads` loads them (onto their target, a
     Medusa-2 adapter merged into it, the tree sized for the machine), then one answer."""

@@ -243,3 +243,20 @@ def worth_verifying(chances: list[float], costs: dict[int, float], at_least: int
         if count >= at_least and gain > best_gain:
             best, best_gain = count, gain
     return best
+
+
+class TreesInConfig:
+    """For a drafter module whose config keeps its held-out rank accuracies (`accuracies`, one row per drafted
+    level or position) and its tree size per device type (`nodes`), as saved in its config.json."""
+
+    def set_trees(self, accuracies: list[list[float]], sizes: dict[str, int]) -> None:
+        self.config.accuracies = accuracies
+        self.config.nodes = dict(sizes)
+
+    @property
+    def accuracies(self) -> list[list[float]] | None:
+        return self.config.accuracies
+
+    def saved_nodes(self, device_type: str) -> int:
+        """The number of tree nodes per step saved for this device type (else the CPU one)."""
+        return self.config.nodes.get(device_type) or self.config.nodes["cpu"]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from ...card import card_metadata, data_line, python_use, speed_section, tree_nodes
+from ...card import card_metadata, data_line, heads_speed_and_use, tree_nodes
 from ...target import EMBEDDED_NAME, hub_name
 
 
@@ -38,17 +38,7 @@ on {data_line(recipe, metrics)}. Greedy decoding with it gives exactly the targe
 A greedy chain with this top-1 would give {metrics['expected_tau']['cpu']:.2f} tokens per target forward with
 the CPU tree ({tree_nodes(recipe, metrics)['cpu']} nodes); the ranked tree does better, as the bench below measures.
 
-## Speed
-
-{speed_section(metrics.get('bench'), '--heads', ref)}
-
-## Use
-
-```bash
-gorgon generate --heads {ref} --prompt "Hello"
-```
-
-{python_use(ref)}
+{heads_speed_and_use(metrics, ref)}
 
 ### In vLLM or SGLang (EAGLE-3)
 

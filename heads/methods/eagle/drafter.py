@@ -17,9 +17,8 @@ import math
 
 import torch
 
-from ...cache import crop_cache, growing_cache
+from ...cache import cache_for_new_features, crop_cache, growing_cache
 from ...drafter import check_same_device, dtype_name
-from ...errors import GorgonError
 from ...masks import additive_mask
 from ...search import SearchDrafter, check_search, grow_tree, search_settings
 from ...target import check_fits
@@ -59,13 +58,7 @@ class EagleDrafter(SearchDrafter):
         head, device = self.head, root.device
         n, m = context.numel(), features.shape[0]
         start = n - m  # the cache must hold the context before the new features
-        if self.cache is None or start == 0 or self.committed < start:
-            if start != 0:
-                raise GorgonError(f"the drafter holds {self.committed} tokens of context but was given features for "
-                                  f"the last {m} of {n}: pass the features of every token accepted since its last "
-                                  "call (the whole prompt at the first)")
-            self.cache = growing_cache()  # a new prompt
-        crop_cache(self.cache, start)  # proposing again on the same context recommits its last tokens
+        self.cache = cache_for_new_features(self.cache, self.committed, n, m)
         dtype = head.fc.weight.dtype
         # One rotary call for the step: the accepted tokens' positions, then one per drafted level.
         cos, sin = head.rope(torch.arange(start, n + self.depth - 1, device=device)[None], dtype)

@@ -37,7 +37,7 @@ from ...hub import CONFIG_NAME, PushToHubMixin, resolve_heads_folder
 from ...masks import additive_mask
 from ...outputs import check_heads_destination
 from ...target import Target, attach_to_target, check_fits
-from ...tree import chain_tau
+from ...tree import TreesInConfig, chain_tau
 from ...vocab import is_draft_vocab
 from .formats import check_layer_fields, computes_rms_norm, foreign_format, import_head
 
@@ -138,7 +138,7 @@ def _decoder_layer(layer_config: dict, attn_implementation: str):
     return layer, rotary_cls(config=config)
 
 
-class EagleHead(PushToHubMixin, nn.Module):
+class EagleHead(TreesInConfig, PushToHubMixin, nn.Module):
     """The draft head. Call `attach(target_model)` before use: the embedding is the target's."""
 
     # Its inputs are cast to its own weights' dtype, so it may draft in bfloat16 beside a float32 target.
@@ -298,25 +298,13 @@ class EagleHead(PushToHubMixin, nn.Module):
         return draft_ids if self.token_map is None else self.token_map[draft_ids]
 
     # -- trees and measured accuracy, saved in config.json ------------------------------------
-    def set_trees(self, accuracies: list[list[float]], sizes: dict[str, int]) -> None:
-        """Keep the held-out rank accuracies of each unrolled step and the tree size for each device type."""
-        self.config.accuracies = accuracies
-        self.config.nodes = dict(sizes)
-
-    @property
-    def accuracies(self) -> list[list[float]] | None:
-        return self.config.accuracies
-
+    # (set_trees, accuracies and saved_nodes: TreesInConfig; its rows are the unrolled steps)
     def level_accuracies(self, depth: int | None = None) -> list[list[float]]:
         """Held-out rank accuracies per drafted level, as Medusa's per head (for choosing a tree size):
         unrolled step k's for level k, and the last unrolled step's for the deeper levels training
         did not unroll."""
         steps = self.config.accuracies
         return [steps[min(level, len(steps) - 1)] for level in range(depth or self.config.depth)]
-
-    def saved_nodes(self, device_type: str) -> int:
-        """The number of tree nodes per step saved for this device type (else the CPU one)."""
-        return self.config.nodes.get(device_type) or self.config.nodes["cpu"]
 
     def expected_tau(self, device_type: str) -> float:
         """A floor on tokens per step from the first step's top-1 accuracy: a greedy chain as deep as the

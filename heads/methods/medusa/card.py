@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ...card import card_metadata, data_line, python_use, speed_section, tree_nodes
+from ...card import card_metadata, data_line, heads_speed_and_use, tree_nodes
 from ...target import EMBEDDED_NAME, hub_name
 
 
@@ -33,17 +33,7 @@ Greedy decoding with these heads gives exactly the target's own output, only fas
 Expected tokens per target forward from these accuracies: {tau['cpu']:.2f} with the CPU tree
 ({nodes['cpu']} nodes), {tau['cuda']:.2f} with the GPU tree ({nodes['cuda']} nodes).
 
-## Speed
-
-{speed_section(metrics.get('bench'), '--heads', ref)}
-
-## Use
-
-```bash
-gorgon generate --heads {ref} --prompt "Hello"
-```
-
-{python_use(ref)}
+{heads_speed_and_use(metrics, ref)}
 
 ### In vLLM
 

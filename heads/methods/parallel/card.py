@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from ...card import card_metadata, data_line, python_use, speed_section, tree_nodes
+from ...card import card_metadata, data_line, heads_speed_and_use, tree_nodes
 from ...target import EMBEDDED_NAME
 
 
@@ -37,15 +37,5 @@ target's own output.
 A greedy chain with this top-1 would give {metrics['expected_tau']['cpu']:.2f} tokens per target forward with the
 CPU tree ({tree_nodes(recipe, metrics)['cpu']} nodes).
 
-## Speed
-
-{speed_section(metrics.get('bench'), '--heads', ref)}
-
-## Use
-
-```bash
-gorgon generate --heads {ref} --prompt "Hello"
-```
-
-{python_use(ref)}
+{heads_speed_and_use(metrics, ref)}
 """

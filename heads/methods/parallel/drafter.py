@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from ...cache import crop_cache, growing_cache
+from ...cache import cache_for_new_features, crop_cache
 from ...drafter import check_same_device, dtype_name
 from ...errors import GorgonError
 from ...masks import additive_mask
@@ -65,13 +65,7 @@ class ParallelDrafter:
         head, device = self.head, root.device
         n, m, k = context.numel(), features.shape[0], head.config.block_size
         start = n - m  # the cache must hold the context before the new features
-        if self.cache is None or start == 0 or self.committed < start:
-            if start != 0:
-                raise GorgonError(f"the drafter holds {self.committed} tokens of context but was given features for "
-                                  f"the last {m} of {n}: pass the features of every token accepted since its last "
-                                  "call (the whole prompt at the first)")
-            self.cache = growing_cache()  # a new prompt
-        crop_cache(self.cache, start)  # proposing again on the same context recommits its last tokens
+        self.cache = cache_for_new_features(self.cache, self.committed, n, m)
         dtype = head.mask_hidden.dtype
         tokens = torch.cat([context[start + 1:], root.reshape(1)])  # the feature at p with the token at p + 1
         fed, embedded = head.inputs(features[None], tokens[None], k - 1)

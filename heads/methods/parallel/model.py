@@ -35,7 +35,7 @@ from ...files import read_config, reading_weights, write_weights
 from ...hub import CONFIG_NAME, PushToHubMixin, resolve_heads_folder
 from ...outputs import check_heads_destination
 from ...target import Target, attach_to_target
-from ...tree import chain_tau
+from ...tree import TreesInConfig, chain_tau
 from ..eagle.formats import check_layer_fields
 from ..eagle.model import EagleHead
 
@@ -79,7 +79,7 @@ def check_block_size(k) -> None:
         raise GorgonError(f"block_size is the number of drafts a forward makes: use a whole number >= 1, not {k!r}")
 
 
-class ParallelHead(PushToHubMixin, nn.Module):
+class ParallelHead(TreesInConfig, PushToHubMixin, nn.Module):
     """The drafter's weights. Call `attach(target_model)` before use: the embedding is the target's."""
 
     drafts_in_own_dtype = True  # its inputs are cast to its weights' dtype, as the EAGLE head's
@@ -168,21 +168,10 @@ class ParallelHead(PushToHubMixin, nn.Module):
         return self.eagle.to_target_ids(draft_ids)
 
     # -- trees and measured accuracy, saved in config.json ------------------------------------
-    def set_trees(self, accuracies: list[list[float]], sizes: dict[str, int]) -> None:
-        """Keep the held-out rank accuracies of each block position and the tree size for each device type."""
-        self.config.accuracies = accuracies
-        self.config.nodes = dict(sizes)
-
-    @property
-    def accuracies(self) -> list[list[float]] | None:
-        return self.config.accuracies
-
+    # (set_trees, accuracies and saved_nodes: TreesInConfig; its rows are the block positions)
     def level_accuracies(self, depth: int | None = None) -> list[list[float]]:
         """Held-out rank accuracies per drafted level: block position k's for level k."""
         return (self.accuracies or [])[: depth or self.config.block_size]
-
-    def saved_nodes(self, device_type: str) -> int:
-        return self.config.nodes.get(device_type) or self.config.nodes["cpu"]
 
     def expected_tau(self, device_type: str) -> float:
         """A floor on tokens per step from the first position's top-1 accuracy: a chain as deep as the block
