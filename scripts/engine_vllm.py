@@ -10,7 +10,6 @@ RESULT: {"vllm": version, "outputs": [[token ids]], "load_seconds", "seconds" (g
 """
 
 import json
-import sys
 import time
 
 
@@ -36,4 +35,10 @@ def main(job_path: str, result_path: str) -> None:
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:])
+    import argparse
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("job", help="the job's JSON file (what serving_parity.py writes)")
+    p.add_argument("result", help="where the result's JSON goes")
+    args = p.parse_args()
+    main(args.job, args.result)

@@ -72,9 +72,9 @@ def exported(heads: Path, fmt: str | None, target: str | None, out: Path) -> tup
 
 def chain_drafter(export: Path, fmt: str, target: str | None, chain: int | None):
     """gorgon's target and drafter for the export, drafting a chain as vLLM does: the top token of each of `chain`
-    levels a step (Medusa: one per head; a feature-level head: depth `chain`, top-k 1, every level drafted, in
+    levels a step (Medusa: one per head; an EAGLE head: depth `chain`, top-k 1, every level drafted, in
     float32 as vLLM runs it here: gorgon's default on a CPU with bfloat16 kernels is bfloat16, whose rounding changes
-    some drafts). Default chain: one per Medusa head, a feature-level head's saved depth."""
+    some drafts). Default chain: one per Medusa head, an EAGLE head's saved depth."""
     from gorgon.decode.options import from_options
 
     if fmt == "vllm":
@@ -230,7 +230,7 @@ def main() -> None:
     p.add_argument("--limit", type=int_at_least(1), default=8, help="the first N questions (default 8)")
     p.add_argument("--max-new-tokens", type=int_at_least(1), default=64, help="default 64")
     p.add_argument("--chain", type=int_at_least(1), default=None,
-                   help="tokens drafted a step (default: one per Medusa head, a feature-level head's depth)")
+                   help="tokens drafted a step (default: one per Medusa head, an EAGLE head's depth)")
     p.add_argument("--target", default=None, help="the target (default: the one the heads record)")
     p.add_argument("--engine", type=user_path, default=None,
                    help=f"vLLM's venv (default: {default_engine()}, which scripts/engines.sh builds)")

@@ -145,6 +145,10 @@ def test_every_command_option_says_what_it_does(module):
     assert not [a.dest for a in actions if not a.help]
 
 
+# Scripts an engine's own python runs (scripts/engines.sh builds its venv), where gorgon is not installed.
+ENGINE_SIDE = {"engine_vllm.py"}
+
+
 @pytest.mark.parametrize("script", sorted(p.name for p in (ROOT / "scripts").glob("*.py")))
 def test_every_script_option_says_what_it_does_and_bad_input_is_one_line(script):
     """Read from the source, without importing torch: each option has a help text, and the script runs through
@@ -154,7 +158,7 @@ def test_every_script_option_says_what_it_does_and_bad_input_is_one_line(script)
                and getattr(node.func, "attr", None) == "add_argument"]
     assert not [ast.literal_eval(o.args[0]) for o in options if not any(k.arg == "help" for k in o.keywords)]
     entry = next(node for node in tree.body if isinstance(node, ast.If) and "__main__" in ast.unparse(node.test))
-    assert "run_script(main" in ast.unparse(entry)
+    assert ("run_script(main" in ast.unparse(entry)) != (script in ENGINE_SIDE)
 
 
 @pytest.mark.parametrize("cls", [HeadsTrainConfig, DraftTrainConfig])

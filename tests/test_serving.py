@@ -4,7 +4,7 @@ acceptance gorgon measures for the same chain (scripts/serving_parity.py).
 
 Marked `engines`; skipped unless GORGON_ENGINES names the folder the engines were built in:
     bash scripts/engines.sh && GORGON_ENGINES=~/.cache/gorgon/engines bash scripts/test.sh -m engines
-The heads are untrained (a Medusa head drafts the target's own next token again; a feature-level head starts from
+The heads are untrained (a Medusa head drafts the target's own next token again; an EAGLE head starts from
 the target's last layer), which still accept some drafts, and the draft vocabulary of the recipes.
 """
 
@@ -33,7 +33,7 @@ def needs_engine(name: str):
 
 @pytest.fixture(scope="module")
 def untrained_heads(tmp_path_factory, embedded_target):
-    """Medusa heads and a feature-level head for the embedded target, each drafting from its 8192 first tokens (the
+    """Medusa heads and an EAGLE head for the embedded target, each drafting from its 8192 first tokens (the
     recipes' draft vocabulary size), saved as training saves them."""
     from gorgon.heads import EagleHead, MedusaHeads
     from gorgon.heads.target import EMBEDDED_NAME

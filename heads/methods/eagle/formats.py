@@ -1,4 +1,4 @@
-"""The layouts serving engines load a feature-level head from: export to them, import from them.
+"""The layouts serving engines load an EAGLE head from: export to them, import from them.
 
 - eagle3: what vLLM (model_executor/models/llama_eagle3.py, qwen3_eagle3.py) and SGLang
   (srt/models/llama_eagle3.py) load: config.json of a one-layer Llama (`architectures:
@@ -85,7 +85,7 @@ def export_head(head, fmt: str, out: str | Path, base_model: str | None = None, 
     records (default: the target's when the head trained), which should be the served target's."""
 
     if fmt not in FORMATS:
-        raise GorgonError(f"unknown format {fmt!r} for a feature-level head: use one of {', '.join(FORMATS)}")
+        raise GorgonError(f"unknown format {fmt!r} for an EAGLE head: use one of {', '.join(FORMATS)}")
     check_exportable_layers(head.config)
     attn = head.midlayer.self_attn
     state = {k: v for k, v in head.state_dict().items() if k != "token_map"}
