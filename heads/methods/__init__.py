@@ -21,7 +21,7 @@ from pathlib import Path
 from ..errors import GorgonError
 from ..files import config_or_none
 
-PACKAGES = ("medusa", "eagle", "draft_model", "context", "parallel")  # gorgon.heads.<name>: one line per method
+PACKAGES = ("medusa", "eagle", "draft_model", "context", "parallel")  # gorgon.heads.methods.<name>, one each
 
 _REGISTRY: dict[str, "Method"] = {}
 
