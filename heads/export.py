@@ -90,7 +90,7 @@ def main(argv=None) -> int:
     if not is_hub_id(base_model):
         print(f"gorgon export: the export names its target by the local path {base_model}: an engine elsewhere "
               "needs a name it can load (--base-model user/name)", file=sys.stderr)
-    for note in method.export_notes(folder) if method.export_notes else ():
+    for note in method.export_notes(folder):
         print(f"gorgon export: {note}", file=sys.stderr)
     return 0
 

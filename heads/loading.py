@@ -14,21 +14,26 @@ import torch
 from .errors import GorgonError
 from .files import read_config
 from .hub import CONFIG_NAME, resolve_heads_folder
-from .methods import Method, method_of
+from .methods import Method, method_holding
 from .target import Target, check_config_fits, load_target, target_for_heads
 
 
 def heads_method(folder: Path) -> Method:
     """The method that wrote a heads folder, refused in one line when it is not heads."""
+    return read_heads_config(folder)[0]
+
+
+def read_heads_config(folder: Path) -> tuple[Method, dict]:
+    """A heads folder's config.json, read once, and the method that wrote it (`heads_method`)."""
     config = read_config(folder / CONFIG_NAME, "heads")  # a missing or unreadable one is its own one-line error
-    found = method_of(folder)
+    found = method_holding(folder, config)
     if found is None:
         raise GorgonError(f"{folder}'s config.json is not one a drafting method wrote (keys: "
                           f"{', '.join(sorted(map(str, config))) or 'none'}): pass a folder gorgon's training or an "
                           "engine export wrote")
     if found.not_heads is not None:  # a folder of a method that does not draft as heads (a draft model)
         raise found.not_heads(folder)
-    return found
+    return found, config
 
 
 def load_heads(heads: str | os.PathLike, target: str | os.PathLike | None = None, device: str = "auto",
@@ -36,8 +41,7 @@ def load_heads(heads: str | os.PathLike, target: str | os.PathLike | None = None
     """The target and the heads in a folder or hub repo, whichever method wrote them (with the method's adapter
     on the target, e.g. Medusa-2's LoRA, merged). `target` None: the one the heads were trained for."""
     folder = resolve_heads_folder(heads)  # fail before the slower target load
-    method = heads_method(folder)
-    config = read_config(folder / CONFIG_NAME, "heads")
+    method, config = read_heads_config(folder)
     target = target_for_heads(config, target)
     check_config_fits(config, target)
     loaded = load_target(target, device=device, dtype=dtype, adapter=method.adapter(folder))

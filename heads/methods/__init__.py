@@ -80,7 +80,7 @@ class Method:
     export_formats: tuple[str, ...] = ()
     export_help: str = ""                 # "'eagle3' (vLLM's and SGLang's EAGLE-3) or ..." for --help
     serve: Callable | None = None         # (fmt, out, base_model, module) -> the engine's command
-    export_notes: Callable | None = None  # (folder) -> lines to print after an export
+    export_notes: Callable[[Path], list[str]] = lambda folder: []  # lines to print after an export
     card: Callable | None = None          # (folder, ref, recipe, metrics, hub) -> the model card's text
     rows: Callable[[int], str] = lambda k: f"draft {k}"  # what the k-th held-out accuracy measures (1-based)
     recipe: type | None = None            # its training keys: a dataclass subclassing `Recipe`
@@ -122,8 +122,11 @@ def method_of(folder: Path) -> Method | None:
     """Which method wrote a folder, read from its config.json (each method knows its own layouts and the
     engines' it imports); None when none did."""
     config = config_or_none(folder)
-    if config is None:
-        return None
+    return None if config is None else method_holding(folder, config)
+
+
+def method_holding(folder: Path, config) -> Method | None:
+    """`method_of` for a config.json already read (`config`, as parsed)."""
     return next((m for m in methods() if m.holds is not None and m.holds(folder, config)), None)
 
 

@@ -146,9 +146,10 @@ def serve(fmt: str, out: Path, base_model: str, heads) -> str:
 
 def export_notes(folder: Path) -> list[str]:
     """Medusa-2: the export holds the heads, not the target's adapter."""
-    if adapter(folder) is None:
+    lora = adapter(folder)
+    if lora is None:
         return []
-    return [f"these Medusa-2 heads were trained on the target with the LoRA adapter in {adapter(folder)}: serve "
+    return [f"these Medusa-2 heads were trained on the target with the LoRA adapter in {lora}: serve "
             "them on the target with it merged (peft's merge_and_unload), or they draft from hidden states they "
             "were not trained on (the output stays the target's; fewer drafts are accepted)"]
 
