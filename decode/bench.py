@@ -27,6 +27,7 @@ from gorgon.heads.command import ArgumentParser, int_at_least, user_path
 from gorgon.heads.errors import GorgonError, user_error_line
 from gorgon.heads.files import atomic_write_text, save_figure
 from gorgon.heads.outputs import changed_settings, check_report_output, holding
+from gorgon.heads.quantize import quantization
 from gorgon.heads.target import check_model_source, context_length, load_causal_lm
 
 from .acceptance import Sampling
@@ -118,9 +119,9 @@ def timed_methods(model, drafter, baselines: tuple[str, ...], assistant, samplin
     """What is timed on each turn, by name: a function of (prompt ids, max new tokens) returning a
     GenerationResult. `baseline` is plain `generate`, `gorgon` the drafter under test, `compare` another
     heads' drafter; the rest are the baselines asked for. `generate` runs on the kernels and attention
-    gorgon decodes with; `stock` on torch's defaults: its stock CPU kernels where the fast ones are on,
-    on CUDA its own choice of attention, cuDNN's included (`decoding_attention`); elsewhere it would
-    equal `baseline` and is left out."""
+    gorgon decodes with; `stock` on torch's defaults: its stock CPU kernels where the fast ones are on (and a
+    quantized target's float weights), on CUDA its own choice of attention, cuDNN's included
+    (`decoding_attention`); elsewhere it would equal `baseline` and is left out."""
 
     def plain(**extra):
         def run(ids, max_new_tokens):
@@ -138,7 +139,8 @@ def timed_methods(model, drafter, baselines: tuple[str, ...], assistant, samplin
         return GenerationResult(tokens, target_forwards=0, seconds=seconds)
 
     methods = {"baseline": plain(), "gorgon": speculative(drafter)}
-    if "stock" in baselines and (kernels_in_use(model) == "fast" or model.device.type == "cuda"):
+    if "stock" in baselines and (kernels_in_use(model) == "fast" or model.device.type == "cuda"
+                                 or quantization(model) != "none"):
         methods["stock"] = on_stock_kernels
     if "prompt-lookup" in baselines:
         methods["prompt-lookup"] = plain(prompt_lookup_num_tokens=10)
@@ -544,7 +546,7 @@ def main(argv=None) -> int:
 def bench_command(args, settings: DecodeSettings, argv, baselines: tuple[str, ...], questions: list,
                   earlier: dict | None) -> int:
     """`gorgon bench` once its options are checked: load, time, report."""
-    target, drafter = load_drafter(settings)
+    target, drafter = load_drafter(settings, keep_float="stock" in baselines)
     sampling = Sampling.like_generate(target.model, args.temperature, args.top_k, args.top_p)
     compare = compared_drafter(settings, args.compare_heads, target, drafter) if args.compare_heads else None
     assistant = None
@@ -593,9 +595,12 @@ def bench_command(args, settings: DecodeSettings, argv, baselines: tuple[str, ..
     print(markdown_table(report))
     print("\ntau: tokens per target forward; speedup: gorgon's tokens/s over plain `generate`'s (the baseline, on "
           "the same kernels), each question timed for both in one rotation; median: of the per-question ratios"
-          + ("; vs stock: over `generate` on torch's default kernels" if "speedup_vs_stock" in report else ""))
+          + ("; vs stock: over `generate` on torch's default kernels" if "speedup_vs_stock" in report else "")
+          + (" and the float weights" if "speedup_vs_stock" in report and report.get("quantize", "none") != "none"
+             else ""))
     drafts = f"drafts in {report['draft_dtype']}" if report["draft_dtype"] else "drafts from the context"
-    print(f"{report['device']}, {report['dtype']} ({drafts}), "
+    quantized = "" if report.get("quantize", "none") == "none" else f", weights {report['quantize']}"
+    print(f"{report['device']}, {report['dtype']}{quantized} ({drafts}), "
           f"{report['threads']} thread(s), "
           + (f"tree of {report['tree_size']} nodes" if isinstance(report["tree"], list)
              else f"tree built per step, up to {report['tree_size']} nodes"))

@@ -23,6 +23,7 @@ import torch
 
 from gorgon.heads.cache import crop_cache, growing_cache, with_cache
 from gorgon.heads.files import atomic_write_text
+from gorgon.heads.quantize import quantization
 from gorgon.heads.target import cache_dir
 from gorgon.heads.tree import build_tree
 
@@ -148,6 +149,7 @@ def machine_setup(model) -> dict:
     device = model.device
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_name()
     return {"device": f"{device.type} ({name})", "dtype": str(model.dtype).replace("torch.", ""),
+            "quantize": quantization(model),
             "kernels": kernels_in_use(model) if device.type == "cpu" else "cuda", "stock_rows": stock_rows(model),
             "attention": getattr(model.config, "_attn_implementation", None), "greedy_argmax": argmax_in_use(model),
             "cpu_flags": cpu_flags(), "threads": torch.get_num_threads()}

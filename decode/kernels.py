@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from gorgon.heads.errors import GorgonError
+from gorgon.heads.quantize import float_weights
 from gorgon.heads.target import resolve_dtype
 
 from .argmax import full_argmax, use_bf16_screen
@@ -150,12 +151,13 @@ def kernels_in_use(model: torch.nn.Module) -> str:
 
 @contextlib.contextmanager
 def stock_kernels(model: torch.nn.Module):
-    """Run the block on torch's stock kernels and transformers' own attention, then restore the fast
-    path if it was on. The packed weights are kept, so switching back costs nothing."""
+    """Run the block on torch's stock kernels and transformers' own attention (a quantized target on its kept
+    float weights: stock full precision), then restore the fast path if it was on. The packed weights are
+    kept, so switching back costs nothing."""
     saved = {m: m.__dict__.pop("forward") for m in model.modules() if "forward" in m.__dict__ and _ATTR in m.__dict__}
     tree_attention = use_tree_attention(model, False)
     try:
-        with full_argmax(model):
+        with full_argmax(model), float_weights(model):
             yield
     finally:
         for m, forward in saved.items():

@@ -26,6 +26,7 @@ from gorgon.heads import (
 from gorgon.heads.command import int_at_least, user_path
 from gorgon.heads.files import read_text
 from gorgon.heads.hub import resolve_heads_folder
+from gorgon.heads.quantize import scheme_problem
 from gorgon.heads.loading import check_heads_options, drafter_for, load_heads, load_heads_for
 from gorgon.heads.target import check_model_source
 from gorgon.heads.tree import MAX_TREE_NODES, best_tree_size
@@ -56,6 +57,13 @@ def draft_level_cost_value(text: str):
         value = -1.0
     if not 0 <= value < float("inf"):
         raise argparse.ArgumentTypeError(f"expected auto or a number of target steps >= 0, not {text!r}")
+    return value
+
+
+def quantize_scheme(value: str) -> str:
+    problem = scheme_problem(value)
+    if problem:
+        raise argparse.ArgumentTypeError(problem)
     return value
 
 
@@ -138,6 +146,9 @@ class DecodeSettings:
                                           "--draft-tokens levels deep)", int_at_least(1))
     device: str = option("auto", "auto (default: cuda when there is a GPU, else cpu), cpu, cuda or cuda:N")
     dtype: str = option("auto", "auto (bf16 on CUDA, fp32 on CPU), float32, bfloat16, float16")
+    quantize: str = option("none", "the target's weights: none (default: as loaded), int4 (4-bit groups of 32, the LM "
+                                   "head 8-bit) or int8 (8-bit per row), on the CPU; output then equals the "
+                                   "quantized target's own generate", quantize_scheme)
     cpu_kernels: str = option("fast", "on the CPU: fast (default: linear layers on weights prepacked for oneDNN, so "
                                       "verifying a few tokens costs about one step) or stock (torch's default "
                                       "kernels); ignored on CUDA", choices=KERNELS)
@@ -232,17 +243,19 @@ def add_model_arguments(p: argparse.ArgumentParser, sampling: bool = True, gener
                        "one each run; bench and the scripts use 0, so their runs repeat)")
 
 
-def load_drafter(settings: DecodeSettings):
+def load_drafter(settings: DecodeSettings, keep_float: bool = False):
     """The target and the drafter the settings name, on the chosen CPU kernels; --context-draft merges
-    prompt lookup into the other drafter's tree, or drafts alone."""
+    prompt lookup into the other drafter's tree, or drafts alone. `keep_float`: a quantized target keeps its
+    float weights too (a bench times stock full-precision `generate` on them)."""
     if settings.draft:
         check_model_source(settings.draft, "draft model")  # before the target loads
     context = context_drafter(settings) if settings.context_draft else None
     if not (settings.heads or settings.draft):
-        target = load_target(settings.target, device=settings.device, dtype=settings.dtype)
+        target = load_target(settings.target, device=settings.device, dtype=settings.dtype,
+                             quantize=settings.quantize, keep_float=keep_float)
         use_cpu_kernels(target.model, settings.cpu_kernels)
         return target, context
-    target, drafter = load_model_drafter(settings)
+    target, drafter = load_model_drafter(settings, keep_float)
     if context is None:
         return target, drafter
     costs = verify_costs(target.model) if settings.tree_budget is None else None
@@ -270,7 +283,7 @@ def context_drafter(settings: DecodeSettings) -> ContextDrafter:
                           settings.context_max_tokens)
 
 
-def load_model_drafter(settings: DecodeSettings):
+def load_model_drafter(settings: DecodeSettings, keep_float: bool = False):
     """The target and the drafter the arguments name, on the chosen CPU kernels.
 
     With heads and `--tree auto`, the tree's size is chosen for this machine: from the heads'
@@ -281,10 +294,12 @@ def load_model_drafter(settings: DecodeSettings):
         folder = resolve_heads_folder(settings.heads)  # a hub id downloaded once
         check_heads_options(folder, settings.heads, settings.draft_depth, settings.draft_topk, settings.draft_dtype,
                             settings.draft_level_cost)  # before the target loads
-        target, heads = load_heads(folder, settings.target, device=settings.device, dtype=settings.dtype)
+        target, heads = load_heads(folder, settings.target, device=settings.device, dtype=settings.dtype,
+                                   quantize=settings.quantize, keep_float=keep_float)
         use_cpu_kernels(target.model, settings.cpu_kernels)
         return target, heads_drafter(heads, target, settings, tree, settings.heads)
-    target = load_target(settings.target, device=settings.device, dtype=settings.dtype)
+    target = load_target(settings.target, device=settings.device, dtype=settings.dtype, quantize=settings.quantize,
+                         keep_float=keep_float)
     draft, token_map = load_draft(settings.draft, target)
     use_cpu_kernels(target.model, settings.cpu_kernels)
     if token_map is not None:

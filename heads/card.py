@@ -222,8 +222,11 @@ def target_license(target_name: str) -> dict:
 
 
 def data_line(recipe: dict, metrics: dict) -> str:
-    """The training data as training described it (size and prompts when `gorgon data` wrote it)."""
-    return metrics.get("data") or f"`{recipe['data']}`"
+    """The training data as training described it (size and prompts when `gorgon data` wrote it), and the
+    target's quantization where it trained on a quantized one."""
+    data = metrics.get("data") or f"`{recipe['data']}`"
+    scheme = recipe.get("quantize", "none")
+    return data if scheme == "none" else f"{data}, with the target quantized {scheme} (`quantize: {scheme}`)"
 
 
 def tree_nodes(recipe: dict, metrics: dict) -> dict:
@@ -244,10 +247,14 @@ def speed_section(bench: dict | None, flag: str, ref: str) -> str:
              f"{bench['baseline_tokens_per_s']:.1f} | {bench['speedup']:.2f}x | {identical} |\n\n")
     if "speedup_vs_stock" in bench:
         same = "-" if bench["identical_vs_stock"] is None else f"{bench['identical_vs_stock']}/{bench['prompts']}"
+        float_weights = " on its float weights" if bench.get("quantize", "none") != "none" else ""
         table += (f"Plain `generate` runs on the same CPU fast kernels as gorgon (`speedup`: what speculation alone "
-                  f"gives). Against `generate` on torch's stock kernels ({bench['stock_tokens_per_s']:.1f} tokens/s), "
-                  f"the end-to-end gain: **{bench['speedup_vs_stock']:.2f}x**, outputs identical {same}.\n\n")
+                  f"gives). Against `generate` on torch's stock kernels{float_weights} "
+                  f"({bench['stock_tokens_per_s']:.1f} tokens/s), the end-to-end gain: "
+                  f"**{bench['speedup_vs_stock']:.2f}x**, outputs identical {same}.\n\n")
     kernels = f", {bench['kernels']} kernels" if "kernels" in bench else ""
+    if bench.get("quantize", "none") != "none":
+        kernels += f", the target quantized {bench['quantize']} (`--quantize {bench['quantize']}`)"
     if bench.get("cpu_flags") and bench["device"].startswith("cpu"):  # they decide which kernels are fast
         kernels += f" (CPU flags: {', '.join(bench['cpu_flags'])})"
     return table + (f"Measured on {bench['device']}, {bench['dtype']}, {bench['threads']} thread(s){kernels}, "

@@ -37,14 +37,18 @@ def read_heads_config(folder: Path) -> tuple[Method, dict]:
 
 
 def load_heads(heads: str | os.PathLike, target: str | os.PathLike | None = None, device: str = "auto",
-               dtype: str | torch.dtype = "auto") -> tuple[Target, torch.nn.Module]:
+               dtype: str | torch.dtype = "auto", quantize: str = "none",
+               keep_float: bool = False) -> tuple[Target, torch.nn.Module]:
     """The target and the heads in a folder or hub repo, whichever method wrote them (with the method's adapter
-    on the target, e.g. Medusa-2's LoRA, merged). `target` None: the one the heads were trained for."""
+    on the target, e.g. Medusa-2's LoRA, merged). `target` None: the one the heads were trained for.
+    `quantize`, `keep_float`: as `load_target` takes them (heads trained on the full-precision target fit
+    its quantized copy)."""
     folder = resolve_heads_folder(heads)  # fail before the slower target load
     method, config = read_heads_config(folder)
     target = target_for_heads(config, target)
     check_config_fits(config, target)
-    loaded = load_target(target, device=device, dtype=dtype, adapter=method.adapter(folder))
+    loaded = load_target(target, device=device, dtype=dtype, adapter=method.adapter(folder), quantize=quantize,
+                         keep_float=keep_float)
     return loaded, method.load(folder, loaded)
 
 

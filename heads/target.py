@@ -32,6 +32,7 @@ from .files import (
     remove_stale_temps,
 )
 from .hub import not_found_locally_or_on_hub
+from .quantize import QuantizedLinear, check_scheme, quantize_model
 
 EMBEDDED_NAME = "SmolLM2-135M-Instruct"
 EMBEDDED_HUB_ID = f"HuggingFaceTB/{EMBEDDED_NAME}"  # the same model on the Hub, named in model cards and exports
@@ -196,13 +197,16 @@ def target_text_config(name_or_path: str | os.PathLike | None):
 
 
 def load_target(name_or_path: str | os.PathLike | None = None, device: str = "auto", dtype: str | torch.dtype = "auto",
-                adapter: str | os.PathLike | None = None) -> Target:
+                adapter: str | os.PathLike | None = None, quantize: str = "none", keep_float: bool = False) -> Target:
     """Load a causal LM and its tokenizer: None means the embedded SmolLM2-135M-Instruct.
 
     `adapter`: a LoRA adapter folder (Medusa-2 training writes one beside its heads), merged into
     the weights. The fingerprint stays the base model's, which is what the heads record.
+    `quantize`: a scheme of `gorgon.heads.quantize` ("int4", "int8"), applied after the merge; `keep_float`
+    keeps the float weights too, for timing stock full-precision `generate` beside it.
     """
     dev = resolve_device(device)
+    check_scheme(quantize, dev)  # before the slow load
     model, tokenizer = load_causal_lm(target_source(name_or_path), "target", dtype=resolve_dtype(dtype, dev))
     model.to(dev).eval()
     target = Target(model=model, tokenizer=tokenizer, name=os.fspath(name_or_path) if name_or_path else EMBEDDED_NAME)
@@ -213,6 +217,7 @@ def load_target(name_or_path: str | os.PathLike | None = None, device: str = "au
         with quiet_peft():
             target.model = PeftModel.from_pretrained(model, str(adapter)).merge_and_unload().eval()
         target._fingerprints = base_fingerprints
+    quantize_model(target.model, quantize, keep_float)
     return target
 
 
@@ -400,6 +405,8 @@ def head_logits(model: torch.nn.Module, hidden: torch.Tensor, rows: torch.Tensor
     head = model.get_output_embeddings()
     if rows is None:  # through the module, so the CPU fast kernels (gorgon.decode.kernels) apply to it too
         logits = head(hidden.to(head.weight.dtype))
+    elif isinstance(head, QuantizedLinear):  # a quantized target's logits come from its quantized head
+        logits = head.rows_product(hidden, rows)
     else:
         logits = torch.nn.functional.linear(hidden.to(head.weight.dtype), head.weight[rows])
     cap = logit_softcap(model)

@@ -35,6 +35,7 @@ from gorgon.heads import MedusaDrafter, MedusaHeads
 from gorgon.heads.cache import crop_cache, growing_cache, with_cache
 from gorgon.heads.command import ArgumentParser, int_at_least, run_script
 from gorgon.heads.errors import GorgonError
+from gorgon.heads.quantize import quantize_model
 from gorgon.heads.target import lm_logits, resolve_device, resolve_dtype
 
 
@@ -98,6 +99,7 @@ def random_target(args):
     config = AutoConfig.from_pretrained(args.random_target)
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(config, dtype=resolve_dtype(args.dtype, device)).eval()
+    quantize_model(model, args.quantize)
     use_cpu_kernels(model, args.cpu_kernels)
     tree = read_tree(args.tree)
     return model, MedusaDrafter(MedusaHeads.for_target(model, num_heads=4), None if tree == "auto" else tree)

@@ -33,6 +33,7 @@ from gorgon.heads.command import ArgumentParser, int_at_least, user_path
 from gorgon.heads.errors import GorgonError, first_problem
 from gorgon.heads.files import atomic_write_text, naming_failed_writes, read_jsonl
 from gorgon.heads.outputs import changed_settings, check_output, check_unlocked, holding, move_into_place, staging
+from gorgon.heads.quantize import quantization, scheme_problem
 from gorgon.heads.target import Target, context_length, fits_context, load_target, resolve_device, resolve_dtype
 
 from .batching import continuous_generate
@@ -65,6 +66,7 @@ class DataSettings:
     chat_template: str | None = None
     engine: str = "transformers"  # transformers | vllm
     dtype: str = "auto"           # the target's: recorded as resolved (float32 on a CPU, bfloat16 on CUDA)
+    quantize: str = "none"        # the target's weights (gorgon.heads.quantize): none, int4, int8
 
 
 def row_seed(*parts) -> int:
@@ -340,6 +342,12 @@ def check_data_settings(settings: DataSettings, out: Path) -> None:
     if settings.top_p != 1.0 and settings.temperature == 0 and settings.prompts != "self":
         raise GorgonError(f"--top-p {settings.top_p} samples, and --temperature 0 answers greedily: pass a "
                           "--temperature above 0 too, or drop --top-p")
+    problem = scheme_problem(settings.quantize)
+    if problem:
+        raise GorgonError(f"--quantize {problem}")
+    if settings.engine == "vllm" and settings.quantize != "none":
+        raise GorgonError("--quantize quantizes the transformers engine's target: drop it with --engine vllm, or "
+                          "pass vLLM a checkpoint already quantized as --target")
     if settings.engine == "vllm":
         check_vllm()
     if settings.prompts == "self" and not settings.limit:
@@ -359,6 +367,8 @@ def make_dataset(settings: DataSettings, out: str | os.PathLike, target: Target 
     check_data_settings(settings, out)
     dtype = target.model.dtype if target else resolve_dtype(settings.dtype, resolve_device(device))
     settings = DataSettings(**{**asdict(settings), "dtype": str(dtype).removeprefix("torch.")})  # auto: by device
+    if target is not None:  # what was passed is what answers
+        settings = DataSettings(**{**asdict(settings), "quantize": quantization(target.model)})
     convs = None if settings.prompts == "self" else load_conversations(settings.prompts, settings.limit)
     # The CPU kernels round differently, which can resolve a near-tie the other way: a resume keeps them too.
     kernels = cpu_kernels if settings.engine == "transformers" else None
@@ -387,7 +397,8 @@ def make_dataset(settings: DataSettings, out: str | os.PathLike, target: Target 
     # The lock refuses a second `gorgon data` into the same --out, which would race this one (at the final swap,
     # or --overwrite starting the shards over); settings or shards stay, to resume; a finished run removes it all.
     with holding(partial / LOCK, "gorgon data run"), shards_said_on_ctrl_c(partial):
-        target = target or load_target(settings.target, device=device, dtype=settings.dtype)
+        target = target or load_target(settings.target, device=device, dtype=settings.dtype,
+                                       quantize=settings.quantize)
         tok = target.tokenizer
         if template is None and not getattr(tok, "chat_template", None):
             raise GorgonError(f"the tokenizer of {target.name} has no chat template: pass --chat-template FILE (Jinja)")
@@ -566,6 +577,10 @@ def parser() -> argparse.ArgumentParser:
                         "float16. bfloat16 on a CPU with AMX generated 1.77x the tokens per second of float32 at the "
                         "recipe's settings (the answers of the target in bfloat16; a resume in another dtype is "
                         "refused)")
+    p.add_argument("--quantize", default=d.quantize,
+                   help="the target's weights: none (default), int4 or int8, on the CPU (gorgon.heads.quantize): the "
+                        "answers and features of the quantized target, for heads that serve it (train with the same "
+                        "--quantize)")
     p.add_argument("--overwrite", action="store_true", help="regenerate a dataset gorgon data already wrote at --out")
     return p
 

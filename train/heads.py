@@ -28,6 +28,7 @@ import torch
 from gorgon.heads.errors import GorgonError
 from gorgon.heads.files import follow_umask
 from gorgon.heads.methods import Method, by_name, setting, trainable
+from gorgon.heads.quantize import scheme_problem
 from gorgon.heads.tree import MAX_TREE_NODES
 from gorgon.train.recipe import TrainingSettings, in_checkout
 from gorgon.train.run_folder import (
@@ -53,6 +54,9 @@ class HeadsSettings(TrainingSettings):
                                                     "curve); None: all")
     eval_every: int = setting(0, "held-out evaluation every N steps (0: only at the end)")
     tree_topk: int = setting(10, "ranks measured per head (eagle: per step) to choose the decoding trees")
+    quantize: str = setting("none", "the target's weights while training: none (default), int4 or int8 on the CPU "
+                                    "(gorgon.heads.quantize), for heads that serve that quantized target (pair it "
+                                    "with data `gorgon data --quantize` wrote)")
     cache_features: bool = setting(False, "keep the frozen target's outputs in CPU memory after the first epoch, "
                                           "so later epochs skip its forward (medusa1: hidden_size floats per "
                                           "token; eagle: (len(feature_layers) + 1) x hidden_size)")
@@ -113,11 +117,17 @@ class HeadsSettings(TrainingSettings):
                               f"{self.train_conversations}")
         if self.max_steps is not None and self.max_steps < 0:
             raise GorgonError(f"max_steps must be at least 0 (0 saves the untrained heads), not {self.max_steps}")
+        problem = scheme_problem(self.quantize)
+        if problem:
+            raise GorgonError(f"quantize: {problem}")
         self.check_other_methods_keys()
         recipe = self.recipe()
         recipe.check_with(self)
         if recipe.trains_target:
             check_lora(self)
+            if self.quantize != "none":
+                raise GorgonError("this recipe trains the target's own weights too (an adapter), which a quantized "
+                                  "target cannot: set quantize: none, or train heads that leave the target as it is")
 
     def check_other_methods_keys(self) -> None:
         """A key of another method than `arch`'s, set away from its default, would be ignored: refuse it."""
@@ -288,7 +298,7 @@ def setup(cfg: HeadsTrainConfig) -> Run:
     set_seed(cfg.seed)
     conversations = read_conversations(cfg.data)  # a bad --data fails before the target loads
     cfg.check_target(target_text_config(cfg.target))
-    target = load_target(cfg.target, device=str(accelerator.device), dtype=cfg.dtype)
+    target = load_target(cfg.target, device=str(accelerator.device), dtype=cfg.dtype, quantize=cfg.quantize)
     if recipe.trains_target:  # its adapters go on the target's layers
         check_lora_targets(target.model, cfg.lora_target_modules, "the target")
     target.model.requires_grad_(False)

@@ -36,6 +36,7 @@ from ...files import read_config, reading_weights, write_weights
 from ...hub import CONFIG_NAME, PushToHubMixin, resolve_heads_folder
 from ...masks import additive_mask
 from ...outputs import check_heads_destination
+from ...quantize import float_parameter
 from ...target import Target, attach_to_target, check_fits
 from ...tree import TreesInConfig, chain_tau
 from ...vocab import is_draft_vocab
@@ -203,7 +204,7 @@ class EagleHead(TreesInConfig, PushToHubMixin, nn.Module):
                 if name.startswith("hidden_norm."):
                     continue  # the features' norm is the head's own
                 try:
-                    theirs = source.get_parameter(name)  # a layer under an unmerged PEFT adapter gives its base weight
+                    theirs = float_parameter(source, name)  # under an unmerged PEFT adapter: its base weight
                 except AttributeError as err:  # its last layer differs from the others (a mixture of experts)
                     raise GorgonError(f"the target's last decoder layer has no {name} as a dense Llama-shaped layer "
                                       "has: use Medusa heads (arch: medusa) for this target") from err

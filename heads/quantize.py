@@ -1,0 +1,250 @@
+"""A quantized target: its decoder's linear layers on 4- or 8-bit weights, on torch's own CPU kernels.
+
+Why: a decode step reads every weight once, so on a CPU it is bound by memory bandwidth; weights read at
+4 bits instead of 32 make the step several times faster, and that quantized model is what people serve.
+
+The schemes (`--quantize`), both weight-only:
+- "int4": groups of 32 weights along the input, each with a scale and a minimum, 16 levels between
+  (llama.cpp's Q4_1 grid, so a Q4_1 GGUF such as the embedded target's requantizes onto its own codes);
+  `torch.ops.aten._weight_int4pack_mm_for_cpu`.
+- "int8": one symmetric scale per output row; `torch.ops.aten._weight_int8pack_mm`.
+The LM head takes int8 under both (llama.cpp's Q4_1 files keep it at 8 bits too): at float32 it was a third
+of an int4 step. Both kernels take bfloat16 activations (in float32 they run a slow reference loop, 5-30x
+slower), so a layer rounds its input to bfloat16 and returns float32: the rest of the model (norms,
+attention, the residual stream) stays in the target's own dtype. Each output row depends only on its own
+input row (checked by `row_invariance_problem`): the speculative decoder's greedy output then equals the
+quantized target's own `generate`, token for token.
+
+Why not a library's tensor subclass: torchao 0.18 has no CPU int4 layout left (its "opaque" format, which
+called the same kernel, is gone) and its int8 layout keeps float32 activations, the slow path; these are
+the kernels torchao and gpt-fast call, used directly. The embeddings and the LM head's float weight (tied
+to them) stay, so the target's fingerprint, and heads trained on the full-precision target, fit the
+quantized copy.
+
+`keep_float=True` keeps every layer's float weight beside its quantized one (more memory), so a bench can
+time stock full-precision `generate` in the same run (`float_weights`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.nn.functional as F
+
+from .errors import GorgonError
+
+SCHEMES = ("none", "int8", "int4")
+GROUP_SIZE = 32  # weights per int4 scale and minimum, as in llama.cpp's Q4_1
+_GPU_ONLY = {"fp8": "FP8", "nf4": "bitsandbytes NF4"}
+
+
+def scheme_problem(scheme: str) -> str | None:
+    """What is wrong with a scheme's name (one a user may expect but gorgon lacks, or a typo), or None."""
+    if scheme in _GPU_ONLY:
+        return (f"{scheme} ({_GPU_ONLY[scheme]}) is not built in gorgon yet: use int4 or int8 on the CPU, or load "
+                "a checkpoint already quantized with it as --target")
+    if scheme not in SCHEMES:
+        return f"unknown scheme {scheme!r}: use one of {', '.join(SCHEMES)}"
+    return None
+
+
+def check_scheme(scheme: str, device: torch.device | str = "cpu") -> None:
+    """Refuse a scheme this build, device or CPU cannot run, in one line naming what can."""
+    problem = scheme_problem(scheme)
+    if problem:
+        raise GorgonError(f"--quantize {problem}")
+    if scheme == "none":
+        return
+    if torch.device(device).type != "cpu":
+        raise GorgonError(f"--quantize {scheme} runs on the CPU (torch's CPU kernels): use --device cpu, or on a "
+                          "GPU load a checkpoint already quantized (its config's quantization_config is used as is)")
+    problem = kernel_problem(scheme)
+    if problem:
+        raise GorgonError(f"--quantize {scheme} cannot run here: {problem}; use --quantize none")
+
+
+def kernel_problem(scheme: str) -> str | None:
+    """Why this torch build cannot run the scheme's kernel (a probe against the dequantized product), or None."""
+    op = {"int4": "_weight_int4pack_mm_for_cpu", "int8": "_weight_int8pack_mm"}[scheme]
+    if not hasattr(torch.ops.aten, op):
+        return f"this torch build lacks torch.ops.aten.{op}"
+    weight = torch.randn(64, 64, generator=torch.Generator().manual_seed(0))
+    x = torch.randn(3, 64, generator=torch.Generator().manual_seed(1))
+    try:
+        layer = QUANTIZED[scheme].from_linear(_linear(weight))
+        got = layer(x)
+    except RuntimeError as err:
+        return f"torch.ops.aten.{op} failed a probe ({str(err).splitlines()[0]})"
+    want = F.linear(x.to(torch.bfloat16).float(), layer.dequantized())
+    if not torch.allclose(got, want, rtol=2e-2, atol=2e-2):
+        return f"torch.ops.aten.{op} gave wrong results in a probe"
+    return None
+
+
+def row_invariance_problem(scheme: str, rows: int = 16) -> str | None:
+    """Why the scheme's kernel would make speculation differ from plain decoding (a row's result changing
+    with the rows beside it), or None. Greedy exactness rests on this; tests and `gorgon bench` check it."""
+    layer = QUANTIZED[scheme].from_linear(_linear(torch.randn(96, 64, generator=torch.Generator().manual_seed(0))))
+    x = torch.randn(rows, 64, generator=torch.Generator().manual_seed(1))
+    together = layer(x)
+    for m in range(1, rows + 1):
+        if not torch.equal(layer(x[:m]), together[:m]) or not torch.equal(layer(x[m - 1:m]), together[m - 1:m]):
+            return f"{scheme} rows differ when computed {m} at a time"
+    return None
+
+
+def _linear(weight: torch.Tensor) -> torch.nn.Linear:
+    layer = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=False)
+    layer.weight.data = weight
+    return layer
+
+
+class QuantizedLinear(torch.nn.Module):
+    """What the quantized schemes share: the shape, a bias, the float weight when kept, and the switch to it."""
+
+    scheme = ""
+
+    def __init__(self, linear: torch.nn.Linear, keep_float: bool):
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.bias = linear.bias
+        self.weight = linear.weight if keep_float else None  # a Parameter still (the LM head's is tied)
+        self.use_float = False
+
+    @classmethod
+    def from_linear(cls, linear: torch.nn.Linear, keep_float: bool = False) -> "QuantizedLinear":
+        return cls(linear, keep_float)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.use_float:
+            return F.linear(x, self.weight, self.bias)
+        if torch.is_grad_enabled() and x.requires_grad:  # the kernels have no backward: the same product, by hand
+            rounded = x.to(torch.bfloat16).to(x.dtype)
+            return F.linear(rounded, self.dequantized().to(x.dtype), self.bias)
+        y = self.product(x.reshape(-1, self.in_features).to(torch.bfloat16)).to(x.dtype)
+        y = y.reshape(*x.shape[:-1], self.out_features)
+        return y if self.bias is None else y + self.bias
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, scheme={self.scheme}"
+
+
+class Int4Linear(QuantizedLinear):
+    """4-bit codes q in 0..15 per group of GROUP_SIZE inputs: w = q * scale + minimum (Q4_1's grid)."""
+
+    scheme = "int4"
+
+    def __init__(self, linear: torch.nn.Linear, keep_float: bool):
+        super().__init__(linear, keep_float)
+        n, k = self.out_features, self.in_features
+        groups = linear.weight.detach().float().reshape(n, k // GROUP_SIZE, GROUP_SIZE)
+        low, high = groups.amin(-1), groups.amax(-1)
+        scale = ((high - low) / 15).clamp(min=torch.finfo(torch.float32).tiny)
+        codes = ((groups - low[..., None]) / scale[..., None]).round().clamp(0, 15).to(torch.int32).reshape(n, k)
+        # torch's kernel reads w = (q - 8) * scale + zero, so its zero is the minimum moved up 8 steps.
+        scales_and_zeros = torch.stack([scale, low + 8 * scale], dim=-1).transpose(0, 1).contiguous()
+        self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1))
+        self.register_buffer("scales_and_zeros", scales_and_zeros.to(torch.bfloat16))
+
+    @staticmethod
+    def fits(linear: torch.nn.Linear) -> bool:
+        return linear.in_features % GROUP_SIZE == 0 and linear.out_features % 8 == 0
+
+    def product(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, GROUP_SIZE, self.scales_and_zeros)
+
+    def dequantized(self) -> torch.Tensor:
+        """The weight the kernel multiplies by, in float32 (for checks)."""
+        eye = torch.eye(self.in_features, dtype=torch.bfloat16)
+        return self.product(eye).float().T.contiguous()
+
+
+class Int8Linear(QuantizedLinear):
+    """8-bit codes per output row with one symmetric scale: w = q * scale."""
+
+    scheme = "int8"
+
+    def __init__(self, linear: torch.nn.Linear, keep_float: bool):
+        super().__init__(linear, keep_float)
+        weight = linear.weight.detach().float()
+        scale = (weight.abs().amax(dim=1) / 127).clamp(min=torch.finfo(torch.float32).tiny)
+        self.register_buffer("codes", (weight / scale[:, None]).round().clamp(-127, 127).to(torch.int8))
+        self.register_buffer("scales", scale.to(torch.bfloat16))
+
+    @staticmethod
+    def fits(linear: torch.nn.Linear) -> bool:
+        return True
+
+    def product(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.aten._weight_int8pack_mm(x, self.codes, self.scales)
+
+    def dequantized(self) -> torch.Tensor:
+        return self.codes.float() * self.scales.float()[:, None]
+
+    def rows_product(self, x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """The product for some output rows only (a draft vocabulary, the argmax's candidates)."""
+        y = torch.ops.aten._weight_int8pack_mm(x.reshape(-1, self.in_features).to(torch.bfloat16),
+                                               self.codes[rows], self.scales[rows]).to(x.dtype)
+        return y.reshape(*x.shape[:-1], rows.numel())
+
+
+QUANTIZED = {"int4": Int4Linear, "int8": Int8Linear}
+
+
+@torch.no_grad()
+def quantize_model(model: torch.nn.Module, scheme: str, keep_float: bool = False) -> int:
+    """Replace the model's linear layers by the scheme's quantized ones, in place; returns how many. The
+    LM head takes int8 and keeps its float weight (tied to the embeddings, read by the fingerprint and by
+    drafters); a layer whose shape the kernel does not take (int4: inputs not a multiple of 32) stays."""
+    check_scheme(scheme, next(model.parameters()).device)
+    if scheme == "none":
+        return 0
+    head = model.get_output_embeddings()
+    swaps = [(parent, name, child) for parent in model.modules() for name, child in parent.named_children()
+             if isinstance(child, torch.nn.Linear)]
+    count = 0
+    for parent, name, child in swaps:
+        kind = Int8Linear if child is head else QUANTIZED[scheme]
+        if kind.fits(child):
+            setattr(parent, name, kind.from_linear(child, keep_float or child is head))
+            count += 1
+    model._gorgon_quantize = scheme
+    return count
+
+
+def quantization(model: torch.nn.Module) -> str:
+    """The scheme a model was quantized with by `quantize_model`, else "none"."""
+    return getattr(model, "_gorgon_quantize", "none")
+
+
+@contextlib.contextmanager
+def float_weights(model: torch.nn.Module):
+    """Run the block on the kept float weights (stock full-precision products); nothing changes for a model
+    that is not quantized. A quantized model loaded without `keep_float` is refused."""
+    layers = [m for m in model.modules() if isinstance(m, QuantizedLinear)]
+    if any(m.weight is None for m in layers):
+        raise GorgonError("this quantized target was loaded without its float weights: load it with "
+                          "keep_float=True to time stock full-precision generate beside it")
+    for m in layers:
+        m.use_float = True
+    try:
+        yield
+    finally:
+        for m in layers:
+            m.use_float = False
+
+
+def float_parameter(module: torch.nn.Module, name: str) -> torch.Tensor:
+    """A parameter by name, also where a quantized layer holds it as codes (then its dequantized values): what a
+    drafter copies from the target's layers to start from."""
+    owner_name, _, leaf = name.rpartition(".")
+    owner = module.get_submodule(owner_name) if owner_name else module
+    if isinstance(owner, QuantizedLinear) and leaf == "weight" and owner.weight is None:
+        return owner.dequantized()
+    return module.get_parameter(name)
+
+
+def has_float_weights(model: torch.nn.Module) -> bool:
+    """Whether `float_weights` can run this model: not quantized, or quantized with its float weights kept."""
+    return all(m.weight is not None for m in model.modules() if isinstance(m, QuantizedLinear))

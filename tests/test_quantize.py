@@ -1,0 +1,179 @@
+"""A quantized target (`--quantize int4 | int8`): the kernels' row invariance that exactness rests on, the layers
+swapped, heads across precisions, greedy and sampled exactness, data, training and bench on it, refusals."""
+
+import json
+
+import pytest
+import torch
+from helpers import ROOT, chat_target_with_heads, questions_file, tiny_chat_target, tiny_model, toy_data
+from test_sampling import V, chi_square_p, exact_distribution, sample_counts
+
+from gorgon.decode import Sampling, speculative_generate
+from gorgon.decode.bench import run_bench
+from gorgon.decode.kernels import stock_kernels, use_cpu_kernels
+from gorgon.decode.options import from_options
+from gorgon.heads import GorgonError, MedusaDrafter, MedusaHeads, load_target
+from gorgon.heads.cli import main as gorgon
+from gorgon.heads.loading import load_heads
+from gorgon.heads.quantize import (
+    QuantizedLinear,
+    check_scheme,
+    float_weights,
+    quantization,
+    quantize_model,
+    row_invariance_problem,
+)
+
+SCHEMES = ["int4", "int8"]
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_each_row_is_computed_alone_whatever_the_rows_beside_it(scheme):
+    assert row_invariance_problem(scheme) is None
+
+
+def test_the_row_check_catches_a_kernel_that_mixes_rows(monkeypatch):
+    from gorgon.heads import quantize
+
+    real = quantize.Int8Linear.product
+    monkeypatch.setattr(quantize.Int8Linear, "product", lambda self, x: real(self, x) + x.sum(0, keepdim=True)[:, :1])
+    assert "rows differ" in row_invariance_problem("int8")
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_quantized_layers_compute_their_dequantized_weights(scheme):
+    model = tiny_model("llama", seed=1)
+    linears = {n: m.weight.detach().clone() for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+    fingerprint, head_weight = load_target_like(model), model.get_output_embeddings().weight
+    count = quantize_model(model, scheme)
+    assert count == len(linears) and quantization(model) == scheme
+    for name, layer in model.named_modules():
+        if name in linears:
+            assert isinstance(layer, QuantizedLinear)
+            error = (layer.dequantized() - linears[name]).abs().max() / linears[name].abs().max()
+            # half a step (int4: a group's range / 30, at most 2 max / 30; int8: max / 254) plus bf16 scales' 2^-8
+            assert error < (2 / 30 + 2 ** -8 if scheme == "int4" else 1 / 254 + 2 ** -8), (name, float(error))
+            x = torch.randn(3, layer.in_features)
+            want = torch.nn.functional.linear(x.to(torch.bfloat16).float(), layer.dequantized())
+            assert torch.allclose(layer(x), want, rtol=1e-2, atol=1e-2)
+    head = model.get_output_embeddings()
+    assert head.scheme == "int8" and head.weight is head_weight  # kept: tied to the embeddings in tied models
+    assert load_target_like(model) == fingerprint
+
+
+def load_target_like(model):
+    from gorgon.heads.target import fingerprint
+
+    return fingerprint(model)
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_greedy_speculation_equals_the_quantized_targets_generate(tmp_path, scheme):
+    path = tiny_chat_target(tmp_path)
+    target = load_target(str(path), device="cpu", quantize=scheme)
+    use_cpu_kernels(target.model, "fast")
+    drafter = MedusaDrafter(MedusaHeads.for_target(target.model), tree=[[0], [1], [0, 0], [0, 1], [0, 0, 0]])
+    for seed in range(4):
+        prompt = torch.randint(4, 128, (1, 9), generator=torch.Generator().manual_seed(seed))  # no specials
+        want = target.model.generate(prompt, max_new_tokens=24, do_sample=False)[0, 9:].tolist()
+        assert speculative_generate(target.model, drafter, prompt, max_new_tokens=24).tokens == want
+
+
+@pytest.mark.slow
+def test_sampling_on_a_quantized_target_is_exact():
+    model = tiny_model("llama", vocab=V, seed=3)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(40)
+    quantize_model(model, "int4")
+    s = Sampling(temperature=1.0)
+    prompt = torch.tensor([[1, 5, 2]])
+    counts, accepted = sample_counts(model, prompt, s)
+    assert max(accepted) >= 3
+    assert chi_square_p(exact_distribution(model, prompt, s), counts) > 1e-3
+
+
+def test_heads_trained_on_full_precision_load_on_the_quantized_copy_and_not_on_another(tmp_path):
+    path, _, heads = chat_target_with_heads(tmp_path)
+    target, loaded = load_heads(heads, str(path), device="cpu", quantize="int4")
+    assert quantization(target.model) == "int4" and loaded is not None
+    other = tiny_chat_target(tmp_path, seed=5)
+    with pytest.raises(GorgonError, match="trained for target .* but this target.s fingerprint is"):
+        load_heads(heads, str(other), device="cpu", quantize="int4")
+
+
+def test_stock_kernels_run_the_kept_float_weights(tmp_path):
+    path = tiny_chat_target(tmp_path)
+    plain = load_target(str(path), device="cpu")
+    target = load_target(str(path), device="cpu", quantize="int4", keep_float=True)
+    use_cpu_kernels(target.model, "fast")
+    ids = torch.arange(1, 9)[None]
+    with torch.no_grad():
+        want = plain.model(ids).logits
+        with stock_kernels(target.model):
+            assert torch.equal(target.model(ids).logits, want)
+        assert not torch.equal(target.model(ids).logits, want)  # the quantized weights again
+    bare = load_target(str(path), device="cpu", quantize="int4")
+    with pytest.raises(GorgonError, match="loaded without its float weights"), float_weights(bare.model):
+        pass
+
+
+def test_schemes_gorgon_lacks_or_cannot_run_here_are_one_line(tmp_path, capsys):
+    with pytest.raises(GorgonError, match="fp8 .*not built in gorgon yet: use int4 or int8 on the CPU"):
+        check_scheme("fp8")
+    with pytest.raises(GorgonError, match="runs on the CPU.*use --device cpu"):
+        check_scheme("int4", "cuda")
+    with pytest.raises(GorgonError, match="unknown scheme 'int3'"):
+        from_options(context_draft=True, quantize="int3")
+    with pytest.raises(SystemExit) as stop:
+        gorgon(["generate", "--context-draft", "--quantize", "nf4", "--prompt", "hi"])
+    assert stop.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "nf4 (bitsandbytes NF4) is not built in gorgon yet" in err[0]
+
+
+@pytest.mark.slow
+def test_bench_on_a_quantized_target_names_it_and_times_stock_full_precision(tmp_path):
+    path, _, heads = chat_target_with_heads(tmp_path)
+    q = questions_file(tmp_path / "q.jsonl")
+    out = tmp_path / "report.json"
+    assert gorgon(["bench", "--target", str(path), "--heads", str(heads), "--quantize", "int4", "--questions", str(q),
+                   "--max-new-tokens", "8", "--limit", "2", "--out", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["quantize"] == "int4" and report["identical"] == report["prompts"] == 2
+    assert report["speedup_vs_stock"] == pytest.approx(report["tokens_per_s"] / report["stock_tokens_per_s"])
+
+
+@pytest.mark.slow
+def test_data_and_training_on_a_quantized_target(tmp_path):
+    from gorgon.train.data import DataSettings, make_dataset, read_metadata
+    from gorgon.train.heads import HeadsTrainConfig, train
+
+    path = tiny_chat_target(tmp_path)
+    prompts = toy_data(tmp_path / "toy.jsonl", n=8)
+    data = make_dataset(DataSettings(prompts=prompts, target=str(path), max_new_tokens=8, quantize="int4"),
+                        tmp_path / "data", progress=False, device="cpu")
+    assert read_metadata(data)["settings"]["quantize"] == "int4"
+    with pytest.raises(GorgonError, match="made with other settings .*quantize"):
+        make_dataset(DataSettings(prompts=prompts, target=str(path), max_new_tokens=8), data, progress=False,
+                     device="cpu")
+    out = train(HeadsTrainConfig(data=str(data), out=str(tmp_path / "heads"), target=str(path), quantize="int4",
+                                 arch="eagle", max_steps=2, batch_size=2, report_to="none", save_every=0))
+    assert json.loads((out / "recipe.json").read_text())["quantize"] == "int4"
+    assert "with the target quantized int4 (`quantize: int4`)" in (out / "README.md").read_text()
+    load_heads(out, str(path), device="cpu", quantize="int4")
+
+
+def test_a_recipe_that_trains_the_target_refuses_a_quantized_one(tmp_path):
+    from gorgon.train.heads import HeadsTrainConfig
+
+    with pytest.raises(GorgonError, match="trains the target's own weights too .*set quantize: none"):
+        HeadsTrainConfig(data="d", out=str(tmp_path / "o"), quantize="int4", mode="medusa2").check()
+    with pytest.raises(GorgonError, match="quantize: fp8 .*not built"):
+        HeadsTrainConfig(data="d", out=str(tmp_path / "o"), quantize="fp8").check()
+
+
+def test_data_refuses_quantize_with_the_vllm_engine(tmp_path):
+    from gorgon.train.data import DataSettings, check_data_settings
+
+    with pytest.raises(GorgonError, match="drop it with --engine vllm"):
+        check_data_settings(DataSettings(prompts="p.jsonl", engine="vllm", quantize="int4"), tmp_path / "o")
