@@ -12,7 +12,8 @@ gives each `nn.Linear` an instance-level `forward` that calls the prepacked op (
 state_dict and module names untouched) and puts attention over a tree on `gorgon.decode.attention`
 (key/value heads shared, not copied, under a mask) and greedy verification's argmax on a
 bfloat16 screen of the output layer where this CPU runs bfloat16 (`gorgon.decode.argmax`);
-`"stock"` undoes all three. Packed weights are kept
+`"stock"` undoes all three (a quantized target keeps the attention: verifying it row by row is what keeps
+its output its own, `gorgon.decode.attention.rows_alone`). Packed weights are kept
 beside the module, so `stock_kernels(model)` can time plain `generate` on the unmodified path
 in the same run. A layer falls back to `F.linear` whenever the fast op does not apply: off the
 CPU, a dtype it was not packed for, autograd through the layer, or a weight changed since it
@@ -31,7 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from gorgon.heads.errors import GorgonError
-from gorgon.heads.quantize import float_weights
+from gorgon.heads.quantize import float_weights, quantization
 from gorgon.heads.target import resolve_dtype
 
 from .argmax import full_argmax, use_bf16_screen
@@ -59,7 +60,7 @@ def use_cpu_kernels(model: torch.nn.Module, kernels: str = "fast", stock_rows: i
         for m in linears:
             m.__dict__.pop("forward", None)
             m.__dict__.pop(_ATTR, None)
-        use_tree_attention(model, False)
+        use_tree_attention(model, quantization(model) != "none")  # a quantized target's exactness needs it
         use_bf16_screen(model, False)
         return "stock"
     device, dtype = next(model.parameters()).device, next(model.parameters()).dtype

@@ -21,6 +21,8 @@ from gorgon.heads.masks import additive_mask, layer_kinds, layer_masks
 from gorgon.heads.quantize import quantization
 from gorgon.heads.tree import Tree, host_to_device, tree_from_token_paths
 
+from .attention import rows_alone
+
 
 def tree_mask(tree: Tree, past_len: int, dtype: torch.dtype) -> torch.Tensor:
     """The (1, 1, T, past_len + T) additive mask for verifying `tree` after `past_len` cached tokens."""
@@ -37,18 +39,21 @@ def verify_mask(config, tree: Tree, past_len: int, positions: torch.Tensor, dtyp
 
 def verify(model, cache, tokens: torch.Tensor, tree: Tree, hidden_states: bool = False):
     """Run the target over all tree nodes at once; returns the decoder's output for them (batch of one),
-    every layer's hidden states included when asked for (a drafter reading several layers needs them)."""
+    every layer's hidden states included when asked for (a drafter reading several layers needs them). A
+    quantized target's attention takes each node alone (`gorgon.decode.attention.rows_alone`), so every node
+    gets what a one-token step of `generate` gives it, to the bit."""
     past_len = cache.get_seq_length()
     positions = past_len + tree.depth
     decoder = model.get_decoder()
-    return decoder(
-        input_ids=tokens[None],
-        attention_mask=verify_mask(model.config, tree, past_len, positions, model.dtype),
-        position_ids=positions[None],
-        **with_cache(decoder, cache),
-        use_cache=True,
-        output_hidden_states=hidden_states,
-    )
+    with rows_alone(quantization(model) != "none"):
+        return decoder(
+            input_ids=tokens[None],
+            attention_mask=verify_mask(model.config, tree, past_len, positions, model.dtype),
+            position_ids=positions[None],
+            **with_cache(decoder, cache),
+            use_cache=True,
+            output_hidden_states=hidden_states,
+        )
 
 
 def features(output, layers: tuple[int, ...] | None) -> torch.Tensor:

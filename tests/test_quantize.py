@@ -177,3 +177,70 @@ def test_data_refuses_quantize_with_the_vllm_engine(tmp_path):
 
     with pytest.raises(GorgonError, match="drop it with --engine vllm"):
         check_data_settings(DataSettings(prompts="p.jsonl", engine="vllm", quantize="int4"), tmp_path / "o")
+
+
+def gqa_model():
+    """A random Llama shaped as the embedded target's attention (9 query heads on 3 key/value heads of 64): the
+    shape where torch's batched masked attention rounds apart from a one-token step's, in this check from about
+    90 cached tokens on (a narrower model did not show it)."""
+    import transformers as tf
+
+    torch.manual_seed(0)
+    config = tf.LlamaConfig(vocab_size=128, hidden_size=576, intermediate_size=1152, num_hidden_layers=2,
+                            num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=512)
+    return tf.LlamaForCausalLM(config).eval()
+
+
+@pytest.mark.parametrize("kernels", ["fast", "stock"])
+def test_every_node_verified_gets_what_a_one_token_step_gives_it_to_the_bit(kernels, monkeypatch):
+    """The exactness of greedy output on a quantized target rests on this: each verified node's hidden state is
+    bitwise a one-token step's (`rows_alone`), where the batched masked call rounds apart (the same check fails
+    with rows_alone off). 20 steps after 84 prompt tokens, each verifying a root and a branch of two, keeping
+    the root; then a tree: each of its nodes against steps along its path."""
+    import gorgon.decode.verify as verify_module
+    from gorgon.decode.attention import rows_alone
+    from gorgon.heads.cache import growing_cache, with_cache
+    from gorgon.heads.tree import tree_from_token_paths
+
+    model = gqa_model()
+    quantize_model(model, "int4")
+    use_cpu_kernels(model, kernels)
+    decoder = model.get_decoder()
+    prompt = torch.randint(4, 128, (1, 84), generator=torch.Generator().manual_seed(1))
+
+    def step(cache, token):
+        return decoder(input_ids=torch.tensor([[token]]), **with_cache(decoder, cache),
+                       use_cache=True).last_hidden_state[0, -1]
+
+    def prefilled():
+        cache = growing_cache()
+        decoder(input_ids=prompt, **with_cache(decoder, cache), use_cache=True)
+        return cache
+
+    def verified_equal_steps() -> bool:
+        with torch.inference_mode():
+            steps, verified = prefilled(), prefilled()
+            for k in range(20):
+                token = 4 + (k * 37) % 120
+                tokens, tree = tree_from_token_paths(torch.tensor(token), [[5, 6]])
+                past = verified.get_seq_length()
+                node = verify_module.verify(model, verified, tokens, tree).last_hidden_state[0, 0]
+                verify_module.keep_path(verified, past, verify_module.accepted_rows([0], tokens.device))
+                if not torch.equal(node, step(steps, token)):
+                    return False
+            tokens, tree = tree_from_token_paths(torch.tensor(50), [[60, 61], [70], [60, 80]])
+            ranks = [()] + [tuple(p) for p in tree.paths]
+            nodes = verify_module.verify(model, verified, tokens, tree).last_hidden_state[0]
+            for row, path in enumerate(ranks):
+                crop = prefilled()
+                for k in range(20):
+                    step(crop, 4 + (k * 37) % 120)
+                for d in range(len(path) + 1):
+                    last = step(crop, int(tokens[ranks.index(path[:d])]))
+                if not torch.equal(nodes[row], last):
+                    return False
+            return True
+
+    assert verified_equal_steps()
+    monkeypatch.setattr(verify_module, "rows_alone", lambda on: rows_alone(False))
+    assert not verified_equal_steps()
