@@ -244,3 +244,23 @@ def test_every_node_verified_gets_what_a_one_token_step_gives_it_to_the_bit(kern
     assert verified_equal_steps()
     monkeypatch.setattr(verify_module, "rows_alone", lambda on: rows_alone(False))
     assert not verified_equal_steps()
+
+
+def test_a_q4_1_gguf_requantizes_onto_its_own_codes(tmp_path):
+    """`--quantize int4` of a model read from a Q4_1 GGUF (the embedded target) runs the GGUF's own codes; only
+    the steps and minimums are rounded to bfloat16 (scripts/gguf_codes.py, on the embedded target: 100%)."""
+    import gguf
+    import numpy as np
+    from helpers import load_script
+
+    weight = np.random.RandomState(0).randn(64, 96).astype(np.float32)
+    writer = gguf.GGUFWriter(str(tmp_path / "tiny.gguf"), "llama")
+    writer.add_tensor("blk.0.ffn_up.weight", gguf.quants.quantize(weight, gguf.GGMLQuantizationType.Q4_1),
+                      raw_dtype=gguf.GGMLQuantizationType.Q4_1)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    found = load_script("gguf_codes").compare(str(tmp_path / "tiny.gguf"))
+    assert found["q4_1_tensors"] == 1 and found["codes_equal"] == found["codes"] == 64 * 96
+    assert found["largest_difference_in_steps"] < 0.5  # bfloat16 steps and minimums move a weight a little
