@@ -30,8 +30,14 @@ def not_heads(folder: Path) -> GorgonError:
                       "target as --target")
 
 
+def holds(folder, config) -> bool:
+    """A transformers model's folder; a speculators export (a draft for its verifier, which names its type) is
+    the method's that imports it."""
+    return is_model_config(config) and "speculators_model_type" not in config
+
+
 METHOD = register(Method(
-    name="draft_model", title="a draft model", holds=lambda folder, config: is_model_config(config),
+    name="draft_model", title="a draft model", holds=holds,
     not_heads=not_heads, files=(DRAFT_VOCAB_NAME,), model_files=TOKENIZER_FILES,
     card=lambda folder, ref, recipe, metrics, hub: draft_card(ref, recipe, metrics, hub),
 ))

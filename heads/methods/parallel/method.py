@@ -1,13 +1,16 @@
-"""The parallel drafter on the registry: its recipe keys, training objective, loading and drafting. (No engine
-export yet: vLLM's P-EAGLE, speculators' `peagle`, wants a mask token's row in an embedding of the draft's own.)"""
+"""The parallel drafter on the registry: its recipe keys, training objective, loading, drafting and export (the
+speculators library's `peagle` layout, which vLLM serves as EAGLE-3 with parallel drafting: formats.py)."""
 
 from __future__ import annotations
 
 import dataclasses
+import json
 from pathlib import Path
 
 from ...errors import GorgonError
+from ...files import config_or_none
 from .. import Method, Recipe, register, setting
+from . import formats
 from .card import parallel_card
 from .model import ARCH, BLOCK_SIZE, NODES, ParallelHead, check_block_size
 
@@ -66,7 +69,15 @@ def objective(recipe: ParallelRecipe, shared, target, draft_tokens):
 
 
 def holds(folder: Path, config: dict) -> bool:
-    return isinstance(config, dict) and config.get("arch") == ARCH
+    """gorgon's own drafter (`"arch": "parallel"`), or the speculators peagle layout."""
+    return isinstance(config, dict) and (config.get("arch") == ARCH or formats.is_peagle(config))
+
+
+def load(folder: Path, target):
+    """gorgon's own folder, or an export imported back (its mask token's row is told from the target's)."""
+    if formats.is_peagle(config_or_none(folder)):
+        return formats.import_head(folder, target)
+    return ParallelHead.from_pretrained(folder, target=target)
 
 
 def drafter(head, tree, depth, topk):
@@ -86,10 +97,21 @@ def check_options(name, depth=None, topk=None, draft_dtype="auto", level_cost=No
                           "nothing to stop (it applies to --draft and EAGLE heads)")
 
 
+def serve(fmt: str, out: Path, base_model: str, head) -> str:
+    """vLLM's command for the export, drafting the whole block a step. It names the method and parallel drafting:
+    given a draft folder alone, vLLM takes its method from the path and has no branch for peagle
+    (vllm/config/speculative.py), and builds it as a plain draft model, which fails."""
+    spec = json.dumps({"method": "eagle3", "model": str(out), "num_speculative_tokens": head.config.block_size,
+                       "parallel_drafting": True})
+    return f"vllm serve {base_model} --speculative-config '{spec}'"
+
+
 METHOD = register(Method(
-    name=ARCH, title="a parallel drafter", holds=holds,
-    load=lambda folder, target: ParallelHead.from_pretrained(folder, target=target), module=ParallelHead,
+    name=ARCH, title="a parallel drafter", holds=holds, load=load, module=ParallelHead,
     drafter=drafter, check_options=check_options,
-    card=parallel_card, rows=lambda k: f"position {k}",
+    export=formats.export_head, export_formats=formats.FORMATS,
+    export_help="'peagle' (the speculators library's P-EAGLE layout, which vLLM serves as EAGLE-3 with parallel "
+                "drafting)",
+    serve=serve, card=parallel_card, rows=lambda k: f"position {k}",
     recipe=ParallelRecipe, objective=objective, nodes=NODES,
 ))
