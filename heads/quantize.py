@@ -8,8 +8,9 @@ The schemes (`--quantize`), both weight-only:
   (llama.cpp's Q4_1 grid, so a Q4_1 GGUF such as the embedded target's requantizes onto its own codes);
   `torch.ops.aten._weight_int4pack_mm_for_cpu`.
 - "int8": one symmetric scale per output row; `torch.ops.aten._weight_int8pack_mm`.
-The LM head takes int8 under both (llama.cpp's Q4_1 files keep it at 8 bits too): at float32 it was a third
-of an int4 step. Both kernels take bfloat16 activations (in float32 they run a slow reference loop, 5-30x
+The LM head takes the scheme too (int8 where the int4 kernel does not take its shape) and keeps its float
+weight: in float32 it was a third of an int4 step; the int4 kernel reads it in 1.7 ms where the int8 one took
+4.3 ms, and 2 rows cost it 1.25x one row where they cost the int8 one 1.3-2x. Both kernels take bfloat16 activations (in float32 they run a slow reference loop, 5-30x
 slower), so a layer rounds its input to bfloat16 and returns float32: the rest of the model (norms,
 attention, the residual stream) stays in the target's own dtype. Each output row depends only on its own
 input row (checked by `row_invariance_problem`): the speculative decoder's greedy output then equals the
@@ -116,6 +117,10 @@ class QuantizedLinear(torch.nn.Module):
     def from_linear(cls, linear: torch.nn.Linear, keep_float: bool = False) -> "QuantizedLinear":
         return cls(linear, keep_float)
 
+    def rows_product(self, x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """The product for some output rows only (a draft vocabulary), each as the whole product computes it."""
+        return self(x)[..., rows]
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.use_float:
             return F.linear(x, self.weight, self.bias)
@@ -134,6 +139,7 @@ class Int4Linear(QuantizedLinear):
     """4-bit codes q in 0..15 per group of GROUP_SIZE inputs: w = q * scale + minimum (Q4_1's grid)."""
 
     scheme = "int4"
+    ROWS_MULTIPLE = 16  # torch's int4 packing takes output rows in multiples of 16, and interleaves them
 
     def __init__(self, linear: torch.nn.Linear, keep_float: bool):
         super().__init__(linear, keep_float)
@@ -147,9 +153,9 @@ class Int4Linear(QuantizedLinear):
         self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1))
         self.register_buffer("scales_and_zeros", scales_and_zeros.to(torch.bfloat16))
 
-    @staticmethod
-    def fits(linear: torch.nn.Linear) -> bool:
-        return linear.in_features % GROUP_SIZE == 0 and linear.out_features % 8 == 0
+    @classmethod
+    def fits(cls, linear: torch.nn.Linear) -> bool:
+        return linear.in_features % GROUP_SIZE == 0 and linear.out_features % cls.ROWS_MULTIPLE == 0
 
     def product(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, GROUP_SIZE, self.scales_and_zeros)
@@ -183,10 +189,10 @@ class Int8Linear(QuantizedLinear):
         return self.codes.float() * self.scales.float()[:, None]
 
     def rows_product(self, x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-        """The product for some output rows only (a draft vocabulary, the argmax's candidates)."""
+        """Only those rows' codes are read (a draft vocabulary of 8,192 of 49,152 rows: a sixth)."""
         y = torch.ops.aten._weight_int8pack_mm(x.reshape(-1, self.in_features).to(torch.bfloat16),
-                                               self.codes[rows], self.scales[rows]).to(x.dtype)
-        return y.reshape(*x.shape[:-1], rows.numel())
+                                               self.codes[rows], self.scales[rows])
+        return y.to(x.dtype).reshape(*x.shape[:-1], rows.numel())
 
 
 QUANTIZED = {"int4": Int4Linear, "int8": Int8Linear}
@@ -195,8 +201,9 @@ QUANTIZED = {"int4": Int4Linear, "int8": Int8Linear}
 @torch.no_grad()
 def quantize_model(model: torch.nn.Module, scheme: str, keep_float: bool = False) -> int:
     """Replace the model's linear layers by the scheme's quantized ones, in place; returns how many. The
-    LM head takes int8 and keeps its float weight (tied to the embeddings, read by the fingerprint and by
-    drafters); a layer whose shape the kernel does not take (int4: inputs not a multiple of 32) stays."""
+    LM head keeps its float weight (tied to the embeddings, read by the fingerprint and by drafters) and
+    takes int8 where the int4 kernel does not take its shape; another layer whose shape the kernel does not
+    take (int4: inputs not a multiple of 32, outputs not of 16) stays."""
     check_scheme(scheme, next(model.parameters()).device)
     if scheme == "none":
         return 0
@@ -205,7 +212,9 @@ def quantize_model(model: torch.nn.Module, scheme: str, keep_float: bool = False
              if isinstance(child, torch.nn.Linear)]
     count = 0
     for parent, name, child in swaps:
-        kind = Int8Linear if child is head else QUANTIZED[scheme]
+        kind = QUANTIZED[scheme]
+        if child is head and not kind.fits(child):
+            kind = Int8Linear
         if kind.fits(child):
             setattr(parent, name, kind.from_linear(child, keep_float or child is head))
             count += 1

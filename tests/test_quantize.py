@@ -57,8 +57,17 @@ def test_quantized_layers_compute_their_dequantized_weights(scheme):
             want = torch.nn.functional.linear(x.to(torch.bfloat16).float(), layer.dequantized())
             assert torch.allclose(layer(x), want, rtol=1e-2, atol=1e-2)
     head = model.get_output_embeddings()
-    assert head.scheme == "int8" and head.weight is head_weight  # kept: tied to the embeddings in tied models
+    assert head.scheme == scheme and head.weight is head_weight  # kept: tied to the embeddings in tied models
+    rows = torch.tensor([3, 0, 17, 63, 40])  # a draft vocabulary: any rows, any count
+    x = torch.randn(2, 3, head.in_features)
+    assert torch.equal(head.rows_product(x, rows), head(x)[..., rows])
     assert load_target_like(model) == fingerprint
+
+
+def test_a_head_the_int4_kernel_cannot_take_is_int8():
+    model = tiny_model("llama", vocab=8)  # 8 output rows: torch's int4 packing wants multiples of 16
+    quantize_model(model, "int4")
+    assert model.get_output_embeddings().scheme == "int8"
 
 
 def load_target_like(model):
