@@ -165,11 +165,12 @@ def test_data_and_training_on_a_quantized_target(tmp_path):
     with pytest.raises(GorgonError, match="made with other settings .*quantize"):
         make_dataset(DataSettings(prompts=prompts, target=str(path), max_new_tokens=8), data, progress=False,
                      device="cpu")
-    out = train(HeadsTrainConfig(data=str(data), out=str(tmp_path / "heads"), target=str(path), quantize="int4",
-                                 arch="eagle", max_steps=2, batch_size=2, report_to="none", save_every=0))
-    assert json.loads((out / "recipe.json").read_text())["quantize"] == "int4"
-    assert "with the target quantized int4 (`quantize: int4`)" in (out / "README.md").read_text()
-    load_heads(out, str(path), device="cpu", quantize="int4")
+    for arch in ("eagle", "medusa"):  # Medusa heads' loss runs back through the target's quantized LM head
+        out = train(HeadsTrainConfig(data=str(data), out=str(tmp_path / arch), target=str(path), quantize="int4",
+                                     arch=arch, max_steps=2, batch_size=2, report_to="none", save_every=0))
+        assert json.loads((out / "recipe.json").read_text())["quantize"] == "int4"
+        assert "with the target quantized int4 (`quantize: int4`)" in (out / "README.md").read_text()
+        load_heads(out, str(path), device="cpu", quantize="int4")
 
 
 def test_a_recipe_that_trains_the_target_refuses_a_quantized_one(tmp_path):
