@@ -26,8 +26,8 @@ from gorgon.heads import (
 from gorgon.heads.command import int_at_least, user_path
 from gorgon.heads.files import read_text
 from gorgon.heads.hub import resolve_heads_folder
-from gorgon.heads.quantize import scheme_problem
 from gorgon.heads.loading import check_heads_options, drafter_for, load_heads, load_heads_for
+from gorgon.heads.quantize import scheme_problem
 from gorgon.heads.target import check_model_source
 from gorgon.heads.tree import MAX_TREE_NODES, best_tree_size
 
@@ -146,9 +146,9 @@ class DecodeSettings:
                                           "--draft-tokens levels deep)", int_at_least(1))
     device: str = option("auto", "auto (default: cuda when there is a GPU, else cpu), cpu, cuda or cuda:N")
     dtype: str = option("auto", "auto (bf16 on CUDA, fp32 on CPU), float32, bfloat16, float16")
-    quantize: str = option("none", "the target's weights: none (default: as loaded), int4 (4-bit groups of 32, the LM "
-                                   "head 8-bit) or int8 (8-bit per row), on the CPU; output then equals the "
-                                   "quantized target's own generate", quantize_scheme)
+    quantize: str = option("none", "the target's weights: none (default: as loaded), int4 (4-bit, groups of 32) or "
+                                   "int8 (8-bit per row), on the CPU; output then equals the quantized target's "
+                                   "own generate", quantize_scheme)
     cpu_kernels: str = option("fast", "on the CPU: fast (default: linear layers on weights prepacked for oneDNN, so "
                                       "verifying a few tokens costs about one step) or stock (torch's default "
                                       "kernels); ignored on CUDA", choices=KERNELS)

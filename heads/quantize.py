@@ -10,11 +10,12 @@ The schemes (`--quantize`), both weight-only:
 - "int8": one symmetric scale per output row; `torch.ops.aten._weight_int8pack_mm`.
 The LM head takes the scheme too (int8 where the int4 kernel does not take its shape) and keeps its float
 weight: in float32 it was a third of an int4 step; the int4 kernel reads it in 1.7 ms where the int8 one took
-4.3 ms, and 2 rows cost it 1.25x one row where they cost the int8 one 1.3-2x. Both kernels take bfloat16 activations (in float32 they run a slow reference loop, 5-30x
-slower), so a layer rounds its input to bfloat16 and returns float32: the rest of the model (norms,
-attention, the residual stream) stays in the target's own dtype. Each output row depends only on its own
-input row (checked by `row_invariance_problem`): the speculative decoder's greedy output then equals the
-quantized target's own `generate`, token for token.
+4.3 ms, and 2 rows cost it 1.25x one row where they cost the int8 one 1.3-2x. Both kernels take bfloat16
+activations (in float32 they run a slow reference loop, 5-30x slower), so a layer rounds its input to
+bfloat16 and returns float32: the rest of the model (norms, attention, the residual stream) stays in the
+target's own dtype. Each output row depends only on its own input row (`row_invariance_problem`); with
+verification's attention taken row by row (`gorgon.decode.attention.rows_alone`), the speculative decoder's
+greedy output equals the quantized target's own `generate`, token for token.
 
 Why not a library's tensor subclass: torchao 0.18 has no CPU int4 layout left (its "opaque" format, which
 called the same kernel, is gone) and its int8 layout keeps float32 activations, the slow path; these are
@@ -29,6 +30,7 @@ time stock full-precision `generate` in the same run (`float_weights`).
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import torch
 import torch.nn.functional as F
@@ -65,15 +67,17 @@ def check_scheme(scheme: str, device: torch.device | str = "cpu") -> None:
         raise GorgonError(f"--quantize {scheme} cannot run here: {problem}; use --quantize none")
 
 
+@functools.cache
 def kernel_problem(scheme: str) -> str | None:
-    """Why this torch build cannot run the scheme's kernel (a probe against the dequantized product), or None."""
+    """Why this torch build cannot run the scheme's kernel (a probe against the dequantized product), or None;
+    probed once a process (loading a target checks before and after its weights load)."""
     op = {"int4": "_weight_int4pack_mm_for_cpu", "int8": "_weight_int8pack_mm"}[scheme]
     if not hasattr(torch.ops.aten, op):
         return f"this torch build lacks torch.ops.aten.{op}"
     weight = torch.randn(64, 64, generator=torch.Generator().manual_seed(0))
     x = torch.randn(3, 64, generator=torch.Generator().manual_seed(1))
     try:
-        layer = QUANTIZED[scheme].from_linear(_linear(weight))
+        layer = QUANTIZED[scheme](_linear(weight))
         got = layer(x)
     except RuntimeError as err:
         return f"torch.ops.aten.{op} failed a probe ({str(err).splitlines()[0]})"
@@ -85,8 +89,8 @@ def kernel_problem(scheme: str) -> str | None:
 
 def row_invariance_problem(scheme: str, rows: int = 16) -> str | None:
     """Why the scheme's kernel would make speculation differ from plain decoding (a row's result changing
-    with the rows beside it), or None. Greedy exactness rests on this; tests and `gorgon bench` check it."""
-    layer = QUANTIZED[scheme].from_linear(_linear(torch.randn(96, 64, generator=torch.Generator().manual_seed(0))))
+    with the rows beside it), or None. Greedy exactness rests on this; the tests check it."""
+    layer = QUANTIZED[scheme](_linear(torch.randn(96, 64, generator=torch.Generator().manual_seed(0))))
     x = torch.randn(rows, 64, generator=torch.Generator().manual_seed(1))
     together = layer(x)
     for m in range(1, rows + 1):
@@ -106,16 +110,12 @@ class QuantizedLinear(torch.nn.Module):
 
     scheme = ""
 
-    def __init__(self, linear: torch.nn.Linear, keep_float: bool):
+    def __init__(self, linear: torch.nn.Linear, keep_float: bool = False):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.bias = linear.bias
         self.weight = linear.weight if keep_float else None  # a Parameter still (the LM head's is tied)
         self.use_float = False
-
-    @classmethod
-    def from_linear(cls, linear: torch.nn.Linear, keep_float: bool = False) -> "QuantizedLinear":
-        return cls(linear, keep_float)
 
     def rows_product(self, x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         """The product for some output rows only (a draft vocabulary), each as the whole product computes it."""
@@ -141,7 +141,7 @@ class Int4Linear(QuantizedLinear):
     scheme = "int4"
     ROWS_MULTIPLE = 16  # torch's int4 packing takes output rows in multiples of 16, and interleaves them
 
-    def __init__(self, linear: torch.nn.Linear, keep_float: bool):
+    def __init__(self, linear: torch.nn.Linear, keep_float: bool = False):
         super().__init__(linear, keep_float)
         n, k = self.out_features, self.in_features
         groups = linear.weight.detach().float().reshape(n, k // GROUP_SIZE, GROUP_SIZE)
@@ -161,7 +161,7 @@ class Int4Linear(QuantizedLinear):
         return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, GROUP_SIZE, self.scales_and_zeros)
 
     def dequantized(self) -> torch.Tensor:
-        """The weight the kernel multiplies by, in float32 (for checks)."""
+        """The weight the kernel multiplies by, in float32 (for checks, and a backward through the layer)."""
         eye = torch.eye(self.in_features, dtype=torch.bfloat16)
         return self.product(eye).float().T.contiguous()
 
@@ -171,7 +171,7 @@ class Int8Linear(QuantizedLinear):
 
     scheme = "int8"
 
-    def __init__(self, linear: torch.nn.Linear, keep_float: bool):
+    def __init__(self, linear: torch.nn.Linear, keep_float: bool = False):
         super().__init__(linear, keep_float)
         weight = linear.weight.detach().float()
         scale = (weight.abs().amax(dim=1) / 127).clamp(min=torch.finfo(torch.float32).tiny)
@@ -216,7 +216,7 @@ def quantize_model(model: torch.nn.Module, scheme: str, keep_float: bool = False
         if child is head and not kind.fits(child):
             kind = Int8Linear
         if kind.fits(child):
-            setattr(parent, name, kind.from_linear(child, keep_float or child is head))
+            setattr(parent, name, kind(child, keep_float or child is head))
             count += 1
     model._gorgon_quantize = scheme
     return count

@@ -44,7 +44,7 @@ def compare(path: str) -> dict:
         weight = torch.from_numpy(codes * step[:, None] + low[:, None]).reshape(rows, cols)
         linear = torch.nn.Linear(cols, rows, bias=False)
         linear.weight.data = weight
-        layer = Int4Linear.from_linear(linear)
+        layer = Int4Linear(linear)
         groups = weight.reshape(-1, GROUP_SIZE)
         lowest = groups.amin(-1, keepdim=True)
         ours = ((groups - lowest) / ((groups.amax(-1, keepdim=True) - lowest) / 15)).round().clamp(0, 15)

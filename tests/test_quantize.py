@@ -5,11 +5,10 @@ import json
 
 import pytest
 import torch
-from helpers import ROOT, chat_target_with_heads, questions_file, tiny_chat_target, tiny_model, toy_data
+from helpers import chat_target_with_heads, questions_file, tiny_chat_target, tiny_model, toy_data
 from test_sampling import V, chi_square_p, exact_distribution, sample_counts
 
 from gorgon.decode import Sampling, speculative_generate
-from gorgon.decode.bench import run_bench
 from gorgon.decode.kernels import stock_kernels, use_cpu_kernels
 from gorgon.decode.options import from_options
 from gorgon.heads import GorgonError, MedusaDrafter, MedusaHeads, load_target

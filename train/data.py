@@ -366,9 +366,10 @@ def make_dataset(settings: DataSettings, out: str | os.PathLike, target: Target 
     out = Path(os.path.abspath(out))  # `.` has no name to put OUT.partial beside it under
     check_data_settings(settings, out)
     dtype = target.model.dtype if target else resolve_dtype(settings.dtype, resolve_device(device))
-    settings = DataSettings(**{**asdict(settings), "dtype": str(dtype).removeprefix("torch.")})  # auto: by device
+    resolved = {"dtype": str(dtype).removeprefix("torch.")}  # auto: by device
     if target is not None:  # what was passed is what answers
-        settings = DataSettings(**{**asdict(settings), "quantize": quantization(target.model)})
+        resolved["quantize"] = quantization(target.model)
+    settings = DataSettings(**{**asdict(settings), **resolved})
     convs = None if settings.prompts == "self" else load_conversations(settings.prompts, settings.limit)
     # The CPU kernels round differently, which can resolve a near-tie the other way: a resume keeps them too.
     kernels = cpu_kernels if settings.engine == "transformers" else None
