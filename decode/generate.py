@@ -20,12 +20,13 @@ import torch
 from gorgon.heads.cache import growing_cache, with_cache
 from gorgon.heads.drafter import Drafter
 from gorgon.heads.errors import GorgonError
+from gorgon.heads.quantize import quantization
 from gorgon.heads.target import Target, context_length, fits_context, lm_logits
 from gorgon.heads.tree import cut_tree, host_to_device
 
 from .acceptance import Sampling, accept_greedy, accept_sampled, accept_typical, target_probs
 from .argmax import target_argmax
-from .attention import decoding_attention
+from .attention import decoding_attention, rows_alone
 from .verify import accepted_rows, check_verifies_trees, features, keep_path, verify
 
 ACCEPTANCE_RULES = ("exact", "typical")
@@ -39,6 +40,8 @@ class GenerationResult:
     target_forwards: int                                # prefill included
     accepted: list[int] = field(default_factory=list)   # tokens emitted by each target forward
     seconds: float = 0.0
+    verified_rows: int = 0   # tree nodes verified (counted where a self-speculation draft shares the cache)
+    reused_rows: int = 0     # of those, nodes whose first layers verification took from the draft
 
     @property
     def tau(self) -> float:
@@ -353,6 +356,9 @@ def speculative_generate(model, drafter: Drafter, input_ids: torch.Tensor, max_n
                       output_hidden_states=layers is not None)
         fresh = features(out, layers)
         root = next_token(out.last_hidden_state[0, -1])
+        shares_cache = hasattr(drafter, "attach_cache")  # self-speculation: the draft writes the target's cache
+        if shares_cache:
+            drafter.attach_cache(cache)
         context = input_ids[0]                  # tokens in the cache; root follows them
         new = [int(root)]
         result = GenerationResult(tokens=new, target_forwards=1, accepted=[1])
@@ -360,13 +366,18 @@ def speculative_generate(model, drafter: Drafter, input_ids: torch.Tensor, max_n
         if feed:
             feed(new[:keep])
         while keep is None:
-            tokens, tree = drafter.propose(root, fresh, context)
+            past_len = cache.get_seq_length()
+            with rows_alone(shares_cache and quantization(model) != "none"):  # its entries stay in the cache
+                tokens, tree = drafter.propose(root, fresh, context)
             # A node at depth d would be the output's (len(new) + d)-th token, and the target's token after it the
             # next: a node whose next token the output has no room for need not be verified (the token at the
             # output's last place comes as the bonus), and near the context's end its position may lie past it.
             tokens, tree = cut_tree(tokens, tree, max_new_tokens - len(new) - 1)
-            past_len = cache.get_seq_length()
-            out = verify(model, cache, tokens, tree, hidden_states=layers is not None)
+            out = verify(model, cache, tokens, tree, hidden_states=layers is not None,
+                         drafted=drafter.drafted if shares_cache else None)
+            if shares_cache:
+                result.reused_rows += out.reused_rows
+                result.verified_rows += tree.size
             hidden = out.last_hidden_state[0]
             if sampling.greedy:
                 path, emitted = accept_greedy(tree, tokens, target_argmax(model, hidden))

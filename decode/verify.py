@@ -17,9 +17,10 @@ import torch
 
 from gorgon.heads.cache import crop_cache, growing_cache, with_cache
 from gorgon.heads.errors import GorgonError, first_problem
+from gorgon.heads.layers import DraftedLayers, decoder_layers, embed, final_norm, run_layers
 from gorgon.heads.masks import additive_mask, layer_kinds, layer_masks
 from gorgon.heads.quantize import quantization
-from gorgon.heads.tree import Tree, host_to_device, tree_from_token_paths
+from gorgon.heads.tree import Tree, host_to_device, token_paths, tree_from_token_paths
 
 from .attention import rows_alone
 
@@ -37,11 +38,16 @@ def verify_mask(config, tree: Tree, past_len: int, positions: torch.Tensor, dtyp
                        lambda: torch.cat([torch.arange(past_len, device=positions.device), positions]))
 
 
-def verify(model, cache, tokens: torch.Tensor, tree: Tree, hidden_states: bool = False):
+def verify(model, cache, tokens: torch.Tensor, tree: Tree, hidden_states: bool = False,
+           drafted: DraftedLayers | None = None):
     """Run the target over all tree nodes at once; returns the decoder's output for them (batch of one),
     every layer's hidden states included when asked for (a drafter reading several layers needs them). A
     quantized target's attention takes each node alone (`gorgon.decode.attention.rows_alone`), so every node
-    gets what a one-token step of `generate` gives it, to the bit."""
+    gets what a one-token step of `generate` gives it, to the bit. `drafted`: what a self-speculation draft
+    left in the cache's first layers (`verify_drafted`)."""
+    if drafted is not None:
+        with rows_alone(quantization(model) != "none"):
+            return verify_drafted(model, cache, tokens, tree, drafted)
     past_len = cache.get_seq_length()
     positions = past_len + tree.depth
     decoder = model.get_decoder()
@@ -54,6 +60,53 @@ def verify(model, cache, tokens: torch.Tensor, tree: Tree, hidden_states: bool =
             use_cache=True,
             output_hidden_states=hidden_states,
         )
+
+
+def verify_drafted(model, cache, tokens: torch.Tensor, tree: Tree, drafted: DraftedLayers):
+    """Verify a tree whose nodes the target's first `drafted.layers` layers have partly run already, as they
+    drafted it (self-speculation): those layers run only over the nodes the draft never fed (its last level,
+    context drafts merged in), each seeing the context and its ancestors wherever the cache holds them; their
+    cache entries are then put in node order, and the later layers run over every node from its layer-N state,
+    as `verify`'s one forward would. Returns the decoder's output for the nodes, with `reused_rows` (how many
+    nodes' first layers came from the draft)."""
+    from transformers.modeling_outputs import BaseModelOutputWithPast
+
+    past, n, device = drafted.past_len, drafted.layers, tokens.device
+    paths = [(), *token_paths(tokens, tree)]
+    slot = {path: i for i, path in enumerate(drafted.paths)}
+    have = [slot.get(path) for path in paths]
+    missing = [i for i, s in enumerate(have) if s is None]
+    drafted_count = len(drafted.paths)
+    # Where each node's entries sit in the first layers' cache: drafted ones in draft order, then the missing.
+    where = [past + s if s is not None else past + drafted_count + missing.index(i) for i, s in enumerate(have)]
+    hidden = drafted.hidden.new_empty(tree.size, drafted.hidden.shape[-1])
+    reused = [i for i, s in enumerate(have) if s is not None]
+    hidden[reused] = drafted.hidden[[have[i] for i in reused]]
+    if missing:
+        seen = torch.zeros(len(missing), past + drafted_count + len(missing), dtype=torch.bool)
+        seen[:, :past] = True
+        for row, i in enumerate(missing):
+            seen[row, [where[a] for a in tree.path_to[i]]] = True
+        depth = tree.depth.tolist()
+        drafted_positions = [past + len(p) for p in drafted.paths]
+        missing_positions = torch.tensor([past + depth[i] for i in missing], device=device)
+        hidden[missing] = run_layers(
+            model, embed(model, tokens[missing]), 0, n, additive_mask(seen.to(device), model.dtype),
+            missing_positions, cache,
+            lambda: torch.cat([torch.arange(past, device=device), torch.tensor(drafted_positions, device=device),
+                               missing_positions]))[0]
+    source = host_to_device(torch.tensor(where), device)
+    for layer in cache.layers[:n]:
+        for name in ("keys", "values"):
+            buf = getattr(layer, name)
+            buf[:, :, past: past + tree.size] = buf[:, :, source]
+    crop_cache(cache, past + tree.size, n)
+    positions = past + tree.depth
+    out = run_layers(model, hidden[None], n, len(decoder_layers(model)), tree_mask(tree, past, model.dtype)[0, 0],
+                     positions, cache, lambda: torch.cat([torch.arange(past, device=device), positions]))
+    result = BaseModelOutputWithPast(last_hidden_state=final_norm(model, out))
+    result.reused_rows = len(reused)
+    return result
 
 
 def features(output, layers: tuple[int, ...] | None) -> torch.Tensor:

@@ -73,11 +73,11 @@ def _append(layer, room_name: str, old: torch.Tensor, new: torch.Tensor) -> torc
     return room[..., :end, :]
 
 
-def crop_cache(cache, length: int) -> None:
-    """Keep the first `length` positions of every layer of a `DynamicCache`. This slices the tensors
-    directly: `Cache.crop` changed meaning between transformers releases (an absolute length in 5.17,
-    a count to remove later)."""
-    for layer in cache.layers:
+def crop_cache(cache, length: int, layers: int | None = None) -> None:
+    """Keep the first `length` positions of every layer of a `DynamicCache` (of its first `layers` only, where
+    given: self-speculation's draft writes those alone). This slices the tensors directly: `Cache.crop`
+    changed meaning between transformers releases (an absolute length in 5.17, a count to remove later)."""
+    for layer in cache.layers[:layers]:
         layer.keys, layer.values = layer.keys[:, :, :length], layer.values[:, :, :length]
 
 

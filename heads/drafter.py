@@ -28,6 +28,11 @@ level's chances stop the search; 0 drafts every level) and `level_trial(context_
 two calls: `level()`, one level on a cache of that length, for `gorgon.decode.calibrate` to time, and
 `reset()`, which cuts it off again. A `MergedDrafter` keeps the drafter it merges context drafts into as
 `drafter`, for a bench row without them.
+
+A drafter that drafts with the target's own first layers (self-speculation, heads/methods/self_spec) has
+`attach_cache(cache)`, which the decoder calls after the prefill with the target's KV cache, and `drafted`: what
+its last proposal left in that cache's first layers (`gorgon.heads.layers.DraftedLayers`), which verification
+reuses.
 """
 
 from __future__ import annotations

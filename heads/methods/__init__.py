@@ -21,7 +21,8 @@ from pathlib import Path
 from ..errors import GorgonError
 from ..files import config_or_none
 
-PACKAGES = ("medusa", "eagle", "draft_model", "context", "parallel")  # gorgon.heads.methods.<name>, one each
+# gorgon.heads.methods.<name>, one each
+PACKAGES = ("medusa", "eagle", "draft_model", "context", "parallel", "self_spec")
 
 _REGISTRY: dict[str, "Method"] = {}
 

@@ -164,6 +164,12 @@ class MergedDrafter:
             raise GorgonError(f"{type(drafter).__name__} does not rank its candidates by chance (scored_paths), "
                               "so its tree cannot be merged with context drafts: use it without --context-draft")
         self.feature_layers = drafter.feature_layers
+        if hasattr(drafter, "attach_cache"):  # a self-speculation draft: what it wrote in the target's cache
+            self.attach_cache = drafter.attach_cache
+
+    @property
+    def drafted(self):
+        return self.drafter.drafted
 
     @property
     def max_nodes(self) -> int:

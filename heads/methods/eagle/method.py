@@ -28,8 +28,8 @@ class EagleRecipe(Recipe):
     dropout: float = setting(0.0, "eagle: the share of the head layer's attention and MLP outputs dropped while "
                                   "it trains (0.1 in the recipe; 0: off)")
     train_lm_head: bool = setting(True, "eagle: train the head's LM head (false: it keeps the target's rows)")
-    draft_depth: int = setting(EagleConfig.depth, "eagle: tree levels drafted per step")
-    draft_topk: int = setting(EagleConfig.topk, "eagle: tokens kept and expanded per level")
+    draft_depth: int = setting(EagleConfig.depth, "eagle, self_spec: tree levels drafted per step")
+    draft_topk: int = setting(EagleConfig.topk, "eagle, self_spec: tokens kept and expanded per level")
 
     def __post_init__(self):
         if self.ttt_steps < 1:
