@@ -81,9 +81,11 @@ def main(argv=None) -> int:
                                       tokenizer=tok, generator=generator, streamer=stream)
         print(flush=True)
         if args.stats:
+            reused = (f", {result.reused_rows} of {result.verified_rows} verified nodes reused the draft's first "
+                      "layers" if result.verified_rows else "")  # self-speculation
             print(f"[{len(result.tokens)} tokens, {result.target_forwards} target forwards, tau (tokens per target "
                   f"forward) {result.tau:.2f}, "
-                  f"{result.tokens_per_s:.1f} tokens/s]", file=sys.stderr)
+                  f"{result.tokens_per_s:.1f} tokens/s{reused}]", file=sys.stderr)
         text = tok.decode(result.tokens, skip_special_tokens=True)
         messages.append({"role": "assistant", "content": text})
         return text

@@ -20,6 +20,12 @@ class CountingDrafter:
         self.feature_layers, self.max_nodes = drafter.feature_layers, drafter.max_nodes
         if hasattr(drafter, "check_target"):
             self.check_target = drafter.check_target
+        if hasattr(drafter, "attach_cache"):  # self-speculation: it drafts in the target's own cache
+            self.attach_cache = drafter.attach_cache
+
+    @property
+    def drafted(self):
+        return self.drafter.drafted
 
     def propose(self, root, features, context):
         tokens, tree = self.drafter.propose(root, features, context)

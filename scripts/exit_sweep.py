@@ -8,7 +8,8 @@ the answer tokens; per N an exit (heads/methods/self_spec) is trained for --step
 nine tenths of them against the target's own next-token distribution (what `train/heads.py` does, minus its
 run folder: the exit reads one position at a time, so positions can be drawn freely) and scored on the rest:
 top-1 agreement with the target, before training (LayerSkip's plain early exit) and after. A drafted level's
-cost is timed as the decoder's calibration times it (`drafted_level_cost`, in plain target steps), and the
+cost is timed as the decoder's calibration times it (`level_trial`), against a plain target step timed just
+before it (so the ratio holds on a busy machine too; the times themselves need a quiet one), and the
 figure of merit is a greedy chain's: the most tokens per unit of time over chain depths d,
 (1 + p + ... + p^d) / (1 + d * cost), with p the trained top-1. Prints a table, writes the JSON and a PNG.
 """
@@ -19,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from gorgon.decode.calibrate import cpu_flags, drafted_level_cost
+from gorgon.decode.calibrate import TIMED_CONTEXT, cpu_flags, measure_verify_costs, median_ms
 from gorgon.heads.command import ArgumentParser, int_at_least, run_script
 from gorgon.heads.files import atomic_write_text, save_figure
 from gorgon.heads.methods.self_spec import EarlyExit, SelfSpecDrafter
@@ -56,6 +57,15 @@ def layer_outputs(model, examples, layers):
             outs[n].append(out.hidden_states[n][0, keep])
         last.append(out.last_hidden_state[0, keep])
     return {n: torch.cat(v) for n, v in outs.items()}, torch.cat(last)
+
+
+def level_against_step(drafter, model, repeat: int = 20) -> float:
+    """A drafted level (two rows after 256 cached tokens) in plain one-token steps, both timed now, one after the
+    other: the calibration's cached step would set a level timed on a busy machine against a quiet one's step."""
+    with torch.inference_mode():
+        step = measure_verify_costs(model, sizes=(1,), repeat=repeat)[1]
+        level, reset = drafter.level_trial(TIMED_CONTEXT)
+        return median_ms(level, repeat, reset) / step
 
 
 def top1(exit_, hidden, labels) -> float:
@@ -137,7 +147,7 @@ def main(argv=None) -> None:
         before = top1(exit_, held_h[n], held_labels)
         train_exit(exit_, train_h[n], teacher, args.steps, args.batch, args.seed)
         after = top1(exit_, held_h[n], held_labels)
-        cost = drafted_level_cost(SelfSpecDrafter(exit_, nodes=4, depth=3, topk=2), model)
+        cost = level_against_step(SelfSpecDrafter(exit_, nodes=4, depth=3, topk=2), model)
         speed, depth = chain_speed(after, cost)
         rows.append({"exit_layer": n, "top1_untrained": before, "top1": after, "level_cost": cost,
                      "chain_speed": speed, "chain_depth": depth})

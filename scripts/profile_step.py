@@ -4,11 +4,13 @@
     OMP_NUM_THREADS=1 python scripts/profile_step.py --heads ... --questions scripts/data/mt_bench.jsonl  # real text
     OMP_NUM_THREADS=1 python scripts/profile_step.py --draft runs/drafts/smollm2-l6 --draft-tokens 3
     OMP_NUM_THREADS=1 python scripts/profile_step.py --heads ... --cpu-kernels stock   # torch's stock CPU kernels
+    python scripts/profile_step.py --random-target llama-8b/config.json --exit-layer 8 --tree 8  # self-speculation
     python scripts/profile_step.py --random-target llama-8b/config.json --tree 64 --dtype bfloat16 --json
 
 Times each part of a step with the library's own functions (median of --repeat runs, cache of
 --context tokens: random ones, or a real conversation with --questions): the drafter's proposal,
-the verify forward, the target's greedy argmax over the tree (`gorgon.decode.argmax`), greedy
+the verify forward (for self-speculation also with the draft's first layers reused: the step counts that
+one), the target's greedy argmax over the tree (`gorgon.decode.argmax`), greedy
 acceptance and the cache compaction (the proposal and the argmax each after a target forward, as in
 decoding: timed back to back they found their weights in the CPU's caches, and the EAGLE
 head's proposal looked 6.4 ms where, after a target forward, it took 9.4); and the cost of a forward
@@ -35,6 +37,7 @@ from gorgon.heads import MedusaDrafter, MedusaHeads
 from gorgon.heads.cache import crop_cache, growing_cache, with_cache
 from gorgon.heads.command import ArgumentParser, int_at_least, run_script
 from gorgon.heads.errors import GorgonError
+from gorgon.heads.methods.self_spec import EarlyExit, SelfSpecDrafter
 from gorgon.heads.quantize import quantize_model
 from gorgon.heads.target import lm_logits, resolve_device, resolve_dtype
 
@@ -52,6 +55,9 @@ def profile(model, drafter, context: int, repeat: int, prompt: torch.Tensor | No
                   output_hidden_states=layers is not None)
     fresh = features(out, layers)
     root = lm_logits(model, out.last_hidden_state[0, -1]).argmax()
+    shares_cache = hasattr(drafter, "attach_cache")  # self-speculation drafts into the target's cache
+    if shares_cache:
+        drafter.attach_cache(cache)
 
     def reset():
         crop_cache(cache, context)
@@ -66,11 +72,21 @@ def profile(model, drafter, context: int, repeat: int, prompt: torch.Tensor | No
     hidden_states = layers is not None
 
     def target_forward():  # as in decoding: the target's forward between two proposals or two argmaxes
+        reset()                                             # (after a self-speculation draft's entries)
         verify(model, cache, tokens, tree, hidden_states)   # reads every weight, so the drafter's and the
         reset()                                             # output layer's leave the CPU's caches
 
     parts["drafter propose"] = timed(lambda: drafter.propose(root, fresh[-1:], prompt[0]), target_forward)
     parts[f"verify forward ({tree.size} nodes)"] = timed(lambda: verify(model, cache, tokens, tree, hidden_states))
+    if shares_cache:  # the same tree verified from the draft's layer-N states: the later layers alone where it can
+        def redraft():
+            reset()
+            drafter.propose(root, fresh[-1:], prompt[0])
+
+        redraft()
+        parts[f"verify forward ({tree.size} nodes), first layers reused"] = timed(
+            lambda: verify(model, cache, tokens, tree, drafted=drafter.drafted), redraft)
+        reset()
     node_hidden = verify(model, cache, tokens, tree).last_hidden_state[0]
     reset()
     parts["target argmax over the tree"] = timed(lambda: target_argmax(model, node_hidden), target_forward)
@@ -102,6 +118,9 @@ def random_target(args):
     quantize_model(model, args.quantize)
     use_cpu_kernels(model, args.cpu_kernels)
     tree = read_tree(args.tree)
+    if args.exit_layer:  # self-speculation: the target's own first N layers draft, with a random exit
+        exit_ = EarlyExit.for_target(model, args.exit_layer)
+        return model, SelfSpecDrafter(exit_, nodes=tree if isinstance(tree, int) else None)
     return model, MedusaDrafter(MedusaHeads.for_target(model, num_heads=4), None if tree == "auto" else tree)
 
 
@@ -121,6 +140,9 @@ def main():
     p.add_argument("--random-target", metavar="CONFIG",
                    help="instead of --heads/--draft: build the target from this config.json with random weights, "
                         "with 4 random Medusa heads (costs need no real weights, e.g. an 8B-shaped Llama)")
+    p.add_argument("--exit-layer", type=int_at_least(1), default=None,
+                   help="with --random-target: a self-speculation draft from its first N layers (a random exit) "
+                        "instead of Medusa heads, to see what verifying with the draft's layers reused saves")
     p.add_argument("--context", type=int_at_least(1), default=256, help="cached tokens before the step (default 256)")
     p.add_argument("--questions", default=None,
                    help="cache a real conversation instead of random tokens: the first question of this .jsonl "
@@ -130,6 +152,8 @@ def main():
                    help="timed runs per figure; the median is kept (default 15)")
     p.add_argument("--json", action="store_true", help="print one JSON line instead of the table")
     args = p.parse_args()
+    if args.exit_layer and not args.random_target:
+        p.error("--exit-layer builds a random exit on --random-target: a trained one loads with --heads")
     if args.questions and args.random_target:
         p.error("--questions needs a real target's tokenizer: it does not go with --random-target")
     if args.random_target:
@@ -144,7 +168,8 @@ def main():
         parts = profile(model, drafter, args.context, args.repeat, prompt)
     costs = measure_verify_costs(model, context=args.context, repeat=args.repeat)
     plain = parts["plain step (1 token + lm_head)"]
-    spec = sum(v for k, v in parts.items() if not k.startswith("plain"))
+    verifies = [k for k in parts if k.startswith("verify forward")]  # the step counts the last: with reuse, if any
+    spec = sum(v for k, v in parts.items() if not k.startswith("plain") and (k not in verifies or k == verifies[-1]))
     kernels = kernels_in_use(model) if model.device.type == "cpu" else "cuda"
     if args.json:
         print(json.dumps({
