@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 from gorgon.decode.calibrate import TIMED_CONTEXT, cpu_flags, measure_verify_costs, median_ms
+from gorgon.decode.kernels import use_cpu_kernels
 from gorgon.heads.command import ArgumentParser, int_at_least, run_script
 from gorgon.heads.files import atomic_write_text, save_figure
 from gorgon.heads.methods.self_spec import EarlyExit, SelfSpecDrafter
@@ -122,6 +123,7 @@ def main(argv=None) -> None:
     check_report_output(out, is_sweep, args.overwrite)
     target = load_target(args.target) if args.target else load_target()
     model = target.model
+    use_cpu_kernels(model, "fast")  # as decoding runs it: the stock kernel's products of a few rows cost far more
     layers = [int(x) for x in args.layers.split(",")]
     for n in layers:
         check_exit_layer(n, model.config.get_text_config().num_hidden_layers)

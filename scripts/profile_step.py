@@ -118,8 +118,9 @@ def random_target(args):
     quantize_model(model, args.quantize)
     use_cpu_kernels(model, args.cpu_kernels)
     tree = read_tree(args.tree)
-    if args.exit_layer:  # self-speculation: the target's own first N layers draft, with a random exit
-        exit_ = EarlyExit.for_target(model, args.exit_layer)
+    if args.exit_layer:  # self-speculation: the target's own first N layers draft, with a random exit over the
+        vocab = config.get_text_config().vocab_size  # first 32k tokens (EAGLE-3's draft vocabulary size)
+        exit_ = EarlyExit.for_target(model, args.exit_layer, draft_tokens=torch.arange(min(32000, vocab)))
         return model, SelfSpecDrafter(exit_, nodes=tree if isinstance(tree, int) else None)
     return model, MedusaDrafter(MedusaHeads.for_target(model, num_heads=4), None if tree == "auto" else tree)
 

@@ -712,7 +712,8 @@ def test_accelerate_launch_trains_an_eagle_head_that_decodes_exactly(tmp_path):
 def test_bad_training_settings_are_one_line():
     from gorgon.train.heads import HeadsTrainConfig
 
-    for settings, message in [({"arch": "eagel"}, "arch must be one of medusa, eagle, parallel, self_spec, not 'eagel'"),
+    for settings, message in [({"arch": "eagel"}, "arch must be one of medusa, eagle, parallel, self_spec, not "
+                                                  "'eagel'"),
                               ({"arch": "eagle", "ttt_steps": 0}, "ttt_steps must be at least 1"),
                               ({"arch": "eagle", "mode": "medusa2"}, "mode is a key of arch: medusa .*, not of arch: "
                                                                    "eagle"),
