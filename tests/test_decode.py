@@ -13,6 +13,7 @@ from helpers import (
     ARCHS,
     VOCAB,
     OracleDrafter,
+    reference,
     tiny_chat_target,
     tiny_family,
     tiny_model,
@@ -34,11 +35,6 @@ from gorgon.heads.target import logit_scale, resolve_device
 from gorgon.heads.tree import build_tree, tree_from_accuracies
 
 PATHS = [[0], [1], [2], [0, 0], [0, 1], [1, 0], [2, 0], [0, 0, 0], [0, 0, 1], [0, 1, 0], [0, 0, 0, 0]]
-
-
-def reference(model, ids, n):
-    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False)
-    return out[0, ids.shape[1]:].tolist()
 
 
 # torch's kernels; the fast path with oneDNN for every product; the fast path with products of up to 1 and 3

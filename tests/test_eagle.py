@@ -15,6 +15,7 @@ from helpers import (
     assert_feature_cache_is_exact,
     env,
     key_value_copies,
+    reference,
     tiny_chat_target,
     tiny_family,
     tiny_model,
@@ -31,11 +32,6 @@ from gorgon.train.data import DataSettings, make_dataset
 
 FAMILIES = ["llama", "qwen2"]
 LAYOUTS = [*FAMILIES, "qwen3"]  # the engines' EAGLE-3 layers: Llama (Qwen2 with biases) and Qwen3
-
-
-def reference(model, ids, n):
-    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False)
-    return out[0, ids.shape[1]:].tolist()
 
 
 def head_for(model, vocab=VOCAB, draft=None, seed=0, **settings):

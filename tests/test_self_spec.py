@@ -6,7 +6,7 @@ import json
 
 import pytest
 import torch
-from helpers import VOCAB, tiny_chat_target, tiny_model, toy_data
+from helpers import VOCAB, import_families, reference, tiny_chat_target, tiny_model, toy_data
 
 from gorgon.decode import Sampling, speculative_generate
 from gorgon.decode.acceptance import accept_greedy
@@ -22,14 +22,7 @@ FAMILIES = ["llama", "qwen2"]
 
 @pytest.fixture(autouse=True, scope="module")
 def families_imported():
-    """transformers imports a family's classes at their first use (seconds): here, not in the first test's time."""
-    for arch in FAMILIES:
-        tiny_model(arch)
-
-
-def reference(model, ids, n):
-    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False)
-    return out[0, ids.shape[1]:].tolist()
+    import_families(FAMILIES)
 
 
 def exit_for(model, n=2, seed=0):
