@@ -60,6 +60,23 @@ class Recipe:
         """Where `trains_target`: write the target's trained adapters into the run folder `out`."""
 
 
+DEPTH, TOPK = 5, 8  # a search's levels and top-k (`gorgon.heads.search`) when nothing chooses them: EAGLE-2's
+
+
+@dataclasses.dataclass
+class SearchRecipe(Recipe):
+    """The keys of a method whose drafter grows its tree with `gorgon.heads.search` (eagle, self_spec)."""
+
+    draft_depth: int = setting(DEPTH, "eagle, self_spec: tree levels drafted per step")
+    draft_topk: int = setting(TOPK, "eagle, self_spec: tokens kept and expanded per level")
+
+    def check_with(self, shared) -> None:
+        from ..search import check_search  # imports torch: not when the registry is (`gorgon --help`)
+
+        for nodes in shared.tree_sizes().values():
+            check_search(self.draft_depth, self.draft_topk, nodes)
+
+
 @dataclasses.dataclass(frozen=True)
 class Method:
     """What one drafting method gives the core. Every callable is optional where the method has no such stage

@@ -7,15 +7,14 @@ import json
 from pathlib import Path
 
 from ...errors import GorgonError
-from ...search import check_search
-from .. import Method, Recipe, register, setting
+from .. import Method, SearchRecipe, register, setting
 from . import formats
 from .card import eagle_card
-from .model import ARCH, NODES, EagleConfig, EagleHead
+from .model import ARCH, NODES, EagleHead
 
 
 @dataclasses.dataclass
-class EagleRecipe(Recipe):
+class EagleRecipe(SearchRecipe):
     """The recipe keys of `arch: eagle`."""
 
     feature_layers: list[int] | None = setting(None, "eagle, parallel: the target's hidden_states read, e.g. "
@@ -28,8 +27,6 @@ class EagleRecipe(Recipe):
     dropout: float = setting(0.0, "eagle: the share of the head layer's attention and MLP outputs dropped while "
                                   "it trains (0.1 in the recipe; 0: off)")
     train_lm_head: bool = setting(True, "eagle: train the head's LM head (false: it keeps the target's rows)")
-    draft_depth: int = setting(EagleConfig.depth, "eagle, self_spec: tree levels drafted per step")
-    draft_topk: int = setting(EagleConfig.topk, "eagle, self_spec: tokens kept and expanded per level")
 
     def __post_init__(self):
         if self.ttt_steps < 1:
@@ -42,10 +39,6 @@ class EagleRecipe(Recipe):
         if not 0 <= self.dropout < 1:
             raise GorgonError(f"dropout is the share of an EAGLE head's layer outputs dropped in training: use "
                               f"0 (off) to below 1, not {self.dropout}")
-
-    def check_with(self, shared) -> None:
-        for nodes in shared.tree_sizes().values():
-            check_search(self.draft_depth, self.draft_topk, nodes)
 
     def check_target(self, config) -> None:
         from .model import check_feature_layers

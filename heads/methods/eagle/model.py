@@ -40,6 +40,7 @@ from ...quantize import float_parameter
 from ...target import Target, attach_to_target, check_fits
 from ...tree import TreesInConfig, chain_tau
 from ...vocab import is_draft_vocab
+from .. import DEPTH, TOPK
 from .formats import check_layer_fields, computes_rms_norm, foreign_format, import_head
 
 WEIGHTS_NAME = "model.safetensors"
@@ -56,8 +57,8 @@ class EagleConfig:
     layer_config: dict                   # the target's text config: its decoder layer is rebuilt from it
     feature_layers: list[int]            # indices into the target's hidden_states (0: embeddings, i: after layer i)
     draft_vocab_size: int | None = None  # drafts come from this many frequent tokens (None: all)
-    depth: int = 5                       # tree levels drafted per step (EAGLE-2)
-    topk: int = 8                        # tokens kept per level, each expanded once
+    depth: int = DEPTH                   # tree levels drafted per step (EAGLE-2)
+    topk: int = TOPK                     # tokens kept per level, each expanded once
     nodes: dict = field(default_factory=lambda: dict(NODES))  # tree nodes per step, by device type
     accuracies: list[list[float]] | None = None  # held-out rank accuracies per unrolled step
     target_name: str | None = None

@@ -7,29 +7,21 @@ import dataclasses
 from pathlib import Path
 
 from ...errors import GorgonError
-from ...search import check_search
-from .. import Method, Recipe, register, setting
-from ..eagle.model import EagleConfig
+from .. import Method, SearchRecipe, register, setting
 from .card import self_spec_card
 from .model import ADAPTER_SIZE, ARCH, NODES, EarlyExit, check_adapter_size, check_exit_layer
 
 
 @dataclasses.dataclass
-class SelfSpecRecipe(Recipe):
+class SelfSpecRecipe(SearchRecipe):
     """The recipe keys of `arch: self_spec`."""
 
-    exit_layer: int = setting(8, "self_spec: the target's first layers that draft (N; scripts/exit_sweep.py "
+    exit_layer: int = setting(4, "self_spec: the target's first layers that draft (N; scripts/exit_sweep.py "
                                  "measures agreement and cost per N)")
     adapter_size: int = setting(ADAPTER_SIZE, "self_spec: the width of the exit's gated MLP")
-    draft_depth: int = setting(EagleConfig.depth, "eagle, self_spec: tree levels drafted per step")
-    draft_topk: int = setting(EagleConfig.topk, "eagle, self_spec: tokens kept and expanded per level")
 
     def __post_init__(self):
         check_adapter_size(self.adapter_size)
-
-    def check_with(self, shared) -> None:
-        for nodes in shared.tree_sizes().values():
-            check_search(self.draft_depth, self.draft_topk, nodes)
 
     def check_target(self, config) -> None:
         check_exit_layer(self.exit_layer, config.num_hidden_layers)
