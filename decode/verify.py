@@ -95,12 +95,7 @@ def verify_drafted(model, cache, tokens: torch.Tensor, tree: Tree, drafted: Draf
             missing_positions, cache,
             lambda: torch.cat([torch.arange(past, device=device), torch.tensor(drafted_positions, device=device),
                                missing_positions]))[0]
-    source = host_to_device(torch.tensor(where), device)
-    for layer in cache.layers[:n]:
-        for name in ("keys", "values"):
-            buf = getattr(layer, name)
-            buf[:, :, past: past + tree.size] = buf[:, :, source]
-    crop_cache(cache, past + tree.size, n)
+    keep_path(cache, past, host_to_device(torch.tensor(where) - past, device), n)  # the first layers in node order
     positions = past + tree.depth
     out = run_layers(model, hidden[None], n, len(decoder_layers(model)), tree_mask(tree, past, model.dtype)[0, 0],
                      positions, cache, lambda: torch.cat([torch.arange(past, device=device), positions]))
@@ -126,21 +121,22 @@ def accepted_rows(path: Sequence[int], device) -> torch.Tensor | slice:
     return host_to_device(torch.tensor(path), device)
 
 
-def keep_path(cache, past_len: int, nodes: torch.Tensor | slice) -> None:
+def keep_path(cache, past_len: int, nodes: torch.Tensor | slice, layers: int | None = None) -> None:
     """Keep the cache entries of the accepted nodes, in order, right after the prefix; drop the rest.
 
     After verification the cache holds past_len + T entries in node order; the accepted path's
     nodes (ascending, root first; a slice from `accepted_rows` when already in place) move to
-    past_len, past_len + 1, ... and the rest is cut off.
+    past_len, past_len + 1, ... and the rest is cut off. `layers`: the first that many layers only
+    (`verify_drafted` puts a draft's entries in node order with it).
     """
     if isinstance(nodes, slice):
-        crop_cache(cache, past_len + nodes.stop)
+        crop_cache(cache, past_len + nodes.stop, layers)
         return
     src = past_len + nodes
-    for layer in cache.layers:
+    for layer in cache.layers[:layers]:
         for buf in (layer.keys, layer.values):
             buf[:, :, past_len: past_len + nodes.numel()] = buf[:, :, src]
-    crop_cache(cache, past_len + nodes.numel())
+    crop_cache(cache, past_len + nodes.numel(), layers)
 
 
 def check_verifies_trees(model) -> None:
