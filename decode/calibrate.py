@@ -25,12 +25,12 @@ from gorgon.heads.cache import crop_cache, growing_cache, with_cache
 from gorgon.heads.files import atomic_write_text
 from gorgon.heads.quantize import quantization
 from gorgon.heads.target import cache_dir
-from gorgon.heads.tree import build_tree
+from gorgon.heads.tree import build_tree, root_only_tree
 
 from .argmax import argmax_in_use, target_argmax
 from .attention import decoding_attention
 from .kernels import kernels_in_use, stock_rows
-from .verify import verify
+from .verify import verify, verify_batch
 
 # A CPU's cost steps with the token count rather than growing with it: oneDNN multiplies in blocks of
 # rows (on an AMD EPYC with AVX-512, one thread: 3 to 6 tokens 0.93x one, 2 tokens 1.15x, 7 tokens
@@ -38,6 +38,9 @@ from .verify import verify
 # slowly and smoothly with the count: powers of two suffice.
 CPU_SIZES = tuple(range(1, 17))
 CUDA_SIZES = (1, 2, 4, 8, 16, 32, 64)
+# A batch of rows multiplies every size: on a CPU each row's few nodes already fill the blocks, and wider
+# trees stop paying before 8 (`gorgon.decode.batch`); beyond, the cost is extrapolated in proportion.
+CPU_BATCH_SIZES = (1, 2, 3, 4, 6, 8)
 CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_fp16", "amx_bf16", "amx_tile")
 
 
@@ -77,33 +80,40 @@ def median_ms(fn, repeat: int, reset=lambda: None, device: torch.device = torch.
     return statistics.median(times[1:])
 
 
-def measured_sizes(device: torch.device) -> tuple[int, ...]:
-    """The token counts whose verify cost is timed on this kind of device."""
-    return CUDA_SIZES if device.type == "cuda" else CPU_SIZES
+def measured_sizes(device: torch.device, batch: int = 1) -> tuple[int, ...]:
+    """The token counts (per row) whose verify cost is timed on this kind of device."""
+    if device.type == "cuda":
+        return CUDA_SIZES
+    return CPU_SIZES if batch == 1 else CPU_BATCH_SIZES
 
 
 TIMED_CONTEXT = 256  # cached positions before the timed tokens: a short conversation's
 
 
 @torch.inference_mode()
-def measure_verify_costs(model, sizes=None, context: int = TIMED_CONTEXT, repeat: int = 20) -> dict[int, float]:
+def measure_verify_costs(model, sizes=None, context: int = TIMED_CONTEXT, repeat: int = 20,
+                         batch: int = 1) -> dict[int, float]:
     """Milliseconds of one target forward over n tree tokens plus its greedy choice at each, for each n:
     the median of `repeat` rounds that each time every size once, so a machine that slows or speeds up
-    meanwhile shifts every size alike, not the sizes timed during the change alone.
+    meanwhile shifts every size alike, not the sizes timed during the change alone. `batch`: rows verified
+    together, each with its own n nodes (`gorgon.decode.batch`).
 
     The tree for n is a chain (position ids 1..n): for the cost only the token count matters.
     """
     device = model.device
-    sizes = sizes or measured_sizes(device)
-    prompt = torch.randint(0, model.config.get_text_config().vocab_size, (1, context), device=device)
+    sizes = sizes or measured_sizes(device, batch)
+    prompt = torch.randint(0, model.config.get_text_config().vocab_size, (batch, context), device=device)
     cache = growing_cache()
     decoder = model.get_decoder()
     decoder(input_ids=prompt, **with_cache(decoder, cache), use_cache=True)
-    chains = {n: build_tree([[0] * d for d in range(1, n)]).to(device) for n in sizes if n > 1}
+    chains = {n: build_tree([[0] * d for d in range(1, n)]).to(device) if n > 1 else root_only_tree(device)
+              for n in sizes}
 
     def step(n: int):
         tokens = prompt[0, :n]
-        if n == 1:  # a plain decoding step
+        if batch > 1:  # as a batch decodes: every row after its own context, under a mask
+            out = verify_batch(model, cache, [context] * batch, [tokens] * batch, [chains[n]] * batch)
+        elif n == 1:  # a plain decoding step
             out = decoder(input_ids=tokens[None], **with_cache(decoder, cache), use_cache=True)
         else:
             out = verify(model, cache, tokens, chains[n])
@@ -155,21 +165,22 @@ def machine_setup(model) -> dict:
             "cpu_flags": cpu_flags(), "threads": torch.get_num_threads()}
 
 
-def calibration_key(model) -> dict:
-    """Everything a verify cost depends on."""
+def calibration_key(model, batch: int = 1) -> dict:
+    """Everything a verify cost depends on (the batch's rows where more than one)."""
     cfg = model.config.get_text_config()
-    return {**machine_setup(model), "torch": torch.__version__, "sizes": list(measured_sizes(model.device)),
-            "model": {k: getattr(cfg, k, None) for k in ("model_type", "hidden_size", "intermediate_size",
-                                                         "num_hidden_layers", "vocab_size")}}
+    key = {**machine_setup(model), "torch": torch.__version__, "sizes": list(measured_sizes(model.device, batch)),
+           "model": {k: getattr(cfg, k, None) for k in ("model_type", "hidden_size", "intermediate_size",
+                                                        "num_hidden_layers", "vocab_size")}}
+    return key if batch == 1 else {**key, "batch": batch}
 
 
 # Costs timed on a busy machine, by calibration key digest: this process uses them, no later one does.
 _NOT_CACHED: dict[str, dict[int, float]] = {}
 
 
-def calibration_entry(model) -> tuple[dict, str, Path]:
+def calibration_entry(model, batch: int = 1) -> tuple[dict, str, Path]:
     """The model's calibration key, its digest, and the cache file its verify costs are kept in."""
-    key = calibration_key(model)
+    key = calibration_key(model, batch)
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
     return key, digest, cache_dir() / "calibration" / f"{digest}.json"
 
@@ -186,17 +197,20 @@ def cached_verify_costs(entry: tuple[dict, str, Path]) -> dict[int, float] | Non
         return None
 
 
-def verify_costs(model) -> dict[int, float]:
-    """Measured verify costs for this model on this machine, from the cache when they were measured before."""
-    key, digest, path = entry = calibration_entry(model)  # the key reads the machine: once a call
+def verify_costs(model, batch: int = 1) -> dict[int, float]:
+    """Measured verify costs for this model on this machine (for `batch` rows verified together, each with the
+    same node count), from the cache when they were measured before."""
+    key, digest, path = entry = calibration_entry(model, batch)  # the key reads the machine: once a call
     cached = cached_verify_costs(entry)
     if cached is not None:
         return cached
-    sizes = measured_sizes(model.device)
-    print(f"gorgon: timing target forwards of {sizes[0]} to {sizes[-1]} tokens on this machine, to size the tree "
-          "(once, then kept; a fixed --tree N, and --tree-budget N with --context-draft, need none)", file=sys.stderr)
+    sizes = measured_sizes(model.device, batch)
+    rows = f" in each of {batch} rows" if batch > 1 else ""
+    print(f"gorgon: timing target forwards of {sizes[0]} to {sizes[-1]} tokens{rows} on this machine, to size the "
+          "tree (once, then kept; a fixed --tree N, and --tree-budget N with --context-draft, need none)",
+          file=sys.stderr)
     start = time.perf_counter()
-    costs = measure_verify_costs(model)
+    costs = measure_verify_costs(model, repeat=max(5, 20 // batch), batch=batch)
     print(f"gorgon: timed in {time.perf_counter() - start:.0f} s", file=sys.stderr)
     others = busy_cores()
     if others > BUSY_LIMIT:  # a busy machine's costs would size every later run's tree wrongly

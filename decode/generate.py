@@ -148,17 +148,20 @@ def generation_config_as_applied(model):
     return config
 
 
-def check_input_ids(model, input_ids: torch.Tensor) -> None:
-    """A tensor of one row of the model's token ids, on its device: what the padding is read from."""
+def check_input_ids(model, input_ids: torch.Tensor, rows: str = "one") -> None:
+    """A tensor of one row (`rows` "one") or of several ("many") of the model's token ids, on its device: what
+    the padding is read from."""
+    shape = "(1, n)" if rows == "one" else "(B, n)"
     if not isinstance(input_ids, torch.Tensor):
-        raise GorgonError(f"input_ids must be a tensor of shape (1, n) (tokenizer(text, return_tensors='pt')"
+        raise GorgonError(f"input_ids must be a tensor of shape {shape} (tokenizer(text, return_tensors='pt')"
                           f"['input_ids']), not a {type(input_ids).__name__}")
     if input_ids.is_floating_point() or input_ids.is_complex() or input_ids.dtype == torch.bool:
         raise GorgonError(f"input_ids must be token ids (an integer tensor), not {input_ids.dtype}: "
                           "tokenizer(text, return_tensors='pt')['input_ids'] gives them")
-    if input_ids.ndim != 2 or input_ids.shape[0] != 1:
-        raise GorgonError(f"input_ids must have shape (1, n), got {tuple(input_ids.shape)}: "
-                          "the decoder runs one sequence at a time")
+    if input_ids.ndim != 2 or (rows == "one" and input_ids.shape[0] != 1):
+        raise GorgonError(f"input_ids must have shape {shape}, got {tuple(input_ids.shape)}: "
+                          + ("speculative_generate decodes one sequence; speculative_generate_batch decodes several"
+                             if rows == "one" else "one row of token ids per prompt"))
     embeddings = model.get_input_embeddings().weight
     if input_ids.device != embeddings.device:
         raise GorgonError(f"input_ids are on {input_ids.device} but the model's embeddings on {embeddings.device}: "

@@ -62,6 +62,52 @@ def verify(model, cache, tokens: torch.Tensor, tree: Tree, hidden_states: bool =
         )
 
 
+def verify_batch(model, cache, lengths: list[int], tokens: list[torch.Tensor], trees: list[Tree],
+                 hidden_states: bool = False):
+    """One target forward over every row's tree in a batch: row b's tree after its own `lengths[b]` cached
+    entries, in a cache as long as the longest row's (what lies past a row's length is room that its mask
+    hides). Trees narrower than the widest are padded with nodes that repeat the row's root and see its
+    context alone; their outputs and cache entries are never used. Returns the decoder's output, (B, widest)."""
+    past = cache.get_seq_length()
+    width = max(tree.size for tree in trees)
+    device = tokens[0].device
+    rows = len(trees)
+    ids = torch.stack([torch.cat([t, t[:1].expand(width - t.numel())]) for t in tokens])
+    depth = torch.stack([torch.cat([tree.depth, tree.depth.new_zeros(width - tree.size)]) for tree in trees])
+    starts = torch.tensor(lengths, device=device)
+    positions = starts[:, None] + depth
+    allowed = torch.zeros(rows, width, past + width, dtype=torch.bool, device=device)
+    allowed[:, :, :past] = (torch.arange(past, device=device)[None, :] < starts[:, None])[:, None, :]
+    allowed[:, :, past:] = torch.eye(width, dtype=torch.bool, device=device)
+    for row, tree in enumerate(trees):
+        allowed[row, :tree.size, past:past + tree.size] = tree.ancestors
+    mask = additive_mask(allowed, model.dtype)[:, None]
+    decoder = model.get_decoder()
+    return decoder(
+        input_ids=ids,
+        attention_mask=layer_masks(model.config, mask, positions[:, None],
+                                   lambda: torch.cat([torch.arange(past, device=device).expand(rows, past),
+                                                      positions], dim=1)[:, None]),
+        position_ids=positions,
+        **with_cache(decoder, cache),
+        use_cache=True,
+        output_hidden_states=hidden_states,
+    )
+
+
+def keep_paths(cache, past: int, lengths: list[int], paths: list[Sequence[int]]) -> None:
+    """`keep_path` for a batch verified by `verify_batch` after `past` cached positions: each row's accepted nodes
+    move, in order, to right after its own `lengths[b]` entries; the cache is cut to the longest row's new length."""
+    device = cache.layers[0].keys.device
+    rows = torch.tensor([row for row, path in enumerate(paths) for _ in path], device=device)
+    src = torch.tensor([past + node for path in paths for node in path], device=device)
+    dst = torch.tensor([start + i for start, path in zip(lengths, paths) for i in range(len(path))], device=device)
+    for layer in cache.layers:
+        for buf in (layer.keys, layer.values):
+            buf[rows, :, dst] = buf[rows, :, src]
+    crop_cache(cache, max(start + len(path) for start, path in zip(lengths, paths)))
+
+
 def verify_drafted(model, cache, tokens: torch.Tensor, tree: Tree, drafted: DraftedLayers):
     """Verify a tree whose nodes the target's first `drafted.layers` layers have partly run already, as they
     drafted it (self-speculation): those layers run only over the nodes the draft never fed (its last level,

@@ -94,3 +94,29 @@ def cache_for_new_features(cache, committed: int, context: int, new: int):
         cache = growing_cache()  # a new prompt
     crop_cache(cache, start)
     return cache
+
+
+def stacked_cache(caches: list, lengths: list[int]):
+    """One cache for a batch from each row's own (batch of one): row b's first `lengths[b]` entries, then room
+    up to the longest row's, which masks keep every other row from seeing. Rows prefilled alone get exactly the
+    prefill `generate` gives a single prompt."""
+    batch = growing_cache()
+    longest = max(lengths)
+    for i in range(len(caches[0].layers)):
+        stacked = []
+        for name in ("keys", "values"):
+            first = getattr(caches[0].layers[i], name)
+            buf = first.new_zeros(len(caches), *first.shape[1:-2], longest, first.shape[-1])
+            for row, (cache, length) in enumerate(zip(caches, lengths)):
+                buf[row, ..., :length, :] = getattr(cache.layers[i], name)[0, ..., :length, :]
+            stacked.append(buf)
+        batch.update(*stacked, i)
+    return batch
+
+
+def keep_rows(cache, rows: list[int], length: int) -> None:
+    """Keep only the given rows of a batch's cache (a finished request leaves), cut to `length` positions (the
+    longest remaining row's)."""
+    index = torch.tensor(rows, device=cache.layers[0].keys.device)
+    for layer in cache.layers:
+        layer.keys, layer.values = layer.keys[index, :, :length], layer.values[index, :, :length]

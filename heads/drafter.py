@@ -29,6 +29,10 @@ two calls: `level()`, one level on a cache of that length, for `gorgon.decode.ca
 `reset()`, which cuts it off again. A `MergedDrafter` keeps the drafter it merges context drafts into as
 `drafter`, for a bench row without them.
 
+Every drafter but self-speculation's also gives `fresh()`: one with the same weights and settings and none of
+the state it keeps between steps (a cache of its own, what it learned from the text), for each row of a batch
+(`gorgon.decode.batch`); one that keeps nothing returns itself.
+
 A drafter that drafts with the target's own first layers (self-speculation, heads/methods/self_spec) has
 `attach_cache(cache)`, which the decoder calls after the prefill with the target's KV cache, and `drafted`: what
 its last proposal left in that cache's first layers (`gorgon.heads.layers.DraftedLayers`), which verification

@@ -37,12 +37,13 @@ def layer_masks(config, mask: torch.Tensor, query_positions: torch.Tensor, key_p
     is for full attention, with keys a sliding window leaves behind masked too (a query at position p sees
     position q only when p - q < window), and one mask per layer kind where a model mixes them (Gemma 2, 3).
     `key_positions()` gives the cache's positions; it is called only for sliding-window layers, so a model
-    with full attention alone builds nothing per step."""
+    with full attention alone builds nothing per step. For a batch whose rows sit at their own positions, the
+    query positions are (B, 1, T) and the key positions (B, 1, K)."""
     kinds = layer_kinds(config)
     window = getattr(config.get_text_config(), "sliding_window", None)
 
     def windowed():
-        behind = (query_positions[:, None] - key_positions()[None, :]) >= window
+        behind = (query_positions[..., :, None] - key_positions()[..., None, :]) >= window
         return mask.masked_fill(behind, torch.finfo(mask.dtype).min)
 
     masks = {"full_attention": lambda: mask, "sliding_attention": windowed}

@@ -305,6 +305,9 @@ class TargetRolloutDrafter:
             seq = torch.cat([seq, top[:1]])
         return self.tree.tokens(root, torch.stack(rows)), self.tree
 
+    def fresh(self):
+        return self  # it keeps nothing between steps
+
     def scored_paths(self, root, features, context):
         """Each node's path, a later node (deeper, or a lower rank) less likely than an earlier one."""
         tokens, tree = self.propose(root, features, context)

@@ -355,7 +355,7 @@ def test_verify_costs_are_measured_once_per_machine(monkeypatch, tmp_path, capsy
     monkeypatch.setenv("GORGON_CACHE", str(tmp_path))
     calls = []
 
-    def fake_measure(model):
+    def fake_measure(model, **kw):
         calls.append(model)
         return {1: 10.0, 2: 11.0, 4: 12.0}
 
@@ -399,7 +399,7 @@ def test_verify_costs_timed_beside_other_work_are_used_but_not_cached(monkeypatc
     assert calibrate.busy_cores() == 0.0
     monkeypatch.setenv("GORGON_CACHE", str(tmp_path))
     calls = []
-    monkeypatch.setattr(calibrate, "measure_verify_costs", lambda model: calls.append(1) or {1: 10.0, 2: 10.5})
+    monkeypatch.setattr(calibrate, "measure_verify_costs", lambda model, **kw: calls.append(1) or {1: 10.0, 2: 10.5})
     monkeypatch.setattr(calibrate, "busy_cores", lambda: 1.8)
     monkeypatch.setattr(calibrate, "_NOT_CACHED", {})
     model = tiny_model("llama")

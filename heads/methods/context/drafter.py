@@ -87,6 +87,10 @@ class ContextDrafter:
         return {"tree": "built per step", "context_draft": {"ngram": self.max_ngram, "tokens": self.length,
                                                             "max_tokens": self.max_length, "branches": self.branches}}
 
+    def fresh(self) -> "ContextDrafter":
+        """The same settings with nothing learned: a row of a batch learns from its own text."""
+        return ContextDrafter(self.max_ngram, self.length, self.branches, self.max_length)
+
     def chains(self, text: list[int]) -> tuple[int, list[list[int]]]:
         return lookup(text, self.max_ngram, self.length, self.branches, self.max_length)
 
@@ -181,15 +185,24 @@ class MergedDrafter:
         tree = mine["tree"] if isinstance(mine["tree"], str) else "built per step"
         return {**mine, "tree": tree, "context_draft": self.context.settings()["context_draft"]}
 
-    def propose(self, root: torch.Tensor, features: torch.Tensor, context: torch.Tensor):
+    def fresh(self) -> "MergedDrafter":
+        """Both drafters fresh (`Drafter.fresh`), with this one's budget and costs."""
+        return MergedDrafter(self.drafter.fresh(), self.context.fresh(), self.budget, self.costs)
+
+    def scored_paths(self, root: torch.Tensor, features: torch.Tensor,
+                     context: torch.Tensor) -> list[tuple[list[int], float]]:
+        """Both drafters' candidates, each path once with the higher chance, the best `budget - 1` best first."""
         chance: dict[tuple[int, ...], float] = {}
         for path, p in (self.context.scored_paths(root, features, context)
                         + self.drafter.scored_paths(root, features, context)):
             chance[tuple(path)] = max(p, chance.get(tuple(path), 0.0))
-        chosen = best_first(chance, self.budget - 1)
+        return [(list(p), chance[p]) for p in best_first(chance, self.budget - 1)]
+
+    def propose(self, root: torch.Tensor, features: torch.Tensor, context: torch.Tensor):
+        paths = self.scored_paths(root, features, context)
         if self.costs is not None:
-            chosen = chosen[:worth_verifying([chance[p] for p in chosen], self.costs)]
-        return tree_from_token_paths(root, [list(p) for p in chosen])
+            paths = paths[:worth_verifying([p for _, p in paths], self.costs)]
+        return tree_from_token_paths(root, [path for path, _ in paths])
 
 
 # The most nodes a merged tree takes when sized per step (unless the other drafter's own tree is larger):

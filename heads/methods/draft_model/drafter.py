@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import torch
 
 from ...cache import crop_cache, growing_cache, with_cache
@@ -52,6 +54,12 @@ class DraftModelDrafter(SearchDrafter):
         self.model, self.depth, self.topk, self.level_cost = draft_model, k, topk, level_cost
         self.cache = None
         self.seen = torch.empty(0, dtype=torch.long, device=draft_model.device)  # tokens in self.cache
+
+    def fresh(self) -> "DraftModelDrafter":
+        """The same draft and search with an empty cache of its own: one per row of a batch."""
+        twin = copy.copy(self)
+        twin.cache, twin.seen = None, self.seen[:0]
+        return twin
 
     def check_target(self, target_model) -> None:
         """Refuse a draft whose vocabulary differs from the target's (its token ids would mean other text), or on

@@ -13,6 +13,7 @@ under sampling (each candidate is a point-mass proposal).
 
 from __future__ import annotations
 
+import copy
 import math
 
 import torch
@@ -40,6 +41,12 @@ class EagleDrafter(SearchDrafter):
         self.level_cost = level_cost
         self.feature_layers = head.feature_layers
         self.cache, self.committed = None, 0
+
+    def fresh(self) -> "EagleDrafter":
+        """The same head and search with an empty cache of its own: one per row of a batch."""
+        twin = copy.copy(self)
+        twin.cache, twin.committed = None, 0
+        return twin
 
     def check_target(self, model) -> None:
         """The head reads the target's hidden states: other shapes or another device would fail inside torch

@@ -65,6 +65,10 @@ class MedusaDrafter:
     def settings(self) -> dict:
         return {"tree": [list(p) for p in self.tree.paths], "draft_dtype": dtype_name(self.heads)}
 
+    def fresh(self) -> "MedusaDrafter":
+        """Itself: the heads keep nothing between steps, so every row of a batch can share it."""
+        return self
+
     def propose(self, root: torch.Tensor, features: torch.Tensor, context: torch.Tensor):
         """The heads read the hidden state at the last accepted token only."""
         return self.tree.tokens(root, self.heads.draft_topk(features[-1], self.tree.topk_needed)), self.tree

@@ -12,6 +12,8 @@ top-1 of each position. Each candidate is a point-mass proposal, so sampling sta
 
 from __future__ import annotations
 
+import copy
+
 import torch
 
 from ...cache import cache_for_new_features, crop_cache
@@ -45,6 +47,12 @@ class ParallelDrafter:
                               f"{choices} tokens: use ranks below {choices}")
         self.feature_layers = head.feature_layers
         self.cache, self.committed = None, 0
+
+    def fresh(self) -> "ParallelDrafter":
+        """The same head and tree with an empty cache of its own: one per row of a batch."""
+        twin = copy.copy(self)
+        twin.cache, twin.committed = None, 0
+        return twin
 
     @property
     def max_nodes(self) -> int:
