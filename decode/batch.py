@@ -36,8 +36,18 @@ from .acceptance import Sampling, accept_greedy, accept_sampled, accept_typical,
 from .argmax import target_argmax
 from .attention import decoding_attention
 from .calibrate import verify_costs
-from .generate import (GenerationResult, StopRule, check_decoding, check_generate_kwargs, check_input_ids,
-                       check_prompt, chosen_sampling, default_new_tokens, speculative_generate, without_padding)
+from .generate import (
+    GenerationResult,
+    StopRule,
+    check_decoding,
+    check_generate_kwargs,
+    check_input_ids,
+    check_prompt,
+    chosen_sampling,
+    default_new_tokens,
+    speculative_generate,
+    without_padding,
+)
 from .verify import check_verifies_trees, keep_paths, verify_batch
 
 RETRY = 8      # plain steps after which a row that stopped drafting drafts again, to see whether it pays now
