@@ -6,7 +6,9 @@ transformers only (no trl, datasets, peft, wandb).
 """
 
 from .acceptance import Sampling
+from .batch import BatchResult, speculative_generate_batch
 from .generate import GenerationResult, speculative_generate
 from .options import DecodeSettings, from_options
 
-__all__ = ["DecodeSettings", "GenerationResult", "Sampling", "from_options", "speculative_generate"]
+__all__ = ["BatchResult", "DecodeSettings", "GenerationResult", "Sampling", "from_options", "speculative_generate",
+           "speculative_generate_batch"]

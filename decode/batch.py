@@ -48,9 +48,12 @@ from .generate import (
     speculative_generate,
     without_padding,
 )
+from .tau import CountingDrafter
 from .verify import check_verifies_trees, keep_paths, verify_batch
 
-RETRY = 8      # plain steps after which a row that stopped drafting drafts again, to see whether it pays now
+# Plain steps after which a row that stopped drafting drafts again, to see whether it pays now: doubled after each
+# try that did not pay (on many rows a try's drafting is what a row costs), back to the first after one that did.
+RETRY, MOST_RETRY = 4, 64
 MEMORY = 0.25  # weight of the newest step in a row's running averages
 
 
@@ -89,11 +92,22 @@ class Row:
     gain: float = 1.0          # tokens a drafted step added beyond a plain step's one (running average)
     draft_ms: float = 0.0      # its drafter's time a step (running average)
     idle: int = 0              # plain steps since it last drafted
+    retry: int = RETRY         # plain steps before it tries drafting again
 
     def drafts(self, token_ms: float | None) -> bool:
         """Whether this step's drafts are likely to pay for their drafting (`token_ms`: what a token costs in a
         plain step of this batch; None: always draft)."""
-        return token_ms is None or self.idle >= RETRY or self.gain * token_ms >= self.draft_ms
+        return token_ms is None or self.idle >= self.retry or self.pays(token_ms)
+
+    def pays(self, token_ms: float) -> bool:
+        return self.gain * token_ms >= self.draft_ms
+
+    def drafted(self, emitted: int, token_ms: float | None) -> None:
+        """After a step it drafted for, which emitted `emitted` tokens: its running gain, and when it tries again
+        should that make it stop."""
+        self.gain += MEMORY * (emitted - 1 - self.gain)
+        if token_ms is not None:
+            self.retry = RETRY if self.pays(token_ms) else min(2 * self.retry, MOST_RETRY)
 
     def candidates(self, drafts: bool) -> list[tuple[list[int], float]]:
         """Its drafter's candidates, best first with parents before children, each with its chance; none when it
@@ -184,10 +198,11 @@ def speculative_generate_batch(model, drafter, input_ids: torch.Tensor, attentio
     if isinstance(model, Target):
         model = model.model
     check_batch(model, input_ids, attention_mask)
-    if input_ids.shape[0] == 1:
-        one = speculative_generate(model, drafter, input_ids, max_new_tokens, sampling, acceptance, eos_token_id,
+    if input_ids.shape[0] == 1:  # the one-row decoder, its proposals counted
+        counting = CountingDrafter(drafter)
+        one = speculative_generate(model, counting, input_ids, max_new_tokens, sampling, acceptance, eos_token_id,
                                    stop_strings, tokenizer, generator, attention_mask=attention_mask)
-        return BatchResult(rows=[one], widths=[], drafting=[], seconds=one.seconds)
+        return BatchResult(rows=[one], widths=counting.nodes, drafting=[1] * len(counting.nodes), seconds=one.seconds)
     config = getattr(model, "generation_config", None)
     sampling = chosen_sampling(config, sampling, acceptance)
     check_batch_drafter(model, drafter)
@@ -272,7 +287,7 @@ def speculative_generate_batch(model, drafter, input_ids: torch.Tensor, attentio
                 new = row_features(out, r, nodes)
                 row.features = new if drafting[r] else torch.cat([row.features, new])
                 if drafting[r]:
-                    row.gain += MEMORY * (len(emitted) - 1 - row.gain)
+                    row.drafted(len(emitted), token_ms)
                 before = len(row.result.tokens)
                 row.result.tokens.extend(emitted)
                 row.keep = row.stop.cut(row.result.tokens, before)

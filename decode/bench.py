@@ -32,6 +32,14 @@ from gorgon.heads.target import check_model_source, context_length, load_causal_
 
 from .acceptance import Sampling
 from .attention import decoding_attention
+from .bench_batch import (
+    batch_report,
+    batch_sizes_option,
+    batch_table,
+    plot_batches,
+    run_batch_bench,
+    write_batch_report,
+)
 from .calibrate import BUSY_LIMIT, busy_cores, cpu_reading, machine_setup, sync
 from .generate import GenerationResult, generation_config_as_applied, speculative_generate
 from .kernels import kernels_in_use, stock_kernels
@@ -506,6 +514,11 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--overwrite", action="store_true", help="replace an earlier report at --out")
     p.add_argument("--update-card", action="store_true",
                    help="write the figures into the model card (README.md) of the --heads or --draft folder")
+    p.add_argument("--batch-sizes", type=batch_sizes_option, default=None,
+                   help="instead, decode the questions' first turns in batches of each size (1,4,16: distinct "
+                        "questions together, as a server batches requests), gorgon's batched decoder against plain "
+                        "batched `generate`: throughput, speedup, the tree width chosen and identical rows per batch "
+                        "size, a plot, and the draft length per batch size an engine takes (greedy)")
     return p
 
 
@@ -522,6 +535,8 @@ def main(argv=None) -> int:
     unknown = [b for b in baselines if b not in BASELINES]
     if unknown:
         raise GorgonError(f"unknown baseline {unknown[0]!r}: use {', '.join(BASELINES)}")
+    if args.batch_sizes:
+        check_batch_options(args, baselines)
     if "no-context" in baselines:  # before the target loads
         check_no_context(args.context_draft and bool(args.heads or args.draft))
     if args.assistant:
@@ -540,7 +555,58 @@ def main(argv=None) -> int:
     settings = DecodeSettings.from_args(args)
     out = Path(args.out) if args.out else None  # locked: two benches wrote it in turn, and one's figures were lost
     with holding(out.parent / f".{out.name}.lock", "gorgon bench", out) if out else contextlib.nullcontext():
+        if args.batch_sizes:
+            return batch_bench_command(args, settings, argv, questions, earlier)
         return bench_command(args, settings, argv, baselines, questions, earlier)
+
+
+def check_batch_options(args, baselines: tuple[str, ...]) -> None:
+    """What --batch-sizes measures: gorgon's batched decoder against batched `generate`, greedily."""
+    if args.temperature:
+        raise GorgonError("--batch-sizes benches greedy decoding (it counts rows identical to `generate`'s): drop "
+                          "--temperature")
+    others = [b for b in baselines if b not in ("generate", "stock")]
+    given = [name for name, value in (("--assistant", args.assistant), ("--compare-heads", args.compare_heads),
+                                      ("--baselines " + ",".join(others), others)) if value]
+    if given:
+        raise GorgonError(f"--batch-sizes times gorgon against batched `generate` only: drop {given[0]}")
+
+
+def batch_bench_command(args, settings: DecodeSettings, argv, questions: list, earlier: dict | None) -> int:
+    """`gorgon bench --batch-sizes` once its options are checked: load, time each batch size, report."""
+    target, drafter = load_drafter(settings)
+    about = environment(target.model, drafter, Sampling(), args.max_new_tokens)
+    about.update({"target": target.name, "drafter": settings.name, "questions_file": args.questions,
+                  "batch_sizes": args.batch_sizes, "questions_planned": len(questions),
+                  "command": "gorgon bench " + " ".join(sys.argv[2:] if argv is None else argv)})
+    if earlier is not None:
+        check_same_bench({k: v for k, v in earlier.items() if k not in ("batches", "schedule", "trust")}, about,
+                         args.out)
+
+    def record(entries: list[dict], complete: bool) -> dict:
+        report = {**about, **batch_report(entries), "complete": complete}
+        if args.out:
+            write_batch_report(Path(args.out), report)
+        return report
+
+    entries = run_batch_bench(target, drafter, questions, args.batch_sizes, args.max_new_tokens,
+                              checkpoint=lambda entries: record(entries, False),
+                              earlier=earlier["batches"] if earlier else None)
+    report = record(entries, True)
+    print(batch_table(report))
+    print(f"\n{report['device']}, {report['dtype']}, {report['threads']} thread(s); the questions' first turns, "
+          f"{args.max_new_tokens} new tokens; width: nodes per row a step (root included)")
+    if args.out:
+        plot_batches(report, Path(args.out).with_suffix(".png"))
+        print(f"report: {args.out} (plot: {Path(args.out).with_suffix('.png')})")
+    if args.update_card:
+        if not report["trust"]["ok"]:
+            raise GorgonError(f"these figures are not to be trusted, so the model card is left as it was: "
+                              f"{report['trust']['reasons'][0]}; rerun on a quiet machine")
+        folder = Path(args.heads or args.draft)
+        refresh_model_card(folder, report, "batch_bench")
+        print(f"model card updated: {folder / 'README.md'}")
+    return 0
 
 
 def bench_command(args, settings: DecodeSettings, argv, baselines: tuple[str, ...], questions: list,
@@ -625,9 +691,11 @@ def bench_command(args, settings: DecodeSettings, argv, baselines: tuple[str, ..
 
 
 def unfinished_report(out: Path) -> dict | None:
-    """The report at `out` of a bench stopped before its last question ("complete": false), if it is one."""
+    """The report at `out` of a bench stopped before its last question or batch size ("complete": false), if it is
+    one."""
     report = read_report(out)
-    return report if report is not None and report.get("complete") is False and "questions" in report else None
+    unfinished = report is not None and report.get("complete") is False
+    return report if unfinished and ("questions" in report or "batches" in report) else None
 
 
 # What may differ between a stopped bench and the run that goes on from it: how each was started.

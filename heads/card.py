@@ -75,16 +75,17 @@ def check_card_folder(folder: Path) -> None:
 PER_QUESTION = ("questions", "skipped", "per_category", "accepted_histogram")
 
 
-def refresh_model_card(folder: Path, bench: dict) -> None:
-    """Rewrite a trained heads or draft folder's card with benchmark figures (`gorgon bench --update-card`); they
-    are kept in its metrics.json too, so that a card made again (`gorgon push`'s) keeps them."""
+def refresh_model_card(folder: Path, bench: dict, key: str = "bench") -> None:
+    """Rewrite a trained heads or draft folder's card with benchmark figures (`gorgon bench --update-card`; `key`
+    "batch_bench" for `--batch-sizes`); they are kept in its metrics.json too, so that a card made again (`gorgon
+    push`'s) keeps them, and `gorgon export` reads the draft length per batch size from there."""
     try:
         recipe = json.loads((folder / "recipe.json").read_text())
         metrics = json.loads((folder / "metrics.json").read_text())
     except FileNotFoundError as err:
         raise GorgonError(f"{folder} has no recipe.json/metrics.json, so its card cannot be rebuilt: "
                           "--update-card works on folders written by gorgon's training") from err
-    metrics["bench"] = {k: v for k, v in bench.items() if k not in PER_QUESTION}
+    metrics[key] = {k: v for k, v in bench.items() if k not in PER_QUESTION}
     write_model_card(folder, recipe, metrics)
 
 
@@ -262,12 +263,27 @@ def speed_section(bench: dict | None, flag: str, ref: str) -> str:
                     f"`{bench['command']}`")
 
 
+def batch_section(report: dict | None) -> str:
+    """The card's speedup by batch size (`gorgon bench --batch-sizes`) and the schedule engines take; empty where
+    none was measured."""
+    if not report:
+        return ""
+    rows = "".join(f"| {e['batch']} | {e['tau']:.2f} | {e['tokens_per_s']:.1f} | {e['baseline_tokens_per_s']:.1f} | "
+                   f"{e['speedup']:.2f}x | {e['identical']}/{e['rows']} |\n" for e in report["batches"])
+    return (f"\n\n### Under load\n\nRequests decoded together (distinct questions' first turns), gorgon's batched "
+            f"decoder against batched `generate`:\n\n| batch | tau | tokens/s | generate tokens/s | speedup | "
+            f"identical rows |\n|---|---|---|---|---|---|\n{rows}\nDraft tokens per batch size (vLLM's "
+            f"`num_speculative_tokens_per_batch_size`, which `gorgon export` writes into its serving command): "
+            f"`{json.dumps(report['schedule'])}`. Measured on {report['device']}, {report['threads']} thread(s), by\n"
+            f"`{report['command']}`")
+
+
 def heads_speed_and_use(metrics: dict, ref: str) -> str:
     """A heads card's Speed and Use sections: the bench's table (or how to measure one), then gorgon's command
     and Python."""
     return f"""## Speed
 
-{speed_section(metrics.get('bench'), '--heads', ref)}
+{speed_section(metrics.get('bench'), '--heads', ref)}{batch_section(metrics.get('batch_bench'))}
 
 ## Use
 

@@ -86,13 +86,27 @@ def main(argv=None) -> int:
         else:
             move_into_place(staged, out, EXPORT_MARKER)
     print(f"gorgon export: wrote {args.format} heads to {out}")
-    print(f"gorgon export: next, serve them: {method.serve(args.format, out, base_model, heads)}")
+    schedule = measured_schedule(folder)
+    print(f"gorgon export: next, serve them: {method.serve(args.format, out, base_model, heads, schedule)}")
+    if schedule:
+        print(f"gorgon export: the draft length per batch size is the one `gorgon bench --batch-sizes` measured "
+              f"({folder / 'metrics.json'}); vLLM takes it in its speculative config, SGLang, TensorRT-LLM, TGI and "
+              "llama.cpp have no such setting", file=sys.stderr)
     if not is_hub_id(base_model):
         print(f"gorgon export: the export names its target by the local path {base_model}: an engine elsewhere "
               "needs a name it can load (--base-model user/name)", file=sys.stderr)
     for note in method.export_notes(folder):
         print(f"gorgon export: {note}", file=sys.stderr)
     return 0
+
+
+def measured_schedule(folder: Path) -> list | None:
+    """The draft length per batch size that `gorgon bench --batch-sizes --update-card` kept in the folder's
+    metrics.json (vLLM's `num_speculative_tokens_per_batch_size`), or None."""
+    try:
+        return json.loads((folder / "metrics.json").read_text())["batch_bench"]["schedule"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
 
 
 def replace_export(staged: Path, out: Path, written: list[str]) -> None:

@@ -1,6 +1,7 @@
 """Batched speculative decoding: every row is what its own greedy `generate` gives, rows finish on their own, drafts
 follow each row's acceptance and the batch's verify cost, sampling stays exact per row, and bad input is one line."""
 
+import json
 import time
 
 import pytest
@@ -68,6 +69,23 @@ def test_every_row_is_its_own_greedy_generate(arch, merged):
         assert row.tokens == reference(model, prompt[None], 25)
     assert max(a for row in batch.rows for a in row.accepted) >= 3  # drafted paths were accepted, deep
     assert max(batch.widths) > 1
+
+
+@pytest.mark.parametrize("kind", ["draft model", "parallel"])
+def test_a_draft_model_and_a_parallel_drafter_decode_a_batch(kind):
+    from gorgon.heads import DraftModelDrafter
+    from gorgon.heads.methods.parallel import ParallelDrafter, ParallelHead
+
+    model = sharp_model("llama")
+    if kind == "draft model":
+        drafter = DraftModelDrafter(sharp_model("llama", seed=1), k=3, topk=2)
+    else:
+        torch.manual_seed(0)
+        drafter = ParallelDrafter(ParallelHead.for_target(model, 3), tree=6)
+    prompts = prompts_of([5, 8, 3], seed=5)
+    ids, mask = left_padded(prompts)
+    batch = speculative_generate_batch(model, drafter, ids, attention_mask=mask, max_new_tokens=20, costs=None)
+    assert [row.tokens for row in batch.rows] == [reference(model, p[None], 20) for p in prompts]
 
 
 def test_medusa_heads_decode_a_batch_of_a_family_with_mixed_layers():
@@ -232,3 +250,76 @@ def test_sampling_is_exact_in_every_row():
         exp = expected[common].tolist() + [float(expected[~common].sum())]
         assert len(obs) >= 6
         assert chisquare(obs, [e * sum(obs) / sum(exp) for e in exp]).pvalue > 1e-3
+
+
+def test_the_schedule_gives_each_measured_batch_size_the_drafts_it_chose_and_none_where_they_lost():
+    from gorgon.decode.bench_batch import schedule
+
+    entries = [{"batch": 1, "draft_gain": 1.8, "median_width": 5},
+               {"batch": 4, "draft_gain": 1.1, "median_width": 2.5},
+               {"batch": 16, "draft_gain": 0.99, "median_width": 2},
+               {"batch": 32, "draft_gain": 1.0, "median_width": 1}]
+    assert schedule(entries) == [[1, 1, 4], [2, 4, 2], [5, 16, 0], [17, 32, 0]]
+
+
+def test_an_export_serves_with_the_measured_draft_length_per_batch_size(tmp_path, capsys):
+    """What `bench --batch-sizes --update-card` kept in metrics.json goes into vLLM's speculative config, in the
+    format vLLM 0.32 validates (vllm/v1/spec_decode/dynamic/utils.py: inclusive ranges from 1)."""
+    from helpers import tiny_chat_target
+
+    from gorgon.heads.cli import main as gorgon
+
+    target = tiny_chat_target(tmp_path, layers=6)
+    model = __import__("gorgon.heads", fromlist=["load_target"]).load_target(str(target), device="cpu").model
+    EagleHead.for_target(model).save_pretrained(tmp_path / "head")
+    plan = [[1, 1, 4], [2, 8, 2], [9, 32, 0]]
+    (tmp_path / "head" / "metrics.json").write_text(json.dumps({"batch_bench": {"schedule": plan}}))
+    assert gorgon(["export", "--heads", str(tmp_path / "head"), "--target", str(target), "--format", "eagle3",
+                   "--out", str(tmp_path / "out")]) == 0
+    captured = capsys.readouterr()
+    command = next(line for line in captured.out.splitlines() if "next, serve them" in line)
+    spec = json.loads(command.split("--speculative-config ", 1)[1].strip("'"))
+    assert spec["num_speculative_tokens_per_batch_size"] == plan and spec["method"] == "eagle3"
+    assert "llama.cpp have no such setting" in captured.err
+
+
+@pytest.mark.slow
+def test_bench_batch_sizes_reports_each_size_plots_it_and_goes_on_after_a_stop(tmp_path, capsys, monkeypatch):
+    from helpers import questions_file, tiny_chat_target
+
+    import gorgon.decode.bench as bench
+    import gorgon.decode.bench_batch as bench_batch
+    from gorgon.heads.cli import main as gorgon
+
+    target = tiny_chat_target(tmp_path)
+    model = __import__("gorgon.heads", fromlist=["load_target"]).load_target(str(target), device="cpu").model
+    MedusaHeads.for_target(model, num_heads=2).save_pretrained(tmp_path / "heads")
+    questions = questions_file(tmp_path / "q.jsonl")
+    out = tmp_path / "b" / "batch.json"
+    command = ["--target", str(target), "--heads", str(tmp_path / "heads"), "--context-draft", "--questions",
+               str(questions), "--batch-sizes", "1,2", "--max-new-tokens", "6", "--out", str(out)]
+    real, calls = bench_batch.batch_figures, []
+
+    def stopped_in_the_second_size(*args):
+        calls.append(args[0])
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return real(*args)
+
+    monkeypatch.setattr(bench_batch, "batch_figures", stopped_in_the_second_size)
+    with pytest.raises(KeyboardInterrupt):
+        bench.main(command)
+    stopped = json.loads(out.read_text())
+    assert stopped["complete"] is False and [e["batch"] for e in stopped["batches"]] == [1]
+    monkeypatch.setattr(bench_batch, "batch_figures", real)
+    assert bench.main(command) == 0  # goes on: batch 1 is kept, batch 2 run
+    report = json.loads(out.read_text())
+    assert report["complete"] and [e["batch"] for e in report["batches"]] == [1, 2]
+    assert report["batches"][0] == stopped["batches"][0]
+    for entry in report["batches"]:
+        assert entry["identical"] == entry["rows"] and entry["speedup"] > 0 and entry["tau"] >= 1
+    assert report["schedule"][0][:2] == [1, 1] and report["schedule"][-1][1] == 2
+    assert out.with_suffix(".png").stat().st_size > 0
+    assert "| batch | rows | tau |" in capsys.readouterr().out
+    assert gorgon(["bench", *command[:-2], "--out", str(tmp_path / "c.json"), "--temperature", "0.7"]) == 2
+    assert "--batch-sizes benches greedy decoding" in capsys.readouterr().err

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import json
 from collections.abc import Callable
 from pathlib import Path
 
@@ -97,13 +98,23 @@ class Method:
     export: Callable | None = None        # (module, fmt, staging, base_model, dtype): writes an engine's layout
     export_formats: tuple[str, ...] = ()
     export_help: str = ""                 # "'eagle3' (vLLM's and SGLang's EAGLE-3) or ..." for --help
-    serve: Callable | None = None         # (fmt, out, base_model, module) -> the engine's command
+    serve: Callable | None = None         # (fmt, out, base_model, module, schedule) -> the engine's command
     export_notes: Callable[[Path], list[str]] = lambda folder: []  # lines to print after an export
     card: Callable | None = None          # (folder, ref, recipe, metrics, hub) -> the model card's text
     rows: Callable[[int], str] = lambda k: f"draft {k}"  # what the k-th held-out accuracy measures (1-based)
     recipe: type | None = None            # its training keys: a dataclass subclassing `Recipe`
     objective: Callable | None = None     # (recipe, shared, target, draft_tokens) -> a loss module with `.heads`
     nodes: dict | None = None             # default tree nodes per step by device type ("cpu", "cuda")
+
+
+def vllm_serve(base_model: str, spec: dict, schedule: list | None = None) -> str:
+    """vLLM's command serving an export with its speculative config `spec`, and the draft length per batch size
+    where `gorgon bench --batch-sizes` measured one (`num_speculative_tokens_per_batch_size`, in vLLM 0.32's
+    vllm/config/speculative.py: inclusive batch-size ranges from 1, each with its draft tokens; vLLM caps each at
+    num_speculative_tokens and keeps the last for larger batches)."""
+    if schedule:
+        spec = {**spec, "num_speculative_tokens_per_batch_size": schedule}
+    return f"vllm serve {base_model} --speculative-config '{json.dumps(spec)}'"
 
 
 def register(method: Method) -> Method:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ...card import card_metadata, data_line, speed_section
+from ...card import batch_section, card_metadata, data_line, speed_section
 from ...target import hub_name
 
 
@@ -53,7 +53,7 @@ Expected tokens per step assume each drafted token matches independently with th
 
 ## Speed
 
-{speed_section(metrics.get('bench'), '--draft', ref)}
+{speed_section(metrics.get('bench'), '--draft', ref)}{batch_section(metrics.get('batch_bench'))}
 
 ## Use
 

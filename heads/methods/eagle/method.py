@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
-import json
 from pathlib import Path
 
 from ...errors import GorgonError
-from .. import Method, SearchRecipe, register, setting
+from .. import Method, SearchRecipe, register, setting, vllm_serve
 from . import formats
 from .card import eagle_card
 from .model import ARCH, NODES, EagleHead
@@ -87,12 +86,13 @@ def drafter(head, tree, depth, topk):
     return drafter
 
 
-def serve(fmt: str, out: Path, base_model: str, head) -> str:
-    """The engine's command for an export in either layout, drafting the head's search depth a step. It names the
-    method: vLLM takes the method of a draft given without one from its path ("eagle3" in it,
-    vllm/config/speculative.py) and loads any other folder as a plain draft model, which fails."""
-    spec = json.dumps({"method": "eagle3", "model": str(out), "num_speculative_tokens": head.config.depth})
-    return f"vllm serve {base_model} --speculative-config '{spec}'"
+def serve(fmt: str, out: Path, base_model: str, head, schedule=None) -> str:
+    """The engine's command for an export in either layout, drafting the head's search depth a step (the measured
+    `schedule` of draft lengths by batch size where there is one). It names the method: vLLM takes the method of a
+    draft given without one from its path ("eagle3" in it, vllm/config/speculative.py) and loads any other folder
+    as a plain draft model, which fails."""
+    spec = {"method": "eagle3", "model": str(out), "num_speculative_tokens": head.config.depth}
+    return vllm_serve(base_model, spec, schedule)
 
 
 METHOD = register(Method(

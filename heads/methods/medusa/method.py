@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import dataclasses
-import json
 from pathlib import Path
 
 from ...errors import GorgonError
 from ...files import is_model_config
-from .. import Method, Recipe, register, setting
+from .. import Method, Recipe, register, setting, vllm_serve
 from . import formats
 from .card import medusa_card
 from .model import ADAPTER_DIR, NODES, TREES_NAME, MedusaHeads
@@ -136,12 +135,13 @@ def adapter(folder: Path) -> Path | None:
     return folder / ADAPTER_DIR if (folder / ADAPTER_DIR).is_dir() else None
 
 
-def serve(fmt: str, out: Path, base_model: str, heads) -> str:
-    """The engine's command for an export, drafting one token a head (the commands of vLLM's and TGI's docs)."""
+def serve(fmt: str, out: Path, base_model: str, heads, schedule=None) -> str:
+    """The engine's command for an export, drafting one token a head (the commands of vLLM's and TGI's docs; TGI
+    takes no draft length per batch size)."""
     if fmt == "medusa":
         return f"text-generation-launcher --model-id {out} (TGI; its config names the target)"
-    spec = json.dumps({"method": "medusa", "model": str(out), "num_speculative_tokens": heads.config.num_heads})
-    return f"vllm serve {base_model} --speculative-config '{spec}'"
+    spec = {"method": "medusa", "model": str(out), "num_speculative_tokens": heads.config.num_heads}
+    return vllm_serve(base_model, spec, schedule)
 
 
 def export_notes(folder: Path) -> list[str]:

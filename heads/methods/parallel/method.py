@@ -4,12 +4,11 @@ speculators library's `peagle` layout, which vLLM serves as EAGLE-3 with paralle
 from __future__ import annotations
 
 import dataclasses
-import json
 from pathlib import Path
 
 from ...errors import GorgonError
 from ...files import config_or_none
-from .. import Method, Recipe, register, setting
+from .. import Method, Recipe, register, setting, vllm_serve
 from . import formats
 from .card import parallel_card
 from .model import ARCH, BLOCK_SIZE, NODES, ParallelHead, check_block_size
@@ -97,13 +96,13 @@ def check_options(name, depth=None, topk=None, draft_dtype="auto", level_cost=No
                           "nothing to stop (it applies to --draft and EAGLE heads)")
 
 
-def serve(fmt: str, out: Path, base_model: str, head) -> str:
+def serve(fmt: str, out: Path, base_model: str, head, schedule=None) -> str:
     """vLLM's command for the export, drafting the whole block a step. It names the method and parallel drafting:
     given a draft folder alone, vLLM takes its method from the path and has no branch for peagle
     (vllm/config/speculative.py), and builds it as a plain draft model, which fails."""
-    spec = json.dumps({"method": "eagle3", "model": str(out), "num_speculative_tokens": head.config.block_size,
-                       "parallel_drafting": True})
-    return f"vllm serve {base_model} --speculative-config '{spec}'"
+    spec = {"method": "eagle3", "model": str(out), "num_speculative_tokens": head.config.block_size,
+            "parallel_drafting": True}
+    return vllm_serve(base_model, spec, schedule)
 
 
 METHOD = register(Method(
