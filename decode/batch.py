@@ -11,6 +11,8 @@ rows accept at their own rates. So each step decides from measurements, per row 
 - The batch verifies every row's best candidates up to one width: the width whose expected tokens over all rows
   (1 + the sum of each row's candidates' chances) per millisecond of a forward at that width is the highest.
   Where drafts cannot pay (many rows on a CPU), that is 1: a plain batched step.
+- Both rest on estimates, so the batch also measures what its drafted steps give against its plain ones, with
+  everything a step does (`Pace`), and stops drafting altogether while drafted steps lose.
 
 Each row keeps what one-row decoding keeps (a fresh drafter of its own, `Drafter.fresh`; its context, root,
 features and stop) and its own length in one KV cache: a row's entries sit at the cache's front, the rest up to
@@ -139,6 +141,35 @@ def batch_width(chances: list[list[float]], costs: dict[int, float] | None) -> i
     return best
 
 
+class Pace:
+    """Whether the batch drafts at all this step: what its drafted steps have given, in tokens a second for each
+    row, against its plain steps', both measured as it decodes (running averages). The per-row and per-width
+    choices above come from estimates (draft chances, verify costs timed apart); this measures what they add up
+    to with everything a step does, so a batch whose drafts do not pay takes plain steps, trying drafts again
+    after RETRY plain steps, doubling to MOST_RETRY while they lose. Off (always drafting) without costs."""
+
+    def __init__(self, on: bool):
+        self.on, self.rate, self.wait, self.plain = on, {True: None, False: None}, RETRY, 0
+
+    def drafts(self) -> bool:
+        drafted, plain = self.rate[True], self.rate[False]
+        if not self.on or drafted is None:
+            return True   # drafts first,
+        if plain is None:
+            return False  # then a plain step, to compare
+        return drafted >= plain or self.plain >= self.wait
+
+    def record(self, drafted: bool, tokens: int, seconds: float, rows: int) -> None:
+        rate, before = tokens / max(seconds, 1e-9) / rows, self.rate[drafted]
+        self.rate[drafted] = rate if before is None else before + MEMORY * (rate - before)
+        if drafted:
+            self.plain = 0
+            plain = self.rate[False]
+            self.wait = RETRY if plain is None or self.rate[True] >= plain else min(2 * self.wait, MOST_RETRY)
+        else:
+            self.plain += 1
+
+
 class BatchCosts:
     """Verify costs at each batch size a call meets (rows leave as they finish): measured once per machine
     (`gorgon.decode.calibrate.verify_costs`) at the starting size and the powers of two below it, each size
@@ -218,6 +249,7 @@ def speculative_generate_batch(model, drafter, input_ids: torch.Tensor, attentio
     stop_strings = stop_strings or getattr(config, "stop_strings", None)
     layers = drafter.feature_layers
     sizing = BatchCosts(model, len(prompts), costs)
+    pace = Pace(on=costs is not None)
 
     def next_token(hidden):
         if sampling.greedy:
@@ -261,7 +293,9 @@ def speculative_generate_batch(model, drafter, input_ids: torch.Tensor, attentio
                 keep_rows(cache, still, max(lengths))
             costs_now = sizing.at(len(live))
             token_ms = costs_now[1] / len(live) if costs_now else None
-            drafting = [row.drafts(token_ms) for row in live]
+            step_start = time.perf_counter()
+            drafts = pace.drafts()
+            drafting = [drafts and row.drafts(token_ms) for row in live]
             scored = [row.candidates(d) for row, d in zip(live, drafting)]
             width = batch_width([[p for _, p in s] for s in scored], costs_now)
             proposals = [tree_from_token_paths(row.root, [path for path, _ in s[:width - 1]])
@@ -296,6 +330,7 @@ def speculative_generate_batch(model, drafter, input_ids: torch.Tensor, attentio
                 row.root = host_to_device(torch.tensor(emitted[-1]), tokens.device)
             keep_paths(cache, past, lengths, paths)
             lengths = [length + len(path) for length, path in zip(lengths, paths)]
+            pace.record(any(drafting), sum(map(len, paths)), time.perf_counter() - step_start, len(live))
             batch.widths.append(width)
             batch.drafting.append(sum(drafting))
     for row in rows:  # the tokens a row's last step emitted past its end are not kept

@@ -55,6 +55,14 @@ def eagle(model, **search):
     return EagleDrafter(head, **search)
 
 
+def assert_rows_are_their_own(model, drafter, prompts, new=20):
+    """Every row of the batch decoded greedily is the model's own `generate` on that prompt alone."""
+    ids, mask = left_padded(prompts)
+    batch = speculative_generate_batch(model, drafter, ids, attention_mask=mask, max_new_tokens=new, costs=None)
+    assert [row.tokens for row in batch.rows] == [reference(model, p[None], new) for p in prompts]
+    return batch
+
+
 @pytest.mark.parametrize("arch", FAMILIES)
 @pytest.mark.parametrize("merged", [False, True])
 def test_every_row_is_its_own_greedy_generate(arch, merged):
@@ -62,11 +70,7 @@ def test_every_row_is_its_own_greedy_generate(arch, merged):
     drafter = eagle(model, nodes=8, depth=3, topk=2)
     if merged:
         drafter = MergedDrafter(drafter, ContextDrafter())
-    prompts = prompts_of([5, 9, 3, 7])
-    ids, mask = left_padded(prompts)
-    batch = speculative_generate_batch(model, drafter, ids, attention_mask=mask, max_new_tokens=25, costs=None)
-    for prompt, row in zip(prompts, batch.rows):
-        assert row.tokens == reference(model, prompt[None], 25)
+    batch = assert_rows_are_their_own(model, drafter, prompts_of([5, 9, 3, 7]), new=25)
     assert max(a for row in batch.rows for a in row.accepted) >= 3  # drafted paths were accepted, deep
     assert max(batch.widths) > 1
 
@@ -82,10 +86,7 @@ def test_a_draft_model_and_a_parallel_drafter_decode_a_batch(kind):
     else:
         torch.manual_seed(0)
         drafter = ParallelDrafter(ParallelHead.for_target(model, 3), tree=6)
-    prompts = prompts_of([5, 8, 3], seed=5)
-    ids, mask = left_padded(prompts)
-    batch = speculative_generate_batch(model, drafter, ids, attention_mask=mask, max_new_tokens=20, costs=None)
-    assert [row.tokens for row in batch.rows] == [reference(model, p[None], 20) for p in prompts]
+    assert_rows_are_their_own(model, drafter, prompts_of([5, 8, 3], seed=5))
 
 
 def test_medusa_heads_decode_a_batch_of_a_family_with_mixed_layers():
@@ -93,10 +94,7 @@ def test_medusa_heads_decode_a_batch_of_a_family_with_mixed_layers():
     torch.manual_seed(0)
     heads = MedusaHeads.for_target(model, num_heads=3)
     drafter = MergedDrafter(MedusaDrafter(heads, tree=[[0], [1], [0, 0], [0, 0, 0]]), ContextDrafter())
-    prompts = prompts_of([6, 10, 4], seed=2)
-    ids, mask = left_padded(prompts)
-    batch = speculative_generate_batch(model, drafter, ids, attention_mask=mask, max_new_tokens=20, costs=None)
-    assert [row.tokens for row in batch.rows] == [reference(model, p[None], 20) for p in prompts]
+    assert_rows_are_their_own(model, drafter, prompts_of([6, 10, 4], seed=2))
 
 
 def test_rows_stop_on_their_own_and_leave_the_batch():
