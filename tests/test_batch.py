@@ -321,3 +321,18 @@ def test_bench_batch_sizes_reports_each_size_plots_it_and_goes_on_after_a_stop(t
     assert "| batch | rows | tau |" in capsys.readouterr().out
     assert gorgon(["bench", *command[:-2], "--out", str(tmp_path / "c.json"), "--temperature", "0.7"]) == 2
     assert "--batch-sizes benches greedy decoding" in capsys.readouterr().err
+
+
+def test_a_card_shows_the_speedup_by_batch_size_and_the_schedule():
+    from gorgon.heads.card import batch_section
+
+    report = {"batches": [{"batch": 1, "tau": 1.8, "tokens_per_s": 23.1, "baseline_tokens_per_s": 13.9,
+                           "speedup": 1.66, "identical": 80, "rows": 80},
+                          {"batch": 4, "tau": 1.07, "tokens_per_s": 47.4, "baseline_tokens_per_s": 46.2,
+                           "speedup": 1.03, "identical": 80, "rows": 80}],
+              "schedule": [[1, 1, 5], [2, 4, 0]], "device": "cpu (AMD EPYC)", "threads": 1,
+              "command": "gorgon bench --batch-sizes 1,4"}
+    section = batch_section(report)
+    assert "| 1 | 1.80 | 23.1 | 13.9 | 1.66x | 80/80 |" in section and "| 4 | 1.07 |" in section
+    assert "`[[1, 1, 5], [2, 4, 0]]`" in section and "`gorgon bench --batch-sizes 1,4`" in section
+    assert batch_section(None) == ""
