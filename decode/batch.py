@@ -47,11 +47,12 @@ from .generate import (
     check_prompt,
     chosen_sampling,
     default_new_tokens,
+    next_token,
     speculative_generate,
     without_padding,
 )
 from .tau import CountingDrafter
-from .verify import check_verifies_trees, keep_paths, verify_batch
+from .verify import check_verifies_trees, features, keep_paths, verify_batch
 
 # Plain steps after which a row that stopped drafting drafts again, to see whether it pays now: doubled after each
 # try that did not pay (on many rows a try's drafting is what a row costs), back to the first after one that did.
@@ -82,10 +83,8 @@ class BatchResult:
 class Row:
     """One request's decoding state."""
 
-    index: int                 # its place in the batch as given
     drafter: object
     stop: StopRule
-    room: int                  # max_new_tokens
     context: torch.Tensor      # the tokens in its cache; root follows them
     features: torch.Tensor     # the target's features at the tokens accepted since its drafter last proposed
     root: torch.Tensor
@@ -121,7 +120,8 @@ class Row:
         scored = self.drafter.scored_paths(self.root, self.features, self.context)
         self.draft_ms += MEMORY * ((time.perf_counter() - start) * 1000 - self.draft_ms)
         self.idle = 0
-        chance = {tuple(path): p for path, p in scored if len(path) <= self.room - len(self.result.tokens) - 1}
+        room = self.stop.max_new_tokens - len(self.result.tokens) - 1
+        chance = {tuple(path): p for path, p in scored if len(path) <= room}
         return [(list(path), chance[path]) for path in best_first(chance, len(chance))]
 
 
@@ -251,29 +251,19 @@ def speculative_generate_batch(model, drafter, input_ids: torch.Tensor, attentio
     sizing = BatchCosts(model, len(prompts), costs)
     pace = Pace(on=costs is not None)
 
-    def next_token(hidden):
-        if sampling.greedy:
-            return target_argmax(model, hidden)
-        return torch.multinomial(target_probs(lm_logits(model, hidden), sampling), 1, generator=generator)[0]
-
-    def row_features(out, row: int, nodes) -> torch.Tensor:
-        if layers is None:
-            return out.last_hidden_state[row, nodes]
-        return torch.cat([out.hidden_states[i][row, nodes] for i in layers], dim=-1)
-
     with decoding_attention(input_ids.device):
         check_verifies_trees(model)
         start = time.perf_counter()
         rows, caches = [], []
         decoder = model.get_decoder()
-        for b, prompt in enumerate(prompts):  # each prefilled alone: exactly generate's prefill of one prompt
+        for prompt in prompts:  # each prefilled alone: exactly generate's prefill of one prompt
             caches.append(growing_cache())
             out = decoder(input_ids=prompt, **with_cache(decoder, caches[-1]), use_cache=True,
                           output_hidden_states=layers is not None)
-            root = next_token(out.last_hidden_state[0, -1])
+            root = next_token(model, out.last_hidden_state[0, -1], sampling, generator)
             result = GenerationResult(tokens=[int(root)], target_forwards=1, accepted=[1])
-            row = Row(b, drafter.fresh(), StopRule(max_new_tokens, eos_token_id, stop_strings, tokenizer),
-                      max_new_tokens, prompt[0], row_features(out, 0, slice(None)), root, result)
+            row = Row(drafter.fresh(), StopRule(max_new_tokens, eos_token_id, stop_strings, tokenizer), prompt[0],
+                      features(out, layers), root, result)
             row.keep = row.stop.cut(result.tokens, 0)
             rows.append(row)
         lengths = [p.shape[1] for p in prompts]
@@ -318,7 +308,7 @@ def speculative_generate_batch(model, drafter, input_ids: torch.Tensor, attentio
                 paths.append(path)
                 nodes = host_to_device(torch.tensor(path), tokens.device)
                 row.context = torch.cat([row.context, tokens[nodes]])
-                new = row_features(out, r, nodes)
+                new = features(out, layers, r)[nodes]
                 row.features = new if drafting[r] else torch.cat([row.features, new])
                 if drafting[r]:
                     row.drafted(len(emitted), token_ms)

@@ -15,6 +15,7 @@ same rotation, and the report says how much of the speedup the drafts themselves
 
 from __future__ import annotations
 
+import argparse
 import json
 import statistics
 import time
@@ -55,8 +56,6 @@ def batch_sizes_option(text: str) -> list[int]:
     except ValueError:
         sizes = []
     if not sizes or sizes[0] < 1:
-        import argparse
-
         raise argparse.ArgumentTypeError(f"--batch-sizes takes whole numbers >= 1, comma-separated (1,4,16), not "
                                          f"{text!r}")
     return sizes

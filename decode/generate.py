@@ -306,6 +306,13 @@ def same_device(a: torch.device, b: torch.device) -> bool:
     return a.type == b.type and (a.index is None or b.index is None or a.index == b.index)
 
 
+def next_token(model, hidden: torch.Tensor, sampling: Sampling, generator: torch.Generator | None) -> torch.Tensor:
+    """The target's token after a prefill, from its last hidden state: its greedy choice, or a sample."""
+    if sampling.greedy:
+        return target_argmax(model, hidden)
+    return torch.multinomial(target_probs(lm_logits(model, hidden), sampling), 1, generator=generator)[0]
+
+
 @torch.inference_mode()
 def speculative_generate(model, drafter: Drafter, input_ids: torch.Tensor, max_new_tokens: int | None = None,
                          sampling: Sampling | None = None, acceptance: str = "exact", eos_token_id="default",
@@ -345,11 +352,6 @@ def speculative_generate(model, drafter: Drafter, input_ids: torch.Tensor, max_n
     layers = drafter.feature_layers
     feed, end = stream_to(streamer, input_ids)
 
-    def next_token(hidden):
-        if sampling.greedy:
-            return target_argmax(model, hidden)
-        return torch.multinomial(target_probs(lm_logits(model, hidden), sampling), 1, generator=generator)[0]
-
     with decoding_attention(input_ids.device):  # on CUDA, attention without per-shape setup
         check_verifies_trees(model)  # once per model: a family whose forward cannot verify trees is refused
         start = time.perf_counter()  # after that one-time probe, which --stats' tokens/s once included
@@ -358,7 +360,7 @@ def speculative_generate(model, drafter: Drafter, input_ids: torch.Tensor, max_n
         out = decoder(input_ids=input_ids, **with_cache(decoder, cache), use_cache=True,
                       output_hidden_states=layers is not None)
         fresh = features(out, layers)
-        root = next_token(out.last_hidden_state[0, -1])
+        root = next_token(model, out.last_hidden_state[0, -1], sampling, generator)
         shares_cache = hasattr(drafter, "attach_cache")  # self-speculation: the draft writes the target's cache
         if shares_cache:
             drafter.attach_cache(cache)

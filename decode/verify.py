@@ -150,12 +150,12 @@ def verify_drafted(model, cache, tokens: torch.Tensor, tree: Tree, drafted: Draf
     return result
 
 
-def features(output, layers: tuple[int, ...] | None) -> torch.Tensor:
-    """A drafter's features from a decoder output (batch of one): the last hidden state, or the
+def features(output, layers: tuple[int, ...] | None, row: int = 0) -> torch.Tensor:
+    """A drafter's features from a decoder output (its batch row `row`): the last hidden state, or the
     `hidden_states` of the given layers concatenated (see `gorgon.heads.drafter`)."""
     if layers is None:
-        return output.last_hidden_state[0]
-    return torch.cat([output.hidden_states[i][0] for i in layers], dim=-1)
+        return output.last_hidden_state[row]
+    return torch.cat([output.hidden_states[i][row] for i in layers], dim=-1)
 
 
 def accepted_rows(path: Sequence[int], device) -> torch.Tensor | slice:
