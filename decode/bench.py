@@ -47,15 +47,19 @@ from .options import (
     DecodeSettings,
     add_model_arguments,
     check_sampling_options,
-    compared_drafter,
+    compared_drafters,
     load_drafter,
 )
 from .questions import ask, load_questions, per_category_sample
 
 BASELINES = ("generate", "stock", "prompt-lookup", "no-context")
-# Methods that decode with a drafter: they also report tau and an identical count. "compare" is the
-# --compare-heads drafter, drafted as --heads is; "compare-no-context" the same heads without context drafts.
-SPECULATIVE = ("no-context", "compare", "compare-no-context")
+
+
+def is_speculative(name: str) -> bool:
+    """Whether a timed method decodes with a drafter, and so also reports tau and an identical count: no-context,
+    and each compared drafter (compare, compare2, ... in the order --compare-heads and --compare-draft name
+    them; "-no-context" the same one without context drafts)."""
+    return name == "no-context" or name.startswith("compare")
 
 
 def timed_generate(model, ids, max_new_tokens: int, sampling: Sampling, **extra):
@@ -90,7 +94,7 @@ def summarize(rows: list[dict], greedy: bool, extra: tuple[str, ...], stock: boo
     its own choice of attention): `speedup_vs_stock` is gorgon against that (what a user gains end
     to end), `speedup` against `generate` on the kernels and attention gorgon runs on (what
     speculation alone gives). Each name in `extra` is another method timed
-    in the same rotation; a speculative one (`SPECULATIVE`) also has its tau and identical count.
+    in the same rotation; a speculative one (`is_speculative`) also has its tau and identical count.
     """
     tokens = sum(r["tokens"] for r in rows)
     seconds = sum(r["seconds"] for r in rows)
@@ -116,19 +120,19 @@ def summarize(rows: list[dict], greedy: bool, extra: tuple[str, ...], stock: boo
         s = sum(r[f"{name}_seconds"] for r in rows)
         out[f"{name}_tokens_per_s"] = t / max(s, 1e-9)
         out[f"{name}_speedup"] = (t / max(s, 1e-9)) / base_tps
-        if name in SPECULATIVE:
+        if is_speculative(name):
             out[f"{name}_tau"] = t / max(1, sum(r[f"{name}_target_forwards"] for r in rows))
             out[f"{name}_identical"] = sum(r[f"{name}_identical"] for r in rows) if greedy else None
     return out
 
 
 def timed_methods(model, drafter, baselines: tuple[str, ...], assistant, sampling: Sampling, generator,
-                  compare=None) -> dict:
+                  compare: list[dict] = ()) -> dict:
     """What is timed on each turn, by name: a function of (prompt ids, max new tokens) returning a
-    GenerationResult. `baseline` is plain `generate`, `gorgon` the drafter under test, `compare` another
-    heads' drafter; the rest are the baselines asked for. `generate` runs on the kernels and attention
-    gorgon decodes with; `stock` on torch's defaults: its stock CPU kernels where the fast ones are on (and a
-    quantized target's float weights), on CUDA its own choice of attention, cuDNN's included
+    GenerationResult. `baseline` is plain `generate`, `gorgon` the drafter under test, `compare` (and compare2,
+    ...) the drafters of `options.compared_drafters`; the rest are the baselines asked for. `generate` runs on
+    the kernels and attention gorgon decodes with; `stock` on torch's defaults: its stock CPU kernels where the fast
+    ones are on (and a quantized target's float weights), on CUDA its own choice of attention, cuDNN's included
     (`decoding_attention`); elsewhere it would equal `baseline` and is left out."""
 
     def plain(**extra):
@@ -155,10 +159,10 @@ def timed_methods(model, drafter, baselines: tuple[str, ...], assistant, samplin
     if "no-context" in baselines:
         check_no_context(hasattr(drafter, "drafter"))  # a merged drafter's own (heads/drafter.py); `main` checked
         methods["no-context"] = speculative(drafter.drafter)
-    if compare is not None:
-        methods["compare"] = speculative(compare)
+    for other in compare:
+        methods[other["name"]] = speculative(other["drafter"])
         if "no-context" in baselines:
-            methods["compare-no-context"] = speculative(compare.drafter)
+            methods[f"{other['name']}-no-context"] = speculative(other["drafter"].drafter)
     if assistant is not None:
         methods["assistant"] = plain(assistant_model=assistant)
     return methods
@@ -166,7 +170,7 @@ def timed_methods(model, drafter, baselines: tuple[str, ...], assistant, samplin
 
 def run_bench(target, drafter, questions: list[dict], max_new_tokens: int = 256, sampling: Sampling = Sampling(),
               baselines: tuple[str, ...] = ("generate", "stock"), assistant=None, seed: int = 0,
-              progress: bool = True, compare=None, checkpoint=None, earlier: dict | None = None) -> dict:
+              progress: bool = True, compare: list[dict] = (), checkpoint=None, earlier: dict | None = None) -> dict:
     """Run every question through plain `generate`, gorgon and the baselines asked for, interleaved (which
     goes first rotates from question to question, so drift hits all alike); returns the report.
     `checkpoint`, if given, gets the report of the questions done so far after each one, so that a run
@@ -238,7 +242,7 @@ def empty_row(q: dict, stock: bool, extra: tuple[str, ...]) -> dict:
         row.update({"stock_tokens": 0, "stock_seconds": 0.0, "identical_vs_stock": True})
     for name in extra:
         row.update({f"{name}_tokens": 0, f"{name}_seconds": 0.0})
-        if name in SPECULATIVE:
+        if is_speculative(name):
             row.update({f"{name}_target_forwards": 0, f"{name}_identical": True})
     return row
 
@@ -262,7 +266,7 @@ def add_turn(row: dict, histogram: dict, runs: dict, stock: bool, extra: tuple[s
     for name in extra:
         row[f"{name}_tokens"] += len(runs[name].tokens)
         row[f"{name}_seconds"] += runs[name].seconds
-        if name in SPECULATIVE:
+        if is_speculative(name):
             row[f"{name}_target_forwards"] += runs[name].target_forwards
             row[f"{name}_identical"] &= runs[name].tokens == base.tokens
 
@@ -339,7 +343,8 @@ def claimed_speedups(report: dict) -> list[tuple[str, float, float]]:
     claims = []
     for category, r in [*report["per_category"].items(), ("all", report)]:
         claims.append((category, r["tau"], r["speedup"]))
-        claims += [(f"{category} ({m})", r[f"{m}_tau"], r[f"{m}_speedup"]) for m in SPECULATIVE if f"{m}_tau" in r]
+        claims += [(f"{category} ({m})", r[f"{m}_tau"], r[f"{m}_speedup"]) for m in extra_names(report)
+                   if f"{m}_tau" in r]
     return claims
 
 
@@ -391,9 +396,10 @@ def extra_names(report: dict) -> list[str]:
 
 
 def baseline_label(report: dict, name: str) -> str:
-    """A baseline's name, with the heads it drafted with where it is --compare-heads'."""
-    if name.startswith("compare") and "compare" in report:
-        return f"{name} ({Path(report['compare']['heads']).name})"
+    """A baseline's name, with the heads or draft model it drafted with where it is a compared drafter."""
+    for other in report.get("compare", []):
+        if name in (other["name"], f"{other['name']}-no-context"):
+            return f"{name} ({Path(other.get('heads') or other['draft']).name})"
     return name
 
 
@@ -416,8 +422,9 @@ def markdown_table(report: dict) -> str:
         for other in extra:
             line += f" {r[f'{other}_speedup']:.2f}x |" + (f" {r[f'{other}_tau']:.2f} |" if f"{other}_tau" in r else "")
         lines.append(line)
-    if "compare" in report:
-        lines.append(f"\ncompare: the heads in {report['compare']['heads']}")
+    for other in report.get("compare", []):
+        kind = "heads" if "heads" in other else "draft"
+        lines.append(f"\n{other['name']}: the {'heads in' if kind == 'heads' else 'draft model'} {other[kind]}")
     for q in report["skipped"]:
         lines.append(f"\nskipped question {q['question_id']} ({q['category']}): {q['reason']}")
     if distrust(report):
@@ -503,10 +510,14 @@ def parser() -> argparse.ArgumentParser:
                         "--heads or --draft drafter alone). Default: generate,stock")
     p.add_argument("--assistant", type=user_path, default=None,
                    help="also time transformers' assisted generation with this draft model")
-    p.add_argument("--compare-heads", type=user_path, default=None,
-                   help="other heads for the same target (Medusa-1 or EAGLE), timed in the same rotation "
-                        "and drafted as --heads are (the same --tree and --context-draft options): reported as "
-                        "compare (and compare-no-context with --baselines no-context)")
+    p.add_argument("--compare-heads", type=user_path, nargs="+", default=[], metavar="FOLDER",
+                   help="other heads for the same target (any method's: Medusa-1, EAGLE, parallel, "
+                        "self-speculation), timed in the same rotation and drafted as --heads are (the same --tree "
+                        "and --context-draft options): reported as compare, compare2, ... in the order given (and "
+                        "compare-no-context, ... with --baselines no-context)")
+    p.add_argument("--compare-draft", type=user_path, nargs="+", default=[], metavar="MODEL",
+                   help="draft models for the same target, timed like --compare-heads (after them, in the order "
+                        "given), each drafting its default chain of 3 tokens")
     p.add_argument("--out", type=user_path, default=None,
                    help="write the JSON report here (and a PNG beside it). After each question it holds the questions "
                         "run so far, marked \"complete\": false, so a run stopped early keeps what it measured; the "
@@ -545,8 +556,11 @@ def main(argv=None) -> int:
         raise GorgonError("--update-card writes into a --heads or --draft folder's card: pass one")
     if args.update_card:
         check_card_folder(Path(args.heads or args.draft))
-    if args.compare_heads and not args.heads:
-        raise GorgonError("--compare-heads times other heads beside the --heads under test: pass --heads too")
+    for flag, given in (("--compare-heads", args.compare_heads), ("--compare-draft", args.compare_draft)):
+        if given and not (args.heads or args.draft):
+            raise GorgonError(f"{flag} times other drafters beside the --heads or --draft under test: pass one too")
+    for draft in args.compare_draft:
+        check_model_source(draft, "draft model")
     earlier = None if args.overwrite or not args.out else unfinished_report(Path(args.out))
     if args.out:  # going on from a stopped report rewrites it, and writes its plot: checked as --overwrite's are
         check_report_output(args.out, is_report, args.overwrite or earlier is not None)
@@ -567,6 +581,7 @@ def check_batch_options(args, baselines: tuple[str, ...]) -> None:
                           "--temperature")
     others = [b for b in baselines if b not in ("generate", "stock")]
     given = [name for name, value in (("--assistant", args.assistant), ("--compare-heads", args.compare_heads),
+                                      ("--compare-draft", args.compare_draft),
                                       ("--baselines " + ",".join(others), others)) if value]
     if given:
         raise GorgonError(f"--batch-sizes times gorgon against batched `generate` only: drop {given[0]}")
@@ -614,16 +629,17 @@ def bench_command(args, settings: DecodeSettings, argv, baselines: tuple[str, ..
     """`gorgon bench` once its options are checked: load, time, report."""
     target, drafter = load_drafter(settings, keep_float="stock" in baselines)
     sampling = Sampling.like_generate(target.model, args.temperature, args.top_k, args.top_p)
-    compare = compared_drafter(settings, args.compare_heads, target, drafter) if args.compare_heads else None
+    compare = compared_drafters(settings, args.compare_heads, args.compare_draft, target, drafter)
     assistant = None
     if args.assistant:
         assistant, _ = load_causal_lm(args.assistant, "assistant model", dtype=target.model.dtype, tokenizer="none")
         assistant.to(target.model.device)
     seed = 0 if args.seed is None else args.seed  # reproducible unless asked otherwise
     about = environment(target.model, drafter, sampling, args.max_new_tokens)
-    if compare is not None:
-        about["compare"] = {"heads": args.compare_heads, "tree": drafter_settings(compare)["tree"],
-                            "tree_size": compare.max_nodes}
+    if compare:
+        about["compare"] = [{key: value for key, value in other.items() if key != "drafter"}
+                            | {"tree": drafter_settings(other["drafter"])["tree"],
+                               "tree_size": other["drafter"].max_nodes} for other in compare]
     about.update({"target": target.name, "drafter": settings.name, "questions_file": args.questions,
                   "baselines": list(baselines), "questions_planned": len(questions),
                   "command": "gorgon bench " + " ".join(sys.argv[2:] if argv is None else argv)})

@@ -300,17 +300,24 @@ def load_model_drafter(settings: DecodeSettings, keep_float: bool = False):
         return target, heads_drafter(heads, target, settings, tree, settings.heads)
     target = load_target(settings.target, device=settings.device, dtype=settings.dtype, quantize=settings.quantize,
                          keep_float=keep_float)
-    draft, token_map = load_draft(settings.draft, target)
     use_cpu_kernels(target.model, settings.cpu_kernels)
+    nodes = None if tree == "auto" else tree
+    return target, draft_model_drafter(settings, settings.draft, target, settings.draft_tokens or DRAFT_TOKENS,
+                                       settings.draft_topk or 1, nodes)
+
+
+def draft_model_drafter(settings: DecodeSettings, name: str, target, tokens: int, topk: int, nodes: int | None):
+    """The drafter of the draft model `name` for `target` (on its kernels already): in its draft dtype on the
+    target's kernels, drafting `tokens` levels of `topk` (up to `nodes` nodes), its level cost chosen as
+    --draft-level-cost says."""
+    draft, token_map = load_draft(name, target)
     if token_map is not None:
         print(f"gorgon: the draft drafts from its {len(token_map)}-token draft vocabulary", file=sys.stderr)
     draft = draft.to(target.model.device, draft_dtype(target.model, settings.cpu_kernels, settings.draft_dtype)).eval()
     use_drafter_kernels(draft, target.model, settings.cpu_kernels)
-    nodes = None if tree == "auto" else tree
-    drafter = DraftModelDrafter(draft, settings.draft_tokens or DRAFT_TOKENS, settings.draft_topk or 1, nodes,
-                                token_map)
+    drafter = DraftModelDrafter(draft, tokens, topk, nodes, token_map)
     drafter.level_cost = chosen_level_cost(settings, drafter.depth, lambda: drafted_level_cost(drafter, target.model))
-    return target, drafter
+    return drafter
 
 
 def chosen_level_cost(settings: DecodeSettings, levels: int, measure) -> float:
@@ -344,16 +351,25 @@ def heads_drafter(heads, target, settings: DecodeSettings, tree, folder: str):
     return drafter
 
 
-def compared_drafter(settings: DecodeSettings, heads: str, target, drafter):
-    """`gorgon bench --compare-heads`: the other `heads`, loaded onto the same target and drafted as the
-    --heads are (the same tree option, merged with their own context drafter when --context-draft is on)."""
-    folder = resolve_heads_folder(heads)
-    check_heads_options(folder, heads, settings.draft_depth, settings.draft_topk, settings.draft_dtype,
-                        settings.draft_level_cost)
-    other = heads_drafter(load_heads_for(folder, target), target, settings, settings.tree, heads)
-    if not isinstance(drafter, MergedDrafter):
-        return other
-    return MergedDrafter(other, context_drafter(settings), settings.tree_budget, drafter.costs)
+def compared_drafters(settings: DecodeSettings, heads: list[str], drafts: list[str], target,
+                      drafter) -> list[dict]:
+    """`gorgon bench --compare-heads/--compare-draft`: other heads and draft models, loaded onto the same target
+    and drafted as the drafter under test is (the same tree option; a draft model at its own default length and
+    chain), each merged with a context drafter of its own when --context-draft is on. Returned in the order given,
+    heads first, as {"name", "heads" or "draft", "drafter"}: the first is named compare, the next compare2, ..."""
+    others = []
+    for kind, name in [("heads", h) for h in heads] + [("draft", d) for d in drafts]:
+        if kind == "heads":
+            folder = resolve_heads_folder(name)
+            check_heads_options(folder, name, settings.draft_depth, settings.draft_topk, settings.draft_dtype,
+                                settings.draft_level_cost)
+            other = heads_drafter(load_heads_for(folder, target), target, settings, settings.tree, name)
+        else:
+            other = draft_model_drafter(settings, name, target, tokens=DRAFT_TOKENS, topk=1, nodes=None)
+        if isinstance(drafter, MergedDrafter):
+            other = MergedDrafter(other, context_drafter(settings), settings.tree_budget, drafter.costs)
+        others.append({"name": "compare" + (str(len(others) + 1) if others else ""), kind: name, "drafter": other})
+    return others
 
 
 def use_drafter_kernels(drafter: torch.nn.Module, target_model: torch.nn.Module, kernels: str) -> None:

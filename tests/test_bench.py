@@ -290,13 +290,17 @@ def test_tau_scripts_refuse_bad_input_in_one_line(tmp_path):
 
 @pytest.mark.slow
 def test_compare_heads_are_timed_in_the_same_rotation_and_drafted_as_the_heads(tmp_path, capsys, monkeypatch):
-    """The compared heads' tau equals their own run as --heads, merged with their own context drafter
-    and alone; other heads' folders and a Medusa-2 folder are refused in one line."""
+    """Each compared drafter's tau (two heads folders and a draft model) equals its own run as --heads or
+    --draft, merged with its own context drafter and alone; other heads' folders and a Medusa-2 folder are
+    refused in one line."""
     import shutil
+
+    from helpers import toy_data
 
     import gorgon.decode.bench as bench
     from gorgon.heads import EagleHead, MergedDrafter
     from gorgon.heads.cli import main as gorgon
+    from gorgon.train.draft import DraftTrainConfig, train
 
     timed = set()  # which drafters ran: (the merged drafter's inner drafter or the drafter, merged or not)
 
@@ -307,27 +311,43 @@ def test_compare_heads_are_timed_in_the_same_rotation_and_drafted_as_the_heads(t
 
     speculative_generate = bench.speculative_generate
     monkeypatch.setattr(bench, "speculative_generate", spy)
+    # A search stops at the same level in every run, not at a level cost timed anew by each.
+    monkeypatch.setattr("gorgon.decode.options.drafted_level_cost", lambda drafter, model: 0.5)
 
     target_path = tiny_chat_target(tmp_path)
     target = load_target(str(target_path), device="cpu")
     EagleHead.for_target(target.model, target_fingerprint=target.fingerprint).save_pretrained(tmp_path / "eagle")
     MedusaHeads.for_target(target.model, target_fingerprint=target.fingerprint).save_pretrained(tmp_path / "medusa")
+    EagleHead.for_target(target.model, target_fingerprint=target.fingerprint).save_pretrained(tmp_path / "eagle2")
+    draft = train(DraftTrainConfig(data=toy_data(tmp_path / "toy.jsonl", n=8), out=str(tmp_path / "draft"),
+                                   target=str(target_path), student_layers=1, max_steps=0, report_to="none"))
     q = questions_file(tmp_path / "q.jsonl", QUESTIONS[:3])
     common = ["--target", str(target_path), "--questions", str(q), "--max-new-tokens", "10", "--tree", "3",
               "--context-draft", "--baselines", "generate,no-context"]
     assert gorgon(["bench", "--heads", str(tmp_path / "eagle"), "--compare-heads", str(tmp_path / "medusa"),
-                   "--out", str(tmp_path / "both.json")] + common) == 0
+                   str(tmp_path / "eagle2"), "--compare-draft", str(draft), "--out", str(tmp_path / "all.json")]
+                  + common) == 0
     assert gorgon(["bench", "--heads", str(tmp_path / "medusa"), "--out", str(tmp_path / "medusa.json")] + common) == 0
-    both, alone = (json.loads((tmp_path / name).read_text()) for name in ("both.json", "medusa.json"))
-    assert both["compare"] == {"heads": str(tmp_path / "medusa"), "tree": "built per step", "tree_size": 16}
-    assert both["identical"] == both["compare_identical"] == both["compare-no-context_identical"] == 3
+    assert gorgon(["bench", "--draft", str(draft), "--out", str(tmp_path / "draft.json")] + common[:6]
+                  + common[8:]) == 0  # no --tree: a compared draft model drafts its own default chain
+    both, alone, drafted = (json.loads((tmp_path / name).read_text()) for name in ("all.json", "medusa.json",
+                                                                                  "draft.json"))
+    assert [(c["name"], c.get("heads") or c["draft"]) for c in both["compare"]] == [
+        ("compare", str(tmp_path / "medusa")), ("compare2", str(tmp_path / "eagle2")), ("compare3", str(draft))]
+    assert both["compare"][0]["tree"] == "built per step" and both["compare"][0]["tree_size"] == 16
+    for name in ("compare", "compare2", "compare3"):
+        assert both["identical"] == both[f"{name}_identical"] == both[f"{name}-no-context_identical"] == 3
     assert both["compare_tau"] == alone["tau"] and both["compare-no-context_tau"] == alone["no-context_tau"]
-    assert timed == {("EagleDrafter", True), ("EagleDrafter", False), ("MedusaDrafter", True), ("MedusaDrafter", False)}
+    assert both["compare2_tau"] == both["tau"]  # a copy of the heads under test drafts the same trees
+    assert both["compare3_tau"] == drafted["tau"] and both["compare3-no-context_tau"] == drafted["no-context_tau"]
+    assert timed >= {("EagleDrafter", True), ("EagleDrafter", False), ("MedusaDrafter", True), ("MedusaDrafter", False),
+                     ("DraftModelDrafter", True), ("DraftModelDrafter", False)}
     out = capsys.readouterr().out
     assert "compare-no-context tau" in out and "tree built per step, up to 16 nodes" in out  # a merged tree's budget
     assert f"compare: the heads in {tmp_path / 'medusa'}" in out  # the table and the plot name them
-    assert [bench.baseline_label(both, name) for name in ("no-context", "compare-no-context")] == [
-        "no-context", "compare-no-context (medusa)"]
+    assert f"compare3: the draft model {draft}" in out
+    assert [bench.baseline_label(both, name) for name in ("no-context", "compare-no-context", "compare3")] == [
+        "no-context", "compare-no-context (medusa)", "compare3 (draft)"]
 
     other = load_target(str(tiny_chat_target(tmp_path, seed=1)), device="cpu")
     MedusaHeads.for_target(other.model, target_fingerprint=other.fingerprint).save_pretrained(tmp_path / "foreign")
@@ -342,8 +362,8 @@ def test_compare_heads_are_timed_in_the_same_rotation_and_drafted_as_the_heads(t
         last = capsys.readouterr().err.strip().splitlines()[-1]
         assert last.startswith("gorgon bench: error: ") and says in last, last
     assert gorgon(["bench", "--context-draft", "--compare-heads", str(tmp_path / "medusa"), "--questions", str(q)]) == 2
-    assert capsys.readouterr().err.strip().endswith("--compare-heads times other heads beside the --heads under "
-                                                    "test: pass --heads too")
+    assert capsys.readouterr().err.strip().endswith("--compare-heads times other drafters beside the --heads or "
+                                                    "--draft under test: pass one too")
 
 
 @pytest.mark.slow
