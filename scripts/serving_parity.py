@@ -28,7 +28,8 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-ENGINE_FORMATS = {"vllm": "medusa", "eagle3": "eagle3", "speculators": "eagle3"}  # export format -> vLLM's method
+# export format -> vLLM's method (peagle: EAGLE-3 with parallel drafting, the whole chain from one forward)
+ENGINE_FORMATS = {"vllm": "medusa", "eagle3": "eagle3", "speculators": "eagle3", "peagle": "eagle3"}
 # vLLM on the CPU, as NOTES.md measured it: one OpenMP thread, 1 GiB of KV cache, the engine in this process.
 VLLM_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_OMP_THREADS_BIND": "nobind",
             "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
@@ -44,11 +45,12 @@ def engine_layout(folder: Path) -> str | None:
     from gorgon.heads.files import config_or_none
     from gorgon.heads.methods.eagle.formats import foreign_format as eagle_format
     from gorgon.heads.methods.medusa.formats import foreign_format as medusa_format
+    from gorgon.heads.methods.parallel.formats import is_peagle
 
     config = config_or_none(folder)
     if not isinstance(config, dict):
         return None
-    fmt = eagle_format(config) or medusa_format(folder, config)
+    fmt = "peagle" if is_peagle(config) else eagle_format(config) or medusa_format(folder, config)
     return fmt if fmt in ENGINE_FORMATS else None
 
 
@@ -74,9 +76,16 @@ def chain_drafter(export: Path, fmt: str, target: str | None, chain: int | None)
     """gorgon's target and drafter for the export, drafting a chain as vLLM does: the top token of each of `chain`
     levels a step (Medusa: one per head; an EAGLE head: depth `chain`, top-k 1, every level drafted, in
     float32 as vLLM runs it here: gorgon's default on a CPU with bfloat16 kernels is bfloat16, whose rounding changes
-    some drafts). Default chain: one per Medusa head, an EAGLE head's saved depth."""
+    some drafts; a parallel drafter: the top token of each of its block's first `chain` positions). Default chain:
+    one per Medusa head, an EAGLE head's saved depth, a parallel drafter's block."""
     from gorgon.decode.options import from_options
 
+    if fmt == "peagle":
+        from gorgon.heads.files import read_config
+
+        chain = chain or read_config(export / "config.json", "export")["gorgon"]["block_size"]
+        return chain, *from_options(heads=str(export), target=target, tree=[[0] * n for n in range(1, chain + 1)],
+                                    draft_dtype="float32")
     if fmt == "vllm":
         from gorgon.heads import MedusaHeads
 
@@ -176,6 +185,8 @@ def serving_parity(heads: str, fmt: str | None = None, questions: str = "scripts
     prompts = [ids[0].tolist() for ids in prompts]
     where = loaded.model.config._name_or_path  # the folder (or Hub id) gorgon loaded the target from
     model, spec = where, {"method": ENGINE_FORMATS[fmt], "model": str(export), "num_speculative_tokens": chain}
+    if fmt == "peagle":  # as `gorgon export` prints it: vLLM tells no peagle folder by itself
+        spec["parallel_drafting"] = True
     if fmt == "speculators":  # served as `vllm serve <export>`: the target is the verifier it names
         model, spec = str(export), {"num_speculative_tokens": chain}
     alone = vllm_alone(python, where, prompts, max_new_tokens, out)
@@ -225,12 +236,14 @@ def main() -> None:
     p = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--heads", type=user_path, required=True, help="a heads folder, or an export to serve as it is")
     p.add_argument("--format", choices=list(ENGINE_FORMATS), default=None,
-                   help="the export's format, for a heads folder: vllm (Medusa), eagle3 or speculators")
+                   help="the export's format, for a heads folder: vllm (Medusa), eagle3 or speculators (an EAGLE "
+                        "head), peagle (a parallel drafter)")
     p.add_argument("--questions", default="scripts/data/mt_bench.jsonl", help="MT-Bench-style .jsonl")
     p.add_argument("--limit", type=int_at_least(1), default=8, help="the first N questions (default 8)")
     p.add_argument("--max-new-tokens", type=int_at_least(1), default=64, help="default 64")
     p.add_argument("--chain", type=int_at_least(1), default=None,
-                   help="tokens drafted a step (default: one per Medusa head, an EAGLE head's depth)")
+                   help="tokens drafted a step (default: one per Medusa head, an EAGLE head's depth, a parallel "
+                        "drafter's block)")
     p.add_argument("--target", default=None, help="the target (default: the one the heads record)")
     p.add_argument("--engine", type=user_path, default=None,
                    help=f"vLLM's venv (default: {default_engine()}, which scripts/engines.sh builds)")

@@ -53,14 +53,14 @@ def drafter_for(target, block_size=3, draft_tokens=None):
     return head
 
 
-def blocks(head, seeds=(0, 1)):
-    """The drafter's block logits over a few random contexts (features, tokens and root)."""
+def blocks(head, seeds=(0, 1), tokens=MASK):
+    """The drafter's block logits over a few random contexts (features, `tokens` ids and root)."""
     out = []
     for seed in seeds:
         g = torch.Generator().manual_seed(seed)
         features = torch.randn(5 + seed, 3 * H, generator=g)
-        context = torch.randint(0, MASK, (5 + seed,), generator=g)
-        out.append(ParallelDrafter(head).block(torch.randint(0, MASK, (), generator=g), features, context))
+        context = torch.randint(0, tokens, (5 + seed,), generator=g)
+        out.append(ParallelDrafter(head).block(torch.randint(0, tokens, (), generator=g), features, context))
     return out
 
 
@@ -153,11 +153,8 @@ def test_bad_input_is_one_line(tmp_path, targets, capsys):
                                                              "use peagle$"),
         (lambda: export_head(head, "peagle", tmp_path / "full"), "exists and is not an empty folder: export into a "
                                                                  "new one"),
-        (lambda: export_head(ParallelHead.for_target(load_target(str(tmp_path / "small"), device="cpu").model),
-                             "peagle", tmp_path / "x"), "each of this target's 64 rows is a token of its tokenizer, "
-                                                        "which would read the mask vector in vLLM: use the drafter"),
         (lambda: export_head(ParallelHead.for_target(bare), "peagle", tmp_path / "x"),
-         "the target's tokenizer, which tells which rows those are, does not load from where the target loaded"),
+         "chosen by the target's tokenizer, which does not load from where the target loaded"),
         (lambda: import_head(tmp_path / "own", target), "is not the speculators peagle layout"),
         (lambda: import_head(out, None), "^a peagle folder's mask token is told from the target's embedding: pass"),
         (lambda: import_head(tmp_path / "more-layers", target), "sets num_hidden_layers 2, and gorgon's parallel "
@@ -174,7 +171,25 @@ def test_bad_input_is_one_line(tmp_path, targets, capsys):
     assert not (tmp_path / "x").exists()
     # through the command: a refused export leaves no --out behind
     refused = tmp_path / "refused"
-    ParallelHead.for_target(load_target(str(tmp_path / "small"), device="cpu").model).save_pretrained(tmp_path / "s")
-    assert gorgon(["export", "--heads", str(tmp_path / "s"), "--target", str(tmp_path / "small"), "--format",
+    drafter_for(target).save_pretrained(tmp_path / "d")
+    assert gorgon(["export", "--heads", str(tmp_path / "d"), "--target", str(tmp_path / "small"), "--format",
                    "peagle", "--out", str(refused)]) == 2
-    assert "each of this target's 64 rows is a token" in capsys.readouterr().err and not refused.exists()
+    assert "pass the target they were trained for" in capsys.readouterr().err and not refused.exists()
+
+
+def test_a_target_whose_every_row_is_a_token_gives_up_its_pad_token_as_speculators_does(tmp_path, capsys):
+    """No free row: the mask vector goes into the pad token's row (speculators' trainer's fallback), said on
+    stderr; the folder imports back with identical drafts (gorgon embeds tokens from the target)."""
+    small = tiny_model("llama", vocab=64, layers=4)  # every row a token of its tokenizer (101 tokens)
+    small.save_pretrained(tmp_path / "small")
+    tiny_tokenizer().save_pretrained(tmp_path / "small")
+    target = load_target(str(tmp_path / "small"), device="cpu")
+    head = ParallelHead.for_target(target.model, 3, None, None, "tiny/target", target.fingerprint)
+    out = export_head(head, "peagle", tmp_path / "out", "tiny/target")
+    pad = tiny_tokenizer().pad_token_id
+    assert json.loads((out / "config.json").read_text())["mask_token_id"] == pad
+    assert f"the mask positions read the row of its pad token {tiny_tokenizer().convert_ids_to_tokens(pad)!r} " \
+           f"(id {pad}), as speculators does" in capsys.readouterr().err
+    assert torch.equal(load_file(out / "model.safetensors")["embed_tokens.weight"][pad], head.mask_embedding)
+    assert all(torch.equal(a, b) for a, b in zip(blocks(import_head(out, target), tokens=64),
+                                                   blocks(head, tokens=64)))

@@ -33,9 +33,10 @@ def needs_engine(name: str):
 
 @pytest.fixture(scope="module")
 def untrained_heads(tmp_path_factory, embedded_target):
-    """Medusa heads and an EAGLE head for the embedded target, each drafting from its 8192 first tokens (the
-    recipes' draft vocabulary size), saved as training saves them."""
+    """Medusa heads, an EAGLE head and a parallel drafter for the embedded target, each drafting from its 8192
+    first tokens (the recipes' draft vocabulary size), saved as training saves them."""
     from gorgon.heads import EagleHead, MedusaHeads
+    from gorgon.heads.methods.parallel import ParallelHead
     from gorgon.heads.target import EMBEDDED_NAME
 
     folder, target = tmp_path_factory.mktemp("heads"), embedded_target
@@ -45,6 +46,8 @@ def untrained_heads(tmp_path_factory, embedded_target):
     medusa.save_pretrained(folder / "medusa")
     EagleHead.for_target(target.model, None, torch.arange(8192), EMBEDDED_NAME, target.fingerprint, depth=3,
                          topk=1).save_pretrained(folder / "eagle")
+    ParallelHead.for_target(target.model, 3, None, torch.arange(8192), EMBEDDED_NAME,
+                            target.fingerprint).save_pretrained(folder / "parallel")
     return folder
 
 
@@ -56,13 +59,14 @@ def parity_out(tmp_path_factory):
 
 @needs_engine("vllm")
 @needs_embedded
-@pytest.mark.parametrize("fmt", ["vllm", "eagle3", "speculators"])
+@pytest.mark.parametrize("fmt", ["vllm", "eagle3", "speculators", "peagle"])
 def test_an_export_serves_in_vllm_as_gorgon_decodes_it(untrained_heads, parity_out, fmt):
     """vLLM refused the Medusa export with a draft vocabulary, and loaded the speculators export's verifier from the
-    Hub; every export now serves the target's own output, accepting what gorgon accepts (counted in the output:
-    vLLM's counters also count drafts its last step accepts past the length), within the 3% issue 60 allows."""
+    Hub; vLLM serves a parallel drafter (peagle) as EAGLE-3 with parallel drafting. Every export serves the
+    target's own output, accepting what gorgon accepts (counted in the output: vLLM's counters also count drafts
+    its last step accepts past the length), within the 3% issue 60 allows."""
     parity = load_script("serving_parity")
-    heads = untrained_heads / ("medusa" if fmt == "vllm" else "eagle")
+    heads = untrained_heads / {"vllm": "medusa", "peagle": "parallel"}.get(fmt, "eagle")
     report = parity.serving_parity(str(heads), fmt, engine=engine("vllm"), limit=2, max_new_tokens=24,
                                    out=parity_out)
     assert report["identical"] == {"vllm+draft == vllm": True, "gorgon == vllm": True}, report["first_differences"]

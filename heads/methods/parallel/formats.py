@@ -16,16 +16,18 @@ What the loaders read (speculators c05b95b, vLLM 055e47c; read, not run):
 
 That is this drafter's computation (model.py), with one difference in how the mask positions' embedding is held:
 here it is a vector of its own beside the target's embedding; there, a row of the draft's embedding. The export
-writes the target's embedding with the mask vector in a row that no token of the target's tokenizer has (an
-embedding padded past its tokenizer, as Qwen's are), so every token reads the same embedding as here; a target
-whose every row is a token (SmolLM2's, Llama 3's) is refused, since the token of the row given up would read the
-mask vector in vLLM. The rest (layer, norms, LM head, d2t/t2d, the `gorgon` entry, the verifier) is the EAGLE
+writes the target's embedding with the mask vector in the row speculators' trainer would pick
+(train/utils.py `resolve_mask_token_id`): the tokenizer's mask token, else the first row no token of the tokenizer
+has (an embedding padded past its tokenizer, as Qwen's are), else its pad, eos or unk token. Only in that last case
+does a token read the mask vector in vLLM (where the context holds it: the drafts there change, the output does
+not); the export says so. The rest (layer, norms, LM head, d2t/t2d, the `gorgon` entry, the verifier) is the EAGLE
 head's speculators export (eagle/formats.py), with `speculative_tokens` the block size.
 """
 
 from __future__ import annotations
 
 import copy
+import sys
 from pathlib import Path
 
 import torch
@@ -64,7 +66,7 @@ def export_head(head, fmt: str, out: str | Path, base_model: str | None = None, 
     if head.target is None:
         raise GorgonError("the peagle layout includes the target's embedding: pass --target (or load the drafter "
                           "with target=...)")
-    mask_id = free_row(head)
+    mask_id = mask_row(head)
     eagle_formats.export_head(as_eagle(head), "speculators", out, base_model, dtype)
     config = read_config(out / "config.json", "export")
     from safetensors.torch import load_file
@@ -94,10 +96,9 @@ def as_eagle(head: ParallelHead):
     return view
 
 
-def free_row(head: ParallelHead) -> int:
-    """The embedding row the mask positions read in the export (`mask_token_id`): the first that no token of the
-    target's tokenizer has, so that no token reads the mask vector there (speculators adds its <|MASK|> token
-    there too, where the embedding has room)."""
+def mask_row(head: ParallelHead) -> int:
+    """The embedding row the mask positions read in the export (`mask_token_id`), as speculators' trainer picks it
+    (module docstring); a token given up for it is named on stderr."""
     from transformers import AutoTokenizer
 
     source = getattr(head.target.config, "_name_or_path", "") or ""
@@ -106,17 +107,25 @@ def free_row(head: ParallelHead) -> int:
     except (OSError, ValueError) as err:
         tokenizer, source = None, f"{source} ({err.__class__.__name__})"
     if tokenizer is None:
-        raise GorgonError(f"the peagle layout keeps the mask token in an embedding row that no token of the target "
-                          f"uses, and the target's tokenizer, which tells which rows those are, does not load from "
-                          f"{source or 'where the target loaded'}: load the target from a folder or hub id that has it")
-    used = set(tokenizer.get_vocab().values())
+        raise GorgonError(f"the peagle layout keeps the mask token in a row of the target's embedding, chosen by the "
+                          f"target's tokenizer, which does not load from {source or 'where the target loaded'}: load "
+                          "the target from a folder or hub id that has it")
     vocab = head.config.vocab_size
+    if tokenizer.mask_token_id is not None and tokenizer.mask_token_id < vocab:
+        return tokenizer.mask_token_id
+    used = set(tokenizer.get_vocab().values())
     row = next((i for i in range(vocab) if i not in used), None)
+    if row is not None:
+        return row
+    name, row = next(((name, getattr(tokenizer, f"{name}_token_id")) for name in ("pad", "eos", "unk")
+                      if getattr(tokenizer, f"{name}_token_id", None) is not None), (None, None))
     if row is None:
         raise GorgonError(f"the peagle layout feeds the mask positions a row of the draft's embedding "
-                          f"(mask_token_id), and each of this target's {vocab} rows is a token of its tokenizer, "
-                          "which would read the mask vector in vLLM: use the drafter in gorgon's decoder, or train it "
-                          "for a target whose embedding has rows no token uses (as Qwen's) to export")
+                          f"(mask_token_id), and this target's tokenizer has no mask, pad, eos or unk token and no "
+                          f"row of its {vocab} without a token: use the drafter in gorgon's decoder")
+    print(f"gorgon export: every row of the target's embedding is a token, so the mask positions read the row of its "
+          f"{name} token {tokenizer.convert_ids_to_tokens(row)!r} (id {row}), as speculators does: in vLLM, drafts "
+          "after that token in the context read the mask vector for it (the output does not change)", file=sys.stderr)
     return row
 
 
