@@ -111,9 +111,11 @@ def vllm_serve(base_model: str, spec: dict, schedule: list | None = None) -> str
     """vLLM's command serving an export with its speculative config `spec`, and the draft length per batch size
     where `gorgon bench --batch-sizes` measured one (`num_speculative_tokens_per_batch_size`, in vLLM 0.32's
     vllm/config/speculative.py: inclusive batch-size ranges from 1, each with its draft tokens; vLLM caps each at
-    num_speculative_tokens and keeps the last for larger batches)."""
+    num_speculative_tokens and keeps the last for larger batches). Each length is capped here at the command's
+    num_speculative_tokens, so that the command says what vLLM will draft."""
     if schedule:
-        spec = {**spec, "num_speculative_tokens_per_batch_size": schedule}
+        most = spec["num_speculative_tokens"]
+        spec = {**spec, "num_speculative_tokens_per_batch_size": [[lo, hi, min(k, most)] for lo, hi, k in schedule]}
     return f"vllm serve {base_model} --speculative-config '{json.dumps(spec)}'"
 
 
