@@ -46,20 +46,21 @@ from .kernels import kernels_in_use, stock_kernels
 from .options import (
     DecodeSettings,
     add_model_arguments,
+    chain_drafter,
     check_sampling_options,
     compared_drafters,
     load_drafter,
 )
 from .questions import ask, load_questions, per_category_sample
 
-BASELINES = ("generate", "stock", "prompt-lookup", "no-context")
+BASELINES = ("generate", "stock", "prompt-lookup", "no-context", "chain")
 
 
 def is_speculative(name: str) -> bool:
     """Whether a timed method decodes with a drafter, and so also reports tau and an identical count: no-context,
-    and each compared drafter (compare, compare2, ... in the order --compare-heads and --compare-draft name
+    chain, and each compared drafter (compare, compare2, ... in the order --compare-heads and --compare-draft name
     them; "-no-context" the same one without context drafts)."""
-    return name == "no-context" or name.startswith("compare")
+    return name in ("no-context", "chain") or name.startswith("compare")
 
 
 def timed_generate(model, ids, max_new_tokens: int, sampling: Sampling, **extra):
@@ -127,10 +128,11 @@ def summarize(rows: list[dict], greedy: bool, extra: tuple[str, ...], stock: boo
 
 
 def timed_methods(model, drafter, baselines: tuple[str, ...], assistant, sampling: Sampling, generator,
-                  compare: list[dict] = ()) -> dict:
+                  compare: list[dict] = (), chain=None) -> dict:
     """What is timed on each turn, by name: a function of (prompt ids, max new tokens) returning a
     GenerationResult. `baseline` is plain `generate`, `gorgon` the drafter under test, `compare` (and compare2,
-    ...) the drafters of `options.compared_drafters`; the rest are the baselines asked for. `generate` runs on
+    ...) the drafters of `options.compared_drafters`, `chain` `options.chain_drafter`'s; the rest are the baselines
+    asked for. `generate` runs on
     the kernels and attention gorgon decodes with; `stock` on torch's defaults: its stock CPU kernels where the fast
     ones are on (and a quantized target's float weights), on CUDA its own choice of attention, cuDNN's included
     (`decoding_attention`); elsewhere it would equal `baseline` and is left out."""
@@ -159,6 +161,8 @@ def timed_methods(model, drafter, baselines: tuple[str, ...], assistant, samplin
     if "no-context" in baselines:
         check_no_context(hasattr(drafter, "drafter"))  # a merged drafter's own (heads/drafter.py); `main` checked
         methods["no-context"] = speculative(drafter.drafter)
+    if chain is not None:
+        methods["chain"] = speculative(chain)
     for other in compare:
         methods[other["name"]] = speculative(other["drafter"])
         if "no-context" in baselines:
@@ -170,7 +174,8 @@ def timed_methods(model, drafter, baselines: tuple[str, ...], assistant, samplin
 
 def run_bench(target, drafter, questions: list[dict], max_new_tokens: int = 256, sampling: Sampling = Sampling(),
               baselines: tuple[str, ...] = ("generate", "stock"), assistant=None, seed: int = 0,
-              progress: bool = True, compare: list[dict] = (), checkpoint=None, earlier: dict | None = None) -> dict:
+              progress: bool = True, compare: list[dict] = (), chain=None, checkpoint=None,
+              earlier: dict | None = None) -> dict:
     """Run every question through plain `generate`, gorgon and the baselines asked for, interleaved (which
     goes first rotates from question to question, so drift hits all alike); returns the report.
     `checkpoint`, if given, gets the report of the questions done so far after each one, so that a run
@@ -181,7 +186,7 @@ def run_bench(target, drafter, questions: list[dict], max_new_tokens: int = 256,
 
     model = target.model
     generator = torch.Generator(device=model.device).manual_seed(seed)
-    methods = timed_methods(model, drafter, baselines, assistant, sampling, generator, compare)
+    methods = timed_methods(model, drafter, baselines, assistant, sampling, generator, compare, chain)
     stock = "stock" in methods
     extra = tuple(name for name in methods if name not in ("baseline", "gorgon", "stock"))
 
@@ -507,7 +512,9 @@ def parser() -> argparse.ArgumentParser:
                         "run), stock (plain `generate` on torch's defaults: its stock CPU kernels when gorgon runs on "
                         "the fast ones; on CUDA, SDPA free to pick cuDNN's attention, which gorgon avoids), "
                         "prompt-lookup (transformers' prompt lookup), no-context (with --context-draft: the "
-                        "--heads or --draft drafter alone). Default: generate,stock")
+                        "--heads or --draft drafter alone), chain (the --heads or --draft drafter alone drafting "
+                        "one chain, its top candidate per level for --draft-depth or its own depth: the shape vLLM "
+                        "verifies). Default: generate,stock")
     p.add_argument("--assistant", type=user_path, default=None,
                    help="also time transformers' assisted generation with this draft model")
     p.add_argument("--compare-heads", type=user_path, nargs="+", default=[], metavar="FOLDER",
@@ -550,6 +557,8 @@ def main(argv=None) -> int:
         check_batch_options(args, baselines)
     if "no-context" in baselines:  # before the target loads
         check_no_context(args.context_draft and bool(args.heads or args.draft))
+    if "chain" in baselines and not (args.heads or args.draft):
+        raise GorgonError("--baselines chain drafts the --heads or --draft drafter as one chain: pass one of them")
     if args.assistant:
         check_model_source(args.assistant, "assistant model")
     if args.update_card and not (args.heads or args.draft):
@@ -630,12 +639,15 @@ def bench_command(args, settings: DecodeSettings, argv, baselines: tuple[str, ..
     target, drafter = load_drafter(settings, keep_float="stock" in baselines)
     sampling = Sampling.like_generate(target.model, args.temperature, args.top_k, args.top_p)
     compare = compared_drafters(settings, args.compare_heads, args.compare_draft, target, drafter)
+    chain = chain_drafter(settings, target) if "chain" in baselines else None
     assistant = None
     if args.assistant:
         assistant, _ = load_causal_lm(args.assistant, "assistant model", dtype=target.model.dtype, tokenizer="none")
         assistant.to(target.model.device)
     seed = 0 if args.seed is None else args.seed  # reproducible unless asked otherwise
     about = environment(target.model, drafter, sampling, args.max_new_tokens)
+    if chain is not None:
+        about["chain"] = drafter_settings(chain)["tree"]
     if compare:
         about["compare"] = [{key: value for key, value in other.items() if key != "drafter"}
                             | {"tree": drafter_settings(other["drafter"])["tree"],
@@ -664,8 +676,8 @@ def bench_command(args, settings: DecodeSettings, argv, baselines: tuple[str, ..
               "question)", file=sys.stderr)
     try:
         report = run_bench(target, drafter, questions, args.max_new_tokens, sampling, baselines, assistant, seed,
-                           compare=compare, checkpoint=(lambda partial: record(partial, False)) if args.out else None,
-                           earlier=earlier)
+                           compare=compare, chain=chain, earlier=earlier,
+                           checkpoint=(lambda partial: record(partial, False)) if args.out else None)
     except KeyboardInterrupt:
         kept = unfinished_report(Path(args.out)) if args.out and (written or earlier) else None
         if kept is not None:

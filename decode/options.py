@@ -26,7 +26,7 @@ from gorgon.heads import (
 from gorgon.heads.command import int_at_least, user_path
 from gorgon.heads.files import read_text
 from gorgon.heads.hub import resolve_heads_folder
-from gorgon.heads.loading import check_heads_options, drafter_for, load_heads, load_heads_for
+from gorgon.heads.loading import chain_for, check_heads_options, drafter_for, load_heads, load_heads_for
 from gorgon.heads.quantize import scheme_problem
 from gorgon.heads.target import check_model_source
 from gorgon.heads.tree import MAX_TREE_NODES, best_tree_size
@@ -306,17 +306,19 @@ def load_model_drafter(settings: DecodeSettings, keep_float: bool = False):
                                        settings.draft_topk or 1, nodes)
 
 
-def draft_model_drafter(settings: DecodeSettings, name: str, target, tokens: int, topk: int, nodes: int | None):
+def draft_model_drafter(settings: DecodeSettings, name: str, target, tokens: int, topk: int, nodes: int | None,
+                        level_cost: float | None = None):
     """The drafter of the draft model `name` for `target` (on its kernels already): in its draft dtype on the
-    target's kernels, drafting `tokens` levels of `topk` (up to `nodes` nodes), its level cost chosen as
-    --draft-level-cost says."""
+    target's kernels, drafting `tokens` levels of `topk` (up to `nodes` nodes), its level cost `level_cost` or, if
+    None, chosen as --draft-level-cost says."""
     draft, token_map = load_draft(name, target)
     if token_map is not None:
         print(f"gorgon: the draft drafts from its {len(token_map)}-token draft vocabulary", file=sys.stderr)
     draft = draft.to(target.model.device, draft_dtype(target.model, settings.cpu_kernels, settings.draft_dtype)).eval()
     use_drafter_kernels(draft, target.model, settings.cpu_kernels)
     drafter = DraftModelDrafter(draft, tokens, topk, nodes, token_map)
-    drafter.level_cost = chosen_level_cost(settings, drafter.depth, lambda: drafted_level_cost(drafter, target.model))
+    drafter.level_cost = level_cost if level_cost is not None else chosen_level_cost(
+        settings, drafter.depth, lambda: drafted_level_cost(drafter, target.model))
     return drafter
 
 
@@ -337,9 +339,7 @@ def heads_drafter(heads, target, settings: DecodeSettings, tree, folder: str):
     """The drafter for the heads of `folder`, loaded onto `target` (on its kernels already; the options checked
     against the folder with `check_heads_options` before it loaded): the head in its draft dtype on the
     target's kernels, and with `--tree auto` the tree size that suits this machine."""
-    if heads.drafts_in_own_dtype:
-        heads.to(draft_dtype(target.model, settings.cpu_kernels, settings.draft_dtype))
-    use_drafter_kernels(heads, target.model, settings.cpu_kernels)
+    on_drafting_kernels(heads, target, settings)
     if tree == "auto" and heads.accuracies:
         tree = best_tree_size(heads.level_accuracies(settings.draft_depth), verify_costs(target.model))
         print(f"gorgon: a {tree}-node tree fits {folder} best on this machine (--tree N to choose another)",
@@ -349,6 +349,43 @@ def heads_drafter(heads, target, settings: DecodeSettings, tree, folder: str):
         drafter.level_cost = chosen_level_cost(settings, drafter.depth,
                                                functools.partial(drafted_level_cost, drafter, target.model))
     return drafter
+
+
+def on_drafting_kernels(heads, target, settings: DecodeSettings) -> None:
+    """Heads that draft in their own dtype in the one --draft-dtype chooses; all on the target's kernels."""
+    if heads.drafts_in_own_dtype:
+        heads.to(draft_dtype(target.model, settings.cpu_kernels, settings.draft_dtype))
+    use_drafter_kernels(heads, target.model, settings.cpu_kernels)
+
+
+def chain_drafter(settings: DecodeSettings, target, length: int | None = None, heads=None):
+    """The --heads or --draft drafter drafting one chain, the top candidate of each level with every level drafted:
+    what vLLM verifies (`gorgon bench --baselines chain`, scripts/serving_parity.py). `length` levels (default:
+    --draft-depth, --draft-tokens, else the drafter's own depth); the same draft dtype and kernels. `heads`: the
+    --heads already loaded onto `target` (else they are loaded)."""
+    if settings.draft:
+        return draft_model_drafter(settings, settings.draft, target, length or settings.draft_tokens or DRAFT_TOKENS,
+                                   topk=1, nodes=None, level_cost=0.0)
+    if not settings.heads:
+        raise GorgonError("a chain drafts from --heads or --draft: context drafts alone have no chain of their own")
+    heads = heads if heads is not None else load_heads_for(resolve_heads_folder(settings.heads), target)
+    on_drafting_kernels(heads, target, settings)
+    return chain_for(heads, length or settings.draft_depth)
+
+
+def load_chain(settings: DecodeSettings, length: int | None = None):
+    """The target and `chain_drafter`'s chain alone, for a script that drafts nothing else."""
+    if not settings.heads:
+        target = load_target(settings.target, device=settings.device, dtype=settings.dtype, quantize=settings.quantize)
+        use_cpu_kernels(target.model, settings.cpu_kernels)
+        return target, chain_drafter(settings, target, length)
+    folder = resolve_heads_folder(settings.heads)
+    check_heads_options(folder, settings.heads, settings.draft_depth, settings.draft_topk, settings.draft_dtype,
+                        settings.draft_level_cost)
+    target, heads = load_heads(folder, settings.target, device=settings.device, dtype=settings.dtype,
+                               quantize=settings.quantize)
+    use_cpu_kernels(target.model, settings.cpu_kernels)
+    return target, chain_drafter(settings, target, length, heads)
 
 
 def compared_drafters(settings: DecodeSettings, heads: list[str], drafts: list[str], target,

@@ -80,6 +80,15 @@ def drafter_for(heads: torch.nn.Module, tree=None, depth: int | None = None, top
     return loaded_method(heads).drafter(heads, tree, depth, topk)
 
 
+def chain_for(heads: torch.nn.Module, length: int | None = None):
+    """The drafter for loaded heads that drafts one chain, the top candidate of each level, as engines verify;
+    `length` levels (None: the heads' own depth)."""
+    method = loaded_method(heads)
+    if method.chain is None:
+        raise GorgonError(f"{method.title} drafts no chain: time it without the chain baseline")
+    return method.chain(heads, length)
+
+
 def check_heads_options(folder: Path, name: str, depth: int | None, topk: int | None, draft_dtype: str = "auto",
                         level_cost: float | str | None = None) -> None:
     """The drafting options the heads in `folder` (given as `name`) take, read from its config.json so that a

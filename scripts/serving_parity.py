@@ -72,30 +72,15 @@ def exported(heads: Path, fmt: str | None, target: str | None, out: Path) -> tup
     return out / f"export-{fmt}", fmt
 
 
-def chain_drafter(export: Path, fmt: str, target: str | None, chain: int | None):
-    """gorgon's target and drafter for the export, drafting a chain as vLLM does: the top token of each of `chain`
-    levels a step (Medusa: one per head; an EAGLE head: depth `chain`, top-k 1, every level drafted, in
-    float32 as vLLM runs it here: gorgon's default on a CPU with bfloat16 kernels is bfloat16, whose rounding changes
-    some drafts; a parallel drafter: the top token of each of its block's first `chain` positions). Default chain:
-    one per Medusa head, an EAGLE head's saved depth, a parallel drafter's block."""
-    from gorgon.decode.options import from_options
+def chain_drafter(export: Path, target: str | None, chain: int | None):
+    """gorgon's target and drafter for the export (imported back: the same weights), drafting one chain as vLLM
+    does (`gorgon.decode.options.chain_drafter`: the top candidate of each of `chain` levels, every level drafted;
+    default: one per Medusa head, an EAGLE head's saved depth, a parallel drafter's block), in float32 as vLLM runs
+    it here (gorgon's default on a CPU with bfloat16 kernels is bfloat16, whose rounding changes some drafts)."""
+    from gorgon.decode.options import DecodeSettings, load_chain
 
-    if fmt == "peagle":
-        from gorgon.heads.files import read_config
-
-        chain = chain or read_config(export / "config.json", "export")["gorgon"]["block_size"]
-        return chain, *from_options(heads=str(export), target=target, tree=[[0] * n for n in range(1, chain + 1)],
-                                    draft_dtype="float32")
-    if fmt == "vllm":
-        from gorgon.heads import MedusaHeads
-
-        chain = chain or MedusaHeads.from_pretrained(export).config.num_heads
-        return chain, *from_options(heads=str(export), target=target, tree=[[0] * n for n in range(1, chain + 1)])
-    from gorgon.heads import EagleHead
-
-    chain = chain or EagleHead.from_pretrained(export).config.depth
-    return chain, *from_options(heads=str(export), target=target, tree=chain + 1, draft_depth=chain, draft_topk=1,
-                                draft_level_cost=0, draft_dtype="float32")
+    loaded, drafter = load_chain(DecodeSettings(heads=str(export), target=target, draft_dtype="float32"), chain)
+    return drafter.max_nodes - 1, loaded, drafter
 
 
 def run_gorgon(target, drafter, prompts: list, max_new_tokens: int, chain: int) -> dict:
@@ -176,7 +161,7 @@ def serving_parity(heads: str, fmt: str | None = None, questions: str = "scripts
                           "pass --engine (the venv's folder)")
     out.mkdir(parents=True, exist_ok=True)
     export, fmt = exported(Path(heads), fmt, target, out)
-    chain, loaded, drafter = chain_drafter(export, fmt, target, chain)
+    chain, loaded, drafter = chain_drafter(export, target, chain)
     prompts = [loaded.chat_ids([{"role": "user", "content": q["turns"][0]}])
                for q in load_questions(questions, limit)]
     started = time.perf_counter()

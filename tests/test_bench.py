@@ -367,6 +367,43 @@ def test_compare_heads_are_timed_in_the_same_rotation_and_drafted_as_the_heads(t
 
 
 @pytest.mark.slow
+def test_the_chain_baseline_drafts_what_vllm_verifies(tmp_path, capsys):
+    """--baselines chain: the heads' top candidate per level, every level drafted, for each method (an EAGLE
+    head's search and Medusa's and the parallel drafter's rank paths), with the tau and output of the same chain
+    asked for by hand; context drafts alone have no chain."""
+    from gorgon.heads import EagleHead
+    from gorgon.heads.methods.parallel import ParallelHead
+
+    target_path = tiny_chat_target(tmp_path)
+    target = load_target(str(target_path), device="cpu")
+    EagleHead.for_target(target.model, target_fingerprint=target.fingerprint, depth=3).save_pretrained(
+        tmp_path / "eagle")
+    MedusaHeads.for_target(target.model, num_heads=2, target_fingerprint=target.fingerprint).save_pretrained(
+        tmp_path / "medusa")
+    ParallelHead.for_target(target.model, 3, None, None, "tiny", target.fingerprint).save_pretrained(
+        tmp_path / "parallel")
+    q = questions_file(tmp_path / "q.jsonl", QUESTIONS[:2])
+    common = ["--target", str(target_path), "--questions", str(q), "--max-new-tokens", "12"]
+    (tmp_path / "chain2.json").write_text("[[0], [0, 0]]")
+    (tmp_path / "chain3.json").write_text("[[0], [0, 0], [0, 0, 0]]")
+    by_hand = {"eagle": ["--tree", "4", "--draft-depth", "3", "--draft-topk", "1", "--draft-level-cost", "0"],
+               "medusa": ["--tree", str(tmp_path / "chain2.json")],
+               "parallel": ["--tree", str(tmp_path / "chain3.json")]}
+    for heads, chain in by_hand.items():
+        out, hand = tmp_path / f"{heads}.json", tmp_path / f"{heads}-hand.json"
+        assert gorgon(["bench", "--heads", str(tmp_path / heads), "--baselines", "generate,chain", "--out", str(out)]
+                      + common) == 0
+        assert gorgon(["bench", "--heads", str(tmp_path / heads), "--baselines", "generate", "--out", str(hand)]
+                      + common + chain) == 0
+        report, alone = json.loads(out.read_text()), json.loads(hand.read_text())
+        assert report["chain_tau"] == alone["tau"] and report["chain_identical"] == 2, heads
+        assert report["chain"] == alone["tree"], heads
+    assert gorgon(["bench", "--context-draft", "--baselines", "generate,chain"] + common) == 2
+    assert capsys.readouterr().err.strip().endswith("--baselines chain drafts the --heads or --draft drafter as one "
+                                                    "chain: pass one of them")
+
+
+@pytest.mark.slow
 def test_a_report_named_like_its_plot_is_refused(tmp_path, capsys):
     message = "--out is the JSON report, and its plot is written beside it with the suffix .png: pass a .json path"
     assert gorgon(["bench", "--context-draft", "--questions", "q.jsonl", "--out", str(tmp_path / "r.png")]) == 2

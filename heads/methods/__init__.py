@@ -90,6 +90,9 @@ class Method:
     module: type | None = None            # the class `load` returns
     not_heads: Callable | None = None     # (folder) -> the error for its folder given as heads, and where it goes
     drafter: Callable | None = None       # (module, tree, depth, topk) -> a Drafter
+    chain: Callable | None = None         # (module, length or None) -> a Drafter of one chain: the top candidate
+                                          # of each level, every level drafted, as engines verify (default
+                                          # length: its own depth, heads or block)
     check_options: Callable | None = None  # (name, depth, topk, draft_dtype, level_cost): refuse what it lacks
     adapter: Callable[[Path], Path | None] = lambda folder: None  # a folder's change to the target itself
     files: tuple[str, ...] = ()           # what its folder holds besides config.json, README.md and weights

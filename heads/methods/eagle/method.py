@@ -86,6 +86,13 @@ def drafter(head, tree, depth, topk):
     return drafter
 
 
+def chain(head, length=None):
+    from .drafter import EagleDrafter
+
+    depth = length or head.config.depth
+    return EagleDrafter(head, nodes=depth + 1, depth=depth, topk=1)
+
+
 def serve(fmt: str, out: Path, base_model: str, head, schedule=None) -> str:
     """The engine's command for an export in either layout, drafting the head's search depth a step (the measured
     `schedule` of draft lengths by batch size where there is one). It names the method: vLLM takes the method of a
@@ -98,7 +105,7 @@ def serve(fmt: str, out: Path, base_model: str, head, schedule=None) -> str:
 METHOD = register(Method(
     name="eagle", title="an EAGLE head", holds=holds,
     load=lambda folder, target: EagleHead.from_pretrained(folder, target=target), module=EagleHead,
-    drafter=drafter,
+    drafter=drafter, chain=chain,
     export=formats.export_head, export_formats=formats.FORMATS,
     export_help="'eagle3' (vLLM's and SGLang's EAGLE-3) or 'speculators' (the speculators library's format, which "
                 "vLLM reads)",

@@ -117,6 +117,12 @@ def drafter(heads, tree, depth, topk):
     return MedusaDrafter(heads, tree)
 
 
+def chain(heads, length=None):
+    from .drafter import MedusaDrafter
+
+    return MedusaDrafter(heads, [[0] * n for n in range(1, (length or heads.config.num_heads) + 1)])
+
+
 def check_options(name, depth=None, topk=None, draft_dtype="auto", level_cost=None) -> None:
     """Medusa heads draft every level in one forward from a fixed tree, in the target's dtype."""
     if depth is not None or topk is not None:
@@ -157,7 +163,7 @@ def export_notes(folder: Path) -> list[str]:
 METHOD = register(Method(
     name="medusa", title="Medusa heads", holds=holds,
     load=lambda folder, target: MedusaHeads.from_pretrained(folder, target=target), module=MedusaHeads,
-    drafter=drafter, check_options=check_options, adapter=adapter,
+    drafter=drafter, chain=chain, check_options=check_options, adapter=adapter,
     files=(TREES_NAME, f"{ADAPTER_DIR}/", formats.MEDUSA_LEGACY),
     export=lambda heads, fmt, out, base_model, dtype: formats.export_heads(heads, fmt, out, base_model),
     export_formats=formats.FORMATS,

@@ -86,6 +86,12 @@ def drafter(head, tree, depth, topk):
     return ParallelDrafter(head, tree)
 
 
+def chain(head, length=None):
+    from .drafter import ParallelDrafter
+
+    return ParallelDrafter(head, [[0] * n for n in range(1, (length or head.config.block_size) + 1)])
+
+
 def check_options(name, depth=None, topk=None, draft_dtype="auto", level_cost=None) -> None:
     """A block is drafted in one forward from a fixed tree: no search to shape or stop."""
     if depth is not None or topk is not None:
@@ -107,7 +113,7 @@ def serve(fmt: str, out: Path, base_model: str, head, schedule=None) -> str:
 
 METHOD = register(Method(
     name=ARCH, title="a parallel drafter", holds=holds, load=load, module=ParallelHead,
-    drafter=drafter, check_options=check_options,
+    drafter=drafter, chain=chain, check_options=check_options,
     export=formats.export_head, export_formats=formats.FORMATS,
     export_help="'peagle' (the speculators library's P-EAGLE layout, which vLLM serves as EAGLE-3 with parallel "
                 "drafting)",

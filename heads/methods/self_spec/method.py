@@ -61,9 +61,16 @@ def drafter(exit_, tree, depth, topk):
     return SelfSpecDrafter(exit_, nodes=tree if isinstance(tree, int) else None, depth=depth, topk=topk)
 
 
+def chain(exit_, length=None):
+    from .drafter import SelfSpecDrafter
+
+    depth = length or exit_.config.depth
+    return SelfSpecDrafter(exit_, nodes=depth + 1, depth=depth, topk=1)
+
+
 METHOD = register(Method(
     name=ARCH, title="a self-speculation exit", holds=holds,
     load=lambda folder, target: EarlyExit.from_pretrained(folder, target=target), module=EarlyExit,
-    drafter=drafter, card=self_spec_card, rows=lambda k: "exit",
+    drafter=drafter, chain=chain, card=self_spec_card, rows=lambda k: "exit",
     recipe=SelfSpecRecipe, objective=objective, nodes=NODES,
 ))
