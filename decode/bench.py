@@ -167,6 +167,8 @@ def timed_methods(model, drafter, baselines: tuple[str, ...], assistant, samplin
         methods[other["name"]] = speculative(other["drafter"])
         if "no-context" in baselines:
             methods[f"{other['name']}-no-context"] = speculative(other["drafter"].drafter)
+        if other.get("chain") is not None:
+            methods[f"{other['name']}-chain"] = speculative(other["chain"])
     if assistant is not None:
         methods["assistant"] = plain(assistant_model=assistant)
     return methods
@@ -403,7 +405,7 @@ def extra_names(report: dict) -> list[str]:
 def baseline_label(report: dict, name: str) -> str:
     """A baseline's name, with the heads or draft model it drafted with where it is a compared drafter."""
     for other in report.get("compare", []):
-        if name in (other["name"], f"{other['name']}-no-context"):
+        if name in (other["name"], f"{other['name']}-no-context", f"{other['name']}-chain"):
             return f"{name} ({Path(other.get('heads') or other['draft']).name})"
     return name
 
@@ -514,7 +516,8 @@ def parser() -> argparse.ArgumentParser:
                         "prompt-lookup (transformers' prompt lookup), no-context (with --context-draft: the "
                         "--heads or --draft drafter alone), chain (the --heads or --draft drafter alone drafting "
                         "one chain, its top candidate per level for --draft-depth or its own depth: the shape vLLM "
-                        "verifies). Default: generate,stock")
+                        "verifies; each --compare-heads drafter's chain too, as compare-chain, ...). "
+                        "Default: generate,stock")
     p.add_argument("--assistant", type=user_path, default=None,
                    help="also time transformers' assisted generation with this draft model")
     p.add_argument("--compare-heads", type=user_path, nargs="+", default=[], metavar="FOLDER",
@@ -638,7 +641,8 @@ def bench_command(args, settings: DecodeSettings, argv, baselines: tuple[str, ..
     """`gorgon bench` once its options are checked: load, time, report."""
     target, drafter = load_drafter(settings, keep_float="stock" in baselines)
     sampling = Sampling.like_generate(target.model, args.temperature, args.top_k, args.top_p)
-    compare = compared_drafters(settings, args.compare_heads, args.compare_draft, target, drafter)
+    compare = compared_drafters(settings, args.compare_heads, args.compare_draft, target, drafter,
+                                chains="chain" in baselines)
     chain = chain_drafter(settings, target) if "chain" in baselines else None
     assistant = None
     if args.assistant:
@@ -649,9 +653,11 @@ def bench_command(args, settings: DecodeSettings, argv, baselines: tuple[str, ..
     if chain is not None:
         about["chain"] = drafter_settings(chain)["tree"]
     if compare:
-        about["compare"] = [{key: value for key, value in other.items() if key != "drafter"}
+        about["compare"] = [{key: value for key, value in other.items() if key not in ("drafter", "chain")}
                             | {"tree": drafter_settings(other["drafter"])["tree"],
-                               "tree_size": other["drafter"].max_nodes} for other in compare]
+                               "tree_size": other["drafter"].max_nodes}
+                            | ({"chain": drafter_settings(other["chain"])["tree"]} if "chain" in other else {})
+                            for other in compare]
     about.update({"target": target.name, "drafter": settings.name, "questions_file": args.questions,
                   "baselines": list(baselines), "questions_planned": len(questions),
                   "command": "gorgon bench " + " ".join(sys.argv[2:] if argv is None else argv)})

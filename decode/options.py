@@ -388,24 +388,29 @@ def load_chain(settings: DecodeSettings, length: int | None = None):
     return target, chain_drafter(settings, target, length, heads)
 
 
-def compared_drafters(settings: DecodeSettings, heads: list[str], drafts: list[str], target,
-                      drafter) -> list[dict]:
+def compared_drafters(settings: DecodeSettings, heads: list[str], drafts: list[str], target, drafter,
+                      chains: bool = False) -> list[dict]:
     """`gorgon bench --compare-heads/--compare-draft`: other heads and draft models, loaded onto the same target
     and drafted as the drafter under test is (the same tree option; a draft model at its own default length and
     chain), each merged with a context drafter of its own when --context-draft is on. Returned in the order given,
-    heads first, as {"name", "heads" or "draft", "drafter"}: the first is named compare, the next compare2, ..."""
+    heads first, as {"name", "heads" or "draft", "drafter"}: the first is named compare, the next compare2, ...;
+    with `chains`, each also has its "chain" (`chain_drafter`'s, at --draft-depth or its own depth)."""
     others = []
     for kind, name in [("heads", h) for h in heads] + [("draft", d) for d in drafts]:
         if kind == "heads":
             folder = resolve_heads_folder(name)
             check_heads_options(folder, name, settings.draft_depth, settings.draft_topk, settings.draft_dtype,
                                 settings.draft_level_cost)
-            other = heads_drafter(load_heads_for(folder, target), target, settings, settings.tree, name)
+            module = load_heads_for(folder, target)
+            other = heads_drafter(module, target, settings, settings.tree, name)
+            chain = chain_for(module, settings.draft_depth) if chains else None
         else:
             other = draft_model_drafter(settings, name, target, tokens=DRAFT_TOKENS, topk=1, nodes=None)
+            chain = other if chains else None  # it drafts a chain already
         if isinstance(drafter, MergedDrafter):
             other = MergedDrafter(other, context_drafter(settings), settings.tree_budget, drafter.costs)
-        others.append({"name": "compare" + (str(len(others) + 1) if others else ""), kind: name, "drafter": other})
+        entry = {"name": "compare" + (str(len(others) + 1) if others else ""), kind: name, "drafter": other}
+        others.append(entry | ({"chain": chain} if chains else {}))
     return others
 
 

@@ -398,6 +398,14 @@ def test_the_chain_baseline_drafts_what_vllm_verifies(tmp_path, capsys):
         report, alone = json.loads(out.read_text()), json.loads(hand.read_text())
         assert report["chain_tau"] == alone["tau"] and report["chain_identical"] == 2, heads
         assert report["chain"] == alone["tree"], heads
+    both = tmp_path / "both.json"  # a compared drafter's chain too
+    assert gorgon(["bench", "--heads", str(tmp_path / "eagle"), "--compare-heads", str(tmp_path / "medusa"),
+                   "--baselines", "generate,chain", "--out", str(both)] + common) == 0
+    report = json.loads(both.read_text())
+    assert report["chain_tau"] == json.loads((tmp_path / "eagle.json").read_text())["chain_tau"]
+    assert report["compare-chain_tau"] == json.loads((tmp_path / "medusa-hand.json").read_text())["tau"]
+    assert report["compare"][0]["chain"] == json.loads((tmp_path / "medusa-hand.json").read_text())["tree"]
+    assert bench.baseline_label(report, "compare-chain") == "compare-chain (medusa)"
     assert gorgon(["bench", "--context-draft", "--baselines", "generate,chain"] + common) == 2
     assert capsys.readouterr().err.strip().endswith("--baselines chain drafts the --heads or --draft drafter as one "
                                                     "chain: pass one of them")
