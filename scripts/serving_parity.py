@@ -1,30 +1,38 @@
-"""Serving parity: a drafter's export served by vLLM, beside gorgon's own decoder, on the same prompts.
+"""Serving parity: a drafter's export served by an engine (vLLM or llama.cpp), beside gorgon's own decoder, on the
+same prompts.
 
     bash scripts/engines.sh vllm      # once: vLLM's venv in ~/.cache/gorgon/engines/vllm
     python scripts/serving_parity.py --heads runs/heads/smollm2-135m-quick --format vllm \\
         --questions scripts/data/mt_bench.jsonl --limit 8 --max-new-tokens 64 --out runs/parity/medusa
+    bash scripts/engines.sh llama.cpp # once: llama.cpp's server and converter in ~/.cache/gorgon/engines/llama.cpp
+    python scripts/serving_parity.py --engine llama.cpp --heads runs/heads/eagle --format eagle3 --out runs/parity
 
 Exports the heads (`gorgon export --format`; a folder already in an engine's layout is served as it is), then
-generates greedily for the first turn of each question three ways: vLLM alone, vLLM with the draft proposing a
-chain of --chain tokens a step (vLLM verifies chains only), and gorgon with the same export (imported back: the same
-weights) drafting the same chain. Reports whether the three outputs are identical (the target decides every token,
-so they must be, up to float rounding where two tokens tie), the mean acceptance length (tokens a verify step emits,
-the bonus token included: vLLM's 1 + accepted / drafts from its spec-decode counters, which count the last step's
-drafts past the length too, and the same kept in its output; gorgon's over its verify steps, as kept) and the
-acceptance at each chain position, and the seconds each took; writes OUT/parity-FORMAT.json. Checks
-of several exports in one OUT share the run of vLLM alone (OUT/vllm-alone.json).
+generates greedily for the first turn of each question three ways: the engine alone, the engine with the draft
+proposing a chain of --chain tokens a step (vLLM and llama.cpp verify chains only), and gorgon with the same export
+(imported back: the same weights) drafting the same chain. Reports whether the three outputs are identical (the
+target decides every token, so they must be, up to float rounding where two tokens tie), the mean acceptance length
+(tokens a verify step emits, the bonus token included: vLLM's 1 + accepted / drafts from its spec-decode counters,
+which count the last step's drafts past the length too, and the same kept in its output; llama.cpp's as kept in its
+output, from the drafted tokens each request reports; gorgon's over its verify steps, as kept) and, from vLLM, the
+acceptance at each chain position, and the seconds each took; writes OUT/parity-ENGINE-FORMAT.json. Checks of
+several exports in one OUT share the run of the engine alone (OUT/ENGINE-alone.json).
 
 vLLM runs in a subprocess with its venv's python (scripts/engine_vllm.py), on one thread and offline
 (HF_HUB_OFFLINE=1: an export whose target must be downloaded fails here as it would on a server without a network).
-A speculators export is served as `vllm serve <export>` serves it, the target being its verifier.
+A speculators export is served as `vllm serve <export>` serves it, the target being its verifier. llama.cpp serves
+EAGLE-3 drafts (`--format eagle3`): its own converter turns the target (in float32, as gorgon runs it here) and the
+export into GGUF files, and `llama-server` (one thread, one slot) answers each prompt's token ids in turn.
 """
 
 import json
 import os
+import socket
 import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -35,9 +43,13 @@ VLLM_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"
             "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
 
 
-def default_engine() -> Path:
-    """Where scripts/engines.sh builds vLLM's venv: $GORGON_ENGINES/vllm, else ~/.cache/gorgon/engines/vllm."""
-    return Path(os.environ.get("GORGON_ENGINES") or Path.home() / ".cache/gorgon/engines") / "vllm"
+ENGINES = ("vllm", "llama.cpp")
+LLAMA_CPP_FORMATS = ("eagle3",)  # what llama.cpp's converter reads (LlamaForCausalLMEagle3)
+
+
+def default_engine(name: str = "vllm") -> Path:
+    """Where scripts/engines.sh builds an engine: $GORGON_ENGINES/NAME, else ~/.cache/gorgon/engines/NAME."""
+    return Path(os.environ.get("GORGON_ENGINES") or Path.home() / ".cache/gorgon/engines") / name
 
 
 def engine_layout(folder: Path) -> str | None:
@@ -119,6 +131,7 @@ def run_vllm(python: Path, model: str, speculative_config: dict | None, prompts:
             raise GorgonError(f"vLLM failed ({lines[-1] if lines else 'no output'}): its log is {log}")
         report = json.loads(result.read_text())
     counts = report.pop("spec_decode")
+    report["engine"] = f"vLLM {report.pop('vllm')}"
     if speculative_config is not None:
         # vLLM counts a step's accepted drafts before it cuts the output at max_tokens (gorgon after): the tokens
         # its verify steps left in the outputs (all but each prefill's one) measure what gorgon's figure does.
@@ -130,15 +143,139 @@ def run_vllm(python: Path, model: str, speculative_config: dict | None, prompts:
     return report
 
 
-def vllm_alone(python: Path, model: str, prompts: list, max_new_tokens: int, out: Path) -> dict:
-    """vLLM's run without a draft, kept in OUT/vllm-alone.json: the next check in the same OUT on the same target,
+def vllm_runs(folder: Path, where: str, export: Path, fmt: str, chain: int, prompts: list, max_new_tokens: int,
+              out: Path) -> tuple[dict, dict]:
+    """vLLM alone and with the draft, on the target gorgon loaded from `where`."""
+    from gorgon.heads.errors import GorgonError
+
+    python = folder / "bin" / "python"
+    if not python.is_file():
+        raise GorgonError(f"no vLLM venv at {folder}: build it with `bash scripts/engines.sh vllm`, or pass --engines")
+    model, spec = where, {"method": ENGINE_FORMATS[fmt], "model": str(export), "num_speculative_tokens": chain}
+    if fmt == "peagle":  # as `gorgon export` prints it: vLLM tells no peagle folder by itself
+        spec["parallel_drafting"] = True
+    if fmt == "speculators":  # served as `vllm serve <export>`: the target is the verifier it names
+        model, spec = str(export), {"num_speculative_tokens": chain}
+    job = {"model": where, "prompts": prompts, "max_tokens": max_new_tokens}
+    alone = kept_run(out / "vllm-alone.json", job,
+                     lambda: run_vllm(python, where, None, prompts, max_new_tokens, out / "vllm-alone.log"))
+    return alone, run_vllm(python, model, spec, prompts, max_new_tokens, out / f"vllm-{fmt}.log")
+
+
+def kept_run(saved: Path, job: dict, run) -> dict:
+    """`run()`'s result, kept in `saved` with the `job` it did: the next check in the same OUT on the same target,
     prompts and length (another export's) reads it back instead of running it again."""
-    saved, job = out / "vllm-alone.json", {"model": model, "prompts": prompts, "max_tokens": max_new_tokens}
     if saved.is_file() and json.loads(saved.read_text())["job"] == job:
         return json.loads(saved.read_text())["result"]
-    result = run_vllm(python, model, None, prompts, max_new_tokens, out / "vllm-alone.log")
+    result = run()
     saved.write_text(json.dumps({"job": job, "result": result}))
     return result
+
+
+def to_gguf(folder: Path, source: Path, gguf: Path, log: Path, *extra: str) -> Path:
+    """llama.cpp's converter (in the venv scripts/engines.sh built beside it): a Hugging Face folder as a float32
+    GGUF file; a failure is one line."""
+    from gorgon.heads.errors import GorgonError
+
+    command = [str(folder / "venv" / "bin" / "python"), str(folder / "bin" / "convert_hf_to_gguf.py"), str(source),
+               "--outtype", "f32", "--outfile", str(gguf), *extra]
+    with open(log, "w") as written:
+        done = subprocess.run(command, stdout=written, stderr=subprocess.STDOUT, env={**os.environ, **VLLM_ENV})
+    if done.returncode != 0:
+        lines = [line for line in log.read_text().splitlines() if line.strip()]
+        raise GorgonError(f"llama.cpp's converter failed on {source} ({lines[-1] if lines else 'no output'}): "
+                          f"its log is {log}")
+    return gguf
+
+
+def llama_cpp_runs(folder: Path, where: str, export: Path, fmt: str, chain: int, prompts: list, max_new_tokens: int,
+                   out: Path, eos: set[int]) -> tuple[dict, dict]:
+    """llama.cpp alone and with the EAGLE-3 draft: the target gorgon loaded from `where` (a local folder) and the
+    export, each converted to a float32 GGUF (the target once per OUT)."""
+    from gorgon.heads.errors import GorgonError
+
+    if not (folder / "bin" / "llama-server").is_file():
+        raise GorgonError(f"no llama.cpp build at {folder}: build it with `bash scripts/engines.sh llama.cpp`, or "
+                          "pass --engines")
+    if fmt not in LLAMA_CPP_FORMATS:
+        raise GorgonError(f"llama.cpp serves EAGLE-3 drafts: pass an EAGLE head with --format eagle3, not {fmt}")
+    if not Path(where).is_dir():
+        raise GorgonError(f"llama.cpp's converter reads the target from a folder, and it loaded from {where}: pass "
+                          "--target FOLDER")
+    work = out / "llama.cpp"
+    work.mkdir(exist_ok=True)
+    target = work / "target-f32.gguf"
+    source, record = {"source": str(Path(where).resolve())}, work / "target-f32.json"
+    if not (target.is_file() and record.is_file() and json.loads(record.read_text()) == source):
+        to_gguf(folder, Path(where), target, work / "convert-target.log")
+        record.write_text(json.dumps(source))
+    draft = to_gguf(folder, export, work / f"draft-{fmt}.gguf", work / f"convert-{fmt}.log", "--target-model-dir",
+                    str(where))
+    job = {"model": str(Path(where).resolve()), "prompts": prompts, "max_tokens": max_new_tokens}
+    alone = kept_run(out / "llama.cpp-alone.json", job,
+                     lambda: run_llama_server(folder, target, None, chain, prompts, max_new_tokens, eos,
+                                              out / "llama.cpp-alone.log"))
+    return alone, run_llama_server(folder, target, draft, chain, prompts, max_new_tokens, eos,
+                                   out / f"llama.cpp-{fmt}.log")
+
+
+def run_llama_server(folder: Path, model: Path, draft: Path | None, chain: int, prompts: list, max_new_tokens: int,
+                     eos: set[int], log: Path) -> dict:
+    """One `llama-server` (one thread, one slot), greedy answers to each prompt's token ids in turn, as run_vllm
+    reports them. Its answers leave out the end-of-sequence token that vLLM and gorgon keep: it is put back where
+    the server says it stopped on one. Acceptance is counted in the output: each verify step emits its accepted
+    drafts and one token of the target's, after the prefill's token."""
+    from gorgon.heads.errors import GorgonError
+
+    with socket.socket() as free:
+        free.bind(("127.0.0.1", 0))
+        port = free.getsockname()[1]
+    longest = max(len(ids) for ids in prompts) + max_new_tokens
+    command = [str(folder / "bin" / "llama-server"), "-m", str(model), "-t", "1", "-c", str(longest + 16), "-np", "1",
+               "--no-webui", "--host", "127.0.0.1", "--port", str(port)]
+    if draft is not None:  # the whole chain every step: no early stop on the draft's confidence
+        command += ["-md", str(draft), "--spec-type", "draft-eagle3", "--spec-draft-n-max", str(chain),
+                    "--spec-draft-p-min", "0"]
+    url = f"http://127.0.0.1:{port}"
+    start = time.perf_counter()
+    with open(log, "w") as written:
+        server = subprocess.Popen(command, stdout=written, stderr=subprocess.STDOUT, env={**os.environ, **VLLM_ENV})
+        try:
+            while not ready(url):
+                if server.poll() is not None or time.perf_counter() - start > 300:
+                    lines = [line for line in log.read_text().splitlines() if line.strip()]
+                    raise GorgonError(f"llama-server did not start ({lines[-1] if lines else 'no output'}): its log "
+                                      f"is {log}")
+                time.sleep(0.5)
+            loaded = time.perf_counter()
+            build = request(url + "/props").get("build_info", "unknown")
+            answers = [request(url + "/completion", {"prompt": ids, "n_predict": max_new_tokens, "temperature": 0,
+                                                     "return_tokens": True, "cache_prompt": False})
+                       for ids in prompts]
+        finally:
+            server.terminate()
+            server.wait()
+    outputs = [list(a["tokens"]) + ([min(eos)] if a.get("stop_type") == "eos" and eos else []) for a in answers]
+    accepted = sum(a["timings"].get("draft_n_accepted", 0) for a in answers)
+    kept = sum(map(len, outputs)) - len(prompts)
+    steps = max(1, kept - accepted)
+    return {"engine": f"llama.cpp {build}", "outputs": outputs, "load_seconds": loaded - start,
+            "seconds": sum(a["timings"]["prompt_ms"] + a["timings"]["predicted_ms"] for a in answers) / 1000,
+            "acceptance_length": kept / steps, "kept_acceptance_length": kept / steps, "steps": steps,
+            "per_position": []}
+
+
+def ready(url: str) -> bool:
+    try:
+        return request(url + "/health").get("status") == "ok"
+    except OSError:
+        return False
+
+
+def request(url: str, body: dict | None = None) -> dict:
+    data = None if body is None else json.dumps(body).encode()
+    with urllib.request.urlopen(urllib.request.Request(url, data, {"Content-Type": "application/json"})) as answer:
+        return json.load(answer)
 
 
 def first_difference(a: list[int], b: list[int]) -> int | None:
@@ -149,16 +286,20 @@ def first_difference(a: list[int], b: list[int]) -> int | None:
 
 
 def serving_parity(heads: str, fmt: str | None = None, questions: str = "scripts/data/mt_bench.jsonl",
-                   engine: Path | None = None, target: str | None = None, chain: int | None = None, limit: int = 8,
-                   max_new_tokens: int = 64, out: Path = Path("runs/parity")) -> dict:
-    """The parity report (module docstring) of `heads` served by the vLLM in the venv `engine`; its files in `out`."""
+                   engine: str = "vllm", engines: Path | None = None, target: str | None = None,
+                   chain: int | None = None, limit: int = 8, max_new_tokens: int = 64,
+                   out: Path = Path("runs/parity")) -> dict:
+    """The parity report (module docstring) of `heads` served by `engine` (vllm or llama.cpp), built by
+    scripts/engines.sh in the folder `engines` (default: $GORGON_ENGINES or ~/.cache/gorgon/engines); its files in
+    `out`."""
     from gorgon.decode.questions import load_questions
     from gorgon.heads.errors import GorgonError
 
-    python = (engine or default_engine()) / "bin" / "python"
-    if not python.is_file():
-        raise GorgonError(f"no vLLM venv at {python.parent.parent}: build it with `bash scripts/engines.sh vllm`, or "
-                          "pass --engine (the venv's folder)")
+    if engine not in ENGINES:
+        raise GorgonError(f"no engine {engine!r}: use {' or '.join(ENGINES)}")
+    if engine == "llama.cpp" and fmt not in (None, *LLAMA_CPP_FORMATS):
+        raise GorgonError(f"llama.cpp serves EAGLE-3 drafts: pass an EAGLE head with --format eagle3, not {fmt}")
+    folder = (engines / engine) if engines else default_engine(engine)
     out.mkdir(parents=True, exist_ok=True)
     export, fmt = exported(Path(heads), fmt, target, out)
     chain, loaded, drafter = chain_drafter(export, target, chain)
@@ -169,46 +310,48 @@ def serving_parity(heads: str, fmt: str | None = None, questions: str = "scripts
     ours["wall_seconds"] = time.perf_counter() - started
     prompts = [ids[0].tolist() for ids in prompts]
     where = loaded.model.config._name_or_path  # the folder (or Hub id) gorgon loaded the target from
-    model, spec = where, {"method": ENGINE_FORMATS[fmt], "model": str(export), "num_speculative_tokens": chain}
-    if fmt == "peagle":  # as `gorgon export` prints it: vLLM tells no peagle folder by itself
-        spec["parallel_drafting"] = True
-    if fmt == "speculators":  # served as `vllm serve <export>`: the target is the verifier it names
-        model, spec = str(export), {"num_speculative_tokens": chain}
-    alone = vllm_alone(python, where, prompts, max_new_tokens, out)
-    drafted = run_vllm(python, model, spec, prompts, max_new_tokens, out / f"vllm-{fmt}.log")
+    if engine == "vllm":
+        alone, drafted = vllm_runs(folder, where, export, fmt, chain, prompts, max_new_tokens, out)
+    else:
+        eos = loaded.model.generation_config.eos_token_id
+        eos = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
+        alone, drafted = llama_cpp_runs(folder, where, export, fmt, chain, prompts, max_new_tokens, out, eos)
     report = {"export": str(export), "format": fmt, "chain": chain, "questions": len(prompts),
-              "max_new_tokens": max_new_tokens, "vllm": drafted["vllm"], "target": where,
-              "identical": {"vllm+draft == vllm": drafted["outputs"] == alone["outputs"],
-                            "gorgon == vllm": ours["outputs"] == alone["outputs"]},
+              "max_new_tokens": max_new_tokens, "engine": engine, "engine_version": drafted["engine"],
+              "target": where,
+              "identical": {"engine+draft == engine": drafted["outputs"] == alone["outputs"],
+                            "gorgon == engine": ours["outputs"] == alone["outputs"]},
               "first_differences": {
-                  "vllm+draft vs vllm": [first_difference(a, b) for a, b in zip(drafted["outputs"], alone["outputs"])],
-                  "gorgon vs vllm": [first_difference(a, b) for a, b in zip(ours["outputs"], alone["outputs"])]},
-              "acceptance_length": {"vllm": drafted["acceptance_length"], "gorgon": ours["acceptance_length"],
-                                    "vllm_kept": drafted["kept_acceptance_length"]},
+                  "engine+draft vs engine": [first_difference(a, b)
+                                             for a, b in zip(drafted["outputs"], alone["outputs"])],
+                  "gorgon vs engine": [first_difference(a, b) for a, b in zip(ours["outputs"], alone["outputs"])]},
+              "acceptance_length": {"engine": drafted["acceptance_length"], "gorgon": ours["acceptance_length"],
+                                    "engine_kept": drafted["kept_acceptance_length"]},
               "gorgon_tau": ours["tau"],
-              "per_position": {"vllm": drafted["per_position"], "gorgon": ours["per_position"]},
-              "verify_steps": {"vllm": drafted["steps"], "gorgon": ours["steps"]},
-              "seconds": {"vllm": alone["seconds"], "vllm+draft": drafted["seconds"], "gorgon": ours["seconds"],
-                          "vllm_load": drafted["load_seconds"]},
+              "per_position": {"engine": drafted["per_position"], "gorgon": ours["per_position"]},
+              "verify_steps": {"engine": drafted["steps"], "gorgon": ours["steps"]},
+              "seconds": {"engine": alone["seconds"], "engine+draft": drafted["seconds"], "gorgon": ours["seconds"],
+                          "engine_load": drafted["load_seconds"]},
               "tokens": sum(len(o) for o in alone["outputs"]),
-              "outputs": {"vllm": alone["outputs"], "vllm+draft": drafted["outputs"], "gorgon": ours["outputs"]}}
-    (out / f"parity-{fmt}.json").write_text(json.dumps(report, indent=1))
+              "outputs": {"engine": alone["outputs"], "engine+draft": drafted["outputs"], "gorgon": ours["outputs"]}}
+    (out / f"parity-{engine}-{fmt}.json").write_text(json.dumps(report, indent=1))
     return report
 
 
 def table(report: dict) -> str:
     """The report's figures as a markdown table."""
-    same, accept, secs = report["identical"], report["acceptance_length"], report["seconds"]
-    gap = 100 * (accept["vllm_kept"] - accept["gorgon"]) / accept["gorgon"]
+    same, accept, secs, name = report["identical"], report["acceptance_length"], report["seconds"], report["engine"]
+    gap = 100 * (accept["engine_kept"] - accept["gorgon"]) / accept["gorgon"]
+    positions = report["per_position"]["engine"]
     return "\n".join([
         f"{report['format']} export, chain of {report['chain']}, {report['questions']} questions, up to "
-        f"{report['max_new_tokens']} new tokens ({report['tokens']} generated), vLLM {report['vllm']}:",
-        "| | identical to vLLM alone | acceptance length | per position | seconds |",
+        f"{report['max_new_tokens']} new tokens ({report['tokens']} generated), {report['engine_version']}:",
+        f"| | identical to {name} alone | acceptance length | per position | seconds |",
         "|---|---|---|---|---|",
-        f"| vLLM alone | - | 1 | - | {secs['vllm']:.1f} |",
-        f"| vLLM + draft | {same['vllm+draft == vllm']} | {accept['vllm']:.3f} ({accept['vllm_kept']:.3f} kept) | "
-        f"{' '.join(f'{p:.2f}' for p in report['per_position']['vllm'])} | {secs['vllm+draft']:.1f} |",
-        f"| gorgon | {same['gorgon == vllm']} | {accept['gorgon']:.3f} (vLLM's {gap:+.1f}%) | "
+        f"| {name} alone | - | 1 | - | {secs['engine']:.1f} |",
+        f"| {name} + draft | {same['engine+draft == engine']} | {accept['engine']:.3f} ({accept['engine_kept']:.3f} "
+        f"kept) | {' '.join(f'{p:.2f}' for p in positions) or '-'} | {secs['engine+draft']:.1f} |",
+        f"| gorgon | {same['gorgon == engine']} | {accept['gorgon']:.3f} ({name}'s {gap:+.1f}%) | "
         f"{' '.join(f'{p:.2f}' for p in report['per_position']['gorgon'])} | {secs['gorgon']:.1f} |",
         f"(gorgon's tau, tokens per target forward with the prefill's: {report['gorgon_tau']:.3f})"])
 
@@ -230,14 +373,17 @@ def main() -> None:
                    help="tokens drafted a step (default: one per Medusa head, an EAGLE head's depth, a parallel "
                         "drafter's block)")
     p.add_argument("--target", default=None, help="the target (default: the one the heads record)")
-    p.add_argument("--engine", type=user_path, default=None,
-                   help=f"vLLM's venv (default: {default_engine()}, which scripts/engines.sh builds)")
+    p.add_argument("--engine", choices=ENGINES, default="vllm",
+                   help="the engine that serves the export: vllm (default) or llama.cpp (EAGLE-3 drafts)")
+    p.add_argument("--engines", type=user_path, default=None,
+                   help=f"the folder scripts/engines.sh built the engines in (default: {default_engine('').parent})")
     p.add_argument("--out", type=user_path, default="runs/parity", help="where the export, logs and parity.json go")
     args = p.parse_args()
-    report = serving_parity(args.heads, args.format, args.questions, args.engine and Path(args.engine), args.target,
-                            args.chain, args.limit, args.max_new_tokens, Path(args.out))
+    report = serving_parity(args.heads, args.format, args.questions, args.engine, args.engines and Path(args.engines),
+                            args.target, args.chain, args.limit, args.max_new_tokens, Path(args.out))
     print(table(report))
-    print(f"written: {Path(args.out) / ('parity-' + report['format'] + '.json')}", file=sys.stderr)
+    written = Path(args.out) / f"parity-{args.engine}-{report['format']}.json"
+    print(f"written: {written}", file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -21,7 +21,8 @@ from helpers import load_script, needs_embedded
 def engine(name: str) -> Path | None:
     """An engine's venv under $GORGON_ENGINES, None when absent."""
     folder = Path(os.environ.get("GORGON_ENGINES", "/nonexistent")) / name
-    return folder if (folder / "bin" / "python").is_file() else None
+    built = {"vllm": "bin/python", "llama.cpp": "bin/llama-server"}[name]
+    return folder if (folder / built).is_file() else None
 
 
 def needs_engine(name: str):
@@ -67,8 +68,36 @@ def test_an_export_serves_in_vllm_as_gorgon_decodes_it(untrained_heads, parity_o
     its last step accepts past the length), within the 3% issue 60 allows."""
     parity = load_script("serving_parity")
     heads = untrained_heads / {"vllm": "medusa", "peagle": "parallel"}.get(fmt, "eagle")
-    report = parity.serving_parity(str(heads), fmt, engine=engine("vllm"), limit=2, max_new_tokens=24,
+    report = parity.serving_parity(str(heads), fmt, engines=engine("vllm").parent, limit=2, max_new_tokens=24,
                                    out=parity_out)
-    assert report["identical"] == {"vllm+draft == vllm": True, "gorgon == vllm": True}, report["first_differences"]
+    assert report["identical"] == {"engine+draft == engine": True, "gorgon == engine": True}, \
+        report["first_differences"]
     accept = report["acceptance_length"]
-    assert accept["vllm_kept"] == pytest.approx(accept["gorgon"], rel=0.03), report
+    assert accept["engine_kept"] == pytest.approx(accept["gorgon"], rel=0.03), report
+
+
+@needs_engine("llama.cpp")
+@needs_embedded
+def test_an_eagle3_export_serves_in_llama_cpp_as_gorgon_decodes_it(untrained_heads, parity_out):
+    """llama.cpp's converter reads the EAGLE-3 export (and the target, in float32); its server's greedy output with
+    the draft equals its own without it and gorgon's, accepting what gorgon accepts (counted in the output)."""
+    parity = load_script("serving_parity")
+    report = parity.serving_parity(str(untrained_heads / "eagle"), "eagle3", engine="llama.cpp",
+                                   engines=engine("llama.cpp").parent, limit=2, max_new_tokens=24, out=parity_out)
+    assert report["identical"] == {"engine+draft == engine": True, "gorgon == engine": True}, \
+        report["first_differences"]
+    accept = report["acceptance_length"]
+    assert accept["engine_kept"] == pytest.approx(accept["gorgon"], rel=0.03), report
+    assert report["engine_version"].startswith("llama.cpp ")
+
+
+def test_an_engine_that_cannot_serve_the_format_is_refused_in_one_line(tmp_path):
+    """Before anything loads: llama.cpp reads EAGLE-3 drafts only, and an engine gorgon does not drive is named."""
+    from gorgon.heads.errors import GorgonError
+
+    parity = load_script("serving_parity")
+    for engine_name, fmt, says in (("llama.cpp", "vllm", "llama.cpp serves EAGLE-3 drafts: pass an EAGLE head with "
+                                                          "--format eagle3, not vllm"),
+                                   ("sglang", "eagle3", "no engine 'sglang': use vllm or llama.cpp")):
+        with pytest.raises(GorgonError, match=says):
+            parity.serving_parity(str(tmp_path), fmt, engine=engine_name, out=tmp_path / "out")
