@@ -26,7 +26,7 @@ from helpers import (
 )
 
 from gorgon.decode.kernels import fast_kernels_unavailable, use_cpu_kernels
-from gorgon.heads import GorgonError
+from gorgon.heads import GorgonError, load_target
 from gorgon.train.batching import continuous_generate
 from gorgon.train.data import METADATA_NAME, DataSettings, make_dataset, read_metadata
 from gorgon.train.records import load_conversations
@@ -482,3 +482,38 @@ def test_data_refuses_a_foreign_folder_and_replaces_its_own_only_when_asked(tmp_
     assert "mark" in json.loads((out / "gorgon_data.json").read_text())
     make_dataset(settings, out, progress=False, overwrite=True)  # replaced whole
     assert "mark" not in json.loads((out / "gorgon_data.json").read_text())
+
+
+@pytest.mark.slow
+def test_two_runs_agreement_counts_identical_answers_and_where_the_others_part(tmp_path, capsys, monkeypatch):
+    """scripts/data_agreement.py: the same greedy run twice is all identical; an answer edited after its third
+    token parts there; settings that differ are listed; runs of two targets are refused in one line."""
+    from helpers import load_script
+
+    target = tiny_chat_target(tmp_path)
+    src = write_jsonl(tmp_path / "p.jsonl", [SHAPES["sharegpt"], SHAPES["prompt"]])
+    a = make_dataset(DataSettings(prompts=src, target=str(target), max_new_tokens=12), tmp_path / "a", progress=False)
+    b = make_dataset(DataSettings(prompts=src, target=str(target), max_new_tokens=12, batch_size=1), tmp_path / "b",
+                     progress=False)
+    agreement = load_script("data_agreement")
+    monkeypatch.setattr(sys, "argv", ["data_agreement.py", str(a), str(b), "--json"])
+    capsys.readouterr()  # what the runs printed
+    agreement.main()
+    report = json.loads(capsys.readouterr().out)
+    assert report["identical"] == report["conversations"] == 2 and report["parted_at_tokens"] == []
+    assert report["settings_that_differ"] == {"batch_size": [16, 1]}
+    rows = list(datasets.load_from_disk(str(b)))
+    tok = load_target(str(target), device="cpu").tokenizer
+    answer = tok(rows[0]["messages"][-1]["content"], add_special_tokens=False).input_ids
+    rows[0]["messages"][-1]["content"] = tok.decode(answer[:3] + [(answer[3] + 1) % 50 + 5])
+    shutil.rmtree(b)
+    datasets.Dataset.from_list(rows).save_to_disk(str(b))
+    shutil.copy(a / METADATA_NAME, b / METADATA_NAME)
+    capsys.readouterr()
+    agreement.main()
+    assert json.loads(capsys.readouterr().out)["parted_at_tokens"] == [3]
+    other = make_dataset(DataSettings(prompts=src, target=str(tiny_chat_target(tmp_path, seed=1)), max_new_tokens=4),
+                         tmp_path / "other", progress=False)
+    monkeypatch.setattr(sys, "argv", ["data_agreement.py", str(a), str(other)])
+    with pytest.raises(GorgonError, match="come from different targets"):
+        agreement.main()
