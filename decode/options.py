@@ -406,7 +406,8 @@ def compared_drafters(settings: DecodeSettings, heads: list[str], drafts: list[s
             chain = chain_for(module, settings.draft_depth) if chains else None
         else:
             other = draft_model_drafter(settings, name, target, tokens=DRAFT_TOKENS, topk=1, nodes=None)
-            chain = other if chains else None  # it drafts a chain already
+            chain = draft_model_drafter(settings, name, target, DRAFT_TOKENS, 1, None, level_cost=0.0) if chains \
+                else None
         if isinstance(drafter, MergedDrafter):
             other = MergedDrafter(other, context_drafter(settings), settings.tree_budget, drafter.costs)
         entry = {"name": "compare" + (str(len(others) + 1) if others else ""), kind: name, "drafter": other}
