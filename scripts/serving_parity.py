@@ -189,7 +189,7 @@ def to_gguf(folder: Path, source: Path, gguf: Path, log: Path, *extra: str) -> P
 
 
 def llama_cpp_runs(folder: Path, where: str, export: Path, fmt: str, chain: int, prompts: list, max_new_tokens: int,
-                   out: Path, eos: set[int]) -> tuple[dict, dict]:
+                   out: Path) -> tuple[dict, dict]:
     """llama.cpp alone and with the EAGLE-3 draft: the target gorgon loaded from `where` (a local folder) and the
     export, each converted to a float32 GGUF (the target once per OUT)."""
     from gorgon.heads.errors import GorgonError
@@ -213,18 +213,17 @@ def llama_cpp_runs(folder: Path, where: str, export: Path, fmt: str, chain: int,
                     str(where))
     job = {"model": str(Path(where).resolve()), "prompts": prompts, "max_tokens": max_new_tokens}
     alone = kept_run(out / "llama.cpp-alone.json", job,
-                     lambda: run_llama_server(folder, target, None, chain, prompts, max_new_tokens, eos,
+                     lambda: run_llama_server(folder, target, None, chain, prompts, max_new_tokens,
                                               out / "llama.cpp-alone.log"))
-    return alone, run_llama_server(folder, target, draft, chain, prompts, max_new_tokens, eos,
+    return alone, run_llama_server(folder, target, draft, chain, prompts, max_new_tokens,
                                    out / f"llama.cpp-{fmt}.log")
 
 
 def run_llama_server(folder: Path, model: Path, draft: Path | None, chain: int, prompts: list, max_new_tokens: int,
-                     eos: set[int], log: Path) -> dict:
-    """One `llama-server` (one thread, one slot), greedy answers to each prompt's token ids in turn, as run_vllm
-    reports them. Its answers leave out the end-of-sequence token that vLLM and gorgon keep: it is put back where
-    the server says it stopped on one. Acceptance is counted in the output: each verify step emits its accepted
-    drafts and one token of the target's, after the prefill's token."""
+                     log: Path) -> dict:
+    """One `llama-server` (one thread, one slot), greedy answers to each prompt's token ids in turn (the
+    end-of-sequence token kept, as vLLM and gorgon keep it), as run_vllm reports them. Acceptance is counted in
+    the output: each verify step emits its accepted drafts and one token of the target's, after the prefill's."""
     from gorgon.heads.errors import GorgonError
 
     with socket.socket() as free:
@@ -255,7 +254,7 @@ def run_llama_server(folder: Path, model: Path, draft: Path | None, chain: int, 
         finally:
             server.terminate()
             server.wait()
-    outputs = [list(a["tokens"]) + ([min(eos)] if a.get("stop_type") == "eos" and eos else []) for a in answers]
+    outputs = [list(a["tokens"]) for a in answers]
     accepted = sum(a["timings"].get("draft_n_accepted", 0) for a in answers)
     kept = sum(map(len, outputs)) - len(prompts)
     steps = max(1, kept - accepted)
@@ -285,6 +284,11 @@ def first_difference(a: list[int], b: list[int]) -> int | None:
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
+def identical(a: list[list[int]], b: list[list[int]]) -> int:
+    """How many answers of two runs are the same tokens."""
+    return sum(x == y for x, y in zip(a, b, strict=True))
+
+
 def serving_parity(heads: str, fmt: str | None = None, questions: str = "scripts/data/mt_bench.jsonl",
                    engine: str = "vllm", engines: Path | None = None, target: str | None = None,
                    chain: int | None = None, limit: int = 8, max_new_tokens: int = 64,
@@ -310,17 +314,13 @@ def serving_parity(heads: str, fmt: str | None = None, questions: str = "scripts
     ours["wall_seconds"] = time.perf_counter() - started
     prompts = [ids[0].tolist() for ids in prompts]
     where = loaded.model.config._name_or_path  # the folder (or Hub id) gorgon loaded the target from
-    if engine == "vllm":
-        alone, drafted = vllm_runs(folder, where, export, fmt, chain, prompts, max_new_tokens, out)
-    else:
-        eos = loaded.model.generation_config.eos_token_id
-        eos = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
-        alone, drafted = llama_cpp_runs(folder, where, export, fmt, chain, prompts, max_new_tokens, out, eos)
+    runs = vllm_runs if engine == "vllm" else llama_cpp_runs
+    alone, drafted = runs(folder, where, export, fmt, chain, prompts, max_new_tokens, out)
     report = {"export": str(export), "format": fmt, "chain": chain, "questions": len(prompts),
               "max_new_tokens": max_new_tokens, "engine": engine, "engine_version": drafted["engine"],
               "target": where,
-              "identical": {"engine+draft == engine": drafted["outputs"] == alone["outputs"],
-                            "gorgon == engine": ours["outputs"] == alone["outputs"]},
+              "identical": {"engine+draft == engine": identical(drafted["outputs"], alone["outputs"]),
+                            "gorgon == engine": identical(ours["outputs"], alone["outputs"])},
               "first_differences": {
                   "engine+draft vs engine": [first_difference(a, b)
                                              for a, b in zip(drafted["outputs"], alone["outputs"])],
@@ -342,17 +342,19 @@ def table(report: dict) -> str:
     """The report's figures as a markdown table."""
     same, accept, secs, name = report["identical"], report["acceptance_length"], report["seconds"], report["engine"]
     gap = 100 * (accept["engine_kept"] - accept["gorgon"]) / accept["gorgon"]
-    positions = report["per_position"]["engine"]
+    n = report["questions"]
+    engine_positions = " ".join(f"{p:.2f}" for p in report["per_position"]["engine"]) or "-"
+    gorgon_positions = " ".join(f"{p:.2f}" for p in report["per_position"]["gorgon"])
     return "\n".join([
-        f"{report['format']} export, chain of {report['chain']}, {report['questions']} questions, up to "
+        f"{report['format']} export, chain of {report['chain']}, {n} questions, up to "
         f"{report['max_new_tokens']} new tokens ({report['tokens']} generated), {report['engine_version']}:",
         f"| | identical to {name} alone | acceptance length | per position | seconds |",
         "|---|---|---|---|---|",
         f"| {name} alone | - | 1 | - | {secs['engine']:.1f} |",
-        f"| {name} + draft | {same['engine+draft == engine']} | {accept['engine']:.3f} ({accept['engine_kept']:.3f} "
-        f"kept) | {' '.join(f'{p:.2f}' for p in positions) or '-'} | {secs['engine+draft']:.1f} |",
-        f"| gorgon | {same['gorgon == engine']} | {accept['gorgon']:.3f} ({name}'s {gap:+.1f}%) | "
-        f"{' '.join(f'{p:.2f}' for p in report['per_position']['gorgon'])} | {secs['gorgon']:.1f} |",
+        f"| {name} + draft | {same['engine+draft == engine']}/{n} | {accept['engine']:.3f} "
+        f"({accept['engine_kept']:.3f} kept) | {engine_positions} | {secs['engine+draft']:.1f} |",
+        f"| gorgon | {same['gorgon == engine']}/{n} | {accept['gorgon']:.3f} ({name}'s {gap:+.1f}%) | "
+        f"{gorgon_positions} | {secs['gorgon']:.1f} |",
         f"(gorgon's tau, tokens per target forward with the prefill's: {report['gorgon_tau']:.3f})"])
 
 
