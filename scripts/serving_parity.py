@@ -84,14 +84,16 @@ def exported(heads: Path, fmt: str | None, target: str | None, out: Path) -> tup
     return out / f"export-{fmt}", fmt
 
 
-def chain_drafter(export: Path, target: str | None, chain: int | None):
+def chain_drafter(export: Path, fmt: str, target: str | None, chain: int | None):
     """gorgon's target and drafter for the export (imported back: the same weights), drafting one chain as vLLM
     does (`gorgon.decode.options.chain_drafter`: the top candidate of each of `chain` levels, every level drafted;
     default: one per Medusa head, an EAGLE head's saved depth, a parallel drafter's block), in float32 as vLLM runs
-    it here (gorgon's default on a CPU with bfloat16 kernels is bfloat16, whose rounding changes some drafts)."""
+    it here (gorgon's default on a CPU with bfloat16 kernels is bfloat16, whose rounding changes some drafts;
+    Medusa heads, `--format vllm`, are in the target's dtype always)."""
     from gorgon.decode.options import DecodeSettings, load_chain
 
-    loaded, drafter = load_chain(DecodeSettings(heads=str(export), target=target, draft_dtype="float32"), chain)
+    dtype = "auto" if fmt == "vllm" else "float32"
+    loaded, drafter = load_chain(DecodeSettings(heads=str(export), target=target, draft_dtype=dtype), chain)
     return drafter.max_nodes - 1, loaded, drafter
 
 
@@ -306,7 +308,7 @@ def serving_parity(heads: str, fmt: str | None = None, questions: str = "scripts
     folder = (engines / engine) if engines else default_engine(engine)
     out.mkdir(parents=True, exist_ok=True)
     export, fmt = exported(Path(heads), fmt, target, out)
-    chain, loaded, drafter = chain_drafter(export, target, chain)
+    chain, loaded, drafter = chain_drafter(export, fmt, target, chain)
     prompts = [loaded.chat_ids([{"role": "user", "content": q["turns"][0]}])
                for q in load_questions(questions, limit)]
     started = time.perf_counter()
