@@ -100,7 +100,7 @@ class Engine:
 
 
 class VllmEngine(Engine):
-    """The same contract through vLLM (never run: vLLM is not installable where gorgon is built).
+    """The same contract through vLLM (run on its CPU build: install gorgon into vLLM's environment).
 
     Prompts, settings, shards and resume are shared with `Engine`; only `generate` differs.
     vLLM loads the weights itself, so once the fingerprint is taken the transformers copy is
@@ -565,8 +565,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--chat-template", type=user_path, default=None,
                    help="a Jinja chat template file, for tokenizers without one")
     p.add_argument("--engine", choices=["transformers", "vllm"], default=d.engine,
-                   help="transformers (default; continuous batching) or vllm (a GPU path that has never run: vLLM "
-                        "was not installable where gorgon is built)")
+                   help="transformers (default; continuous batching) or vllm (needs vLLM where gorgon is "
+                        "installed: on a CPU, gorgon installed into the venv scripts/engines.sh builds for vLLM)")
     p.add_argument("--cpu-kernels", choices=KERNELS, default="fast",
                    help="on the CPU: fast (default: linear layers on weights prepacked for oneDNN, about 10%% faster "
                         "here) or stock (torch's default kernels); the answers are the target's either way, but "
