@@ -251,10 +251,7 @@ def load_drafter(settings: DecodeSettings, keep_float: bool = False):
         check_model_source(settings.draft, "draft model")  # before the target loads
     context = context_drafter(settings) if settings.context_draft else None
     if not (settings.heads or settings.draft):
-        target = load_target(settings.target, device=settings.device, dtype=settings.dtype,
-                             quantize=settings.quantize, keep_float=keep_float)
-        use_cpu_kernels(target.model, settings.cpu_kernels)
-        return target, context
+        return load_target_and_heads(settings, keep_float)[0], context
     target, drafter = load_model_drafter(settings, keep_float)
     if context is None:
         return target, drafter
@@ -283,6 +280,23 @@ def context_drafter(settings: DecodeSettings) -> ContextDrafter:
                           settings.context_max_tokens)
 
 
+def load_target_and_heads(settings: DecodeSettings, keep_float: bool = False):
+    """The target the settings name on the chosen CPU kernels, and the --heads loaded onto it (None without
+    --heads; their options checked against their folder before the target loads)."""
+    if not settings.heads:
+        target = load_target(settings.target, device=settings.device, dtype=settings.dtype,
+                             quantize=settings.quantize, keep_float=keep_float)
+        use_cpu_kernels(target.model, settings.cpu_kernels)
+        return target, None
+    folder = resolve_heads_folder(settings.heads)  # a hub id downloaded once
+    check_heads_options(folder, settings.heads, settings.draft_depth, settings.draft_topk, settings.draft_dtype,
+                        settings.draft_level_cost)
+    target, heads = load_heads(folder, settings.target, device=settings.device, dtype=settings.dtype,
+                               quantize=settings.quantize, keep_float=keep_float)
+    use_cpu_kernels(target.model, settings.cpu_kernels)
+    return target, heads
+
+
 def load_model_drafter(settings: DecodeSettings, keep_float: bool = False):
     """The target and the drafter the arguments name, on the chosen CPU kernels.
 
@@ -290,17 +304,9 @@ def load_model_drafter(settings: DecodeSettings, keep_float: bool = False):
     measured accuracies and the verify costs measured here (a few seconds, cached).
     """
     tree = settings.tree
-    if settings.heads:
-        folder = resolve_heads_folder(settings.heads)  # a hub id downloaded once
-        check_heads_options(folder, settings.heads, settings.draft_depth, settings.draft_topk, settings.draft_dtype,
-                            settings.draft_level_cost)  # before the target loads
-        target, heads = load_heads(folder, settings.target, device=settings.device, dtype=settings.dtype,
-                                   quantize=settings.quantize, keep_float=keep_float)
-        use_cpu_kernels(target.model, settings.cpu_kernels)
+    target, heads = load_target_and_heads(settings, keep_float)
+    if heads is not None:
         return target, heads_drafter(heads, target, settings, tree, settings.heads)
-    target = load_target(settings.target, device=settings.device, dtype=settings.dtype, quantize=settings.quantize,
-                         keep_float=keep_float)
-    use_cpu_kernels(target.model, settings.cpu_kernels)
     nodes = None if tree == "auto" else tree
     return target, draft_model_drafter(settings, settings.draft, target, settings.draft_tokens or DRAFT_TOKENS,
                                        settings.draft_topk or 1, nodes)
@@ -364,8 +370,7 @@ def chain_drafter(settings: DecodeSettings, target, length: int | None = None, h
     --draft-depth, --draft-tokens, else the drafter's own depth); the same draft dtype and kernels. `heads`: the
     --heads already loaded onto `target` (else they are loaded)."""
     if settings.draft:
-        return draft_model_drafter(settings, settings.draft, target, length or settings.draft_tokens or DRAFT_TOKENS,
-                                   topk=1, nodes=None, level_cost=0.0)
+        return draft_model_chain(settings, settings.draft, target, length or settings.draft_tokens or DRAFT_TOKENS)
     if not settings.heads:
         raise GorgonError("a chain drafts from --heads or --draft: context drafts alone have no chain of their own")
     heads = heads if heads is not None else load_heads_for(resolve_heads_folder(settings.heads), target)
@@ -373,18 +378,14 @@ def chain_drafter(settings: DecodeSettings, target, length: int | None = None, h
     return chain_for(heads, length or settings.draft_depth)
 
 
+def draft_model_chain(settings: DecodeSettings, name: str, target, tokens: int):
+    """The draft model `name` drafting one chain of `tokens`, every level drafted."""
+    return draft_model_drafter(settings, name, target, tokens, topk=1, nodes=None, level_cost=0.0)
+
+
 def load_chain(settings: DecodeSettings, length: int | None = None):
     """The target and `chain_drafter`'s chain alone, for a script that drafts nothing else."""
-    if not settings.heads:
-        target = load_target(settings.target, device=settings.device, dtype=settings.dtype, quantize=settings.quantize)
-        use_cpu_kernels(target.model, settings.cpu_kernels)
-        return target, chain_drafter(settings, target, length)
-    folder = resolve_heads_folder(settings.heads)
-    check_heads_options(folder, settings.heads, settings.draft_depth, settings.draft_topk, settings.draft_dtype,
-                        settings.draft_level_cost)
-    target, heads = load_heads(folder, settings.target, device=settings.device, dtype=settings.dtype,
-                               quantize=settings.quantize)
-    use_cpu_kernels(target.model, settings.cpu_kernels)
+    target, heads = load_target_and_heads(settings)
     return target, chain_drafter(settings, target, length, heads)
 
 
@@ -406,8 +407,7 @@ def compared_drafters(settings: DecodeSettings, heads: list[str], drafts: list[s
             chain = chain_for(module, settings.draft_depth) if chains else None
         else:
             other = draft_model_drafter(settings, name, target, tokens=DRAFT_TOKENS, topk=1, nodes=None)
-            chain = draft_model_drafter(settings, name, target, DRAFT_TOKENS, 1, None, level_cost=0.0) if chains \
-                else None
+            chain = draft_model_chain(settings, name, target, DRAFT_TOKENS) if chains else None
         if isinstance(drafter, MergedDrafter):
             other = MergedDrafter(other, context_drafter(settings), settings.tree_budget, drafter.costs)
         entry = {"name": "compare" + (str(len(others) + 1) if others else ""), kind: name, "drafter": other}

@@ -46,9 +46,11 @@ def main():
     if not shared:
         raise GorgonError(f"{args.first} and {args.second} answer no conversation in common: run both on the same "
                           "--prompts and --limit")
-    from gorgon.heads import load_target
+    from transformers import AutoTokenizer
 
-    tok = load_target(about_a["settings"]["target"], device="cpu").tokenizer
+    from gorgon.heads.target import target_source
+
+    tok = AutoTokenizer.from_pretrained(target_source(about_a["settings"]["target"]))  # its tokens, not its weights
     parted, same = [], 0
     for i in shared:
         x = tok("".join(a[i]), add_special_tokens=False).input_ids

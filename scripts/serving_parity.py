@@ -38,9 +38,11 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 # export format -> vLLM's method (peagle: EAGLE-3 with parallel drafting, the whole chain from one forward)
 ENGINE_FORMATS = {"vllm": "medusa", "eagle3": "eagle3", "speculators": "eagle3", "peagle": "eagle3"}
-# vLLM on the CPU, as NOTES.md measured it: one OpenMP thread, 1 GiB of KV cache, the engine in this process.
-VLLM_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_OMP_THREADS_BIND": "nobind",
-            "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+# Every engine process (vLLM, llama.cpp's converter and server): one OpenMP thread, offline; for vLLM on the CPU,
+# as NOTES.md measured it, 1 GiB of KV cache and the engine in this process.
+ENGINE_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+              "VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
+              "TOKENIZERS_PARALLELISM": "false"}
 
 
 ENGINES = ("vllm", "llama.cpp")
@@ -127,7 +129,7 @@ def run_vllm(python: Path, model: str, speculative_config: dict | None, prompts:
                                    "max_tokens": max_new_tokens, "max_model_len": longest + 16}))
         with open(log, "w") as out:
             done = subprocess.run([str(python), str(HERE / "engine_vllm.py"), str(job), str(result)], stdout=out,
-                                  stderr=subprocess.STDOUT, env={**os.environ, **VLLM_ENV})
+                                  stderr=subprocess.STDOUT, env={**os.environ, **ENGINE_ENV})
         if done.returncode != 0:
             lines = [line for line in log.read_text().splitlines() if line.strip()]
             raise GorgonError(f"vLLM failed ({lines[-1] if lines else 'no output'}): its log is {log}")
@@ -174,6 +176,13 @@ def kept_run(saved: Path, job: dict, run) -> dict:
     return result
 
 
+def check_llama_cpp_format(fmt: str) -> None:
+    from gorgon.heads.errors import GorgonError
+
+    if fmt not in LLAMA_CPP_FORMATS:
+        raise GorgonError(f"llama.cpp serves EAGLE-3 drafts: pass an EAGLE head with --format eagle3, not {fmt}")
+
+
 def to_gguf(folder: Path, source: Path, gguf: Path, log: Path, *extra: str) -> Path:
     """llama.cpp's converter (in the venv scripts/engines.sh built beside it): a Hugging Face folder as a float32
     GGUF file; a failure is one line."""
@@ -182,7 +191,7 @@ def to_gguf(folder: Path, source: Path, gguf: Path, log: Path, *extra: str) -> P
     command = [str(folder / "venv" / "bin" / "python"), str(folder / "bin" / "convert_hf_to_gguf.py"), str(source),
                "--outtype", "f32", "--outfile", str(gguf), *extra]
     with open(log, "w") as written:
-        done = subprocess.run(command, stdout=written, stderr=subprocess.STDOUT, env={**os.environ, **VLLM_ENV})
+        done = subprocess.run(command, stdout=written, stderr=subprocess.STDOUT, env={**os.environ, **ENGINE_ENV})
     if done.returncode != 0:
         lines = [line for line in log.read_text().splitlines() if line.strip()]
         raise GorgonError(f"llama.cpp's converter failed on {source} ({lines[-1] if lines else 'no output'}): "
@@ -199,8 +208,7 @@ def llama_cpp_runs(folder: Path, where: str, export: Path, fmt: str, chain: int,
     if not (folder / "bin" / "llama-server").is_file():
         raise GorgonError(f"no llama.cpp build at {folder}: build it with `bash scripts/engines.sh llama.cpp`, or "
                           "pass --engines")
-    if fmt not in LLAMA_CPP_FORMATS:
-        raise GorgonError(f"llama.cpp serves EAGLE-3 drafts: pass an EAGLE head with --format eagle3, not {fmt}")
+    check_llama_cpp_format(fmt)
     if not Path(where).is_dir():
         raise GorgonError(f"llama.cpp's converter reads the target from a folder, and it loaded from {where}: pass "
                           "--target FOLDER")
@@ -240,7 +248,7 @@ def run_llama_server(folder: Path, model: Path, draft: Path | None, chain: int, 
     url = f"http://127.0.0.1:{port}"
     start = time.perf_counter()
     with open(log, "w") as written:
-        server = subprocess.Popen(command, stdout=written, stderr=subprocess.STDOUT, env={**os.environ, **VLLM_ENV})
+        server = subprocess.Popen(command, stdout=written, stderr=subprocess.STDOUT, env={**os.environ, **ENGINE_ENV})
         try:
             while not ready(url):
                 if server.poll() is not None or time.perf_counter() - start > 300:
@@ -303,8 +311,8 @@ def serving_parity(heads: str, fmt: str | None = None, questions: str = "scripts
 
     if engine not in ENGINES:
         raise GorgonError(f"no engine {engine!r}: use {' or '.join(ENGINES)}")
-    if engine == "llama.cpp" and fmt not in (None, *LLAMA_CPP_FORMATS):
-        raise GorgonError(f"llama.cpp serves EAGLE-3 drafts: pass an EAGLE head with --format eagle3, not {fmt}")
+    if engine == "llama.cpp" and fmt is not None:  # before anything loads; a folder's own format after its export
+        check_llama_cpp_format(fmt)
     folder = (engines / engine) if engines else default_engine(engine)
     out.mkdir(parents=True, exist_ok=True)
     export, fmt = exported(Path(heads), fmt, target, out)
