@@ -11,6 +11,12 @@ greedy `model.generate` on the first --single-limit prompts, one at a time. The 
 over its total time. The single-stream answers must equal the batched ones (exact greedy).
 With several --dtypes the batched side runs once per dtype in each round (the target loaded in
 each, as `gorgon data --dtype` loads it), and counts the answers that differ from the first's.
+With --vllm, `gorgon data --engine vllm`'s engine runs too in each round (the first dtype), its answers
+compared the same way; run the script with the python of vLLM's venv, gorgon installed in it:
+
+    export VLLM_CPU_KVCACHE_SPACE=1 VLLM_ENABLE_V1_MULTIPROCESSING=0 VLLM_CPU_OMP_THREADS_BIND=nobind
+    OMP_NUM_THREADS=1 ~/.cache/gorgon/engines/vllm/bin/python scripts/bench_data.py --vllm \
+        --prompts ../shared/data/sharegpt_prompts.jsonl --limit 64 --max-new-tokens 128 --rounds 2
 """
 
 import argparse
@@ -23,7 +29,7 @@ from gorgon.decode.calibrate import cpu_flags
 from gorgon.decode.kernels import KERNELS
 from gorgon.heads import load_target
 from gorgon.heads.command import ArgumentParser, int_at_least, run_script
-from gorgon.train.data import DataSettings, Engine, chat_ids
+from gorgon.train.data import DataSettings, Engine, VllmEngine, chat_ids, check_vllm
 from gorgon.train.records import load_conversations
 
 
@@ -43,15 +49,24 @@ def main():
     p.add_argument("--dtypes", nargs="+", default=["float32"],
                    help="the target's dtype for the batched side, each timed in every round (default float32); the "
                         "single-stream side takes the first")
+    p.add_argument("--vllm", action="store_true",
+                   help="also time `gorgon data --engine vllm`'s engine in each round (run from vLLM's venv)")
     args = p.parse_args()
+    if args.vllm:
+        check_vllm()
     targets = {dtype: load_target(args.target, dtype=dtype) for dtype in args.dtypes}
     target = targets[args.dtypes[0]]
     convs = load_conversations(args.prompts, args.limit)
     prompts = [chat_ids(target.tokenizer, [{"role": "user", "content": c["turns"][0]}], None) for c in convs]
     prompts = [q for q in prompts if not args.max_prompt_tokens or len(q) <= args.max_prompt_tokens]
-    settings = DataSettings(prompts=args.prompts, batch_size=args.batch_size, max_new_tokens=args.max_new_tokens)
-    engines = {dtype: Engine(t, settings, args.cpu_kernels) for dtype, t in targets.items()}
-    engine = engines[args.dtypes[0]]
+    settings = DataSettings(prompts=args.prompts, batch_size=args.batch_size, max_new_tokens=args.max_new_tokens,
+                            dtype=args.dtypes[0])  # vLLM's dtype; the transformers engines run their target's
+    engine = Engine(target, settings, args.cpu_kernels)
+    # Each side answers every prompt in each round: `batched` is the first dtype, then the other dtypes and vLLM.
+    sides = {"batched": engine} | {dtype: Engine(targets[dtype], settings, args.cpu_kernels)
+                                   for dtype in args.dtypes[1:]}
+    if args.vllm:  # a target of its own: vLLM's engine releases the transformers weights it is given
+        sides["vllm"] = VllmEngine(load_target(args.target, dtype=args.dtypes[0]), settings)
 
     def single(prompt):
         with torch.inference_mode():
@@ -60,18 +75,18 @@ def main():
         return out[:next((j for j, t in enumerate(out) if t in engine.eos), len(out))]
 
     single(prompts[0][:8])  # warm-up
-    totals = {"batched": [0, 0.0], "single": [0, 0.0]} | {dtype: [0, 0.0] for dtype in args.dtypes[1:]}
-    mismatches, differing = 0, dict.fromkeys(args.dtypes[1:], 0)
+    totals = {side: [0, 0.0] for side in [*sides, "single"]}
+    mismatches, differing = 0, dict.fromkeys(list(sides)[1:], 0)
     for _ in range(args.rounds):
         answers = {}
-        for dtype, side in zip(args.dtypes, ["batched", *args.dtypes[1:]]):
+        for side, answering in sides.items():
             start = time.perf_counter()
-            answers[dtype] = engines[dtype].generate(prompts, seeds=list(range(len(prompts))))
-            totals[side][0] += sum(map(len, answers[dtype]))
+            answers[side] = answering.generate(prompts, seeds=list(range(len(prompts))))
+            totals[side][0] += sum(map(len, answers[side]))
             totals[side][1] += time.perf_counter() - start
-        batched = answers[args.dtypes[0]]
-        for dtype in args.dtypes[1:]:
-            differing[dtype] += sum(a != b for a, b in zip(answers[dtype], batched))
+        batched = answers["batched"]
+        for side in differing:
+            differing[side] += sum(a != b for a, b in zip(answers[side], batched))
         for prompt, answer in zip(prompts[: args.single_limit], batched):
             start = time.perf_counter()
             alone = single(prompt)
@@ -87,9 +102,9 @@ def main():
         "batched_tokens_per_s": round(rates["batched"], 2), "single_tokens_per_s": round(rates["single"], 2),
         "ratio": round(rates["batched"] / rates["single"], 2), "batched_seconds": round(totals["batched"][1], 1),
         "single_answers_differing_from_batched": mismatches,
-        "other_dtypes": {dtype: {"batched_tokens_per_s": round(rates[dtype], 2),
-                                 "ratio_to_first": round(rates[dtype] / rates["batched"], 2),
-                                 "answers_differing_from_first": differing[dtype]} for dtype in args.dtypes[1:]}}))
+        "other_sides": {side: {"batched_tokens_per_s": round(rates[side], 2),
+                               "ratio_to_first": round(rates[side] / rates["batched"], 2),
+                               "answers_differing_from_first": differing[side]} for side in differing}}))
 
 
 if __name__ == "__main__":

@@ -25,6 +25,7 @@ EAGLE-3 drafts (`--format eagle3`): its own converter turns the target (in float
 export into GGUF files, and `llama-server` (one thread, one slot) answers each prompt's token ids in turn.
 """
 
+import contextlib
 import json
 import os
 import socket
@@ -203,24 +204,10 @@ def llama_cpp_runs(folder: Path, where: str, export: Path, fmt: str, chain: int,
                    out: Path) -> tuple[dict, dict]:
     """llama.cpp alone and with the EAGLE-3 draft: the target gorgon loaded from `where` (a local folder) and the
     export, each converted to a float32 GGUF (the target once per OUT)."""
-    from gorgon.heads.errors import GorgonError
-
-    if not (folder / "bin" / "llama-server").is_file():
-        raise GorgonError(f"no llama.cpp build at {folder}: build it with `bash scripts/engines.sh llama.cpp`, or "
-                          "pass --engines")
     check_llama_cpp_format(fmt)
-    if not Path(where).is_dir():
-        raise GorgonError(f"llama.cpp's converter reads the target from a folder, and it loaded from {where}: pass "
-                          "--target FOLDER")
-    work = out / "llama.cpp"
-    work.mkdir(exist_ok=True)
-    target = work / "target-f32.gguf"
-    source, record = {"source": str(Path(where).resolve())}, work / "target-f32.json"
-    if not (target.is_file() and record.is_file() and json.loads(record.read_text()) == source):
-        to_gguf(folder, Path(where), target, work / "convert-target.log")
-        record.write_text(json.dumps(source))
-    draft = to_gguf(folder, export, work / f"draft-{fmt}.gguf", work / f"convert-{fmt}.log", "--target-model-dir",
-                    str(where))
+    target = target_gguf(folder, where, out / "llama.cpp")
+    draft = to_gguf(folder, export, out / "llama.cpp" / f"draft-{fmt}.gguf", out / "llama.cpp" / f"convert-{fmt}.log",
+                    "--target-model-dir", str(where))
     job = {"model": str(Path(where).resolve()), "prompts": prompts, "max_tokens": max_new_tokens}
     alone = kept_run(out / "llama.cpp-alone.json", job,
                      lambda: run_llama_server(folder, target, None, chain, prompts, max_new_tokens,
@@ -229,26 +216,48 @@ def llama_cpp_runs(folder: Path, where: str, export: Path, fmt: str, chain: int,
                                    out / f"llama.cpp-{fmt}.log")
 
 
-def run_llama_server(folder: Path, model: Path, draft: Path | None, chain: int, prompts: list, max_new_tokens: int,
-                     log: Path) -> dict:
-    """One `llama-server` (one thread, one slot), greedy answers to each prompt's token ids in turn (the
-    end-of-sequence token kept, as vLLM and gorgon keep it), as run_vllm reports them. Acceptance is counted in
-    the output: each verify step emits its accepted drafts and one token of the target's, after the prefill's."""
+def target_gguf(folder: Path, where: str, work: Path) -> Path:
+    """The target gorgon loaded from `where` (a local folder) as llama.cpp's converter writes it in float32,
+    WORK/target-f32.gguf, converted once per WORK and source folder."""
+    from gorgon.heads.errors import GorgonError
+
+    if not (folder / "bin" / "llama-server").is_file():
+        raise GorgonError(f"no llama.cpp build at {folder}: build it with `bash scripts/engines.sh llama.cpp`, or "
+                          "pass --engines")
+    if not Path(where).is_dir():
+        raise GorgonError(f"llama.cpp's converter reads the target from a folder, and it loaded from {where}: pass "
+                          "--target FOLDER")
+    work.mkdir(parents=True, exist_ok=True)
+    target = work / "target-f32.gguf"
+    source, record = {"source": str(Path(where).resolve())}, work / "target-f32.json"
+    if not (target.is_file() and record.is_file() and json.loads(record.read_text()) == source):
+        to_gguf(folder, Path(where), target, work / "convert-target.log")
+        record.write_text(json.dumps(source))
+    return target
+
+
+def eagle3_options(draft: Path, chain: int) -> list[str]:
+    """llama-server's options for an EAGLE-3 draft GGUF drafting `chain` tokens a step, the whole chain every step
+    (no early stop on the draft's confidence)."""
+    return ["-md", str(draft), "--spec-type", "draft-eagle3", "--spec-draft-n-max", str(chain),
+            "--spec-draft-p-min", "0"]
+
+
+@contextlib.contextmanager
+def llama_server(folder: Path, model: Path, context: int, log: Path, options: list[str] = ()):
+    """A running `llama-server` on `model` (one thread, one slot, `context` tokens, the extra `options`), its URL;
+    stopped on leaving. A server that does not start is one line naming its log."""
     from gorgon.heads.errors import GorgonError
 
     with socket.socket() as free:
         free.bind(("127.0.0.1", 0))
         port = free.getsockname()[1]
-    longest = max(len(ids) for ids in prompts) + max_new_tokens
-    command = [str(folder / "bin" / "llama-server"), "-m", str(model), "-t", "1", "-c", str(longest + 16), "-np", "1",
-               "--no-webui", "--host", "127.0.0.1", "--port", str(port)]
-    if draft is not None:  # the whole chain every step: no early stop on the draft's confidence
-        command += ["-md", str(draft), "--spec-type", "draft-eagle3", "--spec-draft-n-max", str(chain),
-                    "--spec-draft-p-min", "0"]
-    url = f"http://127.0.0.1:{port}"
-    start = time.perf_counter()
+    command = [str(folder / "bin" / "llama-server"), "-m", str(model), "-t", "1", "-c", str(context), "-np", "1",
+               "--no-webui", "--host", "127.0.0.1", "--port", str(port), *options]
+    url, start = f"http://127.0.0.1:{port}", time.perf_counter()
     with open(log, "w") as written:
-        server = subprocess.Popen(command, stdout=written, stderr=subprocess.STDOUT, env={**os.environ, **ENGINE_ENV})
+        server = subprocess.Popen(command, stdout=written, stderr=subprocess.STDOUT, env={**os.environ, **ENGINE_ENV},
+                                  preexec_fn=dies_with_parent if sys.platform == "linux" else None)
         try:
             while not ready(url):
                 if server.poll() is not None or time.perf_counter() - start > 300:
@@ -256,14 +265,38 @@ def run_llama_server(folder: Path, model: Path, draft: Path | None, chain: int, 
                     raise GorgonError(f"llama-server did not start ({lines[-1] if lines else 'no output'}): its log "
                                       f"is {log}")
                 time.sleep(0.5)
-            loaded = time.perf_counter()
-            build = request(url + "/props").get("build_info", "unknown")
-            answers = [request(url + "/completion", {"prompt": ids, "n_predict": max_new_tokens, "temperature": 0,
-                                                     "return_tokens": True, "cache_prompt": False})
-                       for ids in prompts]
+            yield url
         finally:
             server.terminate()
             server.wait()
+
+
+def dies_with_parent() -> None:
+    """In a server's process before it starts (Linux): it is sent SIGTERM when the process that started it dies,
+    even by `kill -9`, so that no server outlives its script holding memory and a port."""
+    import ctypes
+    import signal
+
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # 1: PR_SET_PDEATHSIG
+
+
+def complete(url: str, ids: list[int], max_new_tokens: int) -> dict:
+    """llama-server's greedy answer to a prompt's token ids (its `tokens`, the end-of-sequence token kept as vLLM and
+    gorgon keep it, and its `timings`), the prompt's cache not reused."""
+    return request(url + "/completion", {"prompt": ids, "n_predict": max_new_tokens, "temperature": 0,
+                                         "return_tokens": True, "cache_prompt": False})
+
+
+def run_llama_server(folder: Path, model: Path, draft: Path | None, chain: int, prompts: list, max_new_tokens: int,
+                     log: Path) -> dict:
+    """One `llama-server`'s greedy answers to each prompt in turn, as run_vllm reports them. Acceptance is counted
+    in the output: each verify step emits its accepted drafts and one token of the target's, after the prefill's."""
+    longest = max(len(ids) for ids in prompts) + max_new_tokens
+    start = time.perf_counter()
+    with llama_server(folder, model, longest + 16, log, eagle3_options(draft, chain) if draft else []) as url:
+        loaded = time.perf_counter()
+        build = request(url + "/props").get("build_info", "unknown")
+        answers = [complete(url, ids, max_new_tokens) for ids in prompts]
     outputs = [list(a["tokens"]) for a in answers]
     accepted = sum(a["timings"].get("draft_n_accepted", 0) for a in answers)
     kept = sum(map(len, outputs)) - len(prompts)

@@ -350,8 +350,12 @@ def assert_feature_cache_is_exact(model, make_objective, trained: list[torch.nn.
 
 
 def load_script(name: str):
-    """A script of scripts/ as a module, to test its functions (scripts are not part of the package)."""
-    spec = importlib.util.spec_from_file_location(name, Path(__file__).parents[1] / "scripts" / f"{name}.py")
+    """A script of scripts/ as a module, to test its functions (scripts are not part of the package). scripts/ goes
+    on the import path as it is for a script run by its path: one script imports another's functions."""
+    scripts = str(Path(__file__).parents[1] / "scripts")
+    if scripts not in sys.path:
+        sys.path.insert(0, scripts)
+    spec = importlib.util.spec_from_file_location(name, Path(scripts) / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module

@@ -99,3 +99,49 @@ def test_an_engine_that_cannot_serve_the_format_is_refused_in_one_line(tmp_path)
                                    ("sglang", "eagle3", "no engine 'sglang': use vllm or llama.cpp")):
         with pytest.raises(GorgonError, match=says):
             parity.serving_parity(str(tmp_path), fmt, engine=engine_name, out=tmp_path / "out")
+
+
+@needs_engine("llama.cpp")
+@needs_embedded
+def test_llama_cpp_peer_times_every_row_and_goes_on_from_its_report(untrained_heads, parity_out):
+    """scripts/llama_cpp_peer.py: gorgon and llama.cpp (alone, prompt lookup, EAGLE-3; the float32 GGUF and the
+    embedded target's own Q4_1) on the same prompts; each draft's output equals its own plain decoding; a second
+    run with more questions keeps the first one's rows and times only the new question."""
+    peer = load_script("llama_cpp_peer")
+    heads = str(untrained_heads / "eagle")
+    first = peer.peer(heads, limit=1, max_new_tokens=16, engines=engine("llama.cpp").parent, out=parity_out)
+    report = peer.peer(heads, limit=2, max_new_tokens=16, engines=engine("llama.cpp").parent, out=parity_out)
+    assert report["questions"][0] == first["questions"][0] and len(report["questions"]) == 2
+    rows = report["summary"]["rows"]
+    assert list(rows) == ["generate", "gorgon"] + [f"llama.cpp-{kind}{how}" for kind in ("f32", "Q4_1")
+                                                   for how in ("", "-lookup", "-eagle3")]
+    for name in ("gorgon", "llama.cpp-f32-eagle3", "llama.cpp-f32-lookup"):
+        assert rows[name]["identical"] == 2, (name, report["questions"])
+    assert all(row["tokens_per_s"] > 0 for row in rows.values())
+    assert rows["llama.cpp-f32-eagle3"]["tau"] > 1  # the untrained head's drafts of the target's own features
+
+
+def test_llama_cpp_peer_sums_each_row_against_its_own_plain_decoding():
+    """Speedups and identical counts are taken against the row's own plain decoding: gorgon against `generate`,
+    a llama.cpp draft against the same GGUF alone; tau counts the target's forwards (llama.cpp's: one per
+    token it did not accept from the draft)."""
+    peer = load_script("llama_cpp_peer")
+
+    def row(tokens, seconds, **extra):
+        return {"tokens": tokens, "seconds": seconds, **extra}
+
+    questions = [{"busy_cores": 0.1, "rows": {
+        "generate": row([1, 2, 3, 4], 4.0), "gorgon": row([1, 2, 3, 4], 2.0, target_forwards=2),
+        "llama.cpp-f32": row([1, 2, 3, 5], 1.0), "llama.cpp-f32-eagle3": row([1, 2, 3, 5], 0.5, accepted=2)}},
+        {"busy_cores": 0.3, "rows": {
+            "generate": row([7, 8], 2.0), "gorgon": row([7, 9], 1.0, target_forwards=1),
+            "llama.cpp-f32": row([7, 8], 1.0), "llama.cpp-f32-eagle3": row([7, 8], 0.5, accepted=0)}}]
+    s = peer.summary(questions)
+    assert s["rows"]["generate"] == {"tokens_per_s": 1.0, "speedup_over_generate": 1.0}
+    assert s["rows"]["gorgon"] == {"tokens_per_s": 2.0, "speedup_over_generate": 2.0, "speedup": 2.0,
+                                   "identical": 1, "tau": 2.0}
+    assert s["rows"]["llama.cpp-f32-eagle3"] == {"tokens_per_s": 6.0, "speedup_over_generate": 6.0, "speedup": 2.0,
+                                                 "identical": 2, "tau": 1.5}
+    assert s["llama.cpp-f32 == generate"] == 1 and s["busy_cores"] == pytest.approx(0.2)
+    assert "| gorgon | 2.0 | 2.00x | 2.00x | 2.00 | 1/2 |" in peer.table({"summary": s, "questions": questions,
+                                                                          "llama.cpp": "b1"})
