@@ -12,7 +12,10 @@ over its total time. The single-stream answers must equal the batched ones (exac
 With several --dtypes the batched side runs once per dtype in each round (the target loaded in
 each, as `gorgon data --dtype` loads it), and counts the answers that differ from the first's.
 With --vllm, `gorgon data --engine vllm`'s engine runs too in each round (the first dtype), its answers
-compared the same way; run the script with the python of vLLM's venv, gorgon installed in it:
+compared the same way. Its first round is the one to quote: later rounds ask vLLM the same prompts again,
+which its prefix cache answers without their prefill. Inside vLLM's process the transformers engine's
+continuous batching ran 2.7x slower than in gorgon's own environment (plain `generate` did not): time that
+side with a run without --vllm. Run the script with the python of vLLM's venv, gorgon installed in it:
 
     export VLLM_CPU_KVCACHE_SPACE=1 VLLM_ENABLE_V1_MULTIPROCESSING=0 VLLM_CPU_OMP_THREADS_BIND=nobind
     OMP_NUM_THREADS=1 ~/.cache/gorgon/engines/vllm/bin/python scripts/bench_data.py --vllm \

@@ -119,6 +119,19 @@ def summary(questions: list[dict]) -> dict:
             "busy_cores": statistics.mean(busy) if busy else None}
 
 
+def earlier_report(path: Path, settings: dict) -> dict | None:
+    """The report a run of the same settings left at `path`, to go on from; None where there is none. Another
+    run's report is refused in one line (it is not overwritten)."""
+    from gorgon.heads.errors import GorgonError
+
+    if not path.is_file():
+        return None
+    report = json.loads(path.read_text())
+    if report.get("settings") != settings:
+        raise GorgonError(f"{path} holds a run of other settings: pass another --out, or the same options")
+    return report
+
+
 def peer(heads: str, questions: str = "scripts/data/mt_bench.jsonl", limit: int = 80, max_new_tokens: int = 64,
          target: str | None = None, gguf: str | None = None, chain: int | None = None, engines: Path | None = None,
          out: Path = Path("runs/peer")) -> dict:
@@ -130,7 +143,6 @@ def peer(heads: str, questions: str = "scripts/data/mt_bench.jsonl", limit: int 
 
     from gorgon.decode.calibrate import cpu_flags, cpu_reading
     from gorgon.decode.questions import load_questions
-    from gorgon.heads.errors import GorgonError
     from gorgon.heads.files import atomic_write_text
 
     out.mkdir(parents=True, exist_ok=True)
@@ -141,10 +153,7 @@ def peer(heads: str, questions: str = "scripts/data/mt_bench.jsonl", limit: int 
                 "max_new_tokens": max_new_tokens, "chain": chain,
                 "ggufs": sorted({str(model) for model, _ in servers.values()})}
     report_path = out / "peer.json"
-    report = json.loads(report_path.read_text()) if report_path.is_file() else None
-    if report is not None and report["settings"] != settings:
-        raise GorgonError(f"{report_path} holds a run of other settings: pass another --out, or the same options")
-    report = report or {"settings": settings, "questions": [], "cpu_flags": cpu_flags()}
+    report = earlier_report(report_path, settings) or {"settings": settings, "questions": [], "cpu_flags": cpu_flags()}
     context = max(ids.shape[1] for ids in prompts) + max_new_tokens + 16
     with ExitStack() as running:
         urls = {name: running.enter_context(llama_server(folder, model, context, out / "llama.cpp" / f"{name}.log",

@@ -145,3 +145,17 @@ def test_llama_cpp_peer_sums_each_row_against_its_own_plain_decoding():
     assert s["llama.cpp-f32 == generate"] == 1 and s["busy_cores"] == pytest.approx(0.2)
     assert "| gorgon | 2.0 | 2.00x | 2.00x | 2.00 | 1/2 |" in peer.table({"summary": s, "questions": questions,
                                                                           "llama.cpp": "b1"})
+
+
+def test_llama_cpp_peer_goes_on_only_from_a_run_of_the_same_settings(tmp_path):
+    """OUT/peer.json of the same settings is gone on from; one of other settings is refused in one line, and kept."""
+    from gorgon.heads.errors import GorgonError
+
+    peer = load_script("llama_cpp_peer")
+    path, settings = tmp_path / "peer.json", {"heads": "/h", "max_new_tokens": 64}
+    assert peer.earlier_report(path, settings) is None
+    path.write_text('{"settings": {"heads": "/h", "max_new_tokens": 64}, "questions": [1]}')
+    assert peer.earlier_report(path, settings)["questions"] == [1]
+    with pytest.raises(GorgonError, match="holds a run of other settings: pass another --out, or the same options"):
+        peer.earlier_report(path, {**settings, "max_new_tokens": 32})
+    assert "questions" in path.read_text()
