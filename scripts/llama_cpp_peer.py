@@ -57,7 +57,7 @@ def rows_to_time(heads: str, target: str | None, gguf: str | None, chain: int | 
         servers[f"llama.cpp-{kind}"] = (model, [])
         servers[f"llama.cpp-{kind}-lookup"] = (model, LOOKUP)
         servers[f"llama.cpp-{kind}-eagle3"] = (model, eagle3_options(draft, chain))
-    return loaded, drafter, folder, servers, chain
+    return loaded, drafter, folder, servers
 
 
 def timed_llama(url: str, ids: list[int], max_new_tokens: int) -> dict:
@@ -146,12 +146,12 @@ def peer(heads: str, questions: str = "scripts/data/mt_bench.jsonl", limit: int 
     from gorgon.heads.files import atomic_write_text
 
     out.mkdir(parents=True, exist_ok=True)
-    loaded, drafter, folder, servers, chain = rows_to_time(heads, target, gguf, chain, engines, out)
+    loaded, drafter, folder, servers = rows_to_time(heads, target, gguf, chain, engines, out)
     asked = load_questions(questions, limit)
     prompts = [loaded.chat_ids([{"role": "user", "content": q["turns"][0]}]) for q in asked]
     settings = {"heads": str(Path(heads).resolve()), "questions": str(Path(questions).resolve()),
-                "max_new_tokens": max_new_tokens, "chain": chain,
-                "ggufs": sorted({str(model) for model, _ in servers.values()})}
+                "max_new_tokens": max_new_tokens,  # and each llama.cpp row's GGUF and options (the chain's among them)
+                "llama.cpp": {name: [str(model), *options] for name, (model, options) in servers.items()}}
     report_path = out / "peer.json"
     report = earlier_report(report_path, settings) or {"settings": settings, "questions": [], "cpu_flags": cpu_flags()}
     context = max(ids.shape[1] for ids in prompts) + max_new_tokens + 16

@@ -276,7 +276,8 @@ def test_tau_scripts_refuse_bad_input_in_one_line(tmp_path):
     code, err = script("tau.py", "--context-draft", "--questions", str(tmp_path / "none.jsonl"))
     assert code == 2 and err.startswith("scripts/tau.py: error: questions file") and "\n" not in err
     code, err = script("tau.py", "--heads", "h", "--context-draft", "--chain", "--questions", "q.jsonl")
-    assert code == 2 and "error: --chain drafts the --heads or --draft drafter alone: drop --context-draft" in err
+    assert code == 2 and "error: --chain drafts the --heads or --draft drafter alone: drop --context-draft" in err \
+        and "\n" not in err
     foreign = tmp_path / "notes.json"
     foreign.write_text('{"mine": true}')
     code, err = script("learning_curve.py", "--heads", "h", "--questions", "q.jsonl", "--out", str(foreign))
