@@ -3,23 +3,28 @@
 Why: a decode step reads every weight once, so on a CPU it is bound by memory bandwidth; weights read at
 4 bits instead of 32 make the step several times faster, and that quantized model is what people serve.
 
-The schemes (`--quantize`), both weight-only:
-- "int4": groups of 32 weights along the input, each with a scale and a minimum, 16 levels between
-  (llama.cpp's Q4_1 grid, so a Q4_1 GGUF such as the embedded target's requantizes onto its own codes);
-  `torch.ops.aten._weight_int4pack_mm_for_cpu`.
-- "int8": one symmetric scale per output row; `torch.ops.aten._weight_int8pack_mm`.
+The schemes (`--quantize`):
+- "int4": weight-only; groups of 32 weights along the input, each with a scale and a minimum, 16 levels
+  between (llama.cpp's Q4_1 grid, so a Q4_1 GGUF such as the embedded target's requantizes onto its own
+  codes); `torch.ops.aten._weight_int4pack_mm_for_cpu`.
+- "int8": weight-only; one symmetric scale per output row; `torch.ops.aten._weight_int8pack_mm`.
+- "w8a8": int8's weights times int8 activations, each input row scaled when it arrives (torchao's and
+  llm-compressor's dynamic per-token W8A8); `torch._int_mm`, an exact int32 sum, so several rows cost
+  little more than one where the weight-only kernels' cost grows with the rows.
 The LM head takes the scheme too (int8 where the int4 kernel does not take its shape) and keeps its float
 weight: in float32 it was a third of an int4 step; the int4 kernel reads it in 1.7 ms where the int8 one took
-4.3 ms, and 2 rows cost it 1.25x one row where they cost the int8 one 1.3-2x. Both kernels take bfloat16
-activations (in float32 they run a slow reference loop, 5-30x slower), so a layer rounds its input to
+4.3 ms, and 2 rows cost it 1.25x one row where they cost the int8 one 1.3-2x. The weight-only kernels take
+bfloat16 activations (in float32 they run a slow reference loop, 5-30x slower), so a layer rounds its input to
 bfloat16 and returns float32: the rest of the model (norms, attention, the residual stream) stays in the
 target's own dtype. Each output row depends only on its own input row (`row_invariance_problem`); with
 verification's attention taken row by row (`gorgon.decode.attention.rows_alone`), the speculative decoder's
 greedy output equals the quantized target's own `generate`, token for token.
 
 Why not a library's tensor subclass: torchao 0.18 has no CPU int4 layout left (its "opaque" format, which
-called the same kernel, is gone) and its int8 layout keeps float32 activations, the slow path; these are
-the kernels torchao and gpt-fast call, used directly. The embeddings and the LM head's float weight (tied
+called the same kernel, is gone), its int8 layout keeps float32 activations, the slow path, and its W8A8
+(`Int8DynamicActivationInt8WeightConfig`, row-invariant too) took 650 us for one row of a 1,536 x 576 product
+where `torch._int_mm` with its scaling takes about 80; these are the kernels torchao and gpt-fast call, used
+directly. The embeddings and the LM head's float weight (tied
 to them) stay, so the target's fingerprint, and heads trained on the full-precision target, fit the
 quantized copy.
 
@@ -37,7 +42,7 @@ import torch.nn.functional as F
 
 from .errors import GorgonError
 
-SCHEMES = ("none", "int8", "int4")
+SCHEMES = ("none", "int8", "int4", "w8a8")
 GROUP_SIZE = 32  # weights per int4 scale and minimum, as in llama.cpp's Q4_1
 _GPU_ONLY = {"fp8": "FP8", "nf4": "bitsandbytes NF4"}
 
@@ -71,7 +76,7 @@ def check_scheme(scheme: str, device: torch.device | str = "cpu") -> None:
 def kernel_problem(scheme: str) -> str | None:
     """Why this torch build cannot run the scheme's kernel (a probe against the dequantized product), or None;
     probed once a process (loading a target checks before and after its weights load)."""
-    op = {"int4": "_weight_int4pack_mm_for_cpu", "int8": "_weight_int8pack_mm"}[scheme]
+    op = {"int4": "_weight_int4pack_mm_for_cpu", "int8": "_weight_int8pack_mm", "w8a8": "_int_mm"}[scheme]
     if not hasattr(torch.ops.aten, op):
         return f"this torch build lacks torch.ops.aten.{op}"
     weight = torch.randn(64, 64, generator=torch.Generator().manual_seed(0))
@@ -81,7 +86,7 @@ def kernel_problem(scheme: str) -> str | None:
         got = layer(x)
     except RuntimeError as err:
         return f"torch.ops.aten.{op} failed a probe ({str(err).splitlines()[0]})"
-    want = F.linear(x.to(torch.bfloat16).float(), layer.dequantized())
+    want = F.linear(layer.rounded(x), layer.dequantized())
     if not torch.allclose(got, want, rtol=2e-2, atol=2e-2):
         return f"torch.ops.aten.{op} gave wrong results in a probe"
     return None
@@ -125,11 +130,14 @@ class QuantizedLinear(torch.nn.Module):
         if self.use_float:
             return F.linear(x, self.weight, self.bias)
         if torch.is_grad_enabled() and x.requires_grad:  # the kernels have no backward: the same product, by hand
-            rounded = x.to(torch.bfloat16).to(x.dtype)
-            return F.linear(rounded, self.dequantized().to(x.dtype), self.bias)
-        y = self.product(x.reshape(-1, self.in_features).to(torch.bfloat16)).to(x.dtype)
+            return F.linear(self.rounded(x), self.dequantized().to(x.dtype), self.bias)
+        y = self.product(x.reshape(-1, self.in_features)).to(x.dtype)
         y = y.reshape(*x.shape[:-1], self.out_features)
         return y if self.bias is None else y + self.bias
+
+    def rounded(self, x: torch.Tensor) -> torch.Tensor:
+        """The input as the kernel reads it (bfloat16 for the weight-only schemes), in x's dtype."""
+        return x.to(torch.bfloat16).to(x.dtype)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, scheme={self.scheme}"
@@ -158,7 +166,8 @@ class Int4Linear(QuantizedLinear):
         return linear.in_features % GROUP_SIZE == 0 and linear.out_features % cls.ROWS_MULTIPLE == 0
 
     def product(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, GROUP_SIZE, self.scales_and_zeros)
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(x.to(torch.bfloat16), self.packed, GROUP_SIZE,
+                                                          self.scales_and_zeros)
 
     def dequantized(self) -> torch.Tensor:
         """The weight the kernel multiplies by, in float32 (for checks, and a backward through the layer)."""
@@ -183,7 +192,7 @@ class Int8Linear(QuantizedLinear):
         return True
 
     def product(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.aten._weight_int8pack_mm(x, self.codes, self.scales)
+        return torch.ops.aten._weight_int8pack_mm(x.to(torch.bfloat16), self.codes, self.scales)
 
     def dequantized(self) -> torch.Tensor:
         return self.codes.float() * self.scales.float()[:, None]
@@ -195,7 +204,38 @@ class Int8Linear(QuantizedLinear):
         return y.to(x.dtype).reshape(*x.shape[:-1], rows.numel())
 
 
-QUANTIZED = {"int4": Int4Linear, "int8": Int8Linear}
+class W8A8Linear(Int8Linear):
+    """int8 weights as "int8", times int8 activations: each input row gets its own scale when it arrives
+    (dynamic, per token), and the product is `torch._int_mm`'s int32 sum (VNNI on the CPU). Integer sums
+    are exact, so a row's result cannot depend on the rows beside it; several rows cost little more than one."""
+
+    scheme = "w8a8"
+
+    def __init__(self, linear: torch.nn.Linear, keep_float: bool = False):
+        super().__init__(linear, keep_float)
+        self.register_buffer("output_scales", self.scales.float() / 127)  # the weight's scale over the input's 127
+
+    def product(self, x: torch.Tensor) -> torch.Tensor:
+        return self._times(x, self.codes, self.output_scales)
+
+    def rows_product(self, x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        y = self._times(x.reshape(-1, self.in_features), self.codes[rows], self.output_scales[rows])
+        return y.to(x.dtype).reshape(*x.shape[:-1], rows.numel())
+
+    @staticmethod
+    def _times(x: torch.Tensor, codes: torch.Tensor, output_scales: torch.Tensor) -> torch.Tensor:
+        # Few operations: at one row each costs about what the product does. |x| / max|x| <= 1, so no clamp.
+        x_max = torch.linalg.vector_norm(x.float(), float("inf"), dim=-1, keepdim=True).clamp_min_(1e-30)
+        x_codes = torch.div(x, x_max).mul_(127).round_().to(torch.int8)
+        return torch.mul(torch._int_mm(x_codes, codes.T), x_max).mul_(output_scales)
+
+    def rounded(self, x: torch.Tensor) -> torch.Tensor:
+        """The input on its row's int8 grid; the gradient passes straight through the rounding."""
+        x_max = x.detach().abs().amax(dim=-1, keepdim=True).clamp_min(1e-30)
+        return x + ((x.detach() / x_max * 127).round() * x_max / 127 - x.detach())
+
+
+QUANTIZED = {"int4": Int4Linear, "int8": Int8Linear, "w8a8": W8A8Linear}
 
 
 @torch.no_grad()

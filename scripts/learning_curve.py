@@ -7,13 +7,16 @@
         runs/heads/lc/eagle-* runs/heads/smollm2-135m-eagle --questions scripts/data/mt_bench.jsonl \\
         --per-category 3 --max-new-tokens 64 --out runs/lc/curve.json
 
-Each folder's metrics.json gives its method, its training conversations and its held-out top-1 (first
-draft); tau is measured with nothing timed (`gorgon.decode.tau`), every drafter on a tree of the same
---nodes, so the steps cost alike. Prints a table and writes the JSON and a PNG beside it (tau and
-top-1 against conversations, one line per method): a curve still rising says data limits tau.
+Each folder's metrics.json gives its method, its training conversations and its held-out top-1 per draft
+position; tau is measured with nothing timed (`gorgon.decode.tau`), every drafter on a tree of the same
+--nodes, so the steps cost alike. Prints a table and each method's gain per doubling of the data (a least-
+squares line against log2 of the conversations, where a method has two shares or more), and writes the JSON
+and a PNG beside it (tau and top-1 per position against conversations, one line per method and position): a
+curve still rising says data limits tau, and the lines say how many doublings a gap between methods needs.
 """
 
 import json
+import math
 from pathlib import Path
 
 from gorgon.decode.questions import load_questions, per_category_sample
@@ -45,11 +48,13 @@ def plot(points: list[dict], path: Path) -> None:
     for arch in sorted({p["arch"] for p in points}):
         line = sorted((p for p in points if p["arch"] == arch), key=lambda p: p["train_conversations"])
         x = [p["train_conversations"] for p in line]
-        left.plot(x, [p["tau"] for p in line], marker="o", label=arch)
-        right.plot(x, [p["top1"] for p in line], marker="o", label=arch)
+        drawn = left.plot(x, [p["tau"] for p in line], marker="o", label=arch)
+        for position in range(min(len(p["top1_per_position"]) for p in line)):
+            right.plot(x, [p["top1_per_position"][position] for p in line], marker="o", color=drawn[0].get_color(),
+                       linestyle=("-", "--", ":", "-.")[position % 4], label=f"{arch}, draft {position + 1}")
     left.set_title("tau on held-out questions")
     left.set_ylabel("tokens per target forward")
-    right.set_title("held-out top-1 of the first draft")
+    right.set_title("held-out top-1 per draft position")
     right.set_ylabel("share of tokens")
     shares = sorted({p["train_conversations"] for p in points})
     for ax in (left, right):
@@ -60,6 +65,28 @@ def plot(points: list[dict], path: Path) -> None:
         ax.set_xlabel("training conversations")
         ax.legend()
     save_figure(fig, path)
+
+
+def slope(xs: list[float], ys: list[float]) -> float:
+    """The least-squares line's slope of ys against xs."""
+    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+    return sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+
+
+def per_doubling(points: list[dict]) -> dict[str, dict]:
+    """Each method's gain per doubling of its training conversations, in tau and in top-1 per draft position
+    (methods with two shares or more)."""
+    gains = {}
+    for arch in sorted({p["arch"] for p in points}):
+        line = [p for p in points if p["arch"] == arch]
+        x = [math.log2(p["train_conversations"]) for p in line]
+        if len(set(x)) < 2:
+            continue
+        positions = min(len(p["top1_per_position"]) for p in line)
+        gains[arch] = {"tau": slope(x, [p["tau"] for p in line]),
+                       "top1_per_position": [slope(x, [p["top1_per_position"][i] for p in line])
+                                             for i in range(positions)]}
+    return gains
 
 
 def main() -> None:
@@ -87,16 +114,22 @@ def main() -> None:
         report = measure_tau(target, drafter_for(heads, args.nodes), questions, args.max_new_tokens)
         points.append({"heads": folder, "arch": metrics.get("arch", "medusa"),
                        "train_conversations": metrics["train_conversations"], "top1": metrics["top1"][0],
-                       "tau": report["tau"], "per_category": report["per_category"]})
+                       "top1_per_position": metrics["top1"], "tau": report["tau"],
+                       "per_category": report["per_category"]})
         print(f"{folder}: {metrics['train_conversations']} conversations, top-1 {metrics['top1'][0]:.3f}, "
               f"tau {report['tau']:.3f}", flush=True)
+    gains = per_doubling(points)
     atomic_write_text(out, json.dumps({"questions_file": args.questions, "questions": len(questions),
                                        "max_new_tokens": args.max_new_tokens, "nodes": args.nodes,
-                                       "points": points}, indent=1) + "\n")
+                                       "points": points, "per_doubling": gains}, indent=1) + "\n")
     plot(points, out.with_suffix(".png"))
-    print("| method | training conversations | held-out top-1 | tau |\n|---|---|---|---|")
+    print("| method | training conversations | held-out top-1 per draft position | tau |\n|---|---|---|---|")
     for q in sorted(points, key=lambda q: (q["arch"], q["train_conversations"])):
-        print(f"| {q['arch']} | {q['train_conversations']} | {q['top1']:.3f} | {q['tau']:.2f} |")
+        top1 = ", ".join(f"{a:.3f}" for a in q["top1_per_position"])
+        print(f"| {q['arch']} | {q['train_conversations']} | {top1} | {q['tau']:.2f} |")
+    for arch, gain in gains.items():
+        top1 = ", ".join(f"{g:+.3f}" for g in gain["top1_per_position"])
+        print(f"{arch}: per doubling of the data, tau {gain['tau']:+.3f}, top-1 per draft position {top1}")
     print(f"{out} (plot: {out.with_suffix('.png')})")
 
 

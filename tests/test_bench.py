@@ -291,6 +291,25 @@ def test_tau_scripts_refuse_bad_input_in_one_line(tmp_path):
                                       "--out")
 
 
+def test_the_learning_curve_fits_each_methods_gain_per_doubling_of_the_data(tmp_path):
+    """Two methods on shares of 100, 200 and 400 conversations; one method measured at one share has no line.
+    The plot draws every draft position."""
+    from helpers import load_script
+
+    curve = load_script("learning_curve")
+    points = [{"arch": "parallel", "train_conversations": n, "tau": 1.3 + 0.05 * d,
+               "top1_per_position": [0.3 + 0.04 * d, 0.1 + 0.02 * d - (0.01 if d == 1 else 0)], "top1": 0.3 + 0.04 * d}
+              for d, n in enumerate((100, 200, 400))]
+    points += [{"arch": "eagle", "train_conversations": 400, "tau": 1.5, "top1_per_position": [0.4, 0.3],
+                "top1": 0.4}]
+    gains = curve.per_doubling(points)
+    assert list(gains) == ["parallel"]
+    assert gains["parallel"]["tau"] == pytest.approx(0.05)
+    assert gains["parallel"]["top1_per_position"] == pytest.approx([0.04, 0.02])  # the dip at 200 is symmetric
+    curve.plot(points, tmp_path / "curve.png")
+    assert (tmp_path / "curve.png").stat().st_size > 0
+
+
 @pytest.mark.slow
 def test_compare_heads_are_timed_in_the_same_rotation_and_drafted_as_the_heads(tmp_path, capsys, monkeypatch):
     """Each compared drafter's tau (two heads folders and a draft model) equals its own run as --heads or

@@ -1,4 +1,4 @@
-"""A quantized target (`--quantize int4 | int8`): the kernels' row invariance that exactness rests on, the layers
+"""A quantized target (`--quantize int4 | int8 | w8a8`): the kernels' row invariance that exactness rests on, the layers
 swapped, heads across precisions, greedy and sampled exactness, data, training and bench on it, refusals."""
 
 import json
@@ -23,7 +23,7 @@ from gorgon.heads.quantize import (
     row_invariance_problem,
 )
 
-SCHEMES = ["int4", "int8"]
+SCHEMES = ["int4", "int8", "w8a8"]
 
 
 @pytest.mark.parametrize("scheme", SCHEMES)
@@ -50,10 +50,10 @@ def test_quantized_layers_compute_their_dequantized_weights(scheme):
         if name in linears:
             assert isinstance(layer, QuantizedLinear)
             error = (layer.dequantized() - linears[name]).abs().max() / linears[name].abs().max()
-            # half a step (int4: a group's range / 30, at most 2 max / 30; int8: max / 254) plus bf16 scales' 2^-8
+            # half a step (int4: a group's range / 30, at most 2 max / 30; int8, w8a8: max / 254) plus bf16 scales' 2^-8
             assert error < (2 / 30 + 2 ** -8 if scheme == "int4" else 1 / 254 + 2 ** -8), (name, float(error))
             x = torch.randn(3, layer.in_features)
-            want = torch.nn.functional.linear(x.to(torch.bfloat16).float(), layer.dequantized())
+            want = torch.nn.functional.linear(layer.rounded(x), layer.dequantized())  # the input as the kernel reads it
             assert torch.allclose(layer(x), want, rtol=1e-2, atol=1e-2)
     head = model.get_output_embeddings()
     assert head.scheme == scheme and head.weight is head_weight  # kept: tied to the embeddings in tied models
