@@ -88,11 +88,12 @@ def test_greedy_speculation_equals_the_quantized_targets_generate(tmp_path, sche
 
 
 @pytest.mark.slow
-def test_sampling_on_a_quantized_target_is_exact():
+@pytest.mark.parametrize("scheme", ["int4", "w8a8"])
+def test_sampling_on_a_quantized_target_is_exact(scheme):
     model = tiny_model("llama", vocab=V, seed=3)
     with torch.no_grad():
         model.lm_head.weight.mul_(40)
-    quantize_model(model, "int4")
+    quantize_model(model, scheme)
     s = Sampling(temperature=1.0)
     prompt = torch.tensor([[1, 5, 2]])
     counts, accepted = sample_counts(model, prompt, s)
@@ -200,8 +201,8 @@ def gqa_model():
     return tf.LlamaForCausalLM(config).eval()
 
 
-@pytest.mark.parametrize("kernels", ["fast", "stock"])
-def test_every_node_verified_gets_what_a_one_token_step_gives_it_to_the_bit(kernels, monkeypatch):
+@pytest.mark.parametrize("kernels, scheme", [("fast", "int4"), ("stock", "int4"), ("fast", "w8a8")])
+def test_every_node_verified_gets_what_a_one_token_step_gives_it_to_the_bit(kernels, scheme, monkeypatch):
     """The exactness of greedy output on a quantized target rests on this: each verified node's hidden state is
     bitwise a one-token step's (`rows_alone`), where the batched masked call rounds apart (the same check fails
     with rows_alone off). 20 steps after 84 prompt tokens, each verifying a root and a branch of two, keeping
@@ -212,7 +213,7 @@ def test_every_node_verified_gets_what_a_one_token_step_gives_it_to_the_bit(kern
     from gorgon.heads.tree import tree_from_token_paths
 
     model = gqa_model()
-    quantize_model(model, "int4")
+    quantize_model(model, scheme)
     use_cpu_kernels(model, kernels)
     decoder = model.get_decoder()
     prompt = torch.randint(4, 128, (1, 84), generator=torch.Generator().manual_seed(1))
