@@ -218,13 +218,15 @@ def check_batch_drafter(model, drafter) -> None:
 def speculative_generate_batch(model, drafter, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                                max_new_tokens: int | None = None, sampling: Sampling | None = None,
                                acceptance: str = "exact", eos_token_id="default", stop_strings=(), tokenizer=None,
-                               generator: torch.Generator | None = None, costs="measure",
+                               generator: torch.Generator | None = None, costs="measure", pace: Pace | None = None,
                                **generate_kwargs) -> BatchResult:
     """`speculative_generate` for a batch of prompts, `input_ids` (B, n) left-padded as a tokenizer pads them for
     `generate` (with their `attention_mask`): each row's output is its own `speculative_generate`'s. `drafter`
     is copied fresh for every row (`Drafter.fresh`). `costs`: what sizes the drafts (`BatchCosts`): "measure"
     (the default) times verify costs on this machine once and keeps them; None drafts every row's whole tree.
-    A batch of one is `speculative_generate`."""
+    `pace`: what drafted steps have given against plain ones (`Pace(on=True)`); a serving loop passes the same
+    one to every call, so a call goes on from what the earlier ones measured instead of trying drafts afresh;
+    None starts a new one. A batch of one is `speculative_generate`."""
     check_generate_kwargs(generate_kwargs)
     if isinstance(model, Target):
         model = model.model
@@ -249,7 +251,7 @@ def speculative_generate_batch(model, drafter, input_ids: torch.Tensor, attentio
     stop_strings = stop_strings or getattr(config, "stop_strings", None)
     layers = drafter.feature_layers
     sizing = BatchCosts(model, len(prompts), costs)
-    pace = Pace(on=costs is not None)
+    pace = pace if pace is not None else Pace(on=costs is not None)
 
     with decoding_attention(input_ids.device):
         check_verifies_trees(model)

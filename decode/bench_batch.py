@@ -28,7 +28,7 @@ from gorgon.heads.files import atomic_write_text, save_figure
 from gorgon.heads.target import context_length, fits_context
 from gorgon.heads.tree import tree_from_token_paths
 
-from .batch import speculative_generate_batch
+from .batch import Pace, speculative_generate_batch
 from .calibrate import BUSY_LIMIT, busy_cores, cpu_reading, sync, verify_costs
 from .generate import generation_config_as_applied
 
@@ -117,20 +117,25 @@ def run_batch_bench(target, drafter, questions: list[dict], batch_sizes: list[in
         sync(model.device)
         return generated_rows(out, ids.shape[1], eos), time.perf_counter() - start
 
-    def gorgon(ids, mask, chosen=drafter):
+    paces = {}  # one per batch size, carried across its groups as a server's loop carries it across calls
+
+    def gorgon(ids, mask, chosen=drafter, pace=None):
         sync(model.device)
         start = time.perf_counter()
-        result = speculative_generate_batch(model, chosen, ids, attention_mask=mask, max_new_tokens=max_new_tokens)
+        result = speculative_generate_batch(model, chosen, ids, attention_mask=mask, max_new_tokens=max_new_tokens,
+                                            pace=pace)
         sync(model.device)
         return result, time.perf_counter() - start
 
-    methods = {"baseline": plain, "gorgon": gorgon, "no_drafts": lambda ids, mask: gorgon(ids, mask, NoDrafts())}
+    methods = {"baseline": plain, "gorgon": lambda ids, mask: gorgon(ids, mask, pace=paces.get(ids.shape[0])),
+               "no_drafts": lambda ids, mask: gorgon(ids, mask, NoDrafts())}
     warm = left_padded(prompts[:2], pad)  # kernels and caches loaded outside the timings
     for method in methods.values():
         method(*warm)
     for batch in batch_sizes:
         if batch in done:
             continue
+        paces[batch] = Pace(on=True)
         groups = [prompts[i:i + batch] for i in range(0, len(prompts) - batch + 1, batch)]
         totals = dict(tokens=0, seconds=0.0, baseline_tokens=0, baseline_seconds=0.0, no_drafts_tokens=0,
                       no_drafts_seconds=0.0, forwards=0, identical=0, rows=0, widths=[], drafting=[], busy=[])

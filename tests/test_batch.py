@@ -10,7 +10,7 @@ from helpers import TargetRolloutDrafter, import_families, reference, tiny_model
 from scipy.stats import chisquare
 
 from gorgon.decode import Sampling, speculative_generate
-from gorgon.decode.batch import BatchCosts, batch_width, speculative_generate_batch
+from gorgon.decode.batch import BatchCosts, Pace, batch_width, speculative_generate_batch
 from gorgon.decode.bench_batch import left_padded
 from gorgon.decode.calibrate import calibration_entry, verify_costs
 from gorgon.heads import EagleDrafter, EagleHead, GorgonError, MedusaDrafter, MedusaHeads, load_target
@@ -145,6 +145,26 @@ def test_a_row_whose_drafts_fail_stops_drafting_while_one_that_accepts_goes_on()
     assert max(batch.rows[0].accepted) == 5          # the row that is drafted right accepts whole chains
     assert set(batch.rows[1].accepted[1:]) == {1}    # the other accepts nothing drafted...
     assert 1 in batch.drafting                        # ...and stops drafting, while the first goes on
+
+
+def test_a_pace_passed_from_call_to_call_goes_on_from_what_earlier_calls_measured():
+    """A serving loop's calls share one Pace: where earlier calls found drafted steps losing, the next call starts
+    with plain steps instead of trying drafts again; a fresh pace drafts first. Rows stay their own either way."""
+    model = sharp_model("llama")
+    good, other = prompts_of([6, 7], seed=4)
+    drafter = KnowingDrafter({tuple(good.tolist()): reference(model, good[None], 12)},
+                             {tuple(other.tolist()): reference(model, other[None], 12)})
+    ids, mask = left_padded([good, other], 0)
+    costs = {2: {1: 10.0, 2: 10.5, 3: 11.0, 4: 11.5, 5: 12.0}}
+    losing = Pace(on=True)
+    losing.rate, losing.wait = {True: 1.0, False: 100.0}, 64  # what earlier calls measured
+    carried = speculative_generate_batch(model, drafter, ids, attention_mask=mask, max_new_tokens=12, costs=costs,
+                                         pace=losing)
+    fresh = speculative_generate_batch(model, drafter, ids, attention_mask=mask, max_new_tokens=12, costs=costs)
+    want = [reference(model, p[None], 12) for p in (good, other)]
+    assert [r.tokens for r in carried.rows] == want == [r.tokens for r in fresh.rows]
+    assert set(carried.drafting) == {0} and losing.plain == len(carried.drafting)  # the pace went on counting
+    assert fresh.drafting[0] > 0
 
 
 def test_the_batch_verifies_no_candidates_where_they_cannot_pay():
