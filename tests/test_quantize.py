@@ -88,12 +88,11 @@ def test_greedy_speculation_equals_the_quantized_targets_generate(tmp_path, sche
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("scheme", ["int4", "w8a8"])
-def test_sampling_on_a_quantized_target_is_exact(scheme):
+def test_sampling_on_a_quantized_target_is_exact():
     model = tiny_model("llama", vocab=V, seed=3)
     with torch.no_grad():
         model.lm_head.weight.mul_(40)
-    quantize_model(model, scheme)
+    quantize_model(model, "int4")
     s = Sampling(temperature=1.0)
     prompt = torch.tensor([[1, 5, 2]])
     counts, accepted = sample_counts(model, prompt, s)
