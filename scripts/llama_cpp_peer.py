@@ -95,10 +95,8 @@ def summary(questions: list[dict]) -> dict:
     """Per row: tokens/s over all questions, speedup over its own plain row, tokens per target forward, identical
     answers to its reference; and llama.cpp f32 alone against `generate`."""
     names = list(questions[0]["rows"])
-    rate = {}
-    for name in names:
-        tokens = sum(len(q["rows"][name]["tokens"]) for q in questions)
-        rate[name] = tokens / sum(q["rows"][name]["seconds"] for q in questions)
+    tokens = {name: sum(len(q["rows"][name]["tokens"]) for q in questions) for name in names}
+    rate = {name: tokens[name] / sum(q["rows"][name]["seconds"] for q in questions) for name in names}
     rows = {}
     for name in names:
         row = {"tokens_per_s": rate[name], "speedup_over_generate": rate[name] / rate["generate"]}
@@ -106,12 +104,11 @@ def summary(questions: list[dict]) -> dict:
         if plain is not None:
             row["speedup"] = rate[name] / rate[plain]
             row["identical"] = sum(q["rows"][name]["tokens"] == q["rows"][plain]["tokens"] for q in questions)
-            tokens = sum(len(q["rows"][name]["tokens"]) for q in questions)
             if name == "gorgon":
                 forwards = sum(q["rows"][name]["target_forwards"] for q in questions)
             else:  # each verify step emits its accepted drafts and one token of the target's; the prefill one
-                forwards = tokens - sum(q["rows"][name]["accepted"] for q in questions)
-            row["tau"] = tokens / max(1, forwards)
+                forwards = tokens[name] - sum(q["rows"][name]["accepted"] for q in questions)
+            row["tau"] = tokens[name] / max(1, forwards)
         rows[name] = row
     same = sum(q["rows"]["llama.cpp-f32"]["tokens"] == q["rows"]["generate"]["tokens"] for q in questions)
     busy = [q["busy_cores"] for q in questions if q["busy_cores"] is not None]
