@@ -202,8 +202,8 @@ def load_target(name_or_path: str | os.PathLike | None = None, device: str = "au
 
     `adapter`: a LoRA adapter folder (Medusa-2 training writes one beside its heads), merged into
     the weights. The fingerprint stays the base model's, which is what the heads record.
-    `quantize`: a scheme of `gorgon.heads.quantize` ("int4", "int8", "w8a8"), applied after the merge; `keep_float`
-    keeps the float weights too, for timing stock full-precision `generate` beside it.
+    `quantize`: a scheme of `gorgon.heads.quantize` ("int4", "int8", "w8a8", "w4a8"), applied after the merge;
+    `keep_float` keeps the float weights too, for timing stock full-precision `generate` beside it.
     """
     dev = resolve_device(device)
     check_scheme(quantize, dev)  # before the slow load

@@ -1,5 +1,5 @@
-"""A quantized target (`--quantize int4 | int8 | w8a8`): the kernels' row invariance that exactness rests on, the layers
-swapped, heads across precisions, greedy and sampled exactness, data, training and bench on it, refusals."""
+"""A quantized target (`--quantize int4 | int8 | w8a8 | w4a8`): the kernels' row invariance that exactness rests on,
+the layers swapped, heads across precisions, greedy and sampled exactness, data, training and bench on it, refusals."""
 
 import json
 
@@ -23,7 +23,7 @@ from gorgon.heads.quantize import (
     row_invariance_problem,
 )
 
-SCHEMES = ["int4", "int8", "w8a8"]
+SCHEMES = ["int4", "int8", "w8a8", "w4a8"]
 
 
 @pytest.mark.parametrize("scheme", SCHEMES)
@@ -50,8 +50,9 @@ def test_quantized_layers_compute_their_dequantized_weights(scheme):
         if name in linears:
             assert isinstance(layer, QuantizedLinear)
             error = (layer.dequantized() - linears[name]).abs().max() / linears[name].abs().max()
-            # half a step (int4: a group's range / 30, at most 2 max / 30; int8, w8a8: max / 254) plus bf16 scales' 2^-8
-            assert error < (2 / 30 + 2 ** -8 if scheme == "int4" else 1 / 254 + 2 ** -8), (name, float(error))
+            # half a step (int4, w4a8: a group's range / 30, at most 2 max / 30; int8, w8a8: max / 254) plus the
+            # scales' rounding (bfloat16: 2^-8)
+            assert error < (2 / 30 if scheme in ("int4", "w4a8") else 1 / 254) + 2 ** -8, (name, float(error))
             x = torch.randn(3, layer.in_features)
             want = torch.nn.functional.linear(layer.rounded(x), layer.dequantized())  # the input as the kernel reads it
             assert torch.allclose(layer(x), want, rtol=1e-2, atol=1e-2)
@@ -61,6 +62,18 @@ def test_quantized_layers_compute_their_dequantized_weights(scheme):
     x = torch.randn(2, 3, head.in_features)
     assert torch.equal(head.rows_product(x, rows), head(x)[..., rows])
     assert load_target_like(model) == fingerprint
+
+
+def test_the_w4a8_kernels_vector_path_gives_its_plain_loops_bits():
+    """The AVX512-VNNI path and the plain loop (any CPU) do the same operations in the same order (w4a8.cpp)."""
+    from gorgon.heads.quantize import W4A8Linear, w4a8_kernel
+
+    if not w4a8_kernel().w4a8_vector_path():
+        pytest.skip("this CPU has no AVX512-VNNI: the kernel runs its plain loop only")
+    layer = W4A8Linear(torch.nn.Linear(320, 48, bias=False))
+    x = torch.randn(11, 320) * torch.logspace(-3, 2, 11)[:, None]  # rows of very different sizes
+    x[3, :32] = 0  # a block of zeros: its scale is 0
+    assert torch.equal(layer.product(x), layer.product(x, plain=True))
 
 
 def test_a_head_the_int4_kernel_cannot_take_is_int8():
@@ -200,7 +213,7 @@ def gqa_model():
     return tf.LlamaForCausalLM(config).eval()
 
 
-@pytest.mark.parametrize("kernels, scheme", [("fast", "int4"), ("stock", "int4"), ("fast", "w8a8")])
+@pytest.mark.parametrize("kernels, scheme", [("fast", "int4"), ("stock", "int4"), ("fast", "w8a8"), ("fast", "w4a8")])
 def test_every_node_verified_gets_what_a_one_token_step_gives_it_to_the_bit(kernels, scheme, monkeypatch):
     """The exactness of greedy output on a quantized target rests on this: each verified node's hidden state is
     bitwise a one-token step's (`rows_alone`), where the batched masked call rounds apart (the same check fails

@@ -66,7 +66,7 @@ class DataSettings:
     chat_template: str | None = None
     engine: str = "transformers"  # transformers | vllm
     dtype: str = "auto"           # the target's: recorded as resolved (float32 on a CPU, bfloat16 on CUDA)
-    quantize: str = "none"        # the target's weights (gorgon.heads.quantize): none, int4, int8, w8a8
+    quantize: str = "none"        # the target's weights (gorgon.heads.quantize): none, int4, int8, w8a8, w4a8
 
 
 def row_seed(*parts) -> int:
@@ -579,9 +579,9 @@ def parser() -> argparse.ArgumentParser:
                         "recipe's settings (the answers of the target in bfloat16; a resume in another dtype is "
                         "refused)")
     p.add_argument("--quantize", default=d.quantize,
-                   help="the target's weights: none (default), int4, int8 or w8a8, on the CPU (gorgon.heads.quantize): "
-                        "the answers and features of the quantized target, for heads that serve it (train with the "
-                        "same --quantize)")
+                   help="the target's weights: none (default), int4, int8, w8a8 or w4a8, on the CPU "
+                        "(gorgon.heads.quantize): the answers and features of the quantized target, for heads "
+                        "that serve it (train with the same --quantize)")
     p.add_argument("--overwrite", action="store_true", help="regenerate a dataset gorgon data already wrote at --out")
     return p
 

@@ -54,9 +54,9 @@ class HeadsSettings(TrainingSettings):
                                                     "curve); None: all")
     eval_every: int = setting(0, "held-out evaluation every N steps (0: only at the end)")
     tree_topk: int = setting(10, "ranks measured per head (eagle: per step) to choose the decoding trees")
-    quantize: str = setting("none", "the target's weights while training: none (default), int4, int8 or w8a8 on the "
-                                    "CPU (gorgon.heads.quantize), for heads that serve that quantized target (pair it "
-                                    "with data `gorgon data --quantize` wrote)")
+    quantize: str = setting("none", "the target's weights while training: none (default), int4, int8, w8a8 or w4a8 "
+                                    "on the CPU (gorgon.heads.quantize), for heads that serve that quantized target "
+                                    "(pair it with data `gorgon data --quantize` wrote)")
     cache_features: bool = setting(False, "keep the frozen target's outputs in CPU memory after the first epoch, "
                                           "so later epochs skip its forward (medusa1: hidden_size floats per "
                                           "token; eagle: (len(feature_layers) + 1) x hidden_size)")
