@@ -135,13 +135,14 @@ def peer(heads: str, questions: str = "scripts/data/mt_bench.jsonl", limit: int 
     """The report of the module docstring, written to OUT/peer.json as it grows."""
     from contextlib import ExitStack
 
-    from serving_parity import llama_server, request
+    from serving_parity import check_run_folder, llama_server, request
     from tqdm.auto import tqdm
 
     from gorgon.decode.calibrate import cpu_flags, cpu_reading
     from gorgon.decode.questions import load_questions
     from gorgon.heads.files import atomic_write_text
 
+    check_run_folder(out)
     out.mkdir(parents=True, exist_ok=True)
     loaded, drafter, folder, servers = rows_to_time(heads, target, gguf, chain, engines, out)
     asked = load_questions(questions, limit)

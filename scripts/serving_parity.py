@@ -48,6 +48,25 @@ ENGINE_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "
 
 ENGINES = ("vllm", "llama.cpp")
 LLAMA_CPP_FORMATS = ("eagle3",)  # what llama.cpp's converter reads (LlamaForCausalLMEagle3)
+# What this script and scripts/llama_cpp_peer.py write into --out (the two may share one), atomic writes' temporary
+# files included: the exports, llama.cpp's GGUFs, each engine's runs and logs, the reports.
+RUN_ENTRIES = ("export-*", "llama.cpp", "llama.cpp-*", "vllm-*", "parity-*.json", "peer.json", ".*.tmp")
+
+
+def check_run_folder(out: Path) -> None:
+    """Before any work: --out is new or empty, or holds only what these scripts write there (a run goes on from an
+    earlier one's files), so none writes among a user's own files."""
+    from fnmatch import fnmatch
+
+    from gorgon.heads.errors import GorgonError
+
+    if out.exists() and not out.is_dir():
+        raise GorgonError(f"--out {out} is a file: pass a folder")
+    foreign = sorted(p.name for p in out.iterdir() if not any(fnmatch(p.name, e) for e in RUN_ENTRIES)) \
+        if out.is_dir() else []
+    if foreign:
+        raise GorgonError(f"--out {out} holds {foreign[0]}, which these engine checks did not write: choose a new or "
+                          "empty folder")
 
 
 def default_engine(name: str = "vllm") -> Path:
@@ -341,12 +360,14 @@ def serving_parity(heads: str, fmt: str | None = None, questions: str = "scripts
     `out`."""
     from gorgon.decode.questions import load_questions
     from gorgon.heads.errors import GorgonError
+    from gorgon.heads.files import atomic_write_text
 
     if engine not in ENGINES:
         raise GorgonError(f"no engine {engine!r}: use {' or '.join(ENGINES)}")
     if engine == "llama.cpp" and fmt is not None:  # before anything loads; a folder's own format after its export
         check_llama_cpp_format(fmt)
     folder = (engines / engine) if engines else default_engine(engine)
+    check_run_folder(out)
     out.mkdir(parents=True, exist_ok=True)
     export, fmt = exported(Path(heads), fmt, target, out)
     chain, loaded, drafter = chain_drafter(export, fmt, target, chain)
@@ -377,7 +398,7 @@ def serving_parity(heads: str, fmt: str | None = None, questions: str = "scripts
                           "engine_load": drafted["load_seconds"]},
               "tokens": sum(len(o) for o in alone["outputs"]),
               "outputs": {"engine": alone["outputs"], "engine+draft": drafted["outputs"], "gorgon": ours["outputs"]}}
-    (out / f"parity-{engine}-{fmt}.json").write_text(json.dumps(report, indent=1))
+    atomic_write_text(out / f"parity-{engine}-{fmt}.json", json.dumps(report, indent=1))
     return report
 
 

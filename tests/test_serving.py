@@ -101,6 +101,29 @@ def test_an_engine_that_cannot_serve_the_format_is_refused_in_one_line(tmp_path)
             parity.serving_parity(str(tmp_path), fmt, engine=engine_name, out=tmp_path / "out")
 
 
+def test_the_engine_checks_write_only_into_a_folder_of_their_own(tmp_path):
+    """serving_parity and llama_cpp_peer share one predicate for --out: new, empty, or holding only what the two
+    write (a run goes on there); a user's file in it, or a file as --out, is refused before any work."""
+    from gorgon.heads.errors import GorgonError
+
+    parity, peer = load_script("serving_parity"), load_script("llama_cpp_peer")
+    out = tmp_path / "out"
+    parity.check_run_folder(out)  # new
+    out.mkdir()
+    for name in ("export-eagle3", "llama.cpp", "vllm-alone.json", "llama.cpp-eagle3.log", "parity-vllm-vllm.json",
+                 "peer.json", ".peer.json.host-1-0123abcd.tmp"):
+        (out / name).write_text("")
+    parity.check_run_folder(out)
+    (out / "notes.txt").write_text("mine")
+    with pytest.raises(GorgonError, match="holds notes.txt, which these engine checks did not write"):
+        parity.check_run_folder(out)
+    with pytest.raises(GorgonError, match="holds notes.txt"):  # before the heads are even read
+        peer.peer(str(tmp_path / "no-heads"), out=out)
+    with pytest.raises(GorgonError, match="is a file: pass a folder"):
+        parity.check_run_folder(out / "notes.txt")
+    assert (out / "notes.txt").read_text() == "mine"
+
+
 @needs_engine("llama.cpp")
 @needs_embedded
 def test_llama_cpp_peer_times_every_row_and_goes_on_from_its_report(untrained_heads, parity_out):
