@@ -9,12 +9,13 @@ exactly that case, a masked forward over several tokens on the CPU, and hands ev
 transformers' own SDPA function unchanged. Only models on transformers' SDPA attention switch to it;
 the masks it is given are built as for SDPA.
 
-Under `rows_alone` (verifying on a quantized target), each query row of a masked forward is computed alone,
-over the keys it may see, with no mask: exactly the call a one-token step of `generate` makes. Why: a
-quantized layer rounds its input to bfloat16, so attention's float32 sums taken in another order (several
-rows under a mask against one row without) change a rounding now and then, and the output would leave the
-target's own. Measured on the embedded target (int4, 10 MT-Bench questions, 96 tokens): 2/10 outputs equal
-to `generate` with the batched call, 10/10 row by row.
+A quantized target's attention (`QUANTIZED_NAME`) computes every query row alone, over the keys its mask row
+allows, in their order: a one-token step's row on its own, and under `rows_alone` (verification) each node of the
+tree, on gorgon's kernel (`row_attention.cpp`), which gives a row the same bits whatever rows share the call. Why: a
+quantized layer rounds its input (to bfloat16 or an int8 grid), so attention's float32 sums taken in another order
+(several rows under a mask against one row without) change a rounding now and then, and the output would leave
+the target's own. Measured on the embedded target (int4, 10 MT-Bench questions, 96 tokens): 2/10 outputs equal to
+`generate` with the batched call, 10/10 row by row. Its prefill (many rows, no `rows_alone`) stays on SDPA.
 
 On CUDA, decoding runs torch's SDPA without its cuDNN backend (`decoding_attention`).
 """
@@ -23,18 +24,24 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
+from gorgon.heads.native import native
+from gorgon.heads.quantize import quantization
+
 NAME = "gorgon_tree_sdpa"
-_ROWS_ALONE = contextvars.ContextVar("gorgon_rows_alone", default=False)
+QUANTIZED_NAME = "gorgon_rows"  # a quantized target's: tree_sdpa_attention, its rows alone on gorgon's kernel
+# None: off; on, each mask's rows (`row_keys`), worked out once a forward: every layer gets the same mask.
+_ROWS_ALONE = contextvars.ContextVar("gorgon_rows_alone", default=None)
 
 
 @contextlib.contextmanager
 def rows_alone(on: bool = True):
     """Within the block, masked forwards compute each query row's attention alone (the module's docstring)."""
-    token = _ROWS_ALONE.set(on)
+    token = _ROWS_ALONE.set({} if on else None)
     try:
         yield
     finally:
@@ -45,8 +52,6 @@ def tree_sdpa_attention(module, query, key, value, attention_mask, dropout=0.0, 
                         **kwargs):
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    if _ROWS_ALONE.get() and attention_mask is not None and query.shape[0] == 1 and dropout == 0.0:
-        return attention_row_by_row(module, query, key, value, attention_mask, scaling, **kwargs)
     if (query.device.type == "cpu" and query.shape[2] > 1 and attention_mask is not None and dropout == 0.0
             and getattr(module, "num_key_value_groups", 1) > 1
             and kwargs.get("position_bias") is None and kwargs.get("softcap") is None):
@@ -57,24 +62,46 @@ def tree_sdpa_attention(module, query, key, value, attention_mask, dropout=0.0, 
                                   is_causal=is_causal, **kwargs)
 
 
-def attention_row_by_row(module, query, key, value, attention_mask, scaling, **kwargs):
-    """Each query row (batch of one) attends alone to the keys its mask row allows, in their order: the first
-    n keys as a view (a chain's nodes, the root), others gathered (a node after a sibling)."""
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+def quantized_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None,
+                        **kwargs):
+    """A quantized target's attention: a one-token step, and every row of a masked forward under `rows_alone`,
+    each row alone on `row_attention.cpp` (the module's docstring); anything else (a prefill, a batch of several
+    sequences, training) as `tree_sdpa_attention` computes it."""
+    alone = query.shape[2] == 1 or (_ROWS_ALONE.get() is not None and attention_mask is not None)
+    if (not alone or query.shape[0] != 1 or query.device.type != "cpu" or dropout != 0.0
+            or kwargs.get("position_bias") is not None or kwargs.get("softcap") is not None):
+        return tree_sdpa_attention(module, query, key, value, attention_mask, dropout, scaling, is_causal, **kwargs)
+    if attention_mask is None:
+        counts, positions = torch.tensor([key.shape[2]]), None
+    else:
+        counts, positions = row_keys(attention_mask)
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    out = row_kernel().row_attention(query[0].transpose(0, 1).float(), key[0].float(), value[0].float(), counts,
+                                     positions, scale)
+    return out.to(query.dtype)[None], None
 
-    rows = []
-    for r in range(query.shape[2]):
-        allowed = attention_mask[0, 0, r]
-        seen = (allowed if allowed.dtype == torch.bool else allowed == 0).nonzero()[:, 0]
-        n = seen.numel()
-        if int(seen[-1]) == n - 1:
-            k, v = key[:, :, :n], value[:, :, :n]
-        else:
-            k, v = key.index_select(2, seen), value.index_select(2, seen)
-        out, _ = sdpa_attention_forward(module, query[:, :, r:r + 1], k, v, None, dropout=0.0, scaling=scaling,
-                                        is_causal=False, **kwargs)
-        rows.append(out)
-    return torch.cat(rows, dim=1), None
+
+def row_kernel():
+    """row_attention.cpp, built for this CPU (`gorgon.heads.native`)."""
+    return native(Path(__file__).with_name("row_attention.cpp"))
+
+
+def row_keys(attention_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Each query row's keys under a (1, 1, rows, keys) mask: their counts, and (rows, most) their positions, None
+    where every row sees the first keys only. Under `rows_alone` worked out at the first layer and kept for the
+    others (every layer gets the same mask)."""
+    memo = _ROWS_ALONE.get()
+    if memo is not None and id(attention_mask) in memo:
+        return memo[id(attention_mask)][1]
+    allowed = attention_mask[0, 0]
+    allowed = allowed if allowed.dtype == torch.bool else allowed == 0
+    counts = allowed.sum(-1)
+    prefixes = bool((allowed.cumsum(-1).gather(-1, (counts - 1)[:, None])[:, 0] == counts).all())
+    # each row's allowed positions first, in order (a stable sort of "not allowed"), then the rest
+    positions = None if prefixes else torch.sort((~allowed).to(torch.uint8), dim=-1, stable=True).indices
+    if memo is not None:
+        memo[id(attention_mask)] = (attention_mask, (counts, positions))  # the mask kept: its id is not reused
+    return counts, positions
 
 
 def use_tree_attention(model: torch.nn.Module, on: bool) -> bool:
@@ -88,15 +115,17 @@ def use_tree_attention(model: torch.nn.Module, on: bool) -> bool:
 
     config = attention_config(model)
     current = getattr(config, "_attn_implementation", None)
-    implementation = NAME if on and current == "sdpa" else "sdpa" if not on and current == NAME else None
-    if implementation == NAME:
-        AttentionInterface.register(NAME, tree_sdpa_attention)
-        AttentionMaskInterface.register(NAME, sdpa_mask)
+    ours = QUANTIZED_NAME if quantization(model) != "none" else NAME
+    implementation = ours if on and current == "sdpa" else "sdpa" if not on and current in (NAME, QUANTIZED_NAME) \
+        else None
+    if implementation == ours:
+        AttentionInterface.register(ours, quantized_attention if ours == QUANTIZED_NAME else tree_sdpa_attention)
+        AttentionMaskInterface.register(ours, sdpa_mask)
     if implementation and hasattr(model, "set_attn_implementation"):
         model.set_attn_implementation(implementation)
     elif implementation:
         config._attn_implementation = implementation
-    return current == NAME
+    return current in (NAME, QUANTIZED_NAME)
 
 
 def attention_config(model: torch.nn.Module):

@@ -39,14 +39,13 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import hashlib
-import platform
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 from .errors import GorgonError
+from .native import native
 
 SCHEMES = ("none", "int8", "int4", "w8a8", "w4a8")
 GROUP_SIZE = 32  # weights per int4 scale and minimum, as in llama.cpp's Q4_1
@@ -302,16 +301,9 @@ class W4A8Linear(QuantizedLinear):
         return x + (on_grid - x.detach())
 
 
-@functools.cache
 def w4a8_kernel():
-    """w4a8.cpp built for this CPU (once; torch keeps the build, named by the CPU's flags, in its extensions folder)."""
-    from torch.utils.cpp_extension import load
-
-    cpuinfo = Path("/proc/cpuinfo")
-    flags = cpuinfo.read_text().partition("flags")[2].partition("\n")[0] if cpuinfo.exists() else platform.processor()
-    name = "gorgon_w4a8_" + hashlib.sha1(flags.encode()).hexdigest()[:10]
-    return load(name=name, sources=[str(Path(__file__).with_name("w4a8.cpp"))],
-                extra_cflags=["-O3", "-march=native", "-ffp-contract=off"], verbose=False)
+    """w4a8.cpp, built for this CPU (`gorgon.heads.native`)."""
+    return native(Path(__file__).with_name("w4a8.cpp"))
 
 
 QUANTIZED = {"int4": Int4Linear, "int8": Int8Linear, "w8a8": W8A8Linear, "w4a8": W4A8Linear}

@@ -1,0 +1,25 @@
+"""gorgon's own CPU kernels (C++ beside the Python that calls them), built on first use for the CPU they run on.
+
+torch's `cpp_extension` compiles each once with g++ (-O3 -march=native) into its extensions folder
+($TORCH_EXTENSIONS_DIR, else ~/.cache/torch_extensions) and loads the build after that; the build's name carries
+the CPU's flags, so a home folder shared by two kinds of machine keeps one build for each.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import platform
+from pathlib import Path
+
+
+@functools.cache
+def native(source: Path):
+    """The built module of the C++ file `source` (its functions as Python callables)."""
+    from torch.utils.cpp_extension import load
+
+    cpuinfo = Path("/proc/cpuinfo")
+    flags = cpuinfo.read_text().partition("flags")[2].partition("\n")[0] if cpuinfo.exists() else platform.processor()
+    name = f"gorgon_{source.stem}_{hashlib.sha1((flags + source.read_text()).encode()).hexdigest()[:10]}"
+    return load(name=name, sources=[str(source)], extra_cflags=["-O3", "-march=native", "-ffp-contract=off"],
+                verbose=False)
