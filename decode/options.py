@@ -27,13 +27,13 @@ from gorgon.heads.command import int_at_least, user_path
 from gorgon.heads.files import read_text
 from gorgon.heads.hub import resolve_heads_folder
 from gorgon.heads.loading import chain_for, check_heads_options, drafter_for, load_heads, load_heads_for
-from gorgon.heads.quantize import scheme_problem
+from gorgon.heads.quantize import check_scheme, quantize_linears, scheme_problem
 from gorgon.heads.target import check_model_source
 from gorgon.heads.tree import MAX_TREE_NODES, best_tree_size
 
 from .acceptance import Sampling
 from .calibrate import drafted_level_cost, verify_costs
-from .kernels import DRAFT_DTYPES, KERNELS, draft_dtype, stock_rows, use_cpu_kernels
+from .kernels import DRAFT_DTYPES, KERNELS, draft_dtype, draft_scheme, stock_rows, use_cpu_kernels
 
 
 def probability(text: str) -> float:
@@ -154,8 +154,10 @@ class DecodeSettings:
                                       "verifying a few tokens costs about one step) or stock (torch's default "
                                       "kernels); ignored on CUDA", choices=KERNELS)
     draft_dtype: str = option("auto", "dtype of an EAGLE head or --draft model (drafts only propose, so "
-                                      "output is unchanged): auto (default) is bfloat16 for a float32 target on the "
-                                      "CPU fast kernels where this CPU runs bfloat16, else the target's dtype",
+                                      "output is unchanged): float32, bfloat16, or w4a8 (its linear layers as "
+                                      "--quantize w4a8's); auto (default) is w4a8 beside a w4a8 target, bfloat16 for "
+                                      "a float32 target on the CPU fast kernels where this CPU runs bfloat16, else "
+                                      "the target's dtype",
                               choices=DRAFT_DTYPES)
 
     def __post_init__(self):
@@ -322,6 +324,7 @@ def draft_model_drafter(settings: DecodeSettings, name: str, target, tokens: int
     if token_map is not None:
         print(f"gorgon: the draft drafts from its {len(token_map)}-token draft vocabulary", file=sys.stderr)
     draft = draft.to(target.model.device, draft_dtype(target.model, settings.cpu_kernels, settings.draft_dtype)).eval()
+    quantize_draft(draft, target.model, settings.draft_dtype)
     use_drafter_kernels(draft, target.model, settings.cpu_kernels)
     drafter = DraftModelDrafter(draft, tokens, topk, nodes, token_map)
     drafter.level_cost = level_cost if level_cost is not None else chosen_level_cost(
@@ -362,7 +365,17 @@ def on_drafting_kernels(heads, target, settings: DecodeSettings) -> None:
     """Heads that draft in their own dtype in the one --draft-dtype chooses; all on the target's kernels."""
     if heads.drafts_in_own_dtype:
         heads.to(draft_dtype(target.model, settings.cpu_kernels, settings.draft_dtype))
+        quantize_draft(heads, target.model, settings.draft_dtype)
     use_drafter_kernels(heads, target.model, settings.cpu_kernels)
+
+
+def quantize_draft(drafter: torch.nn.Module, target_model: torch.nn.Module, choice: str) -> None:
+    """The drafter's linear layers on the scheme `draft_scheme` chooses, their float weights kept (the drafter reads
+    their dtype and device)."""
+    scheme = draft_scheme(target_model, choice)
+    if scheme != "none":
+        check_scheme(scheme, next(drafter.parameters()).device)
+        quantize_linears(drafter, scheme, keep_float=True)
 
 
 def chain_drafter(settings: DecodeSettings, target, length: int | None = None, heads=None):

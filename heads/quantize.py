@@ -313,13 +313,21 @@ QUANTIZED = {"int4": Int4Linear, "int8": Int8Linear, "w8a8": W8A8Linear, "w4a8":
 def quantize_model(model: torch.nn.Module, scheme: str, keep_float: bool = False) -> int:
     """Replace the model's linear layers by the scheme's quantized ones, in place; returns how many. The
     LM head keeps its float weight (tied to the embeddings, read by the fingerprint and by drafters) and
-    takes int8 where the int4 kernel does not take its shape; another layer whose shape the kernel does not
-    take (int4: inputs not a multiple of 32, outputs not of 16) stays."""
+    takes int8 where the int4 kernel does not take its shape."""
     check_scheme(scheme, next(model.parameters()).device)
     if scheme == "none":
         return 0
-    head = model.get_output_embeddings()
-    swaps = [(parent, name, child) for parent in model.modules() for name, child in parent.named_children()
+    count = quantize_linears(model, scheme, keep_float, head=model.get_output_embeddings())
+    model._gorgon_quantize = scheme
+    return count
+
+
+@torch.no_grad()
+def quantize_linears(module: torch.nn.Module, scheme: str, keep_float: bool = False, head=None) -> int:
+    """Replace the module's linear layers by the scheme's, in place (a drafter's too: `--draft-dtype w4a8`); returns
+    how many. A layer whose shape the scheme's kernel does not take (int4, w4a8: inputs not a multiple of 32,
+    outputs not of 16) stays, but `head` (a model's LM head) takes int8 then, and keeps its float weight."""
+    swaps = [(parent, name, child) for parent in module.modules() for name, child in parent.named_children()
              if isinstance(child, torch.nn.Linear)]
     count = 0
     for parent, name, child in swaps:
@@ -329,7 +337,6 @@ def quantize_model(model: torch.nn.Module, scheme: str, keep_float: bool = False
         if kind.fits(child):
             setattr(parent, name, kind(child, keep_float or child is head))
             count += 1
-    model._gorgon_quantize = scheme
     return count
 
 

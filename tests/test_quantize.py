@@ -286,3 +286,49 @@ def test_a_q4_1_gguf_requantizes_onto_its_own_codes(tmp_path):
     found = load_script("gguf_codes").compare(str(tmp_path / "tiny.gguf"))
     assert found["q4_1_tensors"] == 1 and found["codes_equal"] == found["codes"] == 64 * 96
     assert found["largest_difference_in_steps"] < 0.5  # bfloat16 steps and minimums move a weight a little
+
+
+def test_beside_a_w4a8_target_an_eagle_head_drafts_on_w4a8_and_the_output_stays(tmp_path):
+    """`--draft-dtype auto` beside a w4a8 target puts the head's linear layers on w4a8 (`draft_scheme`), and the report
+    names it; the drafts change, the output is still the target's own `generate`. bfloat16 stays a choice."""
+    from gorgon.decode.options import from_options
+    from gorgon.heads import EagleHead
+    from gorgon.heads.drafter import dtype_name
+    from gorgon.heads.quantize import W4A8Linear
+
+    path = tiny_chat_target(tmp_path)
+    target = load_target(str(path), device="cpu")
+    EagleHead.for_target(target.model, target_fingerprint=target.fingerprint).save_pretrained(tmp_path / "eagle")
+    loaded, drafter = from_options(target=str(path), heads=str(tmp_path / "eagle"), quantize="w4a8", tree=4)
+    layers = [m for m in drafter.head.modules() if isinstance(m, (torch.nn.Linear, QuantizedLinear))]
+    assert layers and all(isinstance(m, W4A8Linear) for m in layers) and dtype_name(drafter.head) == "w4a8"
+    prompt = torch.randint(4, 128, (1, 9), generator=torch.Generator().manual_seed(0))
+    want = loaded.model.generate(prompt, max_new_tokens=16, do_sample=False)[0, 9:].tolist()
+    assert speculative_generate(loaded.model, drafter, prompt, max_new_tokens=16).tokens == want
+    _, kept = from_options(target=str(path), heads=str(tmp_path / "eagle"), quantize="w4a8", tree=4,
+                           draft_dtype="bfloat16")
+    assert dtype_name(kept.head) == "bfloat16"
+
+
+def test_a_quantized_targets_attention_takes_each_row_alone_over_its_own_keys():
+    """decode/row_attention.cpp: each row of a tree's mask (its keys not all the first ones) within float32 rounding
+    of torch's SDPA over the same keys, and bitwise what it computes for that row alone."""
+    import torch.nn.functional as F
+
+    from gorgon.decode.attention import row_kernel, row_keys
+
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(4, 9, 64, generator=g)
+    k, v = torch.randn(3, 30, 64, generator=g), torch.randn(3, 30, 64, generator=g)
+    allowed = torch.ones(4, 30, dtype=torch.bool)
+    allowed[:, 26:] = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 0, 1]], dtype=torch.bool)
+    counts, positions = row_keys(torch.where(allowed, 0.0, float("-inf"))[None, None])
+    assert counts.tolist() == [27, 28, 28, 29] and positions[2, 26:28].tolist() == [26, 28]
+    together = row_kernel().row_attention(q, k, v, counts, positions, 0.125)
+    for r in range(4):
+        keys = positions[r, :counts[r]]
+        want = F.scaled_dot_product_attention(q[r][:, None], k[:, keys].repeat_interleave(3, 0),
+                                              v[:, keys].repeat_interleave(3, 0), scale=0.125)[:, 0]
+        assert torch.allclose(together[r], want, atol=1e-5)
+        alone = row_kernel().row_attention(q[r:r + 1], k, v, counts[r:r + 1], positions[r:r + 1], 0.125)
+        assert torch.equal(alone[0], together[r])
