@@ -12,14 +12,22 @@ import hashlib
 import platform
 from pathlib import Path
 
+from .errors import GorgonError
+
 
 @functools.cache
 def native(source: Path):
-    """The built module of the C++ file `source` (its functions as Python callables)."""
+    """The built module of the C++ file `source` (its functions as Python callables); a build that fails (no g++)
+    is a one-line GorgonError naming the kernel and the fix."""
     from torch.utils.cpp_extension import load
 
     cpuinfo = Path("/proc/cpuinfo")
     flags = cpuinfo.read_text().partition("flags")[2].partition("\n")[0] if cpuinfo.exists() else platform.processor()
     name = f"gorgon_{source.stem}_{hashlib.sha1((flags + source.read_text()).encode()).hexdigest()[:10]}"
-    return load(name=name, sources=[str(source)], extra_cflags=["-O3", "-march=native", "-ffp-contract=off"],
-                verbose=False)
+    try:
+        return load(name=name, sources=[str(source)], extra_cflags=["-O3", "-march=native", "-ffp-contract=off"],
+                    verbose=False)
+    except Exception as err:  # the compiler's own message is long: its last line names the cause
+        cause = (str(err).strip().splitlines() or [type(err).__name__])[-1]
+        raise GorgonError(f"gorgon's kernel {source.name} did not build here ({cause}): quantized targets need a "
+                          "C++ compiler (g++, e.g. apt install g++)") from None

@@ -85,8 +85,8 @@ def kernel_problem(scheme: str) -> str | None:
         op = "w4a8_linear"
         try:
             w4a8_kernel()
-        except Exception as err:  # a compiler missing or failing: the message says which
-            return f"its kernel (heads/w4a8.cpp) did not build ({str(err).strip().splitlines()[-1]}); it needs g++"
+        except GorgonError as err:
+            return str(err)
     else:
         op = {"int4": "_weight_int4pack_mm_for_cpu", "int8": "_weight_int8pack_mm", "w8a8": "_int_mm"}[scheme]
         if not hasattr(torch.ops.aten, op):

@@ -332,3 +332,20 @@ def test_a_quantized_targets_attention_takes_each_row_alone_over_its_own_keys():
         assert torch.allclose(together[r], want, atol=1e-5)
         alone = row_kernel().row_attention(q[r:r + 1], k, v, counts[r:r + 1], positions[r:r + 1], 0.125)
         assert torch.equal(alone[0], together[r])
+
+
+def test_a_kernel_that_cannot_build_is_one_line_naming_the_compiler(tmp_path, monkeypatch):
+    import torch.utils.cpp_extension
+
+    from gorgon.heads.native import native
+
+    def fails(**kwargs):
+        raise RuntimeError("Error building extension\nlong compiler output\ng++: command not found")
+
+    monkeypatch.setattr(torch.utils.cpp_extension, "load", fails)
+    source = tmp_path / "kernel.cpp"
+    source.write_text("// nothing")
+    with pytest.raises(GorgonError, match=r"^gorgon's kernel kernel.cpp did not build here \(g\+\+: command not "
+                                          r"found\): quantized targets need a C\+\+ compiler") as err:
+        native(source)
+    assert "\n" not in str(err.value)
