@@ -71,3 +71,18 @@ def _offline_wandb(monkeypatch, tmp_path):
     monkeypatch.setenv("HF_HUB_OFFLINE", os.environ.get("HF_HUB_OFFLINE", "1"))
 
 
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _gorgon_kernels():
+    """gorgon's C++ kernels (w4a8.cpp, row_attention.cpp) built before the first test, once per machine (torch keeps
+    the build), so that no test's own time holds a build. Without a compiler the tests that need them fail in one
+    line saying so."""
+    import shutil
+
+    if shutil.which("g++") or shutil.which("c++"):
+        from gorgon.decode.attention import row_kernel
+        from gorgon.heads.quantize import w4a8_kernel
+
+        w4a8_kernel()
+        row_kernel()
