@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 from pathlib import Path
 
 import torch
@@ -72,7 +73,7 @@ def quantized_attention(module, query, key, value, attention_mask, dropout=0.0, 
             or kwargs.get("position_bias") is not None or kwargs.get("softcap") is not None):
         return tree_sdpa_attention(module, query, key, value, attention_mask, dropout, scaling, is_causal, **kwargs)
     if attention_mask is None:
-        counts, positions = torch.tensor([key.shape[2]]), None
+        counts, positions = [key.shape[2]], None
     else:
         counts, positions = row_keys(attention_mask)
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
@@ -81,13 +82,14 @@ def quantized_attention(module, query, key, value, attention_mask, dropout=0.0, 
     return out.to(query.dtype)[None], None
 
 
+@functools.cache
 def row_kernel():
     """row_attention.cpp, built for this CPU (`gorgon.heads.native`)."""
     return native(Path(__file__).with_name("row_attention.cpp"))
 
 
-def row_keys(attention_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Each query row's keys under a (1, 1, rows, keys) mask: their counts, and (rows, most) their positions, None
+def row_keys(attention_mask: torch.Tensor) -> tuple[list[int], torch.Tensor | None]:
+    """Each query row's keys under a (1, 1, rows, keys) mask: their counts, and (rows, keys) their positions, None
     where every row sees the first keys only. Under `rows_alone` worked out at the first layer and kept for the
     others (every layer gets the same mask)."""
     memo = _ROWS_ALONE.get()
@@ -99,9 +101,10 @@ def row_keys(attention_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor |
     prefixes = bool((allowed.cumsum(-1).gather(-1, (counts - 1)[:, None])[:, 0] == counts).all())
     # each row's allowed positions first, in order (a stable sort of "not allowed"), then the rest
     positions = None if prefixes else torch.sort((~allowed).to(torch.uint8), dim=-1, stable=True).indices
+    found = counts.tolist(), positions
     if memo is not None:
-        memo[id(attention_mask)] = (attention_mask, (counts, positions))  # the mask kept: its id is not reused
-    return counts, positions
+        memo[id(attention_mask)] = (attention_mask, found)  # the mask kept: its id is not reused meanwhile
+    return found
 
 
 def use_tree_attention(model: torch.nn.Module, on: bool) -> bool:

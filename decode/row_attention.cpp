@@ -108,7 +108,7 @@ void head_row_plain(const float* q, const float* k, const float* v, const int64_
 
 // query (rows, H, D), key and value (Hkv, T, D), float32; row r attends to its first counts[r] keys, or, where
 // `positions` (rows, most) is given, to the keys at positions[r, :counts[r]]. Returns (rows, H, D).
-torch::Tensor row_attention(torch::Tensor query, torch::Tensor key, torch::Tensor value, torch::Tensor counts,
+torch::Tensor row_attention(torch::Tensor query, torch::Tensor key, torch::Tensor value, std::vector<int64_t> counts,
                             c10::optional<torch::Tensor> positions, double scale) {
   TORCH_CHECK(query.scalar_type() == torch::kFloat32 && key.scalar_type() == torch::kFloat32 &&
               value.scalar_type() == torch::kFloat32, "row_attention: float32 only");
@@ -116,8 +116,8 @@ torch::Tensor row_attention(torch::Tensor query, torch::Tensor key, torch::Tenso
   const int64_t rows = query.size(0), H = query.size(1), D = query.size(2), kv_heads = key.size(0), T = key.size(1);
   TORCH_CHECK(H % kv_heads == 0 && key.size(2) == D && value.sizes() == key.sizes(), "row_attention: shapes differ");
   const int64_t groups = H / kv_heads;
-  auto counts_long = counts.to(torch::kInt64).contiguous();
-  const int64_t* count = counts_long.data_ptr<int64_t>();
+  TORCH_CHECK(static_cast<int64_t>(counts.size()) == rows, "row_attention: one count a row");
+  const int64_t* count = counts.data();
   torch::Tensor where;
   if (positions.has_value()) where = positions->to(torch::kInt64).contiguous();
   for (int64_t r = 0; r < rows; ++r) TORCH_CHECK(count[r] >= 1 && count[r] <= T, "row_attention: a row sees no keys");
