@@ -19,8 +19,8 @@ weight: in float32 it was a third of an int4 step; the int4 kernel reads it in 1
 4.3 ms, and 2 rows cost it 1.25x one row where they cost the int8 one 1.3-2x. The weight-only kernels take
 bfloat16 activations (in float32 they run a slow reference loop, 5-30x slower), so a layer rounds its input to
 bfloat16 and returns float32: the rest of the model (norms, attention, the residual stream) stays in the
-target's own dtype. Each output row depends only on its own input row (`row_invariance_problem`); with
-verification's attention taken row by row (`gorgon.decode.attention.rows_alone`), the speculative decoder's
+target's own dtype. Each output row depends only on its own input row (`row_invariance_problem`); with each
+row's attention computed alone too (`gorgon.decode.attention.quantized_attention`), the speculative decoder's
 greedy output equals the quantized target's own `generate`, token for token.
 
 Why not a library's tensor subclass: torchao 0.18 has no CPU int4 layout left (its "opaque" format, which
