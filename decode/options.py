@@ -148,7 +148,7 @@ class DecodeSettings:
     dtype: str = option("auto", "auto (bf16 on CUDA, fp32 on CPU), float32, bfloat16, float16")
     quantize: str = option("none", "the target's weights: none (default: as loaded), int4 (4-bit, groups of 32), "
                                    "int8 (8-bit per row), w8a8 (int8 weights and activations) or w4a8 (int4's weights, "
-                                   "int8 activations: the fastest here), on the CPU; output "
+                                   "int8 activations, gorgon's kernel: the fastest measured), on the CPU; output "
                                    "then equals the quantized target's own generate", quantize_scheme)
     cpu_kernels: str = option("fast", "on the CPU: fast (default: linear layers on weights prepacked for oneDNN, so "
                                       "verifying a few tokens costs about one step) or stock (torch's default "
