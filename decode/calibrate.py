@@ -23,6 +23,7 @@ import torch
 
 from gorgon.heads.cache import crop_cache, growing_cache, with_cache
 from gorgon.heads.files import atomic_write_text
+from gorgon.heads.native import cpuinfo
 from gorgon.heads.quantize import quantization
 from gorgon.heads.target import cache_dir
 from gorgon.heads.tree import build_tree, root_only_tree
@@ -44,22 +45,14 @@ CPU_BATCH_SIZES = (1, 2, 3, 4, 6, 8)
 CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_fp16", "amx_bf16", "amx_tile")
 
 
-def _cpuinfo(field: str) -> str:
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return ""
-    return next((line.split(":", 1)[1].strip() for line in text.splitlines() if line.startswith(field)), "")
-
-
 def cpu_flags() -> list[str]:
     """The vector and matrix extensions this CPU reports (Linux), which decide which kernels are fast."""
-    flags = _cpuinfo("flags").split()
+    flags = cpuinfo("flags").split()
     return [f for f in CPU_FLAGS if f in flags]
 
 
 def cpu_name() -> str:
-    return _cpuinfo("model name") or platform.processor() or platform.machine()
+    return cpuinfo("model name") or platform.processor() or platform.machine()
 
 
 def sync(device: torch.device) -> None:

@@ -46,14 +46,13 @@ from typing import Protocol
 import torch
 
 from .errors import GorgonError
+from .quantize import QuantizedLinear
 from .tree import Tree
 
 
 def dtype_name(module: torch.nn.Module) -> str:
     """The dtype of a drafter's weights, as a report names it ("float32"), or the quantized scheme its linear layers
     run ("w4a8": `--draft-dtype w4a8`)."""
-    from .quantize import QuantizedLinear
-
     schemes = {m.scheme for m in module.modules() if isinstance(m, QuantizedLinear)}
     return schemes.pop() if len(schemes) == 1 else str(next(module.parameters()).dtype).replace("torch.", "")
 

@@ -15,14 +15,22 @@ from pathlib import Path
 from .errors import GorgonError
 
 
+def cpuinfo(field: str) -> str:
+    """A field of this CPU's /proc/cpuinfo ("flags", "model name"), "" where there is none (not Linux)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return ""
+    return next((line.split(":", 1)[1].strip() for line in text.splitlines() if line.startswith(field)), "")
+
+
 @functools.cache
 def native(source: Path):
     """The built module of the C++ file `source` (its functions as Python callables); a build that fails (no g++)
     is a one-line GorgonError naming the kernel and the fix."""
     from torch.utils.cpp_extension import load
 
-    cpuinfo = Path("/proc/cpuinfo")
-    flags = cpuinfo.read_text().partition("flags")[2].partition("\n")[0] if cpuinfo.exists() else platform.processor()
+    flags = cpuinfo("flags") or platform.processor()
     name = f"gorgon_{source.stem}_{hashlib.sha1((flags + source.read_text()).encode()).hexdigest()[:10]}"
     try:
         return load(name=name, sources=[str(source)], extra_cflags=["-O3", "-march=native", "-ffp-contract=off"],
