@@ -281,8 +281,12 @@ class W4A8Linear(QuantizedLinear):
     def fits(cls, linear: torch.nn.Linear) -> bool:
         return linear.in_features % GROUP_SIZE == 0 and linear.out_features % cls.ROWS_MULTIPLE == 0
 
+    siblings: Siblings | None = None  # set by `join_siblings`
+
     def product(self, x: torch.Tensor, plain: bool = False) -> torch.Tensor:
         """`plain`: the kernel's plain loop instead of its vector path (the same bits; for the tests)."""
+        if self.siblings is not None and not plain:
+            return self.siblings.product(x, self)
         return w4a8_kernel().w4a8_linear(x.float(), self.packed, self.scales, self.minimums, plain)
 
     def dequantized(self) -> torch.Tensor:
@@ -301,9 +305,72 @@ class W4A8Linear(QuantizedLinear):
         return x + (on_grid - x.detach())
 
 
+@functools.cache
 def w4a8_kernel():
-    """w4a8.cpp, built for this CPU (`gorgon.heads.native`)."""
+    """w4a8.cpp, built for this CPU (`gorgon.heads.native`); kept, as a layer calls it on every product."""
     return native(Path(__file__).with_name("w4a8.cpp"))
+
+
+# Linear layers a transformers block calls one after the other on the same input: an attention's q, k and v, an
+# MLP's gate and up (Llama, Mistral, Qwen, Gemma and most others name them so).
+SIBLING_NAMES = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+
+
+class Siblings:
+    """w4a8 layers that a block calls on one input, computed in one kernel call: the first layer called computes
+    every sibling's outputs, the others take theirs. Why: a one-token step is mostly per-call work (the call
+    itself, putting the input on its int8 grid), and a layer has seven calls. The kernel computes each group of 16
+    outputs alone, so every output has the bits of its own layer's call. The layers' buffers become views of the
+    joined ones (no second copy)."""
+
+    def __init__(self, layers: list[W4A8Linear]):
+        self.packed, self.scales, self.minimums = (torch.cat([getattr(m, name) for m in layers])
+                                                   for name in ("packed", "scales", "minimums"))
+        self.spans, start = {}, 0
+        for m in layers:
+            end = start + m.out_features
+            groups = slice(start // 16, end // 16)
+            m.packed, m.scales, m.minimums = self.packed[groups], self.scales[groups], self.minimums[groups]
+            self.spans[id(m)] = (start, end)
+            m.siblings, start = self, end
+        self.count = len(layers)
+        self.last = None  # (input, its version, joined output, the layers that have not taken theirs yet)
+
+    def product(self, x: torch.Tensor, layer: W4A8Linear) -> torch.Tensor:
+        last, version = self.last, version_of(x)
+        if last is None or not same_tensor(last[0], x) or last[1] != version or id(layer) not in last[3]:
+            y = w4a8_kernel().w4a8_linear(x.float(), self.packed, self.scales, self.minimums, False)
+            last = self.last = (x, version, y, set(self.spans))
+        last[3].discard(id(layer))
+        if not last[3]:  # every sibling served: let go of the activations
+            self.last = None
+        start, end = self.spans[id(layer)]
+        return last[2][:, start:end]
+
+
+def same_tensor(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether b is a as another view object (reshaping makes a new one each call); `a` is held, so its memory
+    cannot have gone to another tensor meanwhile."""
+    return a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.stride() == b.stride() and a.dtype == b.dtype
+
+
+def version_of(x: torch.Tensor) -> int | None:
+    """How many times x was written in place (None for inference-mode tensors, which do not count)."""
+    return None if x.is_inference() else x._version
+
+
+def join_siblings(module: torch.nn.Module) -> int:
+    """Join each block's sibling w4a8 layers (SIBLING_NAMES) into one kernel call (`Siblings`); returns how many
+    groups were joined."""
+    joined = 0
+    for parent in module.modules():
+        for names in SIBLING_NAMES:
+            layers = [getattr(parent, name, None) for name in names]
+            if all(isinstance(m, W4A8Linear) and m.siblings is None for m in layers) \
+                    and len({m.in_features for m in layers}) == 1:
+                Siblings(layers)
+                joined += 1
+    return joined
 
 
 QUANTIZED = {"int4": Int4Linear, "int8": Int8Linear, "w8a8": W8A8Linear, "w4a8": W4A8Linear}
@@ -337,6 +404,8 @@ def quantize_linears(module: torch.nn.Module, scheme: str, keep_float: bool = Fa
         if kind.fits(child):
             setattr(parent, name, kind(child, keep_float or child is head))
             count += 1
+    if scheme == "w4a8":
+        join_siblings(module)
     return count
 
 

@@ -76,6 +76,41 @@ def test_the_w4a8_kernels_vector_path_gives_its_plain_loops_bits():
     assert torch.equal(layer.product(x), layer.product(x, plain=True))
 
 
+def test_w4a8_siblings_share_one_kernel_call_and_keep_each_layers_bits(monkeypatch):
+    """A block's q, k and v (and gate and up) are one kernel call on their shared input, every output with the bits
+    of its own layer's call; a changed input is computed again, and the joined output is let go once all took it."""
+    from gorgon.heads.quantize import w4a8_kernel
+
+    model = tiny_model("llama", seed=2)
+    quantize_model(model, "w4a8")
+    attention, mlp = model.model.layers[0].self_attn, model.model.layers[0].mlp
+    siblings = attention.q_proj.siblings
+    assert siblings is not None and attention.k_proj.siblings is attention.v_proj.siblings is siblings
+    assert mlp.gate_proj.siblings is mlp.up_proj.siblings is not None and attention.o_proj.siblings is None
+    assert attention.q_proj.packed.untyped_storage().data_ptr() == siblings.packed.untyped_storage().data_ptr()
+    layers = (attention.q_proj, attention.k_proj, attention.v_proj)
+    alone = []
+    x = torch.randn(2, 5, attention.q_proj.in_features)
+    for layer in layers:
+        layer.siblings = None
+        alone.append(layer(x))
+        layer.siblings = siblings
+    kernel, calls = w4a8_kernel(), []
+    real = kernel.w4a8_linear
+    monkeypatch.setattr(kernel, "w4a8_linear", lambda *args: calls.append(1) or real(*args))
+    for mode in (torch.no_grad, torch.inference_mode):
+        with mode():
+            y = x.clone()
+            assert all(torch.equal(layer(y), want) for layer, want in zip(layers, alone))
+            assert len(calls) == 1 and siblings.last is None
+            calls.clear()
+    with torch.no_grad():
+        y = x.clone()
+        attention.q_proj(y)
+        y.mul_(2)  # written in place between two siblings' calls: k computes again
+        assert torch.equal(attention.k_proj(y), 2 * alone[1]) and len(calls) == 2
+
+
 def test_a_head_the_int4_kernel_cannot_take_is_int8():
     model = tiny_model("llama", vocab=8)  # 8 output rows: torch's int4 packing wants multiples of 16
     quantize_model(model, "int4")
