@@ -10,8 +10,9 @@ transformers' own SDPA function unchanged. Only models on transformers' SDPA att
 the masks it is given are built as for SDPA.
 
 A quantized target's attention (`QUANTIZED_NAME`) computes every query row alone, over the keys its mask row
-allows, in their order: a one-token step's row on its own, and under `rows_alone` (verification) each node of the
-tree, on gorgon's kernel (`row_attention.cpp`), which gives a row the same bits whatever rows share the call. Why: a
+allows, in their order: a one-token step's row on its own (each sequence's, in a batch), and under `rows_alone`
+(verification, one sequence's tree or a batch's) each node of the tree, on gorgon's kernel (`row_attention.cpp`),
+which gives a row the same bits whatever rows share the call, and skips the keys a batch's padding hides. Why: a
 quantized layer rounds its input (to bfloat16 or an int8 grid), so attention's float32 sums taken in another order
 (several rows under a mask against one row without) change a rounding now and then, and the output would leave
 the target's own. Measured on the embedded target (int4, 10 MT-Bench questions, 96 tokens): 2/10 outputs equal to
@@ -66,20 +67,19 @@ def tree_sdpa_attention(module, query, key, value, attention_mask, dropout=0.0, 
 def quantized_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None,
                         **kwargs):
     """A quantized target's attention: a one-token step, and every row of a masked forward under `rows_alone`,
-    each row alone on `row_attention.cpp` (the module's docstring); anything else (a prefill, a batch of several
-    sequences, training) as `tree_sdpa_attention` computes it."""
+    each row of each sequence alone on `row_attention.cpp` (the module's docstring); anything else (a prefill,
+    training) as `tree_sdpa_attention` computes it."""
     alone = query.shape[2] == 1 or (_ROWS_ALONE.get() is not None and attention_mask is not None)
-    if (not alone or query.shape[0] != 1 or query.device.type != "cpu" or dropout != 0.0
+    if (not alone or query.device.type != "cpu" or dropout != 0.0
             or kwargs.get("position_bias") is not None or kwargs.get("softcap") is not None):
         return tree_sdpa_attention(module, query, key, value, attention_mask, dropout, scaling, is_causal, **kwargs)
-    if attention_mask is None:
-        counts, positions = [key.shape[2]], None
-    else:
-        counts, positions = row_keys(attention_mask)
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    out = row_kernel().row_attention(query[0].transpose(0, 1).float(), key[0].float(), value[0].float(), counts,
-                                     positions, scale)
-    return out.to(query.dtype)[None], None
+    outs = []
+    for b in range(query.shape[0]):
+        counts, positions = ([key.shape[2]], None) if attention_mask is None else row_keys(attention_mask, b)
+        outs.append(row_kernel().row_attention(query[b].transpose(0, 1).float(), key[b].float(), value[b].float(),
+                                               counts, positions, scale))
+    return torch.stack(outs).to(query.dtype), None
 
 
 @functools.cache
@@ -88,14 +88,14 @@ def row_kernel():
     return native(Path(__file__).with_name("row_attention.cpp"))
 
 
-def row_keys(attention_mask: torch.Tensor) -> tuple[list[int], torch.Tensor | None]:
-    """Each query row's keys under a (1, 1, rows, keys) mask: their counts, and (rows, keys) their positions, None
-    where every row sees the first keys only. Under `rows_alone` worked out at the first layer and kept for the
-    others (every layer gets the same mask)."""
+def row_keys(attention_mask: torch.Tensor, sequence: int = 0) -> tuple[list[int], torch.Tensor | None]:
+    """Each query row's keys under a (B, 1, rows, keys) mask, for one `sequence` of the batch: their counts, and
+    (rows, keys) their positions, None where every row sees the first keys only. Under `rows_alone` worked out at
+    the first layer and kept for the others (every layer gets the same mask)."""
     memo = _ROWS_ALONE.get()
-    if memo is not None and id(attention_mask) in memo:
-        return memo[id(attention_mask)][1]
-    allowed = attention_mask[0, 0]
+    if memo is not None and (id(attention_mask), sequence) in memo:
+        return memo[id(attention_mask), sequence][1]
+    allowed = attention_mask[min(sequence, attention_mask.shape[0] - 1), 0]
     allowed = allowed if allowed.dtype == torch.bool else allowed == 0
     counts = allowed.sum(-1)
     prefixes = bool((allowed.cumsum(-1).gather(-1, (counts - 1)[:, None])[:, 0] == counts).all())
@@ -103,7 +103,7 @@ def row_keys(attention_mask: torch.Tensor) -> tuple[list[int], torch.Tensor | No
     positions = None if prefixes else torch.sort((~allowed).to(torch.uint8), dim=-1, stable=True).indices
     found = counts.tolist(), positions
     if memo is not None:
-        memo[id(attention_mask)] = (attention_mask, found)  # the mask kept: its id is not reused meanwhile
+        memo[id(attention_mask), sequence] = (attention_mask, found)  # the mask kept: its id is not reused meanwhile
     return found
 
 

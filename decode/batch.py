@@ -30,7 +30,6 @@ import torch
 
 from gorgon.heads.cache import growing_cache, keep_rows, stacked_cache, with_cache
 from gorgon.heads.errors import GorgonError
-from gorgon.heads.quantize import quantization
 from gorgon.heads.target import Target, context_length, lm_logits
 from gorgon.heads.tree import best_first, host_to_device, interpolate_cost, tree_from_token_paths
 
@@ -200,7 +199,7 @@ def check_batch(model, input_ids, attention_mask) -> None:
                           "the tokenizer gave with them (tokenizer(texts, padding=True, return_tensors='pt'))")
 
 
-def check_batch_drafter(model, drafter) -> None:
+def check_batch_drafter(drafter) -> None:
     """Each row needs a drafter of its own and candidates ranked by chance; a self-speculation draft writes the
     target's own cache, which a batch's rows share."""
     if hasattr(drafter, "attach_cache"):
@@ -209,9 +208,6 @@ def check_batch_drafter(model, drafter) -> None:
     if not (callable(getattr(drafter, "fresh", None)) and callable(getattr(drafter, "scored_paths", None))):
         raise GorgonError(f"{type(drafter).__name__} cannot draft for a batch (it needs fresh() and "
                           "scored_paths(), as gorgon's drafters have): call speculative_generate for each prompt")
-    if quantization(model) != "none":
-        raise GorgonError("a quantized target's batched forward rounds rows apart from its one-row steps, so a "
-                          "batch could leave its own output: decode each prompt with speculative_generate")
 
 
 @torch.inference_mode()
@@ -238,7 +234,7 @@ def speculative_generate_batch(model, drafter, input_ids: torch.Tensor, attentio
         return BatchResult(rows=[one], widths=counting.nodes, drafting=[1] * len(counting.nodes), seconds=one.seconds)
     config = getattr(model, "generation_config", None)
     sampling = chosen_sampling(config, sampling, acceptance)
-    check_batch_drafter(model, drafter)
+    check_batch_drafter(drafter)
     prompts = [without_padding(model, input_ids[b:b + 1], None if attention_mask is None else attention_mask[b:b + 1])
                for b in range(input_ids.shape[0])]
     if max_new_tokens is None:

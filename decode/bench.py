@@ -621,8 +621,9 @@ def batch_bench_command(args, settings: DecodeSettings, argv, questions: list, e
                               earlier=earlier["batches"] if earlier else None)
     report = record(entries, True)
     print(batch_table(report))
-    print(f"\n{report['device']}, {report['dtype']}, {report['threads']} thread(s); the questions' first turns, "
-          f"{args.max_new_tokens} new tokens; width: nodes per row a step (root included)")
+    quantized = "" if report.get("quantize", "none") == "none" else f", weights {report['quantize']}"
+    print(f"\n{report['device']}, {report['dtype']}{quantized}, {report['threads']} thread(s); the questions' first "
+          f"turns, {args.max_new_tokens} new tokens; width: nodes per row a step (root included)")
     if args.out:
         plot_batches(report, Path(args.out).with_suffix(".png"))
         print(f"report: {args.out} (plot: {Path(args.out).with_suffix('.png')})")

@@ -83,16 +83,17 @@ def verify_batch(model, cache, lengths: list[int], tokens: list[torch.Tensor], t
         allowed[row, :tree.size, past:past + tree.size] = tree.ancestors
     mask = additive_mask(allowed, model.dtype)[:, None]
     decoder = model.get_decoder()
-    return decoder(
-        input_ids=ids,
-        attention_mask=layer_masks(model.config, mask, positions[:, None],
-                                   lambda: torch.cat([torch.arange(past, device=device).expand(rows, past),
-                                                      positions], dim=1)[:, None]),
-        position_ids=positions,
-        **with_cache(decoder, cache),
-        use_cache=True,
-        output_hidden_states=hidden_states,
-    )
+    with rows_alone(quantization(model) != "none"):
+        return decoder(
+            input_ids=ids,
+            attention_mask=layer_masks(model.config, mask, positions[:, None],
+                                       lambda: torch.cat([torch.arange(past, device=device).expand(rows, past),
+                                                          positions], dim=1)[:, None]),
+            position_ids=positions,
+            **with_cache(decoder, cache),
+            use_cache=True,
+            output_hidden_states=hidden_states,
+        )
 
 
 def keep_paths(cache, past: int, lengths: list[int], paths: list[Sequence[int]]) -> None:

@@ -272,9 +272,12 @@ def batch_section(report: dict | None) -> str:
                    f"{e['speedup']:.2f}x | {e['identical']}/{e['rows']} |\n" for e in report["batches"])
     return (f"\n\n### Under load\n\nRequests decoded together (distinct questions' first turns), gorgon's batched "
             f"decoder against batched `generate`:\n\n| batch | tau | tokens/s | generate tokens/s | speedup | "
-            f"identical rows |\n|---|---|---|---|---|---|\n{rows}\nDraft tokens per batch size (vLLM's "
+            f"rows identical to their own `generate` |\n|---|---|---|---|---|---|\n{rows}\nDraft tokens per batch "
+            f"size (vLLM's "
             f"`num_speculative_tokens_per_batch_size`, which `gorgon export` writes into its serving command): "
-            f"`{json.dumps(report['schedule'])}`. Measured on {report['device']}, {report['threads']} thread(s), by\n"
+            f"`{json.dumps(report['schedule'])}`. Measured on {report['device']}, {report['threads']} thread(s)"
+            + ("" if report.get("quantize", "none") == "none" else f", the target quantized {report['quantize']}")
+            + ", by\n"
             f"`{report['command']}`")
 
 

@@ -352,3 +352,23 @@ def test_a_card_shows_the_speedup_by_batch_size_and_the_schedule():
     assert "| 1 | 1.80 | 23.1 | 13.9 | 1.66x | 80/80 |" in section and "| 4 | 1.07 |" in section
     assert "`[[1, 1, 5], [2, 4, 0]]`" in section and "`gorgon bench --batch-sizes 1,4`" in section
     assert batch_section(None) == ""
+
+
+@pytest.mark.parametrize("scheme", ["w4a8", "int4"])
+def test_a_quantized_targets_rows_are_each_its_own_generate(scheme):
+    """Each node of each row attends alone (the row kernel, skipping the keys padding hides) on products that read
+    only their own row, so a quantized batch gives every row its own one-row output."""
+    from gorgon.heads.quantize import quantize_model
+
+    model = tiny_model("llama", vocab=64, layers=2, seed=4)  # shapes the 4-bit kernels take
+    with torch.no_grad():
+        model.lm_head.weight.mul_(4)
+    quantize_model(model, scheme)
+    from gorgon.decode.kernels import use_cpu_kernels
+
+    use_cpu_kernels(model, "stock")  # a quantized target's attention
+    generator = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, 64, (n,), generator=generator) for n in (6, 11, 3, 8)]
+    batch = assert_rows_are_their_own(model, MergedDrafter(eagle(model, nodes=6, depth=2, topk=2), ContextDrafter()),
+                                      prompts, new=16)
+    assert max(batch.widths) > 1

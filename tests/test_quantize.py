@@ -303,6 +303,59 @@ def test_every_node_verified_gets_what_a_one_token_step_gives_it_to_the_bit(kern
     assert not verified_equal_steps()
 
 
+@pytest.mark.parametrize("scheme", ["int4", "w4a8"])
+def test_every_node_of_a_batch_gets_what_its_own_rows_one_token_steps_give_it(scheme, monkeypatch):
+    """A batch of three prompts of different lengths (`verify_batch`: a cache padded to the longest row, its rows'
+    trees side by side): each row's root and first child are bitwise that row's own one-token steps, 10 steps on,
+    and the same check fails with rows_alone off (padding and the batch change the batched call's sums)."""
+    import copy
+
+    import gorgon.decode.verify as verify_module
+    from gorgon.decode.attention import rows_alone
+    from gorgon.heads.cache import growing_cache, stacked_cache, with_cache
+    from gorgon.heads.tree import tree_from_token_paths
+
+    model = gqa_model()
+    quantize_model(model, scheme)
+    use_cpu_kernels(model, "fast")
+    decoder = model.get_decoder()
+    generator = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(4, 128, (1, n), generator=generator) for n in (84, 60, 71)]
+
+    def step(cache, token):
+        return decoder(input_ids=torch.tensor([[token]]), **with_cache(decoder, cache),
+                       use_cache=True).last_hidden_state[0, -1]
+
+    def prefilled(prompt):
+        cache = growing_cache()
+        decoder(input_ids=prompt, **with_cache(decoder, cache), use_cache=True)
+        return cache
+
+    def batch_equals_steps() -> bool:
+        with torch.inference_mode():
+            alone = [prefilled(p) for p in prompts]
+            lengths = [p.shape[1] for p in prompts]
+            batch = stacked_cache([prefilled(p) for p in prompts], lengths)
+            for k in range(10):
+                roots = [4 + (k * 37 + 11 * b) % 120 for b in range(len(prompts))]
+                proposals = [tree_from_token_paths(torch.tensor(r), [[5, 6]]) for r in roots]
+                past = batch.get_seq_length()
+                hidden = verify_module.verify_batch(model, batch, lengths, [t for t, _ in proposals],
+                                                    [tree for _, tree in proposals]).last_hidden_state
+                verify_module.keep_paths(batch, past, lengths, [[0]] * len(prompts))
+                lengths = [n + 1 for n in lengths]
+                for b, root in enumerate(roots):
+                    ahead = copy.deepcopy(alone[b])
+                    if not (torch.equal(hidden[b, 0], step(alone[b], root))
+                            and torch.equal(hidden[b, 1], (step(ahead, root), step(ahead, 5))[1])):
+                        return False
+            return True
+
+    assert batch_equals_steps()
+    monkeypatch.setattr(verify_module, "rows_alone", lambda on: rows_alone(False))
+    assert not batch_equals_steps()
+
+
 def test_a_q4_1_gguf_requantizes_onto_its_own_codes(tmp_path):
     """`--quantize int4` of a model read from a Q4_1 GGUF (the embedded target) runs the GGUF's own codes; only
     the steps and minimums are rounded to bfloat16 (scripts/gguf_codes.py, on the embedded target: 100%)."""
