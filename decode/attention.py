@@ -10,9 +10,9 @@ transformers' own SDPA function unchanged. Only models on transformers' SDPA att
 the masks it is given are built as for SDPA.
 
 A quantized target's attention (`QUANTIZED_NAME`) computes every query row alone, over the keys its mask row
-allows, in their order: a one-token step's row on its own (each sequence's, in a batch), and under `rows_alone`
-(verification, one sequence's tree or a batch's) each node of the tree, on gorgon's kernel (`row_attention.cpp`),
-which gives a row the same bits whatever rows share the call, and skips the keys a batch's padding hides. Why: a
+allows, in their order: a one-token step's row on its own, and under `rows_alone` (verification, one sequence's
+tree or every row's of a batch) each node of the tree, on gorgon's kernel (`row_attention.cpp`), which gives a row
+the same bits whatever rows share the call, and skips the keys a batch's padding hides. Why: a
 quantized layer rounds its input (to bfloat16 or an int8 grid), so attention's float32 sums taken in another order
 (several rows under a mask against one row without) change a rounding now and then, and the output would leave
 the target's own. Measured on the embedded target (int4, 10 MT-Bench questions, 96 tokens): 2/10 outputs equal to
@@ -66,10 +66,11 @@ def tree_sdpa_attention(module, query, key, value, attention_mask, dropout=0.0, 
 
 def quantized_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None,
                         **kwargs):
-    """A quantized target's attention: a one-token step, and every row of a masked forward under `rows_alone`,
-    each row of each sequence alone on `row_attention.cpp` (the module's docstring); anything else (a prefill,
-    training) as `tree_sdpa_attention` computes it."""
-    alone = query.shape[2] == 1 or (_ROWS_ALONE.get() is not None and attention_mask is not None)
+    """A quantized target's attention: a one-token step of one sequence, and every row of each sequence of a
+    masked forward under `rows_alone`, each row alone on `row_attention.cpp` (the module's docstring); anything
+    else (a prefill, `generate`'s or `gorgon data`'s batched steps, training) as `tree_sdpa_attention` computes it."""
+    one_step = query.shape[0] == 1 and query.shape[2] == 1
+    alone = one_step or (_ROWS_ALONE.get() is not None and attention_mask is not None)
     if (not alone or query.device.type != "cpu" or dropout != 0.0
             or kwargs.get("position_bias") is not None or kwargs.get("softcap") is not None):
         return tree_sdpa_attention(module, query, key, value, attention_mask, dropout, scaling, is_causal, **kwargs)
