@@ -326,14 +326,13 @@ class Siblings:
     def __init__(self, layers: list[W4A8Linear]):
         self.packed, self.scales, self.minimums = (torch.cat([getattr(m, name) for m in layers])
                                                    for name in ("packed", "scales", "minimums"))
-        self.spans, start = {}, 0
+        self.spans, start, group = {}, 0, W4A8Linear.ROWS_MULTIPLE
         for m in layers:
             end = start + m.out_features
-            groups = slice(start // 16, end // 16)
+            groups = slice(start // group, end // group)
             m.packed, m.scales, m.minimums = self.packed[groups], self.scales[groups], self.minimums[groups]
             self.spans[id(m)] = (start, end)
             m.siblings, start = self, end
-        self.count = len(layers)
         self.last = None  # (input, its version, joined output, the layers that have not taken theirs yet)
 
     def product(self, x: torch.Tensor, layer: W4A8Linear) -> torch.Tensor:
@@ -359,18 +358,14 @@ def version_of(x: torch.Tensor) -> int | None:
     return None if x.is_inference() else x._version
 
 
-def join_siblings(module: torch.nn.Module) -> int:
-    """Join each block's sibling w4a8 layers (SIBLING_NAMES) into one kernel call (`Siblings`); returns how many
-    groups were joined."""
-    joined = 0
+def join_siblings(module: torch.nn.Module) -> None:
+    """Join each block's sibling w4a8 layers (SIBLING_NAMES) into one kernel call (`Siblings`)."""
     for parent in module.modules():
         for names in SIBLING_NAMES:
             layers = [getattr(parent, name, None) for name in names]
             if all(isinstance(m, W4A8Linear) and m.siblings is None for m in layers) \
                     and len({m.in_features for m in layers}) == 1:
                 Siblings(layers)
-                joined += 1
-    return joined
 
 
 QUANTIZED = {"int4": Int4Linear, "int8": Int8Linear, "w8a8": W8A8Linear, "w4a8": W4A8Linear}
