@@ -16,6 +16,7 @@ import platform
 import statistics
 import sys
 import time
+from importlib.metadata import version
 from pathlib import Path
 from typing import NamedTuple
 
@@ -159,9 +160,11 @@ def machine_setup(model) -> dict:
 
 
 def calibration_key(model, batch: int = 1) -> dict:
-    """Everything a verify cost depends on (the batch's rows where more than one)."""
+    """Everything a verify cost depends on (the batch's rows where more than one); gorgon's own version too, as a
+    release can change its kernels and the layers' calls (joining w4a8 siblings cut a step by 12%)."""
     cfg = model.config.get_text_config()
-    key = {**machine_setup(model), "torch": torch.__version__, "sizes": list(measured_sizes(model.device, batch)),
+    key = {**machine_setup(model), "torch": torch.__version__, "gorgon": version("gorgon"),
+           "sizes": list(measured_sizes(model.device, batch)),
            "model": {k: getattr(cfg, k, None) for k in ("model_type", "hidden_size", "intermediate_size",
                                                         "num_hidden_layers", "vocab_size")}}
     return key if batch == 1 else {**key, "batch": batch}
