@@ -13,8 +13,10 @@ from gorgon.decode import Sampling, speculative_generate
 from gorgon.decode.batch import BatchCosts, Pace, batch_width, speculative_generate_batch
 from gorgon.decode.bench_batch import left_padded
 from gorgon.decode.calibrate import calibration_entry, verify_costs
+from gorgon.decode.kernels import use_cpu_kernels
 from gorgon.heads import EagleDrafter, EagleHead, GorgonError, MedusaDrafter, MedusaHeads, load_target
 from gorgon.heads.methods.context import ContextDrafter, MergedDrafter
+from gorgon.heads.quantize import quantize_model
 
 V = 8
 FAMILIES = ["llama", "mistral"]  # full attention; a sliding window shorter than the prompts
@@ -358,14 +360,10 @@ def test_a_card_shows_the_speedup_by_batch_size_and_the_schedule():
 def test_a_quantized_targets_rows_are_each_its_own_generate(scheme):
     """Each node of each row attends alone (the row kernel, skipping the keys padding hides) on products that read
     only their own row, so a quantized batch gives every row its own one-row output."""
-    from gorgon.heads.quantize import quantize_model
-
     model = tiny_model("llama", vocab=64, layers=2, seed=4)  # shapes the 4-bit kernels take
     with torch.no_grad():
         model.lm_head.weight.mul_(4)
     quantize_model(model, scheme)
-    from gorgon.decode.kernels import use_cpu_kernels
-
     use_cpu_kernels(model, "stock")  # a quantized target's attention
     generator = torch.Generator().manual_seed(3)
     prompts = [torch.randint(0, 64, (n,), generator=generator) for n in (6, 11, 3, 8)]
