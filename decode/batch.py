@@ -6,8 +6,9 @@ rows accept at their own rates. So each step decides from measurements, per row 
 
 - A row drafts only while its drafts pay for their drafting: its recent tokens gained per drafted step, at what
   a token costs in a plain batched step (`verify_costs` at this batch size over the rows), must outweigh the
-  time its drafter took (timed as it runs). A row that stops drafting takes plain steps (its tree is the root
-  alone) and tries again every few steps.
+  time its drafting took (timed as it runs: the step's drafting rows draft together where their drafter can,
+  an EAGLE head one forward a level for all of them, each charged an equal share). A row that stops drafting
+  takes plain steps (its tree is the root alone) and tries again every few steps.
 - The batch verifies every row's best candidates up to one width: the width whose expected tokens over all rows
   (1 + the sum of each row's candidates' chances) per millisecond of a forward at that width is the highest.
   Where drafts cannot pay (many rows on a CPU), that is 1: a plain batched step.
@@ -29,6 +30,7 @@ from dataclasses import dataclass, field
 import torch
 
 from gorgon.heads.cache import growing_cache, keep_rows, stacked_cache, with_cache
+from gorgon.heads.drafter import scored_paths_of_rows
 from gorgon.heads.errors import GorgonError
 from gorgon.heads.target import Target, context_length, lm_logits
 from gorgon.heads.tree import best_first, host_to_device, interpolate_cost, tree_from_token_paths
@@ -109,19 +111,30 @@ class Row:
         if token_ms is not None:
             self.retry = RETRY if self.pays(token_ms) else min(2 * self.retry, MOST_RETRY)
 
-    def candidates(self, drafts: bool) -> list[tuple[list[int], float]]:
-        """Its drafter's candidates, best first with parents before children, each with its chance; none when it
-        does not draft. A candidate whose next token the output has no room for is left out (as one row does)."""
-        if not drafts:
-            self.idle += 1
-            return []
-        start = time.perf_counter()
-        scored = self.drafter.scored_paths(self.root, self.features, self.context)
-        self.draft_ms += MEMORY * ((time.perf_counter() - start) * 1000 - self.draft_ms)
+    def candidates(self, scored: list[tuple[list[int], float]], ms: float) -> list[tuple[list[int], float]]:
+        """Its drafter's candidates `scored` (which took `ms` of drafting), best first with parents before
+        children, each with its chance. A candidate whose next token the output has no room for is left out (as
+        one row does)."""
+        self.draft_ms += MEMORY * (ms - self.draft_ms)
         self.idle = 0
         room = self.stop.max_new_tokens - len(self.result.tokens) - 1
         chance = {tuple(path): p for path, p in scored if len(path) <= room}
         return [(list(path), chance[path]) for path in best_first(chance, len(chance))]
+
+
+def drafted_candidates(rows: list[Row], drafting: list[bool]) -> list[list[tuple[list[int], float]]]:
+    """Each row's candidates, none for a row that does not draft this step: the drafting rows draft together
+    (`scored_paths_of_rows`), and each is charged an equal share of the time."""
+    chosen = [row for row, drafts in zip(rows, drafting) if drafts]
+    for row, drafts in zip(rows, drafting):
+        row.idle += not drafts
+    if not chosen:
+        return [[] for _ in rows]
+    start = time.perf_counter()
+    scored = iter(scored_paths_of_rows([row.drafter for row in chosen], [row.root for row in chosen],
+                                       [row.features for row in chosen], [row.context for row in chosen]))
+    ms = (time.perf_counter() - start) * 1000 / len(chosen)
+    return [row.candidates(next(scored), ms) if drafts else [] for row, drafts in zip(rows, drafting)]
 
 
 def batch_width(chances: list[list[float]], costs: dict[int, float] | None) -> int:
@@ -284,7 +297,7 @@ def speculative_generate_batch(model, drafter, input_ids: torch.Tensor, attentio
             step_start = time.perf_counter()
             drafts = pace.drafts()
             drafting = [drafts and row.drafts(token_ms) for row in live]
-            scored = [row.candidates(d) for row, d in zip(live, drafting)]
+            scored = drafted_candidates(live, drafting)
             width = batch_width([[p for _, p in s] for s in scored], costs_now)
             proposals = [tree_from_token_paths(row.root, [path for path, _ in s[:width - 1]])
                          for row, s in zip(live, scored)]

@@ -99,16 +99,21 @@ def cache_for_new_features(cache, committed: int, context: int, new: int):
 def stacked_cache(caches: list, lengths: list[int]):
     """One cache for a batch from each row's own (batch of one): row b's first `lengths[b]` entries, then room
     up to the longest row's, which masks keep every other row from seeing. Rows prefilled alone get exactly the
-    prefill `generate` gives a single prompt."""
+    prefill `generate` gives a single prompt. An EAGLE head's rows are stacked so for each step they draft
+    together (`scored_paths_together`)."""
     batch = growing_cache()
     longest = max(lengths)
-    for i in range(len(caches[0].layers)):
+    if longest == 0:  # no row holds anything yet
+        return batch
+    shape = next(cache for cache, length in zip(caches, lengths) if length)  # a row of length 0 may hold no layer
+    for i in range(len(shape.layers)):
         stacked = []
         for name in ("keys", "values"):
-            first = getattr(caches[0].layers[i], name)
+            first = getattr(shape.layers[i], name)
             buf = first.new_zeros(len(caches), *first.shape[1:-2], longest, first.shape[-1])
             for row, (cache, length) in enumerate(zip(caches, lengths)):
-                buf[row, ..., :length, :] = getattr(cache.layers[i], name)[0, ..., :length, :]
+                if length:
+                    buf[row, ..., :length, :] = getattr(cache.layers[i], name)[0, ..., :length, :]
             stacked.append(buf)
         batch.update(*stacked, i)
     return batch

@@ -32,6 +32,8 @@ two calls: `level()`, one level on a cache of that length, for `gorgon.decode.ca
 Every drafter but self-speculation's also gives `fresh()`: one with the same weights and settings and none of
 the state it keeps between steps (a cache of its own, what it learned from the text), for each row of a batch
 (`gorgon.decode.batch`); one that keeps nothing returns itself.
+A drafter may also give `scored_paths_together(drafters, roots, features, contexts)`, a static method: the
+`scored_paths` of the rows of a batch, each row a `fresh` twin of it, drafted together (`scored_paths_of_rows`).
 
 A drafter that drafts with the target's own first layers (self-speculation, heads/methods/self_spec) has
 `attach_cache(cache)`, which the decoder calls after the prefill with the target's KV cache, and `drafted`: what
@@ -75,3 +77,14 @@ class Drafter(Protocol):
         """A token per node and the step's tree. root: the next token (scalar), not yet in the target's
         cache; features: (m, F) target hidden states of the last m tokens of `context`; context: every
         token in the target's cache (n,)."""
+
+
+def scored_paths_of_rows(drafters: list, roots: list[torch.Tensor], features: list[torch.Tensor],
+                         contexts: list[torch.Tensor]) -> list[list[tuple[list[int], float]]]:
+    """Each row's `scored_paths`, for a batch's rows (`fresh` twins of one drafter): in one call where the drafter
+    drafts rows together (`scored_paths_together`: an EAGLE head's one forward a level for every row), else row by
+    row."""
+    together = getattr(drafters[0], "scored_paths_together", None)
+    if together is not None:
+        return together(drafters, roots, features, contexts)
+    return [d.scored_paths(r, f, c) for d, r, f, c in zip(drafters, roots, features, contexts)]

@@ -81,36 +81,56 @@ def grow_tree(first: torch.Tensor, expand: Expand, committed: int, depth: int, t
     frontier at `level` (1: the root's children) in one forward and returns (k, V) log-probabilities of its
     nodes' children: `tokens` (k,) are the nodes' ids, `parent` (k,) the row of the previous call's output
     each node continues (at level 1, of the root's: all 0), `sees` (k, cache length) the additive mask
-    (`mask_dtype`) over the cache: the committed entries, each node's fed ancestors and, last, itself.
+    (`mask_dtype`) over the cache: the `committed` entries, each node's fed ancestors and, last, itself.
     `to_target` maps the distribution's ids to the ids fed and returned (a draft vocabulary's; None: the same).
     `level_cost`: a level's drafting time in tokens the target decodes meanwhile (`can_grow`; 0: free).
     """
+    def one_row(level, parent, tokens, sees):
+        return expand(level, parent[0], tokens[0], sees[0])[None]
+
+    sees = torch.zeros(1, committed, dtype=mask_dtype, device=first.device)
+    return grow_trees(first[None], one_row, sees, depth, topk, nodes, to_target, level_cost)[0]
+
+
+def grow_trees(first: torch.Tensor, expand: Expand, sees: torch.Tensor, depth: int, topk: int, nodes: int,
+               to_target=None, level_cost: float = 0.0) -> list[list[tuple[list[int], float]]]:
+    """`grow_tree` for R rows at once (a batch's requests), each row's tree its own: one `expand` a level drafts
+    every row's frontier. `first` (R, V); `sees` (R, cache length): each row's additive mask over the cache
+    before the first level; `expand` takes and returns each argument of `grow_tree`'s with a leading row
+    dimension. A row whose search stops (`can_grow`) takes no node of the later levels the others draft."""
     device, to_target = first.device, to_target or (lambda ids: ids)
-    score, token = first.topk(min(topk, first.numel()))
+    rows = torch.arange(first.shape[0], device=device)[:, None]
+    score, token = first.topk(min(topk, first.shape[-1]), dim=-1)                    # (R, k)
     frontier_tokens = to_target(token)
     # Per node, on the device: its parent (-1: the root), token and path log-probability; read once, after.
     node_parents, node_tokens, node_scores = [torch.full_like(token, -1)], [frontier_tokens], score
-    frontier, frontier_scores = torch.arange(score.numel(), device=device), score  # the nodes to expand next
+    frontier, frontier_scores = torch.arange(score.shape[1], device=device).expand_as(token), score  # to expand next
     parent = torch.zeros_like(token)
-    sees = torch.zeros(score.numel(), committed, dtype=mask_dtype, device=device)
-    itself = additive_mask(torch.eye(topk, dtype=torch.bool, device=device), mask_dtype)
+    sees = sees[:, None, :].expand(-1, score.shape[1], -1)
+    itself = additive_mask(torch.eye(topk, dtype=torch.bool, device=device), sees.dtype)
+    growing = None  # rows still searching (None: all, never asked)
     for level in range(1, depth):
-        if not can_grow(frontier_scores, node_scores, nodes - 1, level_cost):
-            break
-        k = frontier.numel()
-        sees = torch.cat([sees, itself[:k, :k]], dim=1)
-        child = expand(level, parent, frontier_tokens, sees)                          # (k, V)
+        grows = can_grow(frontier_scores, node_scores, nodes - 1, level_cost)
+        if grows is not None:
+            growing = grows if growing is None else growing & grows
+            if not growing.any():
+                break
+            frontier_scores = frontier_scores.masked_fill(~growing[:, None], -math.inf)  # its children never chosen
+        k = frontier.shape[1]
+        sees = torch.cat([sees, itself[:k, :k].expand(len(rows), k, k)], dim=2)
+        child = expand(level, parent, frontier_tokens, sees)                          # (R, k, V)
         best, ids = child.topk(min(topk, child.shape[-1]), dim=-1)
-        total = (frontier_scores[:, None] + best).flatten()
-        frontier_scores, keep = total.topk(min(topk, total.numel()))
-        parent = keep // best.shape[1]                                # which frontier node each child is of
-        frontier_tokens = to_target(ids.flatten()[keep])
-        node_parents.append(frontier[parent])
+        total = (frontier_scores[..., None] + best).flatten(1)
+        frontier_scores, keep = total.topk(min(topk, total.shape[1]), dim=-1)
+        parent = keep // best.shape[-1]                               # which frontier node each child is of
+        frontier_tokens = to_target(ids.flatten(1).gather(1, keep))
+        node_parents.append(frontier.gather(1, parent))
         node_tokens.append(frontier_tokens)
-        frontier = node_scores.numel() + torch.arange(keep.numel(), device=device)
-        node_scores = torch.cat([node_scores, frontier_scores])
-        sees = sees[parent]
-    return best_paths(torch.cat(node_parents), torch.cat(node_tokens), node_scores, nodes - 1)
+        frontier = node_scores.shape[1] + torch.arange(keep.shape[1], device=device).expand_as(keep)
+        node_scores = torch.cat([node_scores, frontier_scores], dim=1)
+        sees = sees[rows, parent]
+    parents, tokens = torch.cat(node_parents, dim=1), torch.cat(node_tokens, dim=1)
+    return [best_paths(parents[r], tokens[r], node_scores[r], nodes - 1) for r in range(first.shape[0])]
 
 
 def best_paths(parents: torch.Tensor, tokens: torch.Tensor, scores: torch.Tensor,
@@ -122,12 +142,14 @@ def best_paths(parents: torch.Tensor, tokens: torch.Tensor, scores: torch.Tensor
     paths: list[tuple[int, ...]] = []
     for p, token in zip(parents, tokens):
         paths.append((paths[p] if p >= 0 else ()) + (token,))
-    chance = dict(zip(paths, scores))
+    chance = {path: score for path, score in zip(paths, scores) if score > -math.inf}  # not a stopped row's
     return [(list(path), math.exp(chance[path])) for path in best_first(chance, size)]
 
 
-def can_grow(frontier_scores: torch.Tensor, scores: torch.Tensor, size: int, level_cost: float = 0.0) -> bool:
-    """Whether another level could change the tree and pay for itself.
+def can_grow(frontier_scores: torch.Tensor, scores: torch.Tensor, size: int,
+             level_cost: float = 0.0) -> torch.Tensor | None:
+    """Whether another level could change the tree and pay for itself, per row: (..., k) frontier scores and
+    (..., N) scores of the nodes so far give (...) bools; None where nothing needs asking.
 
     Change: a child's score is never above its parent's, and a tie goes to the shallower node, so once
     the best frontier node scores no higher than the `size`-th best node so far, no child can enter the
@@ -135,9 +157,10 @@ def can_grow(frontier_scores: torch.Tensor, scores: torch.Tensor, size: int, lev
     no likelier than it, so a level adds at most the frontier's summed chance in expected tokens; below
     `level_cost` (the tokens the target decodes in a level's drafting time) it, and every deeper one,
     costs more than it can bring. Both stops save the later levels on the many steps where the drafter
-    is unsure. With no level cost every level pays, and is not asked (each answer waits for a GPU)."""
-    pays = frontier_scores.exp().sum() >= level_cost if level_cost else None
-    if scores.numel() < size:
-        return pays is None or bool(pays)
-    changes = frontier_scores.max() > scores.topk(size).values[-1]
-    return bool(changes if pays is None else pays & changes)
+    is unsure. With no level cost and fewer nodes than `size` every level pays, and is not asked (each
+    answer waits for a GPU)."""
+    grows = frontier_scores.exp().sum(-1) >= level_cost if level_cost else None
+    if scores.shape[-1] < size:
+        return grows
+    changes = frontier_scores.max(-1).values > scores.topk(size, dim=-1).values[..., -1]
+    return changes if grows is None else grows & changes

@@ -58,14 +58,18 @@ def assert_rows_are_their_own(model, drafter, prompts, new=20):
 
 @pytest.mark.parametrize("arch", FAMILIES)
 @pytest.mark.parametrize("merged", [False, True])
-def test_every_row_is_its_own_greedy_generate(arch, merged):
+def test_every_row_is_its_own_greedy_generate(arch, merged, monkeypatch):
     model = sharp_model(arch)
     drafter = eagle(model, nodes=8, depth=3, topk=2)
+    together, rows = EagleDrafter.scored_paths_together, []
+    monkeypatch.setattr(EagleDrafter, "scored_paths_together",
+                        staticmethod(lambda drafters, *args: rows.append(len(drafters)) or together(drafters, *args)))
     if merged:
         drafter = MergedDrafter(drafter, ContextDrafter())
     batch = assert_rows_are_their_own(model, drafter, prompts_of([5, 9, 3, 7]), new=25)
     assert max(a for row in batch.rows for a in row.accepted) >= 3  # drafted paths were accepted, deep
     assert max(batch.widths) > 1
+    assert rows[0] == 4 and sum(rows) == sum(batch.drafting)  # the drafting rows drafted together, once a step
 
 
 @pytest.mark.parametrize("kind", ["draft model", "parallel"])

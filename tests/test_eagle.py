@@ -121,7 +121,7 @@ def test_stopping_the_expansion_early_leaves_the_tree_unchanged(monkeypatch):
 
     monkeypatch.setattr(head, "layer", counted)
     trees = {}
-    for mode, grow in [("pruned", module.can_grow), ("full", lambda *args: True)]:
+    for mode, grow in [("pruned", module.can_grow), ("full", lambda *args: None)]:
         monkeypatch.setattr(module, "can_grow", grow)
         trees[mode] = []
         for nodes, depth, topk in [(4, 6, 2), (8, 5, 3), (6, 4, 4)]:
@@ -977,3 +977,42 @@ def test_a_folder_without_layer_ids_reads_the_layers_the_engines_read(tmp_path):
     (out / "config.json").write_text(json.dumps(config))
     with pytest.raises(GorgonError, match="names neither the target layers it reads nor its target: add eagle_aux"):
         EagleHead.from_pretrained(out, target=model)
+
+
+@pytest.mark.parametrize("level_cost", [0.0, 0.5])
+def test_rows_drafted_together_get_the_trees_each_drafts_alone(level_cost):
+    """A batch's rows draft in one head forward a level (`scored_paths_together`): each row's candidates and
+    chances must be those its own `scored_paths` gives, step after step, whatever the other rows hold: rows of
+    other lengths, one taking in its whole prompt while the others take in a token or two, and (with a level
+    cost) rows whose search stops at other depths. Its own cache must end as drafting alone leaves it."""
+    model = tiny_model("llama", vocab=8, layers=4)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(4)  # confident drafts: deep trees, chances well apart
+    head = head_for(model)
+    drafter = EagleDrafter(head, nodes=8, depth=4, topk=3, level_cost=level_cost)
+    generator = torch.Generator().manual_seed(0)
+    texts = [torch.randint(0, 8, (n,), generator=generator) for n in (19, 11, 27)]
+    with torch.no_grad():
+        states = [model.get_decoder()(input_ids=t[None], output_hidden_states=True).hidden_states for t in texts]
+    feats = [torch.cat([s[i][0] for i in head.feature_layers], -1) for s in states]
+    alone, together = [drafter.fresh() for _ in texts], [drafter.fresh() for _ in texts]
+    depths = set()
+    # Each step row r's context grows to `ends[r]`; row 2 starts late, taking in its whole prompt at step 2.
+    for ends in [(8, 5, None), (9, 7, None), (11, 8, 20), (14, 9, 21), (16, 10, 24)]:
+        rows = [r for r, end in enumerate(ends) if end is not None]
+        args = []
+        for r in rows:
+            before = alone[r].committed
+            args.append((texts[r][ends[r]], feats[r][before:ends[r]], texts[r][:ends[r]]))
+        own = [alone[r].scored_paths(*a) for r, a in zip(rows, args)]
+        got = EagleDrafter.scored_paths_together([together[r] for r in rows], *map(list, zip(*args)))
+        for mine, theirs in zip(got, own):
+            assert [path for path, _ in mine] == [path for path, _ in theirs]
+            assert [p for _, p in mine] == pytest.approx([p for _, p in theirs], rel=1e-4)
+            depths.add(max(len(path) for path, _ in mine))
+        for r in rows:
+            assert together[r].committed == alone[r].committed
+            for name in ("keys", "values"):
+                assert torch.allclose(getattr(together[r].cache.layers[0], name),
+                                      getattr(alone[r].cache.layers[0], name), atol=1e-5)
+    assert len(depths) > 1 or level_cost == 0.0  # with a level cost, rows stopped at other depths

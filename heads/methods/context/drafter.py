@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from ...drafter import scored_paths_of_rows
 from ...errors import GorgonError
 from ...tree import MAX_TREE_NODES, best_first, tree_from_token_paths, worth_verifying
 
@@ -192,9 +193,20 @@ class MergedDrafter:
     def scored_paths(self, root: torch.Tensor, features: torch.Tensor,
                      context: torch.Tensor) -> list[tuple[list[int], float]]:
         """Both drafters' candidates, each path once with the higher chance, the best `budget - 1` best first."""
+        return self.merged(self.context.scored_paths(root, features, context),
+                           self.drafter.scored_paths(root, features, context))
+
+    @staticmethod
+    def scored_paths_together(drafters: list["MergedDrafter"], roots: list[torch.Tensor], features: list[torch.Tensor],
+                              contexts: list[torch.Tensor]) -> list[list[tuple[list[int], float]]]:
+        """`scored_paths` for a batch's rows (`scored_paths_of_rows`): the other drafter's together where it can."""
+        theirs = scored_paths_of_rows([d.drafter for d in drafters], roots, features, contexts)
+        return [d.merged(d.context.scored_paths(r, f, c), paths)
+                for d, r, f, c, paths in zip(drafters, roots, features, contexts, theirs)]
+
+    def merged(self, *proposals: list[tuple[list[int], float]]) -> list[tuple[list[int], float]]:
         chance: dict[tuple[int, ...], float] = {}
-        for path, p in (self.context.scored_paths(root, features, context)
-                        + self.drafter.scored_paths(root, features, context)):
+        for path, p in (pair for paths in proposals for pair in paths):
             chance[tuple(path)] = max(p, chance.get(tuple(path), 0.0))
         return [(list(p), chance[p]) for p in best_first(chance, self.budget - 1)]
 

@@ -17,11 +17,12 @@ import copy
 import math
 
 import torch
+from torch.nn.utils.rnn import pad_sequence
 
-from ...cache import cache_for_new_features, crop_cache, growing_cache
+from ...cache import cache_for_new_features, crop_cache, growing_cache, stacked_cache
 from ...drafter import check_same_device, dtype_name
 from ...masks import additive_mask
-from ...search import SearchDrafter, check_search, grow_tree, search_settings
+from ...search import SearchDrafter, check_search, grow_trees, search_settings
 from ...target import check_fits
 from .model import EagleHead
 
@@ -57,38 +58,68 @@ class EagleDrafter(SearchDrafter):
     def settings(self) -> dict:
         return {"tree": search_settings(self.depth, self.topk, self.level_cost), "draft_dtype": dtype_name(self.head)}
 
-    @torch.no_grad()
     def scored_paths(self, root: torch.Tensor, features: torch.Tensor,
                      context: torch.Tensor) -> list[tuple[list[int], float]]:
         """The step's best `nodes - 1` candidates, best first, parents before children: each a token path
         under the root with its draft confidence (the product of draft probabilities along it)."""
-        head, device = self.head, root.device
-        n, m = context.numel(), features.shape[0]
-        start = n - m  # the cache must hold the context before the new features
-        self.cache = cache_for_new_features(self.cache, self.committed, n, m)
-        dtype = head.fc.weight.dtype
-        # One rotary call for the step: the accepted tokens' positions, then one per drafted level.
-        cos, sin = head.rope(torch.arange(start, n + self.depth - 1, device=device)[None], dtype)
-        # 1. Take in the accepted tokens: the feature at p with the token at p + 1 (the root after the last).
-        tokens = torch.cat([context[start + 1:], root.reshape(1)])
-        allowed = torch.ones(n - start, n, dtype=torch.bool, device=device)
-        allowed[:, start:] = torch.ones(n - start, n - start, dtype=torch.bool, device=device).tril()
-        out = head.layer(head.fc(features.to(dtype))[None], tokens[None], (cos[:, :m], sin[:, :m]),
-                         additive_mask(allowed, dtype)[None, None], self.cache)[0]
-        self.committed = n
-        # 2. Grow the tree from the last output: each level's frontier reads the feature its parent drafted.
-        drafted = out[-1:]
+        return self.scored_paths_together([self], [root], [features], [context])[0]
+
+    @staticmethod
+    @torch.no_grad()
+    def scored_paths_together(drafters: list["EagleDrafter"], roots: list[torch.Tensor], features: list[torch.Tensor],
+                              contexts: list[torch.Tensor]) -> list[list[tuple[list[int], float]]]:
+        """Each drafter's `scored_paths`, for the rows of a batch (`fresh` twins of one drafter, each with its own
+        cache) drafted together: one forward of the head takes in every row's accepted tokens, and one drafts each
+        level of every row's tree, where row by row each row paid for its own. The rows' caches are stacked for
+        the step (`stacked_cache`: a row's entries, then room its mask hides) and what each row took in is written
+        back to its own; a single row drafts in its own cache."""
+        first_drafter, rows = drafters[0], len(drafters)
+        head, device = first_drafter.head, roots[0].device
+        depth, dtype = first_drafter.depth, head.fc.weight.dtype
+        context_lengths = [context.numel() for context in contexts]
+        new = [f.shape[0] for f in features]
+        held = [n - m for n, m in zip(context_lengths, new)]  # what each row's cache must hold before the step
+        for drafter, n, m in zip(drafters, context_lengths, new):
+            drafter.cache = cache_for_new_features(drafter.cache, drafter.committed, n, m)
+        cache = first_drafter.cache if rows == 1 else stacked_cache([d.cache for d in drafters], held)
+        past, width = max(held), max(new)
+        held_t, new_t, lengths_t = (torch.tensor(v, device=device) for v in (held, new, context_lengths))
+        # One rotary call for the step: each row's accepted tokens' positions, then one per drafted level.
+        steps = torch.arange(width, device=device)
+        positions = torch.cat([held_t[:, None] + steps, lengths_t[:, None] + torch.arange(depth - 1, device=device)], 1)
+        cos, sin = head.rope(positions, dtype)
+        # 1. Take in the accepted tokens: the feature at p with the token at p + 1 (the root after the last); each
+        # sees its row's cache and the row's tokens up to itself (a shorter row's padding: never read).
+        tokens = pad_sequence([torch.cat([c[h + 1:], r.reshape(1)]) for c, h, r in zip(contexts, held, roots)],
+                              batch_first=True)
+        real = steps < new_t[:, None]                                                    # (rows, width)
+        own = (torch.arange(past, device=device) < held_t[:, None])                      # (rows, past)
+        allowed = torch.cat([own[:, None].expand(-1, width, -1),
+                             torch.ones(width, width, dtype=torch.bool, device=device).tril() & real[:, None]], 2)
+        out = head.layer(head.fc(pad_sequence(features, batch_first=True).to(dtype)), tokens,
+                         (cos[:, :width], sin[:, :width]), additive_mask(allowed, dtype)[:, None], cache)
+        if rows > 1:
+            layer = cache.layers[0]
+            for r, (drafter, m) in enumerate(zip(drafters, new)):
+                drafter.cache.update(layer.keys[r:r + 1, :, past:past + m], layer.values[r:r + 1, :, past:past + m], 0)
+        for drafter, n in zip(drafters, context_lengths):
+            drafter.committed = n
+        # 2. Grow the trees from each row's last output: each level's frontier reads the feature its parent drafted.
+        index = torch.arange(rows, device=device)[:, None]
+        drafted = out[index, new_t[:, None] - 1]                                         # (rows, 1, H)
 
         def expand(level, parent, tokens, sees):
             nonlocal drafted
-            rope = (cos[:, m + level - 1:m + level], sin[:, m + level - 1:m + level])  # one position for all
-            drafted = head.layer(drafted[parent][None], tokens[None], rope, sees[None, None], self.cache)[0]
+            at = width + level - 1  # one position a row for all its level's nodes
+            drafted = head.layer(drafted[index, parent], tokens, (cos[:, at:at + 1], sin[:, at:at + 1]), sees[:, None],
+                                 cache)
             return head.logits(drafted).float().log_softmax(-1)
 
-        first = head.logits(out[-1:]).float().log_softmax(-1)[0]
-        paths = grow_tree(first, expand, n, self.depth, self.topk, self.nodes, dtype, head.to_target_ids,
-                          self.level_cost)
-        crop_cache(self.cache, self.committed)
+        first = head.logits(drafted[:, 0]).float().log_softmax(-1)
+        paths = grow_trees(first, expand, additive_mask(torch.cat([own, real], 1), dtype), depth, first_drafter.topk,
+                           first_drafter.nodes, head.to_target_ids, first_drafter.level_cost)
+        if rows == 1:
+            crop_cache(cache, first_drafter.committed)  # the drafted levels (rows > 1 drafted in a stacked copy)
         return paths
 
     def level_trial(self, context: int):
