@@ -3,6 +3,8 @@
     OMP_NUM_THREADS=1 python scripts/revision_ab.py --against HEAD~1 --heads runs/heads/eagle-drop01-12ep \\
         --questions scripts/data/mt_bench.jsonl --limit 8 --rounds 2 --max-new-tokens 64 [--tree 6]
     python scripts/revision_ab.py --against HEAD~1 --heads ... --device cuda --dtype bfloat16 ...
+    OMP_NUM_THREADS=1 python scripts/revision_ab.py --against HEAD~1 --heads ... --context-draft --batch-size 4 \
+        --questions scripts/data/mt_bench.jsonl --limit 40 --rounds 2 --max-new-tokens 64   # batches of 4
 
 Speed work changes code, not settings, so `gorgon bench` (one code, several methods) cannot time it,
 and two processes run at different times: a CPU's memory-bound speed drifts between them by more than
@@ -15,7 +17,10 @@ tokens). For each: milliseconds per token and per proposal (medians; a proposal'
 the drafter returns: on CUDA, work it queued may run on), tokens per target forward, and operators per
 proposal (torch's dispatches, views left out: on a GPU each launches a kernel; counted in one more
 pass, untimed); and
-whether both gave the same tokens and proposed the same trees. With the same code on both sides the
+whether both gave the same tokens and proposed the same trees. `--batch-size B` decodes groups of B questions
+with `speculative_generate_batch` instead (each side's `Pace` carried from group to group, as a serving loop
+does): milliseconds per token over the group, tau, and the share of rows drafting a step. With the same code
+on both sides the
 one loaded second ran a few percent faster on a CPU: run both `--load-first` orders and average. A
 search's level stop (`--draft-level-cost auto`, the default) is timed by each side on its own, so
 its levels, and the operators counted, can differ with the same code: pass a number to give both
@@ -65,7 +70,10 @@ def revision_package(revision: str, folder: Path) -> str:
         name = extract_revision(revision, folder)
     (folder / name / "__init__.py").write_text("")
     for path in (folder / name).rglob("*.py"):
-        path.write_text(re.sub(r"\bgorgon\.(heads|decode)\b", rf"{name}.\1", path.read_text()))
+        text = re.sub(r"\bgorgon\.(heads|decode)\b", rf"{name}.\1", path.read_text())
+        # The attention functions it registers with transformers under names of its own: under one name the side
+        # loaded second would run both sides' attention (a quantized target's reads its own module's state).
+        path.write_text(re.sub(r"\"(gorgon_tree_sdpa|gorgon_rows)\"", rf'"\1_{name}"', text))
     return name
 
 
@@ -107,6 +115,9 @@ class Side:
         options = importlib.import_module(f"{package}.decode.options")
         self.label = label
         self.generate = importlib.import_module(f"{package}.decode.generate").speculative_generate
+        batch = importlib.import_module(f"{package}.decode.batch")
+        self.generate_batch, self.pace = batch.speculative_generate_batch, batch.Pace(on=True)
+        self.drafting = []  # rows drafting per step over rows in the batch (batches only)
         self.attention = importlib.import_module(f"{package}.decode.attention").decoding_attention
         if hasattr(options, "DecodeSettings"):
             self.target, self.drafter = options.load_drafter(options.DecodeSettings.from_args(args))
@@ -153,11 +164,67 @@ class Side:
             self.generated += len(result.tokens)
         return result.tokens
 
+    def run_batch(self, ids: torch.Tensor, mask: torch.Tensor, max_new_tokens: int) -> list[list[int]]:
+        """One group's rows decoded together (greedy), its pace carried on."""
+        model = self.target.model
+        with torch.inference_mode():
+            start = time.perf_counter()
+            result = self.generate_batch(model, self.drafter, ids.to(model.device), mask.to(model.device),
+                                         max_new_tokens=max_new_tokens, pace=self.pace)
+            seconds = time.perf_counter() - start
+        self.token_ms.append(1000 * seconds / max(result.tokens, 1))
+        self.forwards += sum(row.target_forwards for row in result.rows)
+        self.generated += result.tokens
+        self.drafting.append(sum(result.drafting) / max(len(result.drafting), 1) / len(result.rows))
+        return [row.tokens for row in result.rows]
+
     def figures(self) -> dict:
+        if self.drafting:
+            return {"ms_per_token": round(statistics.median(self.token_ms), 3),
+                    "tau": round(self.generated / max(self.forwards, 1), 3),
+                    "rows_drafting": round(statistics.mean(self.drafting), 3), "groups": len(self.token_ms)}
         return {"ms_per_token": round(statistics.median(self.token_ms), 3),
                 "ms_per_proposal": round(statistics.median(self.propose_ms), 3),
                 "operators_per_proposal": round(statistics.mean(self.ops), 1) if self.ops else None,
                 "tau": round(self.generated / max(self.forwards, 1), 3), "proposals": len(self.propose_ms)}
+
+
+def compare_rows(revision: Side, current: Side, prompts: list[torch.Tensor], args) -> dict[str, list]:
+    """Each prompt generated alone by each side, the order alternating by round; proposals counted after."""
+    outputs = {revision.label: [], current.label: []}
+    for side in (revision, current):  # load kernels and caches outside the figures
+        side.run(prompts[0][:, :16], 4, count=True)
+        side.ops.clear()
+    for round_ in range(args.rounds):
+        order = (revision, current) if round_ % 2 == 0 else (current, revision)
+        for i, ids in enumerate(prompts):
+            for side in order:
+                outputs[side.label].append(side.run(ids, args.max_new_tokens,
+                                                    seed=(args.seed or 0) + 1000 * round_ + i))
+    for side in (revision, current):
+        for ids in prompts:
+            side.run(ids, args.max_new_tokens, count=True)
+    return outputs
+
+
+def compare_batches(revision: Side, current: Side, prompts: list[torch.Tensor], args) -> dict[str, list]:
+    """Groups of --batch-size prompts decoded together by each side, the order alternating by round."""
+    from gorgon.decode.bench_batch import left_padded
+
+    size = args.batch_size
+    groups = [left_padded([p[0] for p in prompts[i:i + size]], 0) for i in range(0, len(prompts), size)]
+    outputs = {revision.label: [], current.label: []}
+    for side in (revision, current):  # verify costs, kernels and caches outside the figures
+        side.run_batch(*groups[0], 4)
+        side.token_ms.clear()
+        side.drafting.clear()
+        side.forwards = side.generated = 0
+    for round_ in range(args.rounds):
+        order = (revision, current) if round_ % 2 == 0 else (current, revision)
+        for ids, mask in groups:
+            for side in order:
+                outputs[side.label].append(side.run_batch(ids, mask, args.max_new_tokens))
+    return outputs
 
 
 def main() -> None:
@@ -172,6 +239,9 @@ def main() -> None:
     p.add_argument("--load-first", choices=["revision", "working-tree"], default="revision",
                    help="which side's target and drafter load first (default revision): in one process the two "
                         "sides' speeds drift apart by a few percent with the order their weights were allocated in")
+    p.add_argument("--batch-size", type=int_at_least(1), default=1,
+                   help="decode the questions in groups of this many with speculative_generate_batch (default 1: "
+                        "one at a time with speculative_generate, proposals timed and counted)")
     args = p.parse_args()
     if not (args.heads or args.draft or args.context_draft):
         p.error("one of --heads, --draft or --context-draft is required")
@@ -184,24 +254,16 @@ def main() -> None:
         else:
             current, revision = Side("working tree", "gorgon", args), Side(args.against, package, args)
         prompts = [current.target.chat_ids([{"role": "user", "content": q["turns"][0]}]) for q in questions]
-        outputs = {revision.label: [], current.label: []}
-        for side in (revision, current):  # load kernels and caches outside the figures
-            side.run(prompts[0][:, :16], 4, count=True)
-            side.ops.clear()
-        for round_ in range(args.rounds):
-            order = (revision, current) if round_ % 2 == 0 else (current, revision)
-            for i, ids in enumerate(prompts):
-                for side in order:
-                    outputs[side.label].append(side.run(ids, args.max_new_tokens,
-                                                              seed=(args.seed or 0) + 1000 * round_ + i))
-        for side in (revision, current):
-            for ids in prompts:
-                side.run(ids, args.max_new_tokens, count=True)
+        if args.batch_size > 1:
+            outputs = compare_batches(revision, current, prompts, args)
+        else:
+            outputs = compare_rows(revision, current, prompts, args)
     report = {side.label: side.figures() for side in (revision, current)}
     report["same tokens"] = outputs[revision.label] == outputs[current.label]
-    report["same trees"] = revision.trees == current.trees
-    report["proposal ms, revision / working tree"] = round(
-        report[revision.label]["ms_per_proposal"] / report[current.label]["ms_per_proposal"], 3)
+    if args.batch_size == 1:
+        report["same trees"] = revision.trees == current.trees
+        report["proposal ms, revision / working tree"] = round(
+            report[revision.label]["ms_per_proposal"] / report[current.label]["ms_per_proposal"], 3)
     report["ms per token, revision / working tree"] = round(
         report[revision.label]["ms_per_token"] / report[current.label]["ms_per_token"], 3)
     print(json.dumps(report, indent=1))

@@ -496,7 +496,8 @@ def test_trace_generation_labels_each_step_part(tmp_path):
 def test_revision_ab_runs_a_revisions_own_code_beside_the_working_trees(tmp_path):
     """scripts/revision_ab.py copies a revision's (or a folder's) heads/ and decode/ into a package of their
     own, whose imports stay inside it; against the same code both sides give the same tokens (and, with heads/ and
-    decode/ unchanged since HEAD, the same trees and operator counts); a bad revision is one line."""
+    decode/ unchanged since HEAD, the same trees and operator counts), one row at a time or in batches; a bad
+    revision is one line."""
     root = Path(__file__).parents[1]
     if subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True).returncode:
         pytest.skip("not a git checkout")
@@ -526,6 +527,12 @@ def test_revision_ab_runs_a_revisions_own_code_beside_the_working_trees(tmp_path
     if not subprocess.run(["git", "-C", str(root), "diff", "--quiet", "HEAD", "--", "heads", "decode"]).returncode:
         assert report["same trees"]
         assert report["HEAD"]["operators_per_proposal"] == report["working tree"]["operators_per_proposal"] > 0
+    batched = subprocess.run(script + ["--against", "HEAD", "--batch-size", "2"], capture_output=True, text=True,
+                             cwd=root, timeout=300)  # the two questions as one batch
+    assert batched.returncode == 0, batched.stderr
+    report = json.loads(batched.stdout)
+    assert report["same tokens"] and report["HEAD"]["groups"] == report["working tree"]["groups"] == 1
+    assert report["working tree"]["tau"] >= 1
     bad = subprocess.run(script + ["--against", "no-such-revision"], capture_output=True, text=True, cwd=root,
                          timeout=300)
     assert bad.returncode == 2 and "--against no-such-revision: no such revision" in bad.stderr.strip().splitlines()[-1]
