@@ -16,12 +16,11 @@ of the questions with each in turn, the order alternating by round: greedily, or
 tokens). For each: milliseconds per token and per proposal (medians; a proposal's is host time until
 the drafter returns: on CUDA, work it queued may run on), tokens per target forward, and operators per
 proposal (torch's dispatches, views left out: on a GPU each launches a kernel; counted in one more
-pass, untimed); and
-whether both gave the same tokens and proposed the same trees. `--batch-size B` decodes groups of B questions
-with `speculative_generate_batch` instead (each side's `Pace` carried from group to group, as a serving loop
-does): milliseconds per token over the group, tau, and the share of rows drafting a step. With the same code
-on both sides the
-one loaded second ran a few percent faster on a CPU: run both `--load-first` orders and average. A
+pass, untimed); and whether both gave the same tokens and proposed the same trees. `--batch-size B` decodes
+groups of B questions greedily with `speculative_generate_batch` instead (each side's `Pace` carried from group
+to group, as a serving loop does): milliseconds per token over the group, tau, and the share of rows drafting
+a step. With the same code on both sides the one loaded second ran a few percent faster on a CPU: run both
+`--load-first` orders and average. A
 search's level stop (`--draft-level-cost auto`, the default) is timed by each side on its own, so
 its levels, and the operators counted, can differ with the same code: pass a number to give both
 the same (a revision older than the option ignores it).
@@ -44,6 +43,7 @@ from pathlib import Path
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from gorgon.decode.bench_batch import left_padded
 from gorgon.decode.options import add_model_arguments
 from gorgon.decode.questions import load_questions
 from gorgon.heads.command import ArgumentParser, int_at_least, run_script
@@ -115,8 +115,9 @@ class Side:
         options = importlib.import_module(f"{package}.decode.options")
         self.label = label
         self.generate = importlib.import_module(f"{package}.decode.generate").speculative_generate
-        batch = importlib.import_module(f"{package}.decode.batch")
-        self.generate_batch, self.pace = batch.speculative_generate_batch, batch.Pace(on=True)
+        if args.batch_size > 1:  # a revision older than batches has no decode/batch.py, and one row needs none
+            batch = importlib.import_module(f"{package}.decode.batch")
+            self.generate_batch, self.pace = batch.speculative_generate_batch, batch.Pace(on=True)
         self.drafting = []  # rows drafting per step over rows in the batch (batches only)
         self.attention = importlib.import_module(f"{package}.decode.attention").decoding_attention
         if hasattr(options, "DecodeSettings"):
@@ -209,8 +210,6 @@ def compare_rows(revision: Side, current: Side, prompts: list[torch.Tensor], arg
 
 def compare_batches(revision: Side, current: Side, prompts: list[torch.Tensor], args) -> dict[str, list]:
     """Groups of --batch-size prompts decoded together by each side, the order alternating by round."""
-    from gorgon.decode.bench_batch import left_padded
-
     size = args.batch_size
     groups = [left_padded([p[0] for p in prompts[i:i + size]], 0) for i in range(0, len(prompts), size)]
     outputs = {revision.label: [], current.label: []}
@@ -245,6 +244,8 @@ def main() -> None:
     args = p.parse_args()
     if not (args.heads or args.draft or args.context_draft):
         p.error("one of --heads, --draft or --context-draft is required")
+    if args.batch_size > 1 and args.temperature:
+        p.error("--batch-size compares greedy batches: leave out --temperature (one row at a time samples)")
     questions = load_questions(args.questions, args.limit)
     with tempfile.TemporaryDirectory() as folder:
         sys.path.insert(0, folder)

@@ -533,6 +533,9 @@ def test_revision_ab_runs_a_revisions_own_code_beside_the_working_trees(tmp_path
     report = json.loads(batched.stdout)
     assert report["same tokens"] and report["HEAD"]["groups"] == report["working tree"]["groups"] == 1
     assert report["working tree"]["tau"] >= 1
+    sampled = subprocess.run(script + ["--against", "HEAD", "--batch-size", "2", "--temperature", "0.7"],
+                             capture_output=True, text=True, cwd=root, timeout=300)
+    assert sampled.returncode == 2 and "leave out --temperature" in sampled.stderr.strip().splitlines()[-1]
     bad = subprocess.run(script + ["--against", "no-such-revision"], capture_output=True, text=True, cwd=root,
                          timeout=300)
     assert bad.returncode == 2 and "--against no-such-revision: no such revision" in bad.stderr.strip().splitlines()[-1]

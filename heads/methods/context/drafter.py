@@ -205,6 +205,7 @@ class MergedDrafter:
                 for d, r, f, c, paths in zip(drafters, roots, features, contexts, theirs)]
 
     def merged(self, *proposals: list[tuple[list[int], float]]) -> list[tuple[list[int], float]]:
+        """The proposals' candidates, each path once with its highest chance, the best `budget - 1` best first."""
         chance: dict[tuple[int, ...], float] = {}
         for path, p in (pair for paths in proposals for pair in paths):
             chance[tuple(path)] = max(p, chance.get(tuple(path), 0.0))
